@@ -1,0 +1,1 @@
+"""Placement-to-placement transfer plans and their executors."""

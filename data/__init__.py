@@ -1,0 +1,1 @@
+"""WebDataset shards to layout-independent packed microbatches."""

@@ -1,0 +1,1 @@
+"""Vision encoders (tensor-parallel ViT), projectors and their weight import."""

@@ -1,0 +1,1 @@
+"""Hybrid LLM backbone built from a layer-pattern string."""

@@ -1,0 +1,1 @@
+"""mimo: multimodal training with a parallel layout per module."""

@@ -1,0 +1,77 @@
+"""PackedBatch: one rank's pack of samples in THD form (DESIGN §2 "Packed batches")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+from mimo.errors import DataError
+
+
+@dataclass
+class PackedBatch:
+    """Samples laid end to end, ``T`` positions in all (padding included).
+
+    tokens, positions, labels, loss_mask: ``[T]``; positions restart at 0 per sample.
+    cu_seqlens: ``[N+1]`` int32 sample boundaries (padding, if any, forms its own
+    trailing segment so no sequence-mixing layer reads across into it).
+    image_slots: per encoder placeholder, the positions ``[R]`` (int64, ascending in row
+    order) where that encoder's rows are scattered into the sequence.
+    sample_ids: ``[N]`` global ids of the samples, for bookkeeping and exact resume.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    image_slots: dict[str, torch.Tensor] = field(default_factory=dict)
+    sample_ids: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.cu_seqlens.numel()) - 1
+
+    @property
+    def seqlens(self) -> list[int]:
+        return torch.diff(self.cu_seqlens).tolist()
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.seqlens, default=0)
+
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        moved = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                moved[f.name] = v.to(device, non_blocking=True)
+            elif isinstance(v, dict):
+                moved[f.name] = {k: t.to(device, non_blocking=True) for k, t in v.items()}
+        return replace(self, **moved)
+
+    def validate(self) -> None:
+        """Raise DataError if the fields disagree with each other."""
+        t = self.num_tokens
+        for name in ("positions", "labels", "loss_mask"):
+            if getattr(self, name).shape != (t,):
+                raise DataError(f"PackedBatch.{name} has shape {tuple(getattr(self, name).shape)}, want ({t},)")
+        cu = self.cu_seqlens
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1 or cu[0].item() != 0 or cu[-1].item() != t:
+            raise DataError(f"PackedBatch.cu_seqlens must be int32, start at 0 and end at {t}")
+        if (torch.diff(cu) < 0).any():
+            raise DataError("PackedBatch.cu_seqlens must be non-decreasing")
+        starts = torch.zeros(t, dtype=torch.bool)
+        starts[cu[:-1][torch.diff(cu) > 0].long()] = True
+        if t and ((self.positions == 0) != starts).any():
+            raise DataError("PackedBatch.positions must restart at 0 exactly at each sample start")
+        for key, slots in self.image_slots.items():
+            if slots.numel() and (slots.min() < 0 or slots.max() >= t or (torch.diff(slots) <= 0).any()):
+                raise DataError(f"PackedBatch.image_slots[{key!r}] must be ascending positions inside the pack")
+        if self.sample_ids is not None and self.sample_ids.numel() > self.num_samples:
+            raise DataError("PackedBatch.sample_ids has more ids than samples")

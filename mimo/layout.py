@@ -1,0 +1,271 @@
+"""Placements: which rank holds which rows and hidden columns of a boundary tensor.
+
+Three decisions live here and nowhere else, because every module, the data loader and the
+bridges must agree on them:
+
+* ``dp_blocks``: how a global microbatch (a list of samples with costs) is split into
+  contiguous DP blocks — the partition whose largest block is smallest.
+* ``cp_chunks``: which chunks of a sequence a context-parallel rank holds (load-balanced
+  order: rank r holds chunks r and 2*cp-1-r of 2*cp).
+* ``Placement``: for a logical ragged ``[rows, hidden]`` tensor, the pieces each rank holds
+  and where they sit in its local buffer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from mimo.errors import LayoutError
+from mimo.grid import ParallelGrid
+
+
+# ---------------------------------------------------------------------------
+# DP blocks
+# ---------------------------------------------------------------------------
+def _blocks_needed(prefix: list[int], start: int, cap: int) -> int:
+    """Fewest contiguous blocks with sum <= cap covering items start.. (greedy is optimal)."""
+    n, count, i = len(prefix) - 1, 0, start
+    while i < n:
+        # furthest j with prefix[j] - prefix[i] <= cap
+        j = bisect.bisect_right(prefix, prefix[i] + cap, lo=i + 1) - 1
+        if j == i:  # a single item exceeds cap
+            return n + 1
+        count, i = count + 1, j
+    return count
+
+
+def dp_blocks(costs: Sequence[int], dp: int) -> list[range]:
+    """Split items (e.g. samples with token counts) into ``dp`` contiguous blocks.
+
+    The largest block sum is the smallest possible; among such partitions, each block in
+    turn takes the end closest to an even share of what is left (so trailing ranks are not
+    starved needlessly). Blocks may be empty. Deterministic: every rank gets the same answer.
+    """
+    if dp < 1:
+        raise LayoutError(f"dp must be >= 1, got {dp}")
+    costs = [int(c) for c in costs]
+    if any(c < 0 for c in costs):
+        raise LayoutError("sample costs must be non-negative")
+    n = len(costs)
+    prefix = [0, *itertools.accumulate(costs)]
+    # smallest feasible capacity: binary search over the integer range
+    lo, hi = max(costs, default=0), prefix[-1]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _blocks_needed(prefix, 0, mid) <= dp:
+            hi = mid
+        else:
+            lo = mid + 1
+    cap = lo
+
+    blocks, start = [], 0
+    for b in range(dp):
+        left = dp - b
+        if left == 1:
+            end = n
+        else:
+            share = (prefix[n] - prefix[start]) / left
+            best, best_dist = None, None
+            for end in range(start, n + 1):
+                if prefix[end] - prefix[start] > cap:
+                    break
+                if _blocks_needed(prefix, end, cap) > left - 1:
+                    continue
+                dist = abs(prefix[end] - prefix[start] - share)
+                if best is None or dist < best_dist:
+                    best, best_dist = end, dist
+            end = best
+        blocks.append(range(start, end))
+        start = end
+    return blocks
+
+
+def block_of(blocks: Sequence[range], item: int) -> int:
+    for i, b in enumerate(blocks):
+        if item in b:
+            return i
+    raise LayoutError(f"item {item} is in no block")
+
+
+# ---------------------------------------------------------------------------
+# Context parallel chunk order
+# ---------------------------------------------------------------------------
+def cp_chunks(cp_rank: int, cp: int) -> tuple[int, int]:
+    """The two of ``2*cp`` chunks that CP rank ``cp_rank`` holds (balances causal work)."""
+    if not 0 <= cp_rank < cp:
+        raise LayoutError(f"cp rank {cp_rank} outside 0..{cp - 1}")
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
+def cp_owner(position: int, padded_len: int, cp: int) -> tuple[int, int]:
+    """(cp rank, local offset) of ``position`` in a sequence padded to a multiple of 2*cp.
+
+    The local sequence of a CP rank is its first chunk followed by its second.
+    """
+    if padded_len % (2 * cp):
+        raise LayoutError(f"sequence length {padded_len} is not a multiple of 2*cp={2 * cp}")
+    if not 0 <= position < padded_len:
+        raise LayoutError(f"position {position} outside 0..{padded_len - 1}")
+    chunk_len = padded_len // (2 * cp)
+    chunk, off = divmod(position, chunk_len)
+    if chunk < cp:
+        return chunk, off
+    return 2 * cp - 1 - chunk, chunk_len + off
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------
+# Placements of ragged [rows, hidden] tensors
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True, order=True)
+class Piece:
+    """Rows ``row .. row+rows`` and columns ``col .. col+cols`` of the logical tensor, held
+    by ``rank`` at rows ``local_row ..`` of its local buffer (columns local from 0)."""
+
+    rank: int
+    row: int
+    rows: int
+    local_row: int
+    col: int
+    cols: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where every element of a logical ``[rows, hidden]`` tensor lives.
+
+    ``local_rows[rank]`` is the row count of each rank's local buffer (it may exceed the rows
+    it holds, e.g. an LLM's packed sequence holds text rows between image rows). A rank holds
+    one contiguous column range for all its pieces.
+    """
+
+    rows: int
+    hidden: int
+    pieces: tuple[Piece, ...]
+    local_rows: dict[int, int]
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.local_rows)
+
+    def pieces_of(self, rank: int) -> list[Piece]:
+        return [p for p in self.pieces if p.rank == rank]
+
+    def columns_of(self, rank: int) -> range:
+        ps = self.pieces_of(rank)
+        if not ps:
+            return range(0, self.hidden)
+        return range(ps[0].col, ps[0].col + ps[0].cols)
+
+    def local_shape(self, rank: int) -> tuple[int, int]:
+        return (self.local_rows.get(rank, 0), len(self.columns_of(rank)))
+
+    def validate(self) -> None:
+        """Every element held at least once; no rank holds two pieces in the same local rows."""
+        for p in self.pieces:
+            if p.rows < 0 or p.cols < 0 or p.row < 0 or p.col < 0 or p.local_row < 0:
+                raise LayoutError(f"negative extent in {p}")
+            if p.row + p.rows > self.rows or p.col + p.cols > self.hidden:
+                raise LayoutError(f"{p} exceeds the tensor [{self.rows}, {self.hidden}]")
+            if p.local_row + p.rows > self.local_rows.get(p.rank, -1):
+                raise LayoutError(f"{p} exceeds rank {p.rank}'s local buffer")
+        for rank in self.local_rows:
+            ps = sorted(self.pieces_of(rank), key=lambda p: p.local_row)
+            if len({(p.col, p.cols) for p in ps}) > 1:
+                raise LayoutError(f"rank {rank} holds more than one column range")
+            for a, b in zip(ps, ps[1:]):
+                if a.local_row + a.rows > b.local_row:
+                    raise LayoutError(f"rank {rank}: local rows of {a} and {b} overlap")
+        # coverage: for each column range boundary, rows covered
+        cuts = sorted({0, self.hidden, *(p.col for p in self.pieces), *(p.col + p.cols for p in self.pieces)})
+        for c0, c1 in zip(cuts, cuts[1:]):
+            spans = sorted((p.row, p.row + p.rows) for p in self.pieces if p.col <= c0 and c1 <= p.col + p.cols and p.rows)
+            covered = 0
+            for a, b in spans:
+                if a > covered:
+                    break
+                covered = max(covered, b)
+            if covered < self.rows:
+                raise LayoutError(f"rows {covered}.. of columns {c0}:{c1} are held by no rank")
+
+    def holders(self, row: int, col: int) -> list[tuple[int, int]]:
+        """(rank, local row) of every copy of element (row, col)."""
+        return [
+            (p.rank, p.local_row + row - p.row)
+            for p in self.pieces
+            if p.row <= row < p.row + p.rows and p.col <= col < p.col + p.cols
+        ]
+
+
+def split_even(n: int, parts: int) -> list[range]:
+    """``n`` items in ``parts`` contiguous ranges of ceil(n/parts) (the last ones shorter or
+    empty): the sequence-parallel split of a buffer padded to a multiple of ``parts``."""
+    size = -(-n // parts) if parts else 0
+    return [range(min(i * size, n), min((i + 1) * size, n)) for i in range(parts)]
+
+
+def split_columns(hidden: int, parts: int) -> list[range]:
+    """Hidden columns in ``parts`` near-equal contiguous ranges (the first ones one larger)."""
+    base, extra = divmod(hidden, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+SHARDS = (None, "hidden", "seq")
+
+
+def dp_placement(
+    grid: ParallelGrid,
+    sample_rows: Sequence[int],
+    blocks: Sequence[range],
+    hidden: int,
+    shard: str | None = None,
+    tp_dim: str = "tp",
+    dp_dim: str = "dp",
+) -> Placement:
+    """Rows of a module whose DP rank d holds the samples of ``blocks[d]`` as one pack.
+
+    Within a DP rank's TP group the pack is replicated (``shard=None``), split by hidden
+    columns (``"hidden"``), or split by rows (``"seq"``: sequence-parallel, contiguous chunks
+    of ceil(rows/tp)). Every other grid dim (e.g. pp, cp with size 1) must have size 1.
+    """
+    if shard not in SHARDS:
+        raise LayoutError(f"shard must be one of {SHARDS}, got {shard!r}")
+    for d in grid.dims:
+        if d not in (tp_dim, dp_dim) and grid.shape[d] != 1:
+            raise LayoutError(f"dp_placement needs {d}=1, got {grid.shape[d]}")
+    tp, dp = grid.shape.get(tp_dim, 1), grid.shape.get(dp_dim, 1)
+    if len(blocks) != dp:
+        raise LayoutError(f"{len(blocks)} DP blocks for dp={dp}")
+    starts = [0, *itertools.accumulate(sample_rows)]
+    pieces, local_rows = [], {}
+    for d, block in enumerate(blocks):
+        row0, n = starts[block.start], starts[block.stop] - starts[block.start]
+        for t in range(tp):
+            coords = {dp_dim: d, tp_dim: t} if tp_dim in grid.shape else {dp_dim: d}
+            rank = grid.rank_at(**coords)
+            if shard == "seq":
+                part = split_even(n, tp)[t]
+                local_rows[rank] = len(split_even(n, tp)[0])
+                pieces.append(Piece(rank, row0 + part.start, len(part), 0, 0, hidden))
+            elif shard == "hidden":
+                cols = split_columns(hidden, tp)[t]
+                local_rows[rank] = n
+                pieces.append(Piece(rank, row0, n, 0, cols.start, len(cols)))
+            else:
+                local_rows[rank] = n
+                pieces.append(Piece(rank, row0, n, 0, 0, hidden))
+    return Placement(starts[-1], hidden, tuple(pieces), local_rows)

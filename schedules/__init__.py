@@ -1,0 +1,1 @@
+"""Pipeline schedules within a module and across the module graph."""

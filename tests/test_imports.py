@@ -1,0 +1,100 @@
+"""Import direction (DESIGN §1): base -> encoders/llm/bridges -> data/schedules -> composition.
+
+Parses every module's imports (including those inside functions) and checks that none
+reaches "up", and that nothing anywhere imports a top-level folder by its bare name.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"mimo": "mimo", "encoders": "mimo.encoders", "llm": "mimo.llm", "bridges": "mimo.bridges", "data": "mimo.data", "schedules": "mimo.schedules"}
+BASE = {"mimo.grid", "mimo.layout", "mimo.errors", "mimo.batch", "mimo.parallel", "mimo.schema"}
+# what each part may import of the project (besides itself)
+ALLOWED = {
+    "base": {"base"},
+    "mimo.encoders": {"base"},
+    "mimo.llm": {"base"},
+    "mimo.bridges": {"base"},
+    "mimo.data": {"base", "mimo.bridges"},
+    "mimo.schedules": {"base", "mimo.bridges"},
+    "composition": {"base", "mimo.encoders", "mimo.llm", "mimo.bridges", "mimo.data", "mimo.schedules", "composition"},
+}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    parts[0] = FOLDERS[parts[0]]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def part_of(module: str) -> str:
+    if module == "mimo":
+        return "composition"
+    for b in BASE:
+        if module == b or module.startswith(b + "."):
+            return "base"
+    for sub in ("mimo.encoders", "mimo.llm", "mimo.bridges", "mimo.data", "mimo.schedules"):
+        if module == sub or module.startswith(sub + "."):
+            return sub
+    return "composition"
+
+
+def project_files():
+    for folder in FOLDERS:
+        yield from sorted((ROOT / folder).rglob("*.py"))
+
+
+def imported_names(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, 0
+        elif isinstance(node, ast.ImportFrom):
+            yield node.lineno, node.module or "", node.level
+
+
+def test_there_are_modules_to_check():
+    assert len(list(project_files())) >= 10
+
+
+@pytest.mark.parametrize("path", list(project_files()), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_flow_one_way(path):
+    me = module_name(path)
+    my_part = part_of(me)
+    bad = []
+    for lineno, name, level in imported_names(ast.parse(path.read_text(), str(path))):
+        if level:
+            bad.append(f"line {lineno}: relative import; write mimo.* in full")
+            continue
+        if name.split(".")[0] != "mimo":
+            continue
+        target = part_of(name)
+        if target != my_part and target not in ALLOWED[my_part]:
+            bad.append(f"line {lineno}: {me} ({my_part}) imports {name} ({target})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_bare_imports_of_top_level_folders():
+    bare = {"encoders", "llm", "bridges", "data", "schedules"}
+    offenders = []
+    for path in [*project_files(), *ROOT.glob("tests/**/*.py"), *ROOT.glob("bench/**/*.py")]:
+        for lineno, name, level in imported_names(ast.parse(path.read_text(), str(path))):
+            if not level and name.split(".")[0] in bare:
+                offenders.append(f"{path.relative_to(ROOT)}:{lineno}: import {name}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_checker_catches_violations(tmp_path):
+    tree = ast.parse("import mimo.config\nfrom mimo.llm import x\nfrom . import y\n")
+    names = list(imported_names(tree))
+    assert [(n, lvl) for _, n, lvl in names] == [("mimo.config", 0), ("mimo.llm", 0), ("", 1)]
+    assert part_of("mimo.config") == "composition" and "composition" not in ALLOWED["base"]
+    assert part_of("mimo.llm.pattern") == "mimo.llm" and "mimo.llm" not in ALLOWED["mimo.encoders"]
