@@ -190,6 +190,22 @@ class ParallelConfig:
         r = self.rank_range(world_size)
         return ParallelGrid({"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}, r.start)
 
+    def validate(self, path: str) -> list[str]:
+        """Config problems of this section alone (mimo.schema calls it; the fit of the rank
+        range into the world is checked where the world size is known)."""
+        key = (lambda name: f"{path}.{name}" if path else name)
+        problems = [
+            f"{key(name)}: must be >= 1, got {getattr(self, name)}"
+            for name in ("tp", "dp", "pp", "cp", "ep", "etp")
+            if getattr(self, name) < 1
+        ]
+        if self.ranks is not None:
+            try:
+                parse_rank_range(self.ranks)
+            except LayoutError as e:
+                problems.append(f"{key('ranks')}: {e}")
+        return problems
+
 
 def parse_rank_range(text: str) -> range:
     """``"4:8"`` -> range(4, 8); a single ``"3"`` -> range(3, 4)."""

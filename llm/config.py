@@ -1,0 +1,170 @@
+"""Config of the hybrid LLM module (``kind: hybrid``): architecture, weights, layout.
+
+Defaults that depend on other sizes are filled in by ``HybridArch.__post_init__``, so a built
+config carries concrete numbers:
+
+    kv_heads        = heads                      (plain multi-head attention)
+    head_dim        = hidden // heads
+    ffn             = 4 * hidden                 (MLP inner size)
+    mamba_heads     = 2 * hidden // mamba_head_dim   (Mamba-2's expand factor 2)
+    gdn_heads       = heads,  gdn_v_heads = gdn_heads
+    gdn_head_dim    = head_dim, gdn_v_head_dim = gdn_head_dim
+
+A default that does not come out whole (hidden not divisible by heads, ...) stays None and
+``validate`` asks for it explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from mimo.errors import ConfigError
+from mimo.grid import ParallelConfig
+from mimo.llm.pattern import LayerPattern, LayerSpec, parse_pattern
+from mimo.schema import at_least, join_path, tp_divides
+
+
+@dataclass
+class HybridArch:
+    pattern: str  # layer symbols, see mimo.llm.pattern
+    hidden: int
+    heads: int  # attention query heads
+    vocab: int
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn: int | None = None
+    mlp_act: Literal["swiglu", "relu2"] = "swiglu"  # gated SiLU (Llama, Qwen) or squared ReLU (Nemotron-H)
+    qk_norm: bool = False  # RMSNorm on each query / key head (Qwen3)
+    attention_bias: bool = False
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 4096
+    # Mamba-2 (M layers)
+    mamba_heads: int | None = None
+    mamba_head_dim: int = 64
+    mamba_state: int = 128
+    mamba_groups: int = 1  # groups of heads sharing B and C
+    # Gated DeltaNet (G layers)
+    gdn_heads: int | None = None  # query / key heads
+    gdn_v_heads: int | None = None  # value heads (a multiple of gdn_heads)
+    gdn_head_dim: int | None = None
+    gdn_v_head_dim: int | None = None
+    conv_kernel: int = 4  # short causal convolution of Mamba-2 and GDN
+
+    def __post_init__(self) -> None:
+        def whole(a: int, b: int) -> int | None:
+            return a // b if b >= 1 and a % b == 0 else None
+
+        if self.kv_heads is None:
+            self.kv_heads = self.heads
+        if self.head_dim is None:
+            self.head_dim = whole(self.hidden, self.heads)
+        if self.ffn is None:
+            self.ffn = 4 * self.hidden
+        if self.mamba_heads is None:
+            self.mamba_heads = whole(2 * self.hidden, self.mamba_head_dim)
+        if self.gdn_heads is None:
+            self.gdn_heads = self.heads
+        if self.gdn_v_heads is None:
+            self.gdn_v_heads = self.gdn_heads
+        if self.gdn_head_dim is None:
+            self.gdn_head_dim = self.head_dim
+        if self.gdn_v_head_dim is None:
+            self.gdn_v_head_dim = self.gdn_head_dim
+
+    def layer_pattern(self) -> LayerPattern:
+        """The parsed pattern (ConfigError if it is malformed)."""
+        return parse_pattern(self.pattern)
+
+    def validate(self, path: str) -> list[str]:
+        key = lambda name: join_path(path, name)  # noqa: E731
+        problems = at_least(
+            self, path, 1, "hidden", "heads", "vocab", "max_seq_len",
+            "mamba_head_dim", "mamba_state", "mamba_groups", "conv_kernel",
+        )
+        problems += [f"{key(n)}: must be > 0, got {getattr(self, n)}" for n in ("rope_theta", "norm_eps") if getattr(self, n) <= 0]
+        if not problems:  # sizes that may be defaults derived from the ones above
+            problems = at_least(
+                self, path, 1, "kv_heads", "head_dim", "ffn",
+                "mamba_heads", "gdn_heads", "gdn_v_heads", "gdn_head_dim", "gdn_v_head_dim",
+            )
+        try:
+            kinds = self.layer_pattern().kinds
+        except ConfigError as e:
+            return problems + [f"{key('pattern')}: {p}" for p in e.problems]
+        if problems:
+            return problems
+        if self.head_dim is None:
+            problems.append(f"{key('hidden')}: {self.hidden} is not divisible by heads={self.heads}; set head_dim explicitly")
+        if self.heads % self.kv_heads:
+            problems.append(f"{key('kv_heads')}: heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        if "moe" in kinds:
+            pos = self.pattern.index("E") + 1
+            problems.append(f"{key('pattern')}: MoE layers ('E' at position {pos}) are not supported yet")
+        if "mamba" in kinds:
+            if self.mamba_heads is None:
+                problems.append(
+                    f"{key('mamba_heads')}: the default 2*hidden/mamba_head_dim = 2*{self.hidden}/{self.mamba_head_dim} "
+                    f"is not whole; set mamba_heads"
+                )
+            elif self.mamba_heads % self.mamba_groups:
+                problems.append(f"{key('mamba_groups')}: mamba_heads={self.mamba_heads} must be a multiple of mamba_groups={self.mamba_groups}")
+        if "gdn" in kinds:
+            if self.gdn_head_dim is None:
+                problems.append(f"{key('gdn_head_dim')}: no default (head_dim is not set); set gdn_head_dim")
+            if self.gdn_v_heads % self.gdn_heads:
+                problems.append(f"{key('gdn_v_heads')}: must be a multiple of gdn_heads={self.gdn_heads}, got {self.gdn_v_heads}")
+        return problems
+
+
+@dataclass
+class HybridInit:
+    hf: str | None = None  # a Hugging Face checkpoint directory to import weights from
+
+    def validate(self, path: str) -> list[str]:
+        if self.hf is not None and not os.path.isdir(self.hf):
+            return [f"{join_path(path, 'hf')}: no directory {self.hf!r}"]
+        return []
+
+
+@dataclass
+class LLMModuleConfig:
+    kind: Literal["hybrid"]
+    arch: HybridArch
+    init: HybridInit = field(default_factory=HybridInit)
+    freeze: bool = False  # true: the whole LLM is frozen (LLaVA stage 1 trains only projectors)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def stages(self) -> list[tuple[LayerSpec, ...]]:
+        """Layers of each pipeline stage."""
+        return self.arch.layer_pattern().stages(self.parallel.pp)
+
+    def validate(self, path: str) -> list[str]:
+        arch, par = self.arch, self.parallel
+        pkey = lambda name: join_path(path, "parallel", name)  # noqa: E731
+        problems = []
+        for name, what in (("cp", "context parallelism"), ("ep", "expert parallelism"), ("etp", "expert tensor parallelism")):
+            if getattr(par, name) > 1:
+                problems.append(f"{pkey(name)}: {what} ({name}={getattr(par, name)}) is not supported yet; use {name}: 1")
+        try:
+            pattern = arch.layer_pattern()
+        except ConfigError:
+            return problems  # reported by HybridArch.validate
+        if par.pp >= 1:
+            try:
+                pattern.stages(par.pp)
+            except ConfigError as e:
+                problems += [f"{pkey('pp')}: {p}" for p in e.problems]
+        if par.tp >= 1:
+            sizes = {"heads": arch.heads, "kv_heads": arch.kv_heads}
+            if "mlp" in pattern.kinds:
+                sizes["ffn"] = arch.ffn
+            if "mamba" in pattern.kinds:
+                sizes["mamba_heads"] = arch.mamba_heads
+            if "gdn" in pattern.kinds:
+                sizes.update(gdn_heads=arch.gdn_heads, gdn_v_heads=arch.gdn_v_heads)
+            problems += tp_divides(par.tp, sizes, pkey("tp"))
+        return problems

@@ -1,0 +1,139 @@
+"""The hybrid LLM's layer pattern: one symbol per layer, optional ``|`` between pipeline stages.
+
+    M  Mamba-2            G  Gated DeltaNet     *  attention
+    -  MLP                E  MoE                |  explicit pipeline stage boundary
+
+``"M*-M*-"`` is six layers. With ``|`` the user fixes the stages (their count must equal pp);
+without it the layers are split into pp contiguous stages that minimise the largest stage
+cost (``LAYER_COST``), no stage empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from mimo.errors import ConfigError
+
+LAYER_KINDS: dict[str, str] = {"M": "mamba", "G": "gdn", "*": "attention", "-": "mlp", "E": "moe"}
+STAGE_BOUNDARY = "|"
+
+# Relative cost of one layer of each kind, for the automatic pipeline split. All 1.0 for now:
+# at typical sizes the kinds are within a small factor of each other, and a plain layer count
+# is what users expect from "balanced". Measured costs can replace these later.
+LAYER_COST: dict[str, float] = {"mamba": 1.0, "gdn": 1.0, "attention": 1.0, "mlp": 1.0, "moe": 1.0}
+
+_SYMBOL_HELP = "M (Mamba-2), G (Gated DeltaNet), * (attention), - (MLP), E (MoE), | (stage boundary)"
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    index: int  # 0-based layer number in the whole model
+    kind: str  # a value of LAYER_KINDS
+
+
+@dataclass(frozen=True)
+class LayerPattern:
+    text: str
+    layers: tuple[LayerSpec, ...]
+    explicit_stage_sizes: tuple[int, ...] | None  # layers per stage when the text has '|'
+
+    @property
+    def kinds(self) -> set[str]:
+        return {layer.kind for layer in self.layers}
+
+    def stages(self, pp: int, cost: Mapping[str, float] = LAYER_COST) -> list[tuple[LayerSpec, ...]]:
+        """The layers of each of the ``pp`` pipeline stages; ConfigError if that is impossible."""
+        n = len(self.layers)
+        if self.explicit_stage_sizes is not None:
+            sizes = list(self.explicit_stage_sizes)
+            if len(sizes) != pp:
+                raise ConfigError(
+                    f"the pattern {self.text!r} has {len(sizes)} pipeline stages ('|'-separated) "
+                    f"but pp is {pp}; make them equal, or drop the '|' to split automatically"
+                )
+        else:
+            if pp > n:
+                raise ConfigError(
+                    f"pp={pp} pipeline stages need at least {pp} layers, but the pattern "
+                    f"{self.text!r} has {n}"
+                )
+            sizes = balanced_split([cost[layer.kind] for layer in self.layers], pp)
+        out, start = [], 0
+        for size in sizes:
+            out.append(self.layers[start : start + size])
+            start += size
+        return out
+
+
+def parse_pattern(text: str) -> LayerPattern:
+    """Parse a pattern; ConfigError lists every bad symbol by its 1-based position."""
+    problems = []
+    layers: list[LayerSpec] = []
+    stage_sizes: list[int] = []
+    in_stage = 0
+    for pos, symbol in enumerate(text, start=1):
+        if symbol == STAGE_BOUNDARY:
+            stage_sizes.append(in_stage)
+            in_stage = 0
+        elif symbol in LAYER_KINDS:
+            layers.append(LayerSpec(len(layers), LAYER_KINDS[symbol]))
+            in_stage += 1
+        else:
+            problems.append(f"unknown symbol {symbol!r} at position {pos} of {text!r}; symbols: {_SYMBOL_HELP}")
+    stage_sizes.append(in_stage)
+    if not layers and not problems:
+        problems.append(f"the pattern {text!r} has no layers; symbols: {_SYMBOL_HELP}")
+    explicit = STAGE_BOUNDARY in text
+    if explicit and layers:
+        empty = [i + 1 for i, size in enumerate(stage_sizes) if size == 0]
+        if empty:
+            problems.append(
+                f"pipeline stage {', '.join(map(str, empty))} of {text!r} is empty; "
+                f"every '|'-separated stage needs at least one layer"
+            )
+    if problems:
+        raise ConfigError(problems)
+    return LayerPattern(text, tuple(layers), tuple(stage_sizes) if explicit else None)
+
+
+def balanced_split(costs: list[float], parts: int) -> list[int]:
+    """Sizes of ``parts`` contiguous non-empty blocks of ``costs`` minimising the largest block sum.
+
+    Among the splits with that smallest maximum, the most even one (least sum of squared block
+    costs) is taken, and of those the one with the lightest later blocks (the last stage also
+    carries the output head and the loss). Dynamic programming over prefixes, O(parts * n^2):
+    patterns have at most a few hundred layers.
+    """
+    n = len(costs)
+    if not 1 <= parts <= n:
+        raise ConfigError(f"cannot split {n} layers into {parts} non-empty pipeline stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    block = lambda j, i: prefix[i] - prefix[j]  # noqa: E731  cost of layers j..i-1
+    inf = float("inf")
+    tol = 1e-9 * max(1.0, prefix[n])
+
+    def table(score, combine):
+        # t[k][i]: best score of the first i layers as k blocks
+        t = [[inf] * (n + 1) for _ in range(parts + 1)]
+        t[0][0] = 0.0
+        for k in range(1, parts + 1):
+            for i in range(k, n + 1):
+                t[k][i] = min(combine(t[k - 1][j], score(j, i)) for j in range(k - 1, i))
+        return t
+
+    largest = table(block, max)[parts][n]
+    # second pass: evenness, over the blocks that respect the optimal maximum
+    even = table(lambda j, i: block(j, i) ** 2 if block(j, i) <= largest + tol else inf, lambda a, b: a + b)
+    sizes, i = [], n
+    for k in range(parts, 0, -1):  # walk back from the last stage, preferring short last blocks
+        target = even[k][i]
+        j = max(
+            j for j in range(k - 1, i)
+            if block(j, i) <= largest + tol and even[k - 1][j] + block(j, i) ** 2 <= target + tol * max(1.0, target)
+        )
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
