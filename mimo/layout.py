@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable, Sequence
 
 from mimo.errors import LayoutError
@@ -142,13 +143,16 @@ class Placement:
 
     ``local_rows[rank]`` is the row count of each rank's local buffer (it may exceed the rows
     it holds, e.g. an LLM's packed sequence holds text rows between image rows). A rank holds
-    one contiguous column range for all its pieces.
+    one contiguous column range for all its pieces. ``replicas`` lists groups of ranks that
+    hold identical copies of their rows (a TP group over which rows are replicated): the
+    groups that can complete each other's copies with an all-gather.
     """
 
     rows: int
     hidden: int
     pieces: tuple[Piece, ...]
     local_rows: dict[int, int]
+    replicas: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         self.validate()
@@ -170,7 +174,15 @@ class Placement:
         return (self.local_rows.get(rank, 0), len(self.columns_of(rank)))
 
     def validate(self) -> None:
-        """Every element held at least once; no rank holds two pieces in the same local rows."""
+        """Every element held at least once; no rank holds two pieces in the same local rows;
+        replica groups hold identical layouts."""
+        for group in self.replicas:
+            layouts = {
+                (self.local_rows.get(r), tuple(sorted((p.row, p.rows, p.local_row, p.col, p.cols) for p in self.pieces_of(r))))
+                for r in group
+            }
+            if len(layouts) != 1 or any(r not in self.local_rows for r in group):
+                raise LayoutError(f"replica group {group} does not hold identical copies")
         for p in self.pieces:
             if p.rows < 0 or p.cols < 0 or p.row < 0 or p.col < 0 or p.local_row < 0:
                 raise LayoutError(f"negative extent in {p}")
@@ -233,30 +245,29 @@ def dp_placement(
     blocks: Sequence[range],
     hidden: int,
     shard: str | None = None,
-    tp_dim: str = "tp",
-    dp_dim: str = "dp",
 ) -> Placement:
     """Rows of a module whose DP rank d holds the samples of ``blocks[d]`` as one pack.
 
     Within a DP rank's TP group the pack is replicated (``shard=None``), split by hidden
     columns (``"hidden"``), or split by rows (``"seq"``: sequence-parallel, contiguous chunks
-    of ceil(rows/tp)). Every other grid dim (e.g. pp, cp with size 1) must have size 1.
+    of ceil(rows/tp)). With pipeline stages, the first stage holds the rows and later stages
+    hold nothing. Any other grid dim must have size 1.
     """
     if shard not in SHARDS:
         raise LayoutError(f"shard must be one of {SHARDS}, got {shard!r}")
     for d in grid.dims:
-        if d not in (tp_dim, dp_dim) and grid.shape[d] != 1:
+        if d not in ("tp", "dp", "pp") and grid.shape[d] != 1:
             raise LayoutError(f"dp_placement needs {d}=1, got {grid.shape[d]}")
-    tp, dp = grid.shape.get(tp_dim, 1), grid.shape.get(dp_dim, 1)
+    tp, dp = grid.shape.get("tp", 1), grid.shape.get("dp", 1)
     if len(blocks) != dp:
         raise LayoutError(f"{len(blocks)} DP blocks for dp={dp}")
     starts = [0, *itertools.accumulate(sample_rows)]
-    pieces, local_rows = [], {}
+    pieces, replicas = [], []
+    local_rows = {r: 0 for r in grid.ranks}  # later pipeline stages hold nothing
     for d, block in enumerate(blocks):
         row0, n = starts[block.start], starts[block.stop] - starts[block.start]
-        for t in range(tp):
-            coords = {dp_dim: d, tp_dim: t} if tp_dim in grid.shape else {dp_dim: d}
-            rank = grid.rank_at(**coords)
+        group = [grid.rank_at(**{k: v for k, v in (("tp", t), ("dp", d)) if k in grid.shape}) for t in range(tp)]
+        for t, rank in enumerate(group):
             if shard == "seq":
                 part = split_even(n, tp)[t]
                 local_rows[rank] = len(split_even(n, tp)[0])
@@ -268,4 +279,113 @@ def dp_placement(
             else:
                 local_rows[rank] = n
                 pieces.append(Piece(rank, row0, n, 0, 0, hidden))
-    return Placement(starts[-1], hidden, tuple(pieces), local_rows)
+        if shard is None and tp > 1:
+            replicas.append(tuple(group))
+    return Placement(starts[-1], hidden, tuple(pieces), local_rows, tuple(replicas))
+
+
+# ---------------------------------------------------------------------------
+# Where positions of a packed sequence live (LLM side, THD)
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PackLayout:
+    """How one DP rank's pack is laid out over its CP and TP ranks.
+
+    cp == 1: samples end to end; with sequence parallelism the pack is padded at its end to a
+    multiple of tp and split in tp equal contiguous parts. cp > 1: each sample is padded to a
+    multiple of 2*cp (times tp with sequence parallelism) and split into 2*cp chunks; CP rank
+    c holds chunks c and 2*cp-1-c of every sample, sample after sample; with sequence
+    parallelism that local sequence is split in tp equal parts.
+    """
+
+    seq_lens: tuple[int, ...]
+    tp: int
+    cp: int
+    sequence_parallel: bool
+
+    @property
+    def multiple(self) -> int:
+        if self.cp == 1:
+            return 1
+        return 2 * self.cp * (self.tp if self.sequence_parallel else 1)
+
+    @cached_property
+    def padded_lens(self) -> list[int]:
+        return [round_up(n, self.multiple) for n in self.seq_lens]
+
+    @cached_property
+    def _offsets(self) -> list[int]:
+        return [0, *itertools.accumulate(self.padded_lens)]
+
+    @cached_property
+    def total_len(self) -> int:
+        """Positions the DP rank computes over all its CP ranks, padding included."""
+        total = sum(self.padded_lens)
+        if self.cp == 1 and self.sequence_parallel:
+            total = round_up(total, self.tp)
+        return total
+
+    @property
+    def local_len(self) -> int:
+        """Length of one (cp, tp) rank's local sequence."""
+        n = self.total_len // self.cp
+        return n // self.tp if self.sequence_parallel else n
+
+    def locate(self, sample: int, position: int) -> tuple[int, int | None, int]:
+        """(cp rank, tp rank or None when replicated over TP, local index) of a position."""
+        if not 0 <= position < self.seq_lens[sample]:
+            raise LayoutError(f"position {position} outside sample {sample} of length {self.seq_lens[sample]}")
+        before = self._offsets[sample]
+        if self.cp == 1:
+            cp_rank, idx = 0, before + position
+        else:
+            cp_rank, off = cp_owner(position, self.padded_lens[sample], self.cp)
+            idx = before // self.cp + off
+        if not self.sequence_parallel:
+            return cp_rank, None, idx
+        return cp_rank, idx // self.local_len, idx % self.local_len
+
+
+def packed_placement(
+    grid: ParallelGrid,
+    samples: Sequence[tuple[int, Sequence[int]]],
+    blocks: Sequence[range],
+    hidden: int,
+    sequence_parallel: bool = False,
+) -> tuple[Placement, dict[int, list[int]]]:
+    """Placement of the rows scattered into an LLM's packed sequences (its first stage).
+
+    ``samples[i] = (sequence length, positions of its rows)``: the logical tensor's rows are
+    those positions, sample after sample. DP rank d packs ``blocks[d]``; CP and TP follow
+    ``PackLayout``. A rank's local buffer is compact: the rows it holds, in the order of their
+    local positions; the second value gives those local positions (the slots to scatter to).
+    Ranks of later pipeline stages hold nothing.
+    """
+    tp, cp, dp = (grid.shape.get(d, 1) for d in ("tp", "cp", "dp"))
+    if len(blocks) != dp:
+        raise LayoutError(f"{len(blocks)} DP blocks for dp={dp}")
+    row_starts = [0, *itertools.accumulate(len(pos) for _, pos in samples)]
+    rank_of = {
+        (t, c, d): grid.rank_at(**{n: v for n, v in (("tp", t), ("cp", c), ("dp", d)) if n in grid.shape})
+        for t in range(tp) for c in range(cp) for d in range(dp)
+    }
+    held: dict[int, list[tuple[int, int]]] = {r: [] for r in grid.ranks}  # rank -> (local pos, row)
+    for d, block in enumerate(blocks):
+        pack = PackLayout(tuple(samples[i][0] for i in block), tp, cp, sequence_parallel)
+        for j, i in enumerate(block):
+            for k, position in enumerate(samples[i][1]):
+                c, t, local = pack.locate(j, position)
+                for tt in range(tp) if t is None else (t,):
+                    held[rank_of[(tt, c, d)]].append((local, row_starts[i] + k))
+    pieces, slots, local_rows = [], {}, {}
+    replicas = () if sequence_parallel or tp == 1 else tuple(tuple(g) for g in grid.partition("tp"))
+    for rank, items in held.items():
+        items.sort()
+        slots[rank] = [pos for pos, _ in items]
+        local_rows[rank] = len(items)
+        start = 0
+        for n in range(1, len(items) + 1):  # runs of consecutive logical rows
+            if n == len(items) or items[n][1] != items[n - 1][1] + 1:
+                pieces.append(Piece(rank, items[start][1], n - start, start, 0, hidden))
+                start = n
+    return Placement(row_starts[-1], hidden, tuple(pieces), local_rows, replicas), slots
