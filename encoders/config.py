@@ -28,7 +28,7 @@ class VitArch:
 
     @property
     def patches_per_image(self) -> int:
-        """Rows one image gives the projector (the [CLS] row is dropped, as LLaVA does)."""
+        """Patch rows of one image (without the [CLS] row)."""
         return (self.image_size // self.patch) ** 2
 
     def validate(self, path: str) -> list[str]:
@@ -81,8 +81,15 @@ class EncoderModuleConfig:
     # int L: Hugging Face's hidden_states[L] (0 = embeddings, -1 = last block, before the final
     # norm); "post_norm": the last block followed by the final norm.
     feature_layer: int | Literal["post_norm"] = -2
+    drop_class_token: bool = True  # LLaVA feeds the patch rows only; no effect without a [CLS] token
     freeze: list[EncoderPart] = field(default_factory=list)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @property
+    def rows_per_image(self) -> int:
+        """Rows one image gives the projector (and the LLM): its patches, plus [CLS] if kept."""
+        keep_cls = self.arch.class_token and not self.drop_class_token
+        return self.arch.patches_per_image + (1 if keep_cls else 0)
 
     def validate(self, path: str) -> list[str]:
         arch, par = self.arch, self.parallel

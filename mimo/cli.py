@@ -100,9 +100,128 @@ def run_verify_bridge(args: argparse.Namespace) -> dict[str, Any]:
     return {"command": "verify-bridge", **report}
 
 
+# ---------------------------------------------------------------- data
+
+
+DEMO_DATA_DIR = "demo-data"  # configs/demo.yaml points here
+
+
+def make_demo_data_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", nargs="?", default=DEMO_DATA_DIR, help=f"output folder (default: {DEMO_DATA_DIR})")
+    parser.add_argument("--train-samples", type=int, default=4000)
+    parser.add_argument("--heldout-samples", type=int, default=400)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run_make_demo_data(args: argparse.Namespace) -> dict[str, Any]:
+    from mimo.data.demo import make_demo_data
+
+    if args.train_samples < 1 or args.heldout_samples < 1:
+        raise UsageError("--train-samples and --heldout-samples must be >= 1")
+    made = make_demo_data(args.dir, args.train_samples, args.heldout_samples, seed=args.seed)
+    print(f"demo data in {args.dir}: train {made['train']}, held-out {made['heldout']}, tokenizer {made['tokenizer']}")
+    return {"ok": True, "command": "make-demo-data", **made}
+
+
+def prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
+    config_arguments(parser)
+    parser.add_argument("--rebuild", action="store_true", help="rebuild the index even if it is current")
+
+
+def run_prepare_data(args: argparse.Namespace) -> dict[str, Any]:
+    from mimo.data.index import index_path
+    from mimo.inputs import data_plan, ensure_index
+
+    config = load_config(args.config, args.overrides)
+    index, status = ensure_index(config, rebuild=args.rebuild)
+    plan = data_plan(config, index)
+    bad = [e for e in index.entries if e.bad]
+    print(f"index {index_path(config.data.shards)}: {status}; {len(index.entries)} samples in {len(index.shards)} shards")
+    for e in bad[:20]:
+        print(f"  bad: {index.shards[e.shard]}:{e.key}: {e.bad}")
+    if len(bad) > 20:
+        print(f"  ... and {len(bad) - 20} more bad samples")
+    for shard, error in index.shard_errors.items():
+        print(f"  shard {shard}: {error}")
+    return {
+        "ok": True, "command": "prepare-data", "index": index_path(config.data.shards), "status": status,
+        "samples": len(index.entries), "usable": len(plan.valid), "skipped": plan.skipped_counts(),
+        "shard_errors": index.shard_errors,
+    }
+
+
+def inspect_data_arguments(parser: argparse.ArgumentParser) -> None:
+    config_arguments(parser)
+    parser.add_argument("--batches", type=int, default=8, help="global microbatches to read")
+
+
+def run_inspect_data(args: argparse.Namespace) -> dict[str, Any]:
+    from mimo.inputs import inspect
+
+    if args.batches < 1:
+        raise UsageError("--batches must be >= 1")
+    report = inspect(load_config(args.config, args.overrides), args.batches)
+    print(
+        f"read {report['samples_read']} samples in {report['microbatches']} microbatches; padding "
+        f"{100 * report['padding_fraction']:.2f}%, max/mean tokens per LLM DP rank "
+        f"{report['max_over_mean_tokens_per_dp_rank']:.3f}; skipped {report['skipped']}, failed at read {report['read_failures']}"
+    )
+    return {"ok": True, "command": "inspect-data", **report}
+
+
+# ---------------------------------------------------------------- verify-encoder
+
+
+def verify_encoder_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--timm", metavar="NAME", help="a timm ViT / CLIP / SigLIP model name (random init unless --weights)")
+    source.add_argument("--hf-config", metavar="DIR", help="a Hugging Face CLIP / SigLIP vision config directory (random init)")
+    source.add_argument("--hf-checkpoint", metavar="DIR", help="a Hugging Face checkpoint directory (config.json + safetensors)")
+    parser.add_argument("--timm-kwargs", metavar="K=V,...", help="timm.create_model overrides, e.g. depth=2,embed_dim=48,num_heads=6")
+    parser.add_argument("--weights", metavar="FILE", help="with --timm: a local weights file (safetensors or torch)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= local processes)")
+    parser.add_argument("--feature-layer", default="-2", metavar="L", help="hidden_states index, or post_norm (default -2)")
+    parser.add_argument("--image-size", type=int, metavar="S", help="run at this resolution (position embeddings resampled)")
+    parser.add_argument("--images", type=int, default=2, help="random images per check")
+    parser.add_argument("--grads", action="store_true", help="also compare weight gradients")
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--keep-class-token", action="store_true", help="keep the [CLS] row in the features")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung rank fails the run")
+
+
+def run_verify_encoder(args: argparse.Namespace) -> dict[str, Any]:
+    from mimo.encoders.verify import EncoderSource, check_request, describe_source, parse_feature_layer, parse_kwargs, summarise, verify_case
+    from mimo.launch import WorkerPool
+
+    if args.timm is not None:
+        source = EncoderSource("timm", args.timm, parse_kwargs(args.timm_kwargs), args.weights)
+    else:
+        if args.timm_kwargs or args.weights:
+            raise UsageError("--timm-kwargs and --weights go with --timm")
+        source = EncoderSource("hf", args.hf_config or args.hf_checkpoint, hf_weights=args.hf_checkpoint is not None)
+    if args.images < 1:
+        raise UsageError("--images must be >= 1")
+    feature_layer = parse_feature_layer(args.feature_layer)
+    arch, _ = describe_source(source)  # bad names, missing files, impossible sizes fail here, before any process starts
+    arch = check_request(arch, args.tp, feature_layer, args.image_size)
+    with WorkerPool(args.tp, timeout_s=args.timeout) as pool:
+        results = pool.run(verify_case, source, args.tp, [feature_layer], args.image_size, args.seed, args.images,
+                           args.grads, args.sequence_parallel, not args.keep_class_token)
+    report = summarise(results)
+    print(f"verify-encoder {source.label()} tp={args.tp} feature_layer={feature_layer} image_size={arch.image_size}: "
+          f"max_rel_err={report['max_rel_err']:.3e} ({report['worst']}) " + ("ok" if report["ok"] else "MISMATCH"))
+    return {"command": "verify-encoder", "source": source.label(), "tp": args.tp, "feature_layer": feature_layer,
+            "image_size": arch.image_size, **report}
+
+
 COMMANDS: tuple[Command, ...] = (
     Command("check-config", "validate a config (and overrides) without starting anything", config_arguments, run_check_config),
+    Command("make-demo-data", "write learnable demo shards and a local tokenizer", make_demo_data_arguments, run_make_demo_data),
+    Command("prepare-data", "index the shards of a config (once; train prepares a missing index itself)", prepare_data_arguments, run_prepare_data),
+    Command("inspect-data", "read packed microbatches through the real pipeline and report counts", inspect_data_arguments, run_inspect_data),
     Command("verify-bridge", "check a bridge between two layouts against the one-process reference", verify_bridge_arguments, run_verify_bridge),
+    Command("verify-encoder", "check an imported timm / Hugging Face vision tower against the original", verify_encoder_arguments, run_verify_encoder),
 )
 
 

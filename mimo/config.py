@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import glob
 import itertools
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
+from mimo.data.config import DataConfig
 from mimo.encoders.config import EncoderModuleConfig
 from mimo.errors import ConfigError, LayoutError
 from mimo.llm.config import LLMModuleConfig
@@ -26,33 +26,6 @@ from mimo.schema import apply_overrides, at_least, convert, join_path, load_yaml
 ModuleConfig = EncoderModuleConfig | LLMModuleConfig
 
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
-
-
-@dataclass
-class DataConfig:
-    source: Literal["webdataset", "synthetic"] = "webdataset"  # synthetic: random samples, no files
-    shards: str | None = None  # WebDataset tar files; braces expand: "train-{000000..000031}.tar"
-    tokenizer: str | None = None  # a Hugging Face tokenizer directory
-    tokens_per_microbatch: int = 4096  # global (all DP ranks together), layout-independent
-    max_sample_tokens: int = 2048  # longer samples are skipped as too long
-    seed: int = 0
-
-    def validate(self, path: str) -> list[str]:
-        problems = at_least(self, path, 1, "tokens_per_microbatch", "max_sample_tokens")
-        if not problems and self.max_sample_tokens > self.tokens_per_microbatch:
-            problems.append(
-                f"{join_path(path, 'max_sample_tokens')}: {self.max_sample_tokens} is more than "
-                f"tokens_per_microbatch={self.tokens_per_microbatch}; such a sample fits no microbatch"
-            )
-        if self.source == "webdataset":
-            for name in ("shards", "tokenizer"):
-                if getattr(self, name) is None:
-                    problems.append(f"{join_path(path, name)}: required when data.source is 'webdataset'")
-            if self.shards is not None:
-                problems += _missing_shards(self.shards, join_path(path, "shards"))
-        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
-            problems.append(f"{join_path(path, 'tokenizer')}: no directory {self.tokenizer!r}")
-        return problems
 
 
 @dataclass
@@ -236,32 +209,6 @@ def config_from_dict(raw: Any, overrides: Iterable[str] = (), source: str = "con
     if problems:
         raise ConfigError(problems)
     return config
-
-
-def expand_braces(pattern: str) -> list[str]:
-    """WebDataset-style brace expansion: 'a-{00..02}.tar' -> a-00, a-01, a-02; '{x,y}' alternatives."""
-    m = re.search(r"\{([^{}]*)\}", pattern)
-    if m is None:
-        return [pattern]
-    head, body, tail = pattern[: m.start()], m.group(1), pattern[m.end() :]
-    r = re.fullmatch(r"(\d+)\.\.(\d+)", body)
-    if r:
-        lo, hi = r.group(1), r.group(2)
-        width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
-        choices = [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
-    else:
-        choices = body.split(",")
-    return [head + c + rest for c in choices for rest in expand_braces(tail)]
-
-
-def _missing_shards(pattern: str, key: str) -> list[str]:
-    names = expand_braces(pattern)
-    missing = [n for n in names if not (glob.glob(n) if glob.has_magic(n) else os.path.isfile(n))]
-    if len(missing) == len(names):
-        return [f"{key}: no file matches {pattern!r}"]
-    if missing:
-        return [f"{key}: {len(missing)} of {len(names)} shards of {pattern!r} are missing, e.g. {missing[0]!r}"]
-    return []
 
 
 def _show_range(r: range) -> str:

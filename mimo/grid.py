@@ -222,3 +222,18 @@ def parse_rank_range(text: str) -> range:
         raise LayoutError(f"rank range {text!r} is empty or negative")
     return r
 
+
+
+def new_group(ranks) -> object | None:
+    """A process group over an arbitrary rank set (e.g. a bridge over source ∪ destination).
+
+    Collective over the world, like a grid's first ``group`` call: every rank calls it at the
+    same point. Returns the group on member ranks; None on the others and for one rank.
+    """
+    import torch.distributed as dist
+
+    ranks = sorted(set(ranks))
+    if len(ranks) <= 1:
+        return None
+    group = dist.new_group(ranks)
+    return group if dist.get_rank() in ranks else None

@@ -18,7 +18,8 @@ from typing import Literal
 import pytest
 
 from mimo.cli import main
-from mimo.config import MimoConfig, config_from_dict, expand_braces, load_config
+from mimo.config import MimoConfig, config_from_dict, load_config
+from mimo.data.config import expand_braces
 from mimo.errors import ConfigError
 from mimo.llm.pattern import LAYER_COST, LayerSpec, balanced_split, parse_pattern
 from mimo.schema import apply_overrides, convert, from_dict, load_yaml

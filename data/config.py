@@ -1,0 +1,78 @@
+"""The ``data:`` section of a config, and shard-pattern expansion."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from mimo.schema import at_least, join_path
+
+TEMPLATES = ("plain", "vicuna", "chatml")
+
+
+@dataclass
+class DataConfig:
+    source: Literal["webdataset", "synthetic"] = "webdataset"  # synthetic: random samples, no files
+    shards: str | None = None  # WebDataset tar files; braces expand: "train-{000000..000031}.tar"
+    tokenizer: str | None = None  # a Hugging Face tokenizer directory
+    template: Literal["plain", "vicuna", "chatml"] = "vicuna"  # how conversations become text
+    tokens_per_microbatch: int = 4096  # global (all DP ranks together), layout-independent
+    max_sample_tokens: int = 2048  # longer samples are skipped as too long
+    seed: int = 0  # sample order (epochs are reshuffled with seed + epoch)
+    shuffle: bool = True
+    workers: int = 2  # background reader threads per reading rank
+    prefetch: int = 2  # microbatches read ahead per reading rank
+
+    def validate(self, path: str) -> list[str]:
+        problems = at_least(self, path, 1, "tokens_per_microbatch", "max_sample_tokens", "workers", "prefetch")
+        if not problems and self.max_sample_tokens > self.tokens_per_microbatch:
+            problems.append(
+                f"{join_path(path, 'max_sample_tokens')}: {self.max_sample_tokens} is more than "
+                f"tokens_per_microbatch={self.tokens_per_microbatch}; such a sample fits no microbatch"
+            )
+        if self.source == "webdataset":
+            for name in ("shards", "tokenizer"):
+                if getattr(self, name) is None:
+                    problems.append(f"{join_path(path, name)}: required when data.source is 'webdataset'")
+            if self.shards is not None:
+                problems += missing_shards(self.shards, join_path(path, "shards"))
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
+            problems.append(f"{join_path(path, 'tokenizer')}: no directory {self.tokenizer!r}")
+        return problems
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """WebDataset-style brace expansion: 'a-{00..02}.tar' -> a-00, a-01, a-02; '{x,y}' alternatives."""
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if m is None:
+        return [pattern]
+    head, body, tail = pattern[: m.start()], m.group(1), pattern[m.end() :]
+    r = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if r:
+        lo, hi = r.group(1), r.group(2)
+        width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
+        choices = [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+    else:
+        choices = body.split(",")
+    return [head + c + rest for c in choices for rest in expand_braces(tail)]
+
+
+def shard_paths(pattern: str) -> list[str]:
+    """The shard files a pattern names, in order (braces expanded, globs sorted)."""
+    out: list[str] = []
+    for name in expand_braces(pattern):
+        out.extend(sorted(glob.glob(name)) if glob.has_magic(name) else [name])
+    return out
+
+
+def missing_shards(pattern: str, key: str) -> list[str]:
+    names = expand_braces(pattern)
+    missing = [n for n in names if not (glob.glob(n) if glob.has_magic(n) else os.path.isfile(n))]
+    if len(missing) == len(names):
+        return [f"{key}: no file matches {pattern!r}"]
+    if missing:
+        return [f"{key}: {len(missing)} of {len(names)} shards of {pattern!r} are missing, e.g. {missing[0]!r}"]
+    return []

@@ -1,0 +1,119 @@
+"""``mimo make-demo-data``: learnable synthetic LLaVA-style shards and a local byte-level tokenizer.
+
+Each image is a coloured shape on a dark background at one of four positions. Samples are
+captions (``txt``) or conversations (``json``) asking for the colour, shape or position, with
+one-word answers checkable by exact match; a few samples have no image (arithmetic) or two
+images ("same colour?"). Everything is generated from a seed: no network.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+from dataclasses import dataclass
+
+COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (50, 80, 230), "yellow": (230, 210, 40)}
+SHAPES = ("circle", "square", "triangle")
+POSITIONS = {"top left": (0.25, 0.25), "top right": (0.75, 0.25), "bottom left": (0.25, 0.75), "bottom right": (0.75, 0.75)}
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    colour: str
+    shape: str
+    position: str
+
+
+def draw(shape: Shape, size: int, rng: random.Random) -> bytes:
+    """PNG bytes of one shape (lossless, so the task stays exactly learnable)."""
+    from PIL import Image, ImageDraw
+
+    noise = rng.randint(0, 20)
+    img = Image.new("RGB", (size, size), (noise, noise, noise + 10))
+    d = ImageDraw.Draw(img)
+    cx, cy = (int(f * size) for f in POSITIONS[shape.position])
+    r = max(2, size // 6)
+    colour = COLOURS[shape.colour]
+    if shape.shape == "circle":
+        d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=colour)
+    elif shape.shape == "square":
+        d.rectangle([cx - r, cy - r, cx + r, cy + r], fill=colour)
+    else:
+        d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=colour)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _random_shape(rng: random.Random) -> Shape:
+    return Shape(rng.choice(list(COLOURS)), rng.choice(SHAPES), rng.choice(list(POSITIONS)))
+
+
+def make_sample(i: int, rng: random.Random, image_size: int) -> dict:
+    """One WebDataset sample dict (``__key__`` plus its files)."""
+    key = f"{i:07d}"
+    kind = rng.random()
+    if kind < 0.05:  # text only
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        conv = [{"from": "human", "value": f"What is {a} plus {b}?"}, {"from": "gpt", "value": str(a + b)}]
+        return {"__key__": key, "json": json.dumps({"conversations": conv}).encode()}
+    if kind < 0.12:  # two images
+        s1, s2 = _random_shape(rng), _random_shape(rng)
+        if rng.random() < 0.5:
+            s2 = Shape(s1.colour, s2.shape, s2.position)
+        answer = "yes" if s1.colour == s2.colour else "no"
+        conv = [{"from": "human", "value": "<image>\n<image>\nAre the two shapes the same colour?"}, {"from": "gpt", "value": answer}]
+        return {"__key__": key, "0.png": draw(s1, image_size, rng), "1.png": draw(s2, image_size, rng), "json": json.dumps({"conversations": conv}).encode()}
+    s = _random_shape(rng)
+    image = draw(s, image_size, rng)
+    if kind < 0.35:  # caption
+        return {"__key__": key, "png": image, "txt": f"a {s.colour} {s.shape} at the {s.position}".encode()}
+    question, answer = rng.choice([
+        ("What colour is the shape?", s.colour),
+        ("What shape is it?", s.shape),
+        ("Where is the shape?", s.position),
+    ])
+    conv = [{"from": "human", "value": f"<image>\n{question}"}, {"from": "gpt", "value": answer}]
+    return {"__key__": key, "png": image, "json": json.dumps({"conversations": conv}).encode()}
+
+
+def make_tokenizer(path: str) -> None:
+    """A byte-level tokenizer (256 byte tokens + specials, no merges): any text tokenizes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_vocab = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(byte_vocab):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(path)
+
+
+def make_demo_data(out_dir: str, train_samples: int = 2000, heldout_samples: int = 200, shard_size: int = 500, image_size: int = 32, seed: int = 0) -> dict:
+    """Write ``train-NNNNNN.tar``, ``heldout-000000.tar`` and ``tokenizer/`` into ``out_dir``."""
+    import webdataset as wds
+
+    os.makedirs(out_dir, exist_ok=True)
+    rng = random.Random(seed)
+    written = {}
+    for split, n in (("train", train_samples), ("heldout", heldout_samples)):
+        shards = max(1, -(-n // shard_size))
+        for s in range(shards):
+            path = os.path.join(out_dir, f"{split}-{s:06d}.tar")
+            tmp = path + ".tmp"
+            with wds.TarWriter(tmp) as sink:
+                for i in range(s * shard_size, min(n, (s + 1) * shard_size)):
+                    sink.write(make_sample(i, rng, image_size))
+            os.replace(tmp, path)  # a half-written shard never looks complete
+        written[split] = os.path.join(out_dir, f"{split}-{{000000..{shards - 1:06d}}}.tar")
+    make_tokenizer(os.path.join(out_dir, "tokenizer"))
+    written["tokenizer"] = os.path.join(out_dir, "tokenizer")
+    return written

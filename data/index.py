@@ -1,0 +1,202 @@
+"""``mimo prepare-data``: one pass over the shards that writes an index beside them.
+
+Per sample the index holds where its files lie, its token count for the configured
+tokenizer, template and encoders (image rows included), where each image's rows start, and
+validation: a bad sample is listed with its reason and never planned. The index carries a
+fingerprint of everything it depends on (shard sizes and times, tokenizer files, template,
+placeholders and rows per image); a stale index is rebuilt, with a message saying why.
+Every later step is planned from the index alone, without reading the shards.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+from mimo.data.config import shard_paths
+from mimo.data.shards import decode_image, image_keys, parse_text, read_files, scan_shard
+from mimo.data.text import TextEncoder, load_tokenizer, turns_from_caption, turns_from_json
+from mimo.errors import DataError
+
+log = logging.getLogger("mimo.data")
+INDEX_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    """What token counts depend on: tokenizer, template, and rows per image per placeholder."""
+
+    tokenizer: str
+    template: str
+    rows_per_image: tuple[tuple[str, int], ...]  # (placeholder, rows), in encoder order
+
+    @property
+    def placeholders(self) -> list[str]:
+        return [p for p, _ in self.rows_per_image]
+
+
+@dataclass
+class Entry:
+    shard: int
+    key: str
+    files: dict[str, tuple[int, int]] = field(default_factory=dict)
+    tokens: int = 0
+    images: int = 0
+    image_starts: dict[str, list[int]] = field(default_factory=dict)
+    bad: str | None = None
+
+
+@dataclass
+class Index:
+    shards: list[str]
+    entries: list[Entry]
+    fingerprint: str
+    shard_errors: dict[str, str] = field(default_factory=dict)
+
+    def bad_counts(self) -> Counter:
+        return Counter(_reason_kind(e.bad) for e in self.entries if e.bad)
+
+    def to_json(self) -> dict:
+        return {
+            "version": INDEX_VERSION,
+            "fingerprint": self.fingerprint,
+            "shards": self.shards,
+            "shard_errors": self.shard_errors,
+            "entries": [[e.shard, e.key, e.files, e.tokens, e.images, e.image_starts, e.bad] for e in self.entries],
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Index":
+        entries = [
+            Entry(s, k, {x: tuple(v) for x, v in f.items()}, t, n, starts, bad)
+            for s, k, f, t, n, starts, bad in obj["entries"]
+        ]
+        return cls(obj["shards"], entries, obj["fingerprint"], obj.get("shard_errors", {}))
+
+
+def _reason_kind(reason: str) -> str:
+    """'corrupt image: cannot identify ...' -> 'corrupt image' (the count key)."""
+    return reason.split(":", 1)[0]
+
+
+# ---------------------------------------------------------------------------
+def fingerprint(shards: list[str], spec: TextSpec) -> str:
+    h = hashlib.sha256(f"v{INDEX_VERSION}|{spec.template}|{spec.rows_per_image}".encode())
+    for path in shards:
+        st = os.stat(path)
+        h.update(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode())
+    for name in sorted(os.listdir(spec.tokenizer)):
+        full = os.path.join(spec.tokenizer, name)
+        if os.path.isfile(full):
+            with open(full, "rb") as f:
+                h.update(name.encode() + hashlib.sha256(f.read()).digest())
+    return h.hexdigest()
+
+
+def index_path(pattern: str) -> str:
+    """Beside the shards, named after the pattern: 'd/train-{0..3}.tar' -> 'd/train-0..3.mimo-index.json'."""
+    directory, base = os.path.split(pattern)
+    name = re.sub(r"[{}*?\[\],]", "", base)
+    name = name[:-4] if name.endswith(".tar") else name
+    return os.path.join(directory, f"{name}.mimo-index.json")
+
+
+def index_sample(files: dict[str, bytes], encoder: TextEncoder, placeholders: list[str]) -> tuple[int, int, dict[str, list[int]]]:
+    """(tokens, images, image starts) of a sample; DataError with the reason if it is bad."""
+    kind, text = parse_text(files)
+    images = image_keys(files)
+    for ext in images:
+        decode_image(files[ext])
+    turns = turns_from_json(text) if kind == "json" else turns_from_caption(text, placeholders, len(images))
+    sample = encoder.encode(turns, len(images))
+    return len(sample), len(images), sample.image_starts
+
+
+def _scan_one(args) -> tuple[int, list[Entry], str | None]:
+    shard_id, path, spec = args
+    encoder = TextEncoder(load_tokenizer(spec.tokenizer), spec.template, dict(spec.rows_per_image))
+    locations, error = scan_shard(path)
+    entries = []
+    for loc in locations:
+        entry = Entry(shard_id, loc.key, dict(loc.files))
+        try:
+            entry.tokens, entry.images, entry.image_starts = index_sample(read_files(path, loc), encoder, spec.placeholders)
+        except DataError as e:
+            entry.bad = str(e)
+        entries.append(entry)
+    if error is not None and entries and not entries[-1].bad:
+        entries[-1].bad = error  # the sample the tar ended in may have lost files
+    return shard_id, entries, error
+
+
+def build_index(pattern: str, spec: TextSpec, workers: int = 2) -> Index:
+    shards = shard_paths(pattern)
+    missing = [s for s in shards if not os.path.isfile(s)]
+    if missing:
+        raise DataError(f"missing shard {missing[0]!r} (of {pattern!r})")
+    load_tokenizer(spec.tokenizer)  # fail early with a clear message
+    jobs = [(i, p, spec) for i, p in enumerate(shards)]
+    results = {}
+    if workers > 1 and len(shards) > 1:
+        with cf.ProcessPoolExecutor(min(workers, len(shards)), mp_context=mp.get_context("spawn")) as pool:
+            for shard_id, entries, error in pool.map(_scan_one, jobs):
+                results[shard_id] = (entries, error)
+    else:
+        for job in jobs:
+            shard_id, entries, error = _scan_one(job)
+            results[shard_id] = (entries, error)
+    entries = [e for i in range(len(shards)) for e in results[i][0]]
+    errors = {shards[i]: results[i][1] for i in range(len(shards)) if results[i][1]}
+    return Index(shards, entries, fingerprint(shards, spec), errors)
+
+
+def prepare(pattern: str, spec: TextSpec, workers: int = 2, rebuild: bool = False) -> tuple[Index, str]:
+    """Load the index for ``pattern``, building or rebuilding it when missing or stale.
+
+    Returns the index and what happened ('loaded', 'built', 'rebuilt: <why>')."""
+    path = index_path(pattern)
+    shards = shard_paths(pattern)
+    missing = [s for s in shards if not os.path.isfile(s)]
+    if missing:
+        raise DataError(f"missing shard {missing[0]!r} (of {pattern!r})")
+    want = fingerprint(shards, spec)
+    status = "built"
+    if os.path.isfile(path) and not rebuild:
+        try:
+            with open(path) as f:
+                obj = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            obj, status = None, f"rebuilt: the old index was unreadable ({e})"
+        if obj is not None:
+            if obj.get("version") == INDEX_VERSION and obj.get("fingerprint") == want:
+                return Index.from_json(obj), "loaded"
+            status = "rebuilt: shards, tokenizer, template or encoders changed since it was written"
+            log.info("index %s is stale; %s", path, status)
+    index = build_index(pattern, spec, workers)
+    tmp = f"{path}.{os.getpid()}.tmp"  # concurrent builders each write whole files, then rename
+    try:
+        with open(tmp, "w") as f:
+            json.dump(index.to_json(), f)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise DataError(f"cannot write the data index {path!r}: {e}") from None
+    return index, status
+
+
+def load_index(pattern: str, spec: TextSpec) -> Index:
+    """The current index, or DataError if it is missing or stale (no rebuild)."""
+    path = index_path(pattern)
+    if not os.path.isfile(path):
+        raise DataError(f"no data index at {path!r}: run `mimo prepare-data CONFIG`")
+    with open(path) as f:
+        obj = json.load(f)
+    if obj.get("fingerprint") != fingerprint(shard_paths(pattern), spec):
+        raise DataError(f"the data index {path!r} is stale (shards, tokenizer, template or encoders changed): run `mimo prepare-data CONFIG`")
+    return Index.from_json(obj)

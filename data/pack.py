@@ -1,0 +1,66 @@
+"""One DP rank's block of samples -> one PackedBatch (THD), padded only as SP / CP need.
+
+The padding rule is ``mimo.layout.PackLayout``'s, so the pack, the LLM and the bridges agree
+on where every position lives: with cp = 1 the pack is padded at its end (its own trailing
+segment) to a multiple of tp under sequence parallelism; with cp > 1 each sample is padded
+to a multiple of 2*cp (times tp with SP), the padding inside the sample's segment after its
+last token (causal layers never let real tokens see it). Padding never carries loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from mimo.batch import PackedBatch
+from mimo.layout import PackLayout
+
+
+@dataclass
+class PackItem:
+    """A sample ready to pack: tokens, which tokens are targets, image starts; ``ok`` False
+    for a sample that failed at read time (it keeps its slot, with no loss)."""
+
+    id: int
+    tokens: list[int]
+    target: list[bool]
+    image_starts: dict[str, list[int]]
+    ok: bool = True
+
+
+def pack(items: Sequence[PackItem], rows_per_image: dict[str, int], tp: int, cp: int, sequence_parallel: bool, pad_id: int) -> PackedBatch:
+    layout = PackLayout(tuple(len(it.tokens) for it in items), tp, cp, sequence_parallel)
+    tokens, positions, labels, mask, cu = [], [], [], [], [0]
+    slots: dict[str, list[int]] = {p: [] for p in rows_per_image}
+    for it, padded in zip(items, layout.padded_lens):
+        n, off = len(it.tokens), len(tokens)
+        for p, starts in it.image_starts.items():
+            slots[p].extend(off + s + r for s in starts for r in range(rows_per_image[p]))
+        tokens += it.tokens + [pad_id] * (padded - n)
+        positions += list(range(padded))
+        # next-token targets inside the sample; the last token has none
+        labels += it.tokens[1:] + [pad_id] * (padded - n + 1)
+        mask += ([t and it.ok for t in it.target[1:]] + [False]) + [False] * (padded - n)
+        cu.append(len(tokens))
+    tail = layout.total_len - len(tokens)
+    if tail:  # the SP padding at the end of a cp=1 pack: its own segment
+        tokens += [pad_id] * tail
+        positions += list(range(tail))
+        labels += [pad_id] * tail
+        mask += [False] * tail
+        cu.append(len(tokens))
+    return PackedBatch(
+        tokens=torch.tensor(tokens, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        labels=torch.tensor(labels, dtype=torch.int64),
+        loss_mask=torch.tensor(mask, dtype=torch.bool),
+        image_slots={p: torch.tensor(v, dtype=torch.int64) for p, v in slots.items()},
+        sample_ids=torch.tensor([it.id for it in items], dtype=torch.int64),
+    )
+
+
+def padding_fraction(batch: PackedBatch, real_tokens: int) -> float:
+    return 0.0 if batch.num_tokens == 0 else 1.0 - real_tokens / batch.num_tokens

@@ -1,0 +1,136 @@
+"""Conversations to tokens: chat templates, labels on assistant turns, placeholder expansion.
+
+A sample's text is a list of turns (``human`` / ``gpt``). The template renders each turn as
+pieces that are tokenized separately and concatenated, so the assistant's tokens (its
+content and end marker) are known exactly and carry the labels; nothing else does. Each
+occurrence of an encoder's placeholder becomes exactly that encoder's rows per image of
+image positions (token id: the tokenizer's pad id; the LLM replaces them with image rows).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from mimo.errors import DataError
+
+VICUNA_SYSTEM = (
+    "A chat between a curious user and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the user's questions."
+)
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: str  # "human" or "gpt"
+    text: str
+
+
+@dataclass
+class TokenizedSample:
+    tokens: list[int]
+    target: list[bool]  # True where the token is an assistant token (a label to predict)
+    image_starts: dict[str, list[int]] = field(default_factory=dict)  # placeholder -> first position of each image
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def turns_from_json(obj) -> list[Turn]:
+    """LLaVA's ``{"conversations": [{"from": "human", "value": ...}, ...]}``."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("conversations"), list) or not obj["conversations"]:
+        raise DataError("missing key: 'conversations' (a non-empty list)")
+    turns = []
+    for i, t in enumerate(obj["conversations"]):
+        if not isinstance(t, dict) or not isinstance(t.get("value"), str) or t.get("from") not in ("human", "user", "gpt", "assistant"):
+            raise DataError(f"missing key: conversations[{i}] needs 'from' (human/gpt) and a string 'value'")
+        turns.append(Turn("human" if t["from"] in ("human", "user") else "gpt", t["value"]))
+    if not any(t.role == "gpt" for t in turns):
+        raise DataError("no assistant turn: nothing to learn")
+    return turns
+
+
+def turns_from_caption(caption: str, placeholders: Sequence[str], images: int) -> list[Turn]:
+    """An image-caption pair as one exchange: the images, then the caption as the answer."""
+    prompt = "".join(f"{p}\n" for _ in range(images) for p in placeholders)
+    return [Turn("human", prompt), Turn("gpt", caption.strip())]
+
+
+class Template:
+    """Renders turns as (text, is_target) pieces."""
+
+    def __init__(self, name: str, eos: str):
+        if name not in ("plain", "vicuna", "chatml"):
+            raise DataError(f"unknown template {name!r}")
+        self.name, self.eos = name, eos
+
+    def pieces(self, turns: Sequence[Turn]) -> list[tuple[str, bool]]:
+        out: list[tuple[str, bool]] = []
+        if self.name == "vicuna":
+            out.append((VICUNA_SYSTEM, False))
+        for t in turns:
+            if self.name == "plain":
+                out.append((t.text, False) if t.role == "human" else (t.text + self.eos, True))
+            elif self.name == "vicuna":
+                out += [(" USER: " + t.text, False)] if t.role == "human" else [(" ASSISTANT:", False), (" " + t.text + self.eos, True)]
+            else:  # chatml
+                if t.role == "human":
+                    out.append(("<|im_start|>user\n" + t.text + "<|im_end|>\n", False))
+                else:
+                    out += [("<|im_start|>assistant\n", False), (t.text + "<|im_end|>", True), ("\n", False)]
+        return out
+
+
+class TextEncoder:
+    """Tokenizer + template + placeholders -> TokenizedSample."""
+
+    def __init__(self, tokenizer, template: str, rows_per_image: dict[str, int]):
+        self.tok = tokenizer
+        self.template = Template(template, tokenizer.eos_token or "")
+        self.rows_per_image = dict(rows_per_image)
+        self.image_token = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        names = sorted(self.rows_per_image, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(re.escape(p) for p in names) + ")") if names else None
+
+    def ids(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of several texts in one call (no special tokens added)."""
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is not None:  # a fast tokenizer: skip the per-call Python overhead
+            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+        return [self.tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+    def encode(self, turns: Sequence[Turn], images: int) -> TokenizedSample:
+        """DataError when an encoder's placeholder count differs from the image count."""
+        parts: list[tuple[str, bool]] = []
+        for text, is_target in self.template.pieces(turns):
+            split = self._split.split(text) if self._split is not None and not is_target else [text]
+            parts += [(p, is_target) for p in split if p]
+        texts = [p for p, _ in parts if p not in self.rows_per_image]
+        ids = iter(self.ids(texts) if texts else [])
+        tokens, target = list(self.bos), [False] * len(self.bos)
+        starts: dict[str, list[int]] = {p: [] for p in self.rows_per_image}
+        for part, is_target in parts:
+            if part in self.rows_per_image:
+                starts[part].append(len(tokens))
+                n = self.rows_per_image[part]
+                tokens += [self.image_token] * n
+                target += [False] * n
+            else:
+                piece = next(ids)
+                tokens += piece
+                target += [is_target] * len(piece)
+        for p, s in starts.items():
+            if len(s) != images:
+                raise DataError(f"placeholder and image counts differ: {len(s)} x {p!r} for {images} image(s)")
+        return TokenizedSample(tokens, target, starts)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; the user needs the path
+        raise DataError(f"cannot load a tokenizer from {path!r}: {e}") from None

@@ -1,0 +1,116 @@
+"""Composition of the data pipeline from a config: what data/ needs of the encoders and the LLM.
+
+data/ does not import the encoders or the LLM; it receives rows per image, image
+preprocessing and grids as plain parameters, assembled here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter
+
+from mimo.config import MimoConfig
+from mimo.data.images import CLIP_MEAN, CLIP_STD, ImageSpec
+from mimo.data.index import Index, TextSpec, prepare
+from mimo.data.pipeline import EncoderFeed
+from mimo.data.plan import DataPlan
+from mimo.encoders.config import EncoderModuleConfig
+from mimo.errors import DataError
+
+log = logging.getLogger("mimo.data")
+
+
+def text_spec(config: MimoConfig) -> TextSpec:
+    if config.data.tokenizer is None:
+        raise DataError("data.tokenizer is not set")
+    return TextSpec(config.data.tokenizer, config.data.template, tuple((e.placeholder, e.rows_per_image) for e in config.encoders.values()))
+
+
+def image_spec(enc: EncoderModuleConfig) -> ImageSpec:
+    """Size from the arch; mean/std from the weights' own preprocessing where known (timm's
+    pretrained config, a Hugging Face preprocessor_config.json), else CLIP's."""
+    mean, std = CLIP_MEAN, CLIP_STD
+    if enc.init.timm:
+        try:
+            from timm.models import get_pretrained_cfg
+
+            cfg = get_pretrained_cfg(enc.init.timm)
+            if cfg is not None:
+                mean, std = tuple(cfg.mean), tuple(cfg.std)
+        except Exception as e:  # noqa: BLE001 - an unknown name falls back, and says so
+            log.warning("no timm preprocessing config for %s (%s); using CLIP mean/std", enc.init.timm, e)
+    elif enc.init.hf:
+        path = os.path.join(enc.init.hf, "preprocessor_config.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                pre = json.load(f)
+            mean, std = tuple(pre.get("image_mean", mean)), tuple(pre.get("image_std", std))
+    return ImageSpec(enc.arch.image_size, tuple(mean), tuple(std), enc.arch.channels)
+
+
+def encoder_feeds(config: MimoConfig) -> list[EncoderFeed]:
+    return [
+        EncoderFeed(name, enc.placeholder, enc.rows_per_image, image_spec(enc), enc.parallel.grid(config.world_size))
+        for name, enc in config.encoders.items()
+    ]
+
+
+def ensure_index(config: MimoConfig, rebuild: bool = False, shards: str | None = None) -> tuple[Index, str]:
+    """The data index, prepared when missing or stale (logged)."""
+    if config.data.source != "webdataset":
+        raise DataError(f"data.source is {config.data.source!r}: there are no shards to index")
+    index, status = prepare(shards or config.data.shards, text_spec(config), workers=config.data.workers, rebuild=rebuild)
+    if status != "loaded":
+        log.info("data index %s", status)
+    return index, status
+
+
+def data_plan(config: MimoConfig, index: Index) -> DataPlan:
+    d = config.data
+    return DataPlan(index, d.tokens_per_microbatch, d.max_sample_tokens, d.seed, d.shuffle)
+
+
+def inspect(config: MimoConfig, batches: int) -> dict:
+    """Read ``batches`` global microbatches through the real reading and packing code, in one
+    process, for every LLM DP block; report counts (DESIGN §2 padding fraction)."""
+    from mimo.data.pack import pack
+    from mimo.data.pipeline import SampleReader, llm_blocks
+
+    index, status = ensure_index(config)
+    plan = data_plan(config, index)
+    spec = text_spec(config)
+    reader = SampleReader(index, spec, encoder_feeds(config))
+    llm = config.llm.parallel
+    rows = dict(spec.rows_per_image)
+    failures: Counter = Counter()
+    read = computed = real = image_rows = 0
+    ratios, dp_tokens = [], []
+    for k in range(batches):
+        samples = plan.microbatch(k)
+        per_rank = []
+        for block in llm_blocks(samples, llm.dp):
+            got = [reader.read(samples[i]) for i in block]
+            failures.update(r.failure for r in got if r.failure)
+            batch = pack([r.item for r in got], rows, llm.tp, llm.cp, llm.sequence_parallel, reader.pad_id)
+            computed += batch.num_tokens
+            per_rank.append(sum(len(r.item.tokens) for r in got))
+            image_rows += sum(int(v.numel()) for v in batch.image_slots.values())
+        read += len(samples)
+        real += sum(per_rank)
+        mean = sum(per_rank) / len(per_rank)
+        ratios.append(max(per_rank) / mean if mean else 1.0)
+        dp_tokens.append(per_rank)
+    return {
+        "index": status,
+        "samples_indexed": len(index.entries),
+        "samples_read": read,
+        "read_failures": dict(failures),
+        "skipped": plan.skipped_counts(),
+        "microbatches": batches,
+        "padding_fraction": round(1 - real / computed, 6) if computed else 0.0,
+        "max_over_mean_tokens_per_dp_rank": round(max(ratios), 4),
+        "mean_tokens_per_dp_rank": round(real / (batches * llm.dp), 2),
+        "image_rows": image_rows,
+    }
