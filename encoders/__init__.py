@@ -1,1 +1,14 @@
-"""Vision encoders (tensor-parallel ViT), projectors and their weight import."""
+"""Vision encoders (tensor-parallel ViT), projectors and their weight import.
+
+Modules (imported by name; this package imports nothing, so ``mimo.encoders.config`` stays
+light for ``check-config``):
+
+* ``config``       -- ``EncoderModuleConfig`` and its parts (``VitArch``, ``VitInit``, ``ProjectorConfig``)
+* ``vit``          -- ``VisionTransformer``: the TP (optionally sequence-parallel) tower
+* ``projector``    -- ``build_projector`` / ``PROJECTORS``: ``mlp2x_gelu``, ``linear``
+* ``model``        -- ``VisionEncoder``: tower + projector from a config, freezing, ``load_pretrained``
+* ``weights``      -- mapping rules, ``ImportedWeights`` (import -> export is exact)
+* ``timm_import``  -- timm ViT / CLIP / SigLIP towers; ``hf_import`` -- HF CLIP / SigLIP checkpoints
+* ``tp_state``     -- full-tensor init / load / gather over TP layers and plain parameters
+* ``verify``       -- ``mimo verify-encoder``: parity with the original model on N ranks
+"""

@@ -191,7 +191,7 @@ def verify_encoder_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_verify_encoder(args: argparse.Namespace) -> dict[str, Any]:
-    from mimo.encoders.verify import EncoderSource, check_request, describe_source, parse_feature_layer, parse_kwargs, summarise, verify_case
+    from mimo.encoders.verify import EncoderSource, check_request, describe_source, parse_feature_layer, parse_kwargs, preflight, summarise, verify_case
     from mimo.launch import WorkerPool
 
     if args.timm is not None:
@@ -205,6 +205,7 @@ def run_verify_encoder(args: argparse.Namespace) -> dict[str, Any]:
     feature_layer = parse_feature_layer(args.feature_layer)
     arch, _ = describe_source(source)  # bad names, missing files, impossible sizes fail here, before any process starts
     arch = check_request(arch, args.tp, feature_layer, args.image_size)
+    preflight(source, arch)
     with WorkerPool(args.tp, timeout_s=args.timeout) as pool:
         results = pool.run(verify_case, source, args.tp, [feature_layer], args.image_size, args.seed, args.images,
                            args.grads, args.sequence_parallel, not args.keep_class_token)
@@ -213,16 +214,6 @@ def run_verify_encoder(args: argparse.Namespace) -> dict[str, Any]:
           f"max_rel_err={report['max_rel_err']:.3e} ({report['worst']}) " + ("ok" if report["ok"] else "MISMATCH"))
     return {"command": "verify-encoder", "source": source.label(), "tp": args.tp, "feature_layer": feature_layer,
             "image_size": arch.image_size, **report}
-
-
-COMMANDS: tuple[Command, ...] = (
-    Command("check-config", "validate a config (and overrides) without starting anything", config_arguments, run_check_config),
-    Command("make-demo-data", "write learnable demo shards and a local tokenizer", make_demo_data_arguments, run_make_demo_data),
-    Command("prepare-data", "index the shards of a config (once; train prepares a missing index itself)", prepare_data_arguments, run_prepare_data),
-    Command("inspect-data", "read packed microbatches through the real pipeline and report counts", inspect_data_arguments, run_inspect_data),
-    Command("verify-bridge", "check a bridge between two layouts against the one-process reference", verify_bridge_arguments, run_verify_bridge),
-    Command("verify-encoder", "check an imported timm / Hugging Face vision tower against the original", verify_encoder_arguments, run_verify_encoder),
-)
 
 
 # ---------------------------------------------------------------- entry point

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"mimo": "mimo", "encoders": "mimo.encoders", "llm": "mimo.llm", "bridges": "mimo.bridges", "data": "mimo.data", "schedules": "mimo.schedules"}
-BASE = {"mimo.grid", "mimo.layout", "mimo.errors", "mimo.batch", "mimo.parallel", "mimo.schema"}
+BASE = {"mimo.grid", "mimo.layout", "mimo.errors", "mimo.batch", "mimo.parallel", "mimo.schema", "mimo.testing"}
 # what each part may import of the project (besides itself)
 ALLOWED = {
     "base": {"base"},

@@ -1,0 +1,288 @@
+"""Encoder verification against the original timm / Hugging Face model (``mimo verify-encoder``, tests).
+
+Every rank of a TP group builds the original (its weights: a checkpoint, or random init from
+a fixed seed, which is checked to agree across ranks), imports its state dict into a mimo
+tower at the requested TP (position embeddings resampled when the image size differs),
+and compares the features on the same random images with the original's own forward
+(timm ``forward_features`` / ``forward_intermediates``, HF ``hidden_states``). Optionally the
+weight gradients of a random linear loss are compared too, gathered to full tensors and
+mapped back to the original's parameter names. Error = ||a - b|| / ||b||, the worst reported.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mimo.encoders.config import VitArch
+from mimo.encoders.tp_state import full_grads
+from mimo.encoders.vit import VisionTransformer, resolve_feature_layer
+from mimo.errors import MimoError
+from mimo.grid import ParallelGrid
+from mimo.testing import rel_err
+
+__all__ = ["EncoderSource", "parse_feature_layer", "parse_kwargs", "describe_source", "check_request", "preflight",
+           "verify_case", "summarise"]
+
+TOL_FP32 = 1e-5
+
+
+@dataclass(frozen=True)
+class EncoderSource:
+    """The original model: a timm name (plus create_model kwargs and an optional weights
+    file), or a Hugging Face directory (its weights, or random init from its config)."""
+
+    kind: str  # "timm" | "hf"
+    name: str  # timm model name, or the HF directory
+    kwargs: dict = field(default_factory=dict)  # timm.create_model overrides (small test models)
+    weights: str | None = None  # timm: a local weights file
+    hf_weights: bool = False  # hf: load the checkpoint's weights (else random from config.json)
+
+    def label(self) -> str:
+        if self.kind == "timm":
+            extra = f" {self.kwargs}" if self.kwargs else ""
+            return f"timm {self.name}{extra}" + (f" weights {self.weights}" if self.weights else "")
+        return f"hf {'checkpoint' if self.hf_weights else 'config'} {self.name}"
+
+
+def parse_feature_layer(text: str) -> int | str:
+    if text == "post_norm":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise MimoError(f"--feature-layer must be an integer or post_norm, got {text!r}") from None
+
+
+def parse_kwargs(text: str | None) -> dict[str, Any]:
+    """``depth=2,embed_dim=48,act_layer=quick_gelu`` -> dict (Python literals, else strings)."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (p.strip() for p in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise MimoError(f"--timm-kwargs item {item!r} must look like name=value")
+        try:
+            out[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            out[key.strip()] = value.strip()
+    return out
+
+
+def describe_source(source: EncoderSource) -> tuple[VitArch, str]:
+    """(architecture, family) of the original, cheaply (timm: a meta-device model; HF: its
+    config); raises MimoError for an unknown name, a missing directory or missing weights."""
+    if source.kind == "timm":
+        from mimo.encoders.timm_import import create_timm_model, timm_arch
+
+        if source.weights is not None and not os.path.isfile(source.weights):
+            raise MimoError(f"weights file {source.weights!r} not found")
+        return timm_arch(create_timm_model(source.name, device="meta", **source.kwargs)), "timm"
+    from mimo.encoders.hf_import import hf_arch, read_hf_config
+
+    family, vision, _ = read_hf_config(source.name)
+    if source.hf_weights and not any(
+        os.path.isfile(os.path.join(source.name, f)) for f in ("model.safetensors", "model.safetensors.index.json")
+    ):
+        raise MimoError(f"{source.name!r} has no model.safetensors (or model.safetensors.index.json); use --hf-config for random weights")
+    return hf_arch(family, vision), family
+
+
+def preflight(source: EncoderSource, arch: VitArch) -> None:
+    """Check a checkpoint against the tower in this process (MimoError naming the first
+    tensor that does not fit), so a bad file fails before any rank starts."""
+    if source.kind == "timm" and source.weights is not None:
+        from mimo.encoders.timm_import import import_timm_state
+        from mimo.encoders.weights import load_state_file
+
+        import_timm_state(load_state_file(source.weights), arch, f"checkpoint {source.weights!r}")
+    elif source.kind == "hf" and source.hf_weights:
+        from mimo.encoders.hf_import import import_hf_state, load_hf_state, read_hf_config
+
+        family, _, _ = read_hf_config(source.name)
+        import_hf_state(load_hf_state(source.name, shapes_only=True), arch, family, f"checkpoint {source.name!r}")
+
+
+def check_request(arch: VitArch, tp: int, feature_layer: int | str, image_size: int | None) -> VitArch:
+    """The tower's arch at ``image_size``; MimoError for a TP size or layer that cannot work."""
+    if tp < 1:
+        raise MimoError(f"--tp must be >= 1, got {tp}")
+    for name in ("heads", "mlp"):
+        if getattr(arch, name) % tp:
+            raise MimoError(f"--tp {tp} does not divide the model's {name} ({getattr(arch, name)})")
+    resolve_feature_layer(arch.layers, feature_layer)
+    if image_size is not None:
+        if image_size < arch.patch or image_size % arch.patch:
+            raise MimoError(f"--image-size {image_size} must be a positive multiple of the patch size {arch.patch}")
+        arch = dataclasses.replace(arch, image_size=image_size)
+    return arch
+
+
+# ---------------------------------------------------------------- on every rank
+
+
+def _build_original(source: EncoderSource, family: str, seed: int):
+    """(model, state dict to import, where) -- the same on every rank."""
+    torch.manual_seed(seed)  # random init must agree across ranks
+    if source.kind == "timm":
+        from mimo.encoders.timm_import import create_timm_model
+        from mimo.encoders.weights import load_state_file
+
+        model = create_timm_model(source.name, **source.kwargs)
+        if source.weights is not None:
+            state = load_state_file(source.weights)
+            model.load_state_dict(state)
+            return model.eval(), state, f"checkpoint {source.weights!r}"
+        return model.eval(), model.state_dict(), f"timm {source.name}"
+    from mimo.encoders.hf_import import build_hf_model, load_hf_state, read_hf_config
+
+    _, vision, _ = read_hf_config(source.name)
+    if source.hf_weights:
+        # the original through HF's own loader; the import reads the files independently
+        return build_hf_model(family, vision, source.name), load_hf_state(source.name), f"checkpoint {source.name!r}"
+    model = build_hf_model(family, vision)
+    return model, model.state_dict(), f"config {source.name!r}"
+
+
+def _import(family: str, state, arch: VitArch, where: str):
+    if family == "timm":
+        from mimo.encoders.timm_import import import_timm_state
+
+        return import_timm_state(state, arch, where)
+    from mimo.encoders.hf_import import import_hf_state
+
+    return import_hf_state(state, arch, family, where)
+
+
+def _reference(source, family, model, state, arch_src: VitArch, arch: VitArch):
+    """A function pixels -> [N, L, D] computing the original's features at ``arch.image_size``."""
+    if family == "timm":
+        from mimo.encoders.timm_import import create_timm_model, timm_features
+
+        if arch.image_size != arch_src.image_size:
+            # timm's own way to run weights at another resolution: a model of that size,
+            # loaded through its checkpoint filter (which resamples the position embedding)
+            from timm.models.vision_transformer import checkpoint_filter_fn
+
+            torch.manual_seed(0)
+            model = create_timm_model(source.name, **{**source.kwargs, "img_size": arch.image_size})
+            model.load_state_dict(checkpoint_filter_fn(dict(state), model))
+            model.eval()
+        return model, lambda px, fl: timm_features(model, px, fl)
+    from mimo.encoders.hf_import import hf_features
+
+    interpolate = arch.image_size != arch_src.image_size
+    return model, lambda px, fl: hf_features(model, family, px, fl, interpolate)
+
+
+def _checksum(state) -> bytes:
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode())
+        h.update(state[k].detach().float().contiguous().cpu().numpy().tobytes())
+    return h.digest()
+
+
+def _check_same_in_group(state, group) -> None:
+    """Random init must agree on every rank of the TP group (all compare with the same original)."""
+    if group is None:
+        return
+    mine = _checksum(state)
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    if any(d != mine for d in everyone):
+        raise MimoError("the original model's weights differ across ranks (non-deterministic initialisation)")
+
+
+def verify_case(
+    source: EncoderSource,
+    tp: int,
+    feature_layers: list,
+    image_size: int | None = None,
+    seed: int = 0,
+    n_images: int = 2,
+    grads: bool = False,
+    sequence_parallel: bool = False,
+    drop_class_token: bool = True,
+) -> dict | None:
+    """Run on every rank of the world (ranks >= tp sit out and return None).
+
+    Returns ``{"errors": {name: rel_err}, "rows": rows of the last case, "resampled": bool}``.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    grid = ParallelGrid({"tp": tp})
+    group = grid.group("tp")  # collective on the whole world the first time
+    arch_src, family = describe_source(source)
+    if rank not in grid:
+        return None
+    arch = check_request(arch_src, tp, feature_layers[0], image_size)
+    model, state, where = _build_original(source, family, seed)
+    _check_same_in_group(state, group)
+    weights = _import(family, state, arch, where)
+    ref_model, reference = _reference(source, family, model, state, arch_src, arch)
+    ref_params = dict(ref_model.named_parameters())
+    prefix = weights.meta.get("prefix", "")
+
+    def ref_name(key: str) -> str | None:
+        if key in ref_params:
+            return key
+        if prefix and key.startswith(prefix) and key[len(prefix):] in ref_params:
+            return key[len(prefix):]
+        return None
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    pixels = torch.randn(n_images, arch.channels, arch.image_size, arch.image_size, generator=gen)
+    errors: dict[str, float] = {}
+    rows = 0
+    for fl in feature_layers:
+        tower = VisionTransformer(arch, fl, drop_class_token=drop_class_token, group=group,
+                                  sequence_parallel=sequence_parallel)
+        tower.load_weights_(weights)
+        with torch.set_grad_enabled(grads):
+            ours_TD = tower(pixels)
+            ref_NLD = reference(pixels, fl)
+            if tower.drop_class_token:
+                ref_NLD = ref_NLD[:, 1:]
+            ref_TD = ref_NLD.reshape(-1, arch.hidden)
+        rows = ours_TD.shape[0]
+        errors[f"features[{fl}]"] = rel_err(ours_TD, ref_TD)
+        if not grads:
+            continue
+        dY = torch.randn(ref_TD.shape, generator=gen)
+        ref_model.zero_grad(set_to_none=True)
+        (ours_TD * dY).sum().backward()
+        (ref_TD * dY).sum().backward()
+        ours = full_grads(tower)
+        for rule in weights.rules:
+            if rule.ours not in ours or (rule.ours == "pos_embed" and weights.resampled and family != "timm"):
+                continue  # HF interpolates inside its forward: its gradient is w.r.t. the old grid
+            # compared as mimo tensors: HF's k_proj.bias alone has a zero gradient in exact
+            # arithmetic (softmax ignores a shift shared by all keys), only rounding noise
+            want = []
+            for key in rule.theirs:
+                name = ref_name(key)
+                if name is None:
+                    raise MimoError(f"no parameter of the original matches {key!r}")
+                p = ref_params[name]
+                want.append(p.grad if p.grad is not None else torch.zeros_like(p))
+            errors[f"grad[{fl}] {rule.ours}"] = rel_err(ours[rule.ours], rule.to_ours(want))
+    return {"errors": errors, "rows": rows, "resampled": bool(weights.resampled)}
+
+
+def summarise(results: list[dict | None], tol: float = TOL_FP32) -> dict:
+    worst, worst_key = 0.0, ""
+    for rank, r in enumerate(results):
+        if not r:
+            continue
+        for key, err in r["errors"].items():
+            if err > worst or not worst_key:
+                worst, worst_key = err, f"rank {rank}: {key}"
+    first = next(r for r in results if r)
+    return {"max_rel_err": worst, "worst": worst_key, "rows": first["rows"], "tol": tol,
+            "ok": bool(worst <= tol)}
