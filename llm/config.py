@@ -9,6 +9,8 @@ config carries concrete numbers:
     mamba_heads     = 2 * hidden // mamba_head_dim   (Mamba-2's expand factor 2)
     gdn_heads       = heads,  gdn_v_heads = gdn_heads
     gdn_head_dim    = head_dim, gdn_v_head_dim = gdn_head_dim
+    qkv_bias, o_bias = attention_bias            (Llama: all four projections; Qwen2 sets
+                                                  qkv_bias only, as Hugging Face does)
 
 A default that does not come out whole (hidden not divisible by heads, ...) stays None and
 ``validate`` asks for it explicitly.
@@ -27,6 +29,29 @@ from mimo.schema import at_least, join_path, tp_divides
 
 
 @dataclass
+class RopeScaling:
+    """RoPE frequency scaling, as Hugging Face's ``rope_parameters`` / ``rope_scaling``.
+
+    ``linear`` divides every frequency by ``factor``; ``llama3`` (Llama 3.1+) scales only the
+    low frequencies and blends the middle band (see ``mimo.llm.rope.inv_freq``).
+    """
+
+    type: Literal["linear", "llama3"]
+    factor: float
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3
+
+    def validate(self, path: str) -> list[str]:
+        problems = [f"{join_path(path, n)}: must be > 0, got {getattr(self, n)}"
+                    for n in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                    if getattr(self, n) <= 0]
+        if self.type == "llama3" and not problems and self.high_freq_factor <= self.low_freq_factor:
+            problems.append(f"{join_path(path, 'high_freq_factor')}: must exceed low_freq_factor={self.low_freq_factor}")
+        return problems
+
+
+@dataclass
 class HybridArch:
     pattern: str  # layer symbols, see mimo.llm.pattern
     hidden: int
@@ -35,11 +60,17 @@ class HybridArch:
     kv_heads: int | None = None
     head_dim: int | None = None
     ffn: int | None = None
-    mlp_act: Literal["swiglu", "relu2"] = "swiglu"  # gated SiLU (Llama, Qwen) or squared ReLU (Nemotron-H)
+    # gated SiLU (Llama, Qwen), squared ReLU (Nemotron-H), or plain GELU (erf)
+    mlp_act: Literal["swiglu", "relu2", "gelu"] = "swiglu"
+    mlp_bias: bool = False  # biases on the MLP projections (Llama's mlp_bias)
     qk_norm: bool = False  # RMSNorm on each query / key head (Qwen3)
-    attention_bias: bool = False
+    attention_bias: bool = False  # default of both flags below
+    qkv_bias: bool | None = None  # biases of the q / k / v projections
+    o_bias: bool | None = None  # bias of the attention output projection (added once, after TP)
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    init_std: float = 0.02  # std of weights at random init (output projections scaled down)
     norm_eps: float = 1e-5
     max_seq_len: int = 4096
     # Mamba-2 (M layers)
@@ -47,11 +78,13 @@ class HybridArch:
     mamba_head_dim: int = 64
     mamba_state: int = 128
     mamba_groups: int = 1  # groups of heads sharing B and C
+    mamba_chunk: int = 128  # tokens per chunk of the torch SSD scan (speed / memory only, same function)
     # Gated DeltaNet (G layers)
     gdn_heads: int | None = None  # query / key heads
     gdn_v_heads: int | None = None  # value heads (a multiple of gdn_heads)
     gdn_head_dim: int | None = None
     gdn_v_head_dim: int | None = None
+    gdn_chunk: int = 64  # tokens per chunk of the torch gated delta rule (speed / memory only)
     conv_kernel: int = 4  # short causal convolution of Mamba-2 and GDN
 
     def __post_init__(self) -> None:
@@ -74,6 +107,10 @@ class HybridArch:
             self.gdn_head_dim = self.head_dim
         if self.gdn_v_head_dim is None:
             self.gdn_v_head_dim = self.gdn_head_dim
+        if self.qkv_bias is None:
+            self.qkv_bias = self.attention_bias
+        if self.o_bias is None:
+            self.o_bias = self.attention_bias
 
     def layer_pattern(self) -> LayerPattern:
         """The parsed pattern (ConfigError if it is malformed)."""
@@ -83,9 +120,9 @@ class HybridArch:
         key = lambda name: join_path(path, name)  # noqa: E731
         problems = at_least(
             self, path, 1, "hidden", "heads", "vocab", "max_seq_len",
-            "mamba_head_dim", "mamba_state", "mamba_groups", "conv_kernel",
+            "mamba_head_dim", "mamba_state", "mamba_groups", "mamba_chunk", "gdn_chunk", "conv_kernel",
         )
-        problems += [f"{key(n)}: must be > 0, got {getattr(self, n)}" for n in ("rope_theta", "norm_eps") if getattr(self, n) <= 0]
+        problems += [f"{key(n)}: must be > 0, got {getattr(self, n)}" for n in ("rope_theta", "norm_eps", "init_std") if getattr(self, n) <= 0]
         if not problems:  # sizes that may be defaults derived from the ones above
             problems = at_least(
                 self, path, 1, "kv_heads", "head_dim", "ffn",

@@ -100,6 +100,41 @@ def run_verify_bridge(args: argparse.Namespace) -> dict[str, Any]:
     return {"command": "verify-bridge", **report}
 
 
+# ---------------------------------------------------------------- verify-llm
+
+
+def verify_llm_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf-config", metavar="DIR", help="a Hugging Face model directory with config.json (random init)")
+    src.add_argument("--hf-checkpoint", metavar="DIR", help="a Hugging Face checkpoint directory (config.json + safetensors)")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--sequence-parallel", action="store_true", help="sequence parallel (with tp > 1)")
+    parser.add_argument("--samples", type=int, default=6, help="random samples in the pack")
+    parser.add_argument("--max-len", type=int, default=20, help="longest sample (lengths are random in 1..max)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tol", type=float, default=1e-5, help="largest allowed ||ours-hf||/||hf|| (fp32)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung rank fails the run")
+
+
+def run_verify_llm(args: argparse.Namespace) -> dict[str, Any]:
+    from mimo.launch import WorkerPool
+    from mimo.llm.verify import check_layout, verify_llm
+
+    if args.tp < 1 or args.pp < 1 or args.samples < 1 or args.max_len < 1:
+        raise UsageError("--tp, --pp, --samples and --max-len must be >= 1")
+    path = args.hf_checkpoint or args.hf_config
+    check_layout(path, args.tp, args.pp, args.sequence_parallel, args.hf_checkpoint is not None)  # before any process starts
+    with WorkerPool(args.tp * args.pp, timeout_s=args.timeout) as pool:
+        report = verify_llm(path, pool, from_checkpoint=args.hf_checkpoint is not None, tp=args.tp, pp=args.pp,
+                            sequence_parallel=args.sequence_parallel, samples=args.samples, max_len=args.max_len,
+                            seed=args.seed, tol=args.tol)
+    print(f"verify-llm {report['model_type']} tp={args.tp} pp={args.pp}: max_rel_err={report['max_rel_err']:.2e} "
+          f"loss_rel_err={report['loss_rel_err']:.2e} export_exact={report['export_exact']} -> "
+          + ("ok" if report["ok"] else "MISMATCH"))
+    return report
+
+
 # ---------------------------------------------------------------- data
 
 
@@ -214,6 +249,34 @@ def run_verify_encoder(args: argparse.Namespace) -> dict[str, Any]:
           f"max_rel_err={report['max_rel_err']:.3e} ({report['worst']}) " + ("ok" if report["ok"] else "MISMATCH"))
     return {"command": "verify-encoder", "source": source.label(), "tp": args.tp, "feature_layer": feature_layer,
             "image_size": arch.image_size, **report}
+
+
+# ---------------------------------------------------------------- train
+
+
+def train_arguments(parser: argparse.ArgumentParser) -> None:
+    config_arguments(parser)
+    parser.add_argument("--run-dir", metavar="DIR", help="metrics, logs, resolved config (default: the parent of train.checkpoint.dir)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds a collective may wait before the run is aborted")
+    parser.add_argument("--stop-at", type=int, metavar="STEP", help="stop cleanly after this step (checkpointed); `mimo train` again resumes")
+    parser.add_argument("--log-every", type=int, default=1, metavar="K", help="a progress line every K steps when stdout is not a terminal")
+
+
+def run_train(args: argparse.Namespace) -> dict[str, Any]:
+    from mimo.train import TrainOptions, train
+
+    return train(args.config, args.overrides, TrainOptions(args.run_dir, args.timeout, args.stop_at, args.log_every))
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("check-config", "validate a config (and overrides) without starting anything", config_arguments, run_check_config),
+    Command("make-demo-data", "write learnable demo shards and a local tokenizer", make_demo_data_arguments, run_make_demo_data),
+    Command("prepare-data", "index the shards of a config (once; train prepares a missing index itself)", prepare_data_arguments, run_prepare_data),
+    Command("inspect-data", "read packed microbatches through the real pipeline and report counts", inspect_data_arguments, run_inspect_data),
+    Command("verify-bridge", "check a bridge between two layouts against the one-process reference", verify_bridge_arguments, run_verify_bridge),
+    Command("verify-encoder", "check an imported timm / Hugging Face vision tower against the original", verify_encoder_arguments, run_verify_encoder),
+    Command("verify-llm", "check the LLM at a TP/PP layout against the Hugging Face model", verify_llm_arguments, run_verify_llm),
+)
 
 
 # ---------------------------------------------------------------- entry point

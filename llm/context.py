@@ -1,0 +1,37 @@
+"""What every layer of an LLM stage sees about the pack it runs on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SeqContext:
+    """Sample boundaries of one rank's pack (THD), shared by all layers of a stage.
+
+    Layers get hidden states ``[T_local, D]`` (with sequence parallelism ``T_local = T / tp``)
+    and gather to the full local sequence ``[T, ...]`` before any sequence mixing; the fields
+    below describe that full sequence. Padding, when present, is its own trailing segment in
+    ``cu_seqlens`` so that no attention, state or convolution crosses into it.
+    """
+
+    cu_seqlens: torch.Tensor  # int32 [N+1], 0 .. T
+    positions: torch.Tensor  # int64 [T], restarting at 0 per segment (RoPE)
+    max_seqlen: int
+
+    @classmethod
+    def from_seqlens(cls, seqlens: list[int], device: torch.device | str = "cpu") -> "SeqContext":
+        cu = torch.tensor([0, *torch.tensor(seqlens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        positions = torch.cat([torch.arange(n, device=device) for n in seqlens]) if seqlens else torch.zeros(0, dtype=torch.int64, device=device)
+        return cls(cu, positions, max(seqlens, default=0))
+
+    @property
+    def seqlens(self) -> list[int]:
+        return torch.diff(self.cu_seqlens).tolist()
+
+    def segment_ids(self) -> torch.Tensor:
+        """``[T]`` index of the segment each position belongs to."""
+        t = int(self.cu_seqlens[-1])
+        return torch.repeat_interleave(torch.arange(len(self.cu_seqlens) - 1, device=self.cu_seqlens.device), torch.diff(self.cu_seqlens).long(), output_size=t)

@@ -1,0 +1,268 @@
+"""Gated DeltaNet layer (``G``) over packed sequences, tensor-parallel over heads.
+
+As flash-linear-attention's ``GatedDeltaNet`` / Qwen3-Next's ``linear_attn``:
+
+    h -> RMSNorm -> q, k, v, z, b, a projections
+         q, k, v -> short causal depthwise convs (reset per sample) -> SiLU
+         q, k L2-normalised per head (q also scaled by 1/sqrt(head_dim))
+         beta = sigmoid(b),  g = -exp(A_log) * softplus(a + dt_bias)          (per value head)
+         o = gated delta rule(q, k, v, g, beta)                               (state reset per sample)
+         o = RMSNorm_per_head(o) * weight * SiLU(z) -> out_proj -> + h
+
+There may be more value heads than query/key heads (a multiple, like GQA): value head j
+reads q/k head ``j // (v_heads / heads)``. TP splits q/k heads and value heads alike, so a
+rank's value heads read only its own q/k heads. The output norm's weight ([v_head_dim]) is
+shared by all heads, hence replicated over TP with its gradient all-reduced.
+
+``gated_delta_chunked`` is the chunked (WY) form with segment masks for sample boundaries
+inside a chunk: within-chunk work is batched matrix algebra over all chunks and heads (one
+triangular solve), and only the [K, V] state is carried across chunks, by a loop over chunks
+of one batched matmul each (the state update is affine in the state).
+
+``impl`` (``mimo.llm.ssm.IMPLS``): "auto" runs flash-linear-attention's chunked kernel (with
+``cu_seqlens``) and causal-conv1d's conv on CUDA in bf16/fp16 when installed and working, else
+the torch path; "chunked" is the torch path; "naive" the per-token oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mimo.errors import LayoutError
+from mimo.llm.config import HybridArch
+from mimo.llm.context import SeqContext
+from mimo.llm.norm import RMSNorm
+from mimo.llm.params import init_params_, param_table
+from mimo.llm.recurrence import conv1d_naive, gated_delta_naive
+from mimo.llm.ssm import causal_conv1d, find_kernel, init_constant, init_conv, init_dt_bias, init_uniform_log, segments, segsum
+from mimo.parallel import RowParallelLinear, ShardSpec, TPModule, copy_to_group, gather_seq, group_size
+
+__all__ = ["GDNConfig", "gated_delta_chunked", "l2norm", "GatedDeltaNetMixer", "GatedDeltaNet", "build_gdn"]
+
+
+@dataclass(frozen=True)
+class GDNConfig:
+    hidden: int
+    heads: int  # query / key heads
+    v_heads: int  # value heads, a multiple of heads
+    head_dim: int
+    v_head_dim: int
+    conv_kernel: int = 4
+    norm_eps: float = 1e-5
+    chunk: int = 64
+
+    @classmethod
+    def from_arch(cls, arch: HybridArch) -> "GDNConfig":
+        return cls(arch.hidden, arch.gdn_heads, arch.gdn_v_heads, arch.gdn_head_dim, arch.gdn_v_head_dim,
+                   arch.conv_kernel, arch.norm_eps, arch.gdn_chunk)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (fla's and Qwen3-Next's l2norm)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_chunked(
+    q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor, beta_TH: torch.Tensor,
+    seg_T: torch.Tensor, chunk: int,
+) -> torch.Tensor:
+    """The gated delta rule over a packed sequence, by chunks of ``chunk`` tokens.
+
+    Per head, with S [K, V] reset to zero at each change of ``seg_T``:
+    ``S <- exp(g_t) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T q_t``.
+    q, k already normalised (and q scaled), heads already matched (q, k, v all have H heads).
+
+    Within a chunk, with Gamma[i, j] the decay from j to i when both are in one sample, the
+    deltas d = beta (v - S_prev^T k) solve ``(I + tril(beta k k^T * Gamma, -1)) d = beta v -
+    beta exp(gc) k S_in`` (S_in: the state entering the chunk, seen only by tokens that
+    continue the previous chunk's last sample); then ``o = (q k^T * Gamma) d + exp(gc) q S_in``
+    and the chunk's last sample leaves ``S_out = [no boundary] exp(gc_last) S_in +
+    sum_j Gamma[last, j] k_j d_j^T``, an affine map of S_in: the loop over chunks carries the
+    state with one batched matmul per chunk, and everything else is batched over all chunks.
+    """
+    t, n_heads, dk = q_THK.shape
+    dv = v_THV.shape[-1]
+    if t == 0:
+        return v_THV.new_zeros(v_THV.shape)
+    pad = -t % chunk
+    if pad:  # padding: its own segment (-1), k = v = 0, no decay: it changes nothing
+        q_THK, k_THK, v_THV = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q_THK, k_THK, v_THV))
+        g_TH, beta_TH = F.pad(g_TH, (0, 0, 0, pad)), F.pad(beta_TH, (0, 0, 0, pad))
+        seg_T = F.pad(seg_T, (0, pad), value=-1)
+    nc, q = (t + pad) // chunk, chunk
+    # [c, h, l, .] layout: batched matmuls over (chunk, head)
+    q_chlk, k_chlk = (x.reshape(nc, q, n_heads, dk).transpose(1, 2) for x in (q_THK, k_THK))
+    v_chlv = v_THV.reshape(nc, q, n_heads, dv).transpose(1, 2)
+    g_chl, beta_chl = (x.reshape(nc, q, n_heads).transpose(1, 2) for x in (g_TH, beta_TH))
+    seg_cl = seg_T.reshape(nc, q)
+
+    causal = torch.ones(q, q, dtype=torch.bool, device=seg_T.device).tril()
+    same_cij = (seg_cl[:, :, None] == seg_cl[:, None, :]) & causal
+    gamma_chij = torch.exp(segsum(g_chl).masked_fill(~same_cij[:, None], float("-inf")))
+    seg_last_c = seg_cl[:, -1]
+    seg_in_c = torch.cat([seg_last_c.new_full((1,), -2), seg_last_c[:-1]])
+    cont_cl = seg_cl == seg_in_c[:, None]  # continues the previous chunk's last sample
+    decay_in_chl = torch.exp(g_chl.cumsum(-1)) * cont_cl[:, None]
+
+    kb_chlk = k_chlk * beta_chl.unsqueeze(-1)
+    a_chij = (kb_chlk @ k_chlk.transpose(-1, -2) * gamma_chij).tril(-1)
+    eye = torch.eye(q, dtype=a_chij.dtype, device=a_chij.device)
+    rhs = torch.cat([v_chlv * beta_chl.unsqueeze(-1), kb_chlk * decay_in_chl.unsqueeze(-1)], dim=-1)
+    uw = torch.linalg.solve_triangular(eye + a_chij, rhs, upper=False, unitriangular=True)
+    u_chlv, w_chlk = uw.split([dv, dk], dim=-1)  # deltas = u - w S_in
+
+    # the state is linear in itself across chunks: S_out = M S_in + b, with
+    #   M = carry I - sum_j k_end_j w_j^T,   b = sum_j k_end_j u_j^T   (k_end: decay to the chunk end)
+    k_end_chkl = (k_chlk * gamma_chij[..., -1, :].unsqueeze(-1)).transpose(-1, -2)
+    carry_ch = torch.exp(g_chl.sum(-1)) * (seg_last_c == seg_in_c)[:, None]
+    eye_k = torch.eye(dk, dtype=k_chlk.dtype, device=k_chlk.device)
+    M_chkk = carry_ch[..., None, None] * eye_k - k_end_chkl @ w_chlk
+    b_chkv = k_end_chkl @ u_chlv
+    s_hkv = v_THV.new_zeros(n_heads, dk, dv)
+    states_in = []
+    # a loop over chunks (T/chunk steps, one batched matmul each), not tokens; unbind once,
+    # as indexing [c] would cost a full-size zeros + add per chunk in backward
+    for M_hkk, b_hkv in zip(M_chkk.unbind(0), b_chkv.unbind(0)):
+        states_in.append(s_hkv)
+        s_hkv = torch.baddbmm(b_hkv, M_hkk, s_hkv)
+    s_in_chkv = torch.stack(states_in)
+
+    d_chlv = u_chlv - w_chlk @ s_in_chkv  # the deltas
+    attn_chij = q_chlk @ k_chlk.transpose(-1, -2) * gamma_chij
+    o_chlv = (q_chlk * decay_in_chl.unsqueeze(-1)) @ s_in_chkv + attn_chij @ d_chlv
+    return o_chlv.transpose(1, 2).reshape(nc * q, n_heads, dv)[:t]
+
+
+class GatedDeltaNetMixer(TPModule):
+    """The Gated DeltaNet mixer on normed input, projections ... out_proj (no pre-norm, no residual).
+
+    Parameters (full shapes; dq = heads * head_dim, dv = v_heads * v_head_dim):
+    ``in_{q,k}_weight`` [dq, D], ``in_{v,z}_weight`` [dv, D], ``in_{b,a}_weight`` [v_heads, D];
+    ``conv_{q,k,v}_weight`` [., K] (no bias, as fla / Qwen3-Next); ``dt_bias``, ``A_log``
+    [v_heads]; ``norm_weight`` [v_head_dim] (replicated); ``out_proj.weight`` [D, dv].
+    """
+
+    def __init__(self, cfg: GDNConfig, group=None, sequence_parallel: bool = False, impl: str = "auto"):
+        super().__init__(group)
+        tp = self.tp_size
+        if cfg.heads % tp or cfg.v_heads % tp or cfg.v_heads % cfg.heads:
+            raise LayoutError(f"Gated DeltaNet: tp={tp} must divide heads={cfg.heads} and v_heads={cfg.v_heads}, "
+                              f"and heads must divide v_heads")
+        self.cfg, self.impl = cfg, impl
+        self.sequence_parallel = sequence_parallel and tp > 1
+        self.heads_local, self.v_heads_local = cfg.heads // tp, cfg.v_heads // tp
+        dq, dv, k = cfg.heads * cfg.head_dim, cfg.v_heads * cfg.v_head_dim, cfg.conv_kernel
+        self._specs = {
+            "in_q_weight": ShardSpec((dq, cfg.hidden), 0),
+            "in_k_weight": ShardSpec((dq, cfg.hidden), 0),
+            "in_v_weight": ShardSpec((dv, cfg.hidden), 0),
+            "in_z_weight": ShardSpec((dv, cfg.hidden), 0),
+            "in_b_weight": ShardSpec((cfg.v_heads, cfg.hidden), 0),
+            "in_a_weight": ShardSpec((cfg.v_heads, cfg.hidden), 0),
+            "conv_q_weight": ShardSpec((dq, k), 0),
+            "conv_k_weight": ShardSpec((dq, k), 0),
+            "conv_v_weight": ShardSpec((dv, k), 0),
+            "dt_bias": ShardSpec((cfg.v_heads,), 0),
+            "A_log": ShardSpec((cfg.v_heads,), 0),
+            "norm_weight": ShardSpec((cfg.v_head_dim,), None),
+        }
+        for name, spec in self._specs.items():
+            self.register_parameter(name, self._new_param(spec, None, None))
+        self.out_proj = RowParallelLinear(dv, cfg.hidden, bias=False, group=group, input_is_parallel=True,
+                                          sequence_parallel=self.sequence_parallel)
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        return self._specs
+
+    def param_init(self, name: str):
+        """Init rules for ``mimo.llm.params`` (as fla); None: N(0, std) projections."""
+        if name.startswith("conv_"):
+            return init_conv(self.cfg.conv_kernel)
+        return {"dt_bias": init_dt_bias(), "A_log": init_uniform_log(0.0, 16.0),
+                "norm_weight": init_constant(1.0)}.get(name)
+
+    def forward(self, x_TD: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        cfg = self.cfg
+        x_TD = gather_seq(x_TD, self.group) if self.sequence_parallel else copy_to_group(x_TD, self.group)
+        t, hl, vhl = x_TD.shape[0], self.heads_local, self.v_heads_local
+        dql, dvl = hl * cfg.head_dim, vhl * cfg.v_head_dim
+        w = torch.cat([self.in_q_weight, self.in_k_weight, self.in_v_weight, self.in_z_weight, self.in_b_weight, self.in_a_weight])
+        qkv_TC, z_TC, b_TH, a_TH = F.linear(x_TD, w).split([2 * dql + dvl, dvl, vhl, vhl], dim=-1)
+
+        seg_T, offset_T = segments(ctx.cu_seqlens, t)
+        conv_w = torch.cat([self.conv_q_weight, self.conv_k_weight, self.conv_v_weight])
+        qkv_TC = self._conv(qkv_TC, conv_w, seg_T, offset_T, ctx)
+        q_TC, k_TC, v_TC = qkv_TC.split([dql, dql, dvl], dim=-1)
+
+        cdt = torch.promote_types(x_TD.dtype, torch.float32)  # the recurrence and norms run in fp32 at least
+        q_THK = l2norm(q_TC.reshape(t, hl, cfg.head_dim).to(cdt)) * cfg.head_dim ** -0.5
+        k_THK = l2norm(k_TC.reshape(t, hl, cfg.head_dim).to(cdt))
+        v_THV = v_TC.reshape(t, vhl, cfg.v_head_dim).to(cdt)
+        beta_TH = torch.sigmoid(b_TH.to(cdt))
+        g_TH = -torch.exp(self.A_log.to(cdt)) * F.softplus(a_TH.to(cdt) + self.dt_bias.to(cdt))
+        if vhl != hl:  # value head j reads q/k head j // (v_heads / heads)
+            q_THK, k_THK = (x.repeat_interleave(vhl // hl, dim=1) for x in (q_THK, k_THK))
+        o_THV = self._rule(q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, ctx, x_TD).to(cdt)
+
+        # per-head RMSNorm, weight, then gate (fla / Qwen3-Next order: norm before gate)
+        o_THV = o_THV * torch.rsqrt(o_THV.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
+        o_THV = o_THV * copy_to_group(self.norm_weight, self.group).to(cdt)  # shared by heads split over TP
+        o_THV = o_THV * F.silu(z_TC.to(cdt)).reshape(t, vhl, cfg.v_head_dim)
+        return self.out_proj(o_THV.reshape(t, dvl).to(x_TD.dtype))
+
+    def _conv(self, x_TC, w_CK, seg_T, offset_T, ctx):
+        if self.impl == "naive":
+            return F.silu(conv1d_naive(x_TC, w_CK, None, ctx.cu_seqlens))
+        fn = find_kernel("conv", self.impl, x_TC)
+        if fn is not None:  # channel-last [1, C, T] view; seq_idx restarts the conv per sample
+            y = fn(x_TC.unsqueeze(0).transpose(1, 2), w_CK, None, seq_idx=seg_T.to(torch.int32).unsqueeze(0), activation="silu")
+            return y.transpose(1, 2).squeeze(0)
+        return F.silu(causal_conv1d(x_TC, w_CK, None, offset_T))
+
+    def _rule(self, q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, ctx, x_TD):
+        if self.impl == "naive":
+            return gated_delta_naive(q_THK, k_THK, v_THV, g_TH, beta_TH, ctx.cu_seqlens)
+        fn = find_kernel("gated_delta", self.impl, x_TD)
+        if fn is None and self.impl == "kernel":
+            raise RuntimeError("Gated DeltaNet impl='kernel' needs the flash-linear-attention (fla) package (and CUDA)")
+        if fn is not None:  # inputs in the layer's dtype, gates in fp32; q is already scaled
+            dt = x_TD.dtype
+            o, _ = fn(q_THK.to(dt).unsqueeze(0), k_THK.to(dt).unsqueeze(0), v_THV.to(dt).unsqueeze(0),
+                      g_TH.unsqueeze(0), beta_TH.to(dt).unsqueeze(0), scale=1.0,
+                      cu_seqlens=ctx.cu_seqlens.to(device=q_THK.device, dtype=torch.long))
+            return o.squeeze(0)
+        return gated_delta_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, self.cfg.chunk)
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return (f"heads={c.heads} (local {self.heads_local}), v_heads={c.v_heads} (local {self.v_heads_local}), "
+                f"head_dim={c.head_dim}, v_head_dim={c.v_head_dim}, chunk={c.chunk}, "
+                f"sequence_parallel={self.sequence_parallel}, impl={self.impl}")
+
+
+class GatedDeltaNet(nn.Module):
+    """``forward(h_TD, ctx) -> h_TD``: ``h + mixer(norm(h))`` (``[T/tp, D]`` blocks under SP)."""
+
+    def __init__(self, cfg: GDNConfig, tp_group=None, sequence_parallel: bool = False, impl: str = "auto"):
+        super().__init__()
+        sp = sequence_parallel and group_size(tp_group) > 1
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, grad_group=tp_group if sp else None)
+        self.mixer = GatedDeltaNetMixer(cfg, tp_group, sp, impl)
+
+    def init_weights(self, seed: int, std: float, out_std: float | None = None) -> None:
+        """TP-invariant: each parameter from ``param_seed(seed, its name in this layer)``;
+        projections N(0, std) (``out_proj``: ``out_std``), the rest by the mixer's ``param_init``."""
+        init_params_(param_table(self), seed, std, {"mixer.out_proj.weight": std if out_std is None else out_std})
+
+    def forward(self, h_TD: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        return h_TD + self.mixer(self.norm(h_TD), ctx)
+
+
+def build_gdn(arch: HybridArch, spec, tp_group=None, sequence_parallel: bool = False) -> GatedDeltaNet:
+    """Builder of the ``"gdn"`` layer kind (``mimo.llm.blocks.PROVIDERS`` names it)."""
+    return GatedDeltaNet(GDNConfig.from_arch(arch), tp_group, sequence_parallel)
+

@@ -1,0 +1,272 @@
+"""Mamba-2 layer (``M``) over packed sequences, tensor-parallel over heads.
+
+    h -> RMSNorm -> in_proj -> [z | x B C | dt]
+         x B C -> causal depthwise conv (reset per sample) -> SiLU
+         y = SSD(x, softplus(dt + dt_bias), A = -exp(A_log), B, C) + D x      (state reset per sample)
+         y = RMSNorm_grouped(y * SiLU(z)) -> out_proj -> + h
+
+Tensor parallelism splits the heads (z, x, dt, A_log, D, dt_bias, norm and out_proj columns).
+B and C belong to ``groups`` groups of heads: when tp divides the groups they are split with
+their heads; otherwise every rank computes all groups (replicated weights whose gradient is
+all-reduced) and each head reads its own group's B and C. The gated norm normalises over
+groups of d_inner/groups channels as Mamba-2 does; when a group spans TP ranks its mean square
+is summed over the group's ranks, so every TP size computes the one-process function.
+
+The chunked SSD (``ssd_chunked``) handles sample boundaries inside a chunk with segment masks
+(as mamba_ssm's ``seq_idx``): within a chunk a token only sees tokens of its own sample, and
+the state carried between chunks stops at a boundary. No loop over tokens or chunks.
+
+``impl`` (``mimo.llm.ssm.IMPLS``): "auto" runs mamba_ssm's SSD kernel and causal-conv1d's conv
+(both with ``seq_idx``) on CUDA in bf16/fp16 when installed and working, else the torch path;
+"chunked" is the torch path; "naive" the per-token oracle of ``mimo.llm.recurrence``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mimo.errors import LayoutError
+from mimo.llm.config import HybridArch
+from mimo.llm.context import SeqContext
+from mimo.llm.norm import RMSNorm
+from mimo.llm.params import init_params_, param_table
+from mimo.llm.recurrence import conv1d_naive, ssd_naive
+from mimo.llm.ssm import causal_conv1d, find_kernel, init_constant, init_conv, init_dt_bias, init_uniform_log, segments, segsum
+from mimo.parallel import RowParallelLinear, ShardSpec, TPModule, copy_to_group, gather_seq, group_size, reduce_from_group
+
+__all__ = ["Mamba2Config", "ssd_chunked", "Mamba2Mixer", "Mamba2", "build_mamba2"]
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    hidden: int
+    heads: int
+    head_dim: int
+    state: int
+    groups: int = 1
+    conv_kernel: int = 4
+    norm_eps: float = 1e-5
+    chunk: int = 128
+
+    @classmethod
+    def from_arch(cls, arch: HybridArch) -> "Mamba2Config":
+        return cls(arch.hidden, arch.mamba_heads, arch.mamba_head_dim, arch.mamba_state, arch.mamba_groups,
+                   arch.conv_kernel, arch.norm_eps, arch.mamba_chunk)
+
+
+def ssd_chunked(
+    x_THP: torch.Tensor, dt_TH: torch.Tensor, A_H: torch.Tensor, B_TGN: torch.Tensor, C_TGN: torch.Tensor,
+    seg_T: torch.Tensor, chunk: int,
+) -> torch.Tensor:
+    """Mamba-2's SSM (without the D skip) over a packed sequence, by chunks of ``chunk`` tokens.
+
+    ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``, ``y_t = h_t C_t``, with h reset to zero at
+    each change of ``seg_T``. Head h reads group ``h // (H/G)``. Shapes: x [T,H,P], dt [T,H]
+    (after softplus), A [H], B and C [T,G,N], seg [T] (nondecreasing segment ids).
+    """
+    t, n_heads, p = x_THP.shape
+    n_groups, n = B_TGN.shape[1:]
+    e = n_heads // n_groups  # heads per group
+    if t == 0:
+        return x_THP.new_zeros(x_THP.shape)
+    pad = -t % chunk
+    if pad:  # padding is a segment of its own (id -1) with dt = 0, x = 0: it changes nothing
+        x_THP, B_TGN, C_TGN = (F.pad(v, (0, 0, 0, 0, 0, pad)) for v in (x_THP, B_TGN, C_TGN))
+        dt_TH = F.pad(dt_TH, (0, 0, 0, pad))
+        seg_T = F.pad(seg_T, (0, pad), value=-1)
+    nc, q = (t + pad) // chunk, chunk
+    x_clgep = x_THP.reshape(nc, q, n_groups, e, p)
+    dt_clge = dt_TH.reshape(nc, q, n_groups, e)
+    B_clgn, C_clgn = B_TGN.reshape(nc, q, n_groups, n), C_TGN.reshape(nc, q, n_groups, n)
+    seg_cl = seg_T.reshape(nc, q)
+    xdt_clgep = x_clgep * dt_clge.unsqueeze(-1)
+    a_cgel = (dt_clge * A_H.reshape(n_groups, e)).permute(0, 2, 3, 1)  # log-decay of each step
+
+    # 1. within a chunk: L[i, j] = decay from j to i when i, j are in the same sample (j <= i)
+    causal = torch.ones(q, q, dtype=torch.bool, device=seg_T.device).tril()
+    same_cij = (seg_cl[:, :, None] == seg_cl[:, None, :]) & causal
+    L_cgeij = torch.exp(segsum(a_cgel).masked_fill(~same_cij[:, None, None], float("-inf")))
+    CB_cgij = torch.einsum("cign,cjgn->cgij", C_clgn, B_clgn)
+    y_clgep = torch.einsum("cgeij,cjgep->cigep", L_cgeij * CB_cgij.unsqueeze(2), xdt_clgep)
+
+    # 2. state each chunk leaves from its own tokens; only its last sample carries on.
+    #    L's last row is exactly "decay to the chunk end, if in the last sample".
+    to_end_cjge = L_cgeij[..., -1, :].permute(0, 3, 1, 2)
+    S_cgepn = torch.einsum("cjgn,cjgep->cgepn", B_clgn, xdt_clgep * to_end_cjge.unsqueeze(-1))
+
+    # 3. state at each chunk end: sum over earlier chunks whose last sample is still running
+    seg_last_c = seg_cl[:, -1]
+    a_gec = a_cgel.sum(-1).permute(1, 2, 0)
+    same_zc = (seg_last_c[:, None] == seg_last_c[None, :]) & torch.ones(nc, nc, dtype=torch.bool, device=seg_T.device).tril()
+    carry_gezc = torch.exp(segsum(a_gec).masked_fill(~same_zc, float("-inf")))
+    S_end_zgepn = torch.einsum("gezc,cgepn->zgepn", carry_gezc, S_cgepn)
+
+    # 4. tokens continuing the previous chunk's last sample read the state it left
+    S_in_cgepn = torch.cat([torch.zeros_like(S_end_zgepn[:1]), S_end_zgepn[:-1]])
+    seg_in_c = torch.cat([seg_last_c.new_full((1,), -2), seg_last_c[:-1]])
+    cont_cl = seg_cl == seg_in_c[:, None]
+    decay_in_clge = torch.exp(a_cgel.cumsum(-1)).permute(0, 3, 1, 2) * cont_cl[:, :, None, None]
+    y_clgep = y_clgep + torch.einsum("clgn,cgepn->clgep", C_clgn, S_in_cgepn) * decay_in_clge.unsqueeze(-1)
+    return y_clgep.reshape(nc * q, n_heads, p)[:t]
+
+
+class Mamba2Mixer(TPModule):
+    """The Mamba-2 mixer on normed input, in_proj ... out_proj (no pre-norm, no residual).
+
+    Parameters (full shapes; d = heads * head_dim, bc = groups * state): ``in_{z,x}_weight``
+    [d, D], ``in_{B,C}_weight`` [bc, D], ``in_dt_weight`` [heads, D] (Mamba-2's in_proj, row
+    blocks z | x | B | C | dt); ``conv_{x,B,C}_weight`` [., K] and ``conv_{x,B,C}_bias`` (its
+    conv1d over x B C); ``dt_bias``, ``A_log``, ``D`` [heads]; ``norm_weight`` [d];
+    ``out_proj.weight`` [D, d].
+    """
+
+    def __init__(self, cfg: Mamba2Config, group=None, sequence_parallel: bool = False, impl: str = "auto"):
+        super().__init__(group)
+        tp = self.tp_size
+        if cfg.heads % tp or cfg.heads % cfg.groups:
+            raise LayoutError(f"Mamba-2: heads={cfg.heads} must be divisible by tp={tp} and by groups={cfg.groups}")
+        self.cfg, self.impl = cfg, impl
+        self.sequence_parallel = sequence_parallel and tp > 1
+        d_inner, bc = cfg.heads * cfg.head_dim, cfg.groups * cfg.state
+        self.heads_local = cfg.heads // tp
+        self.d_local = self.heads_local * cfg.head_dim
+        self.bc_sharded = cfg.groups % tp == 0  # B, C split with their heads; else replicated
+        self.bc_local = (bc // tp) if self.bc_sharded else bc
+        bc_dim = 0 if self.bc_sharded else None
+        # global index of the group each local head belongs to (reads B, C of; norms with)
+        first_head = self.tp_rank * self.heads_local
+        head_group = (torch.arange(self.heads_local) + first_head) // (cfg.heads // cfg.groups)
+        self.register_buffer("head_group", head_group, persistent=False)
+        k = cfg.conv_kernel
+        self._specs = {
+            "in_z_weight": ShardSpec((d_inner, cfg.hidden), 0),
+            "in_x_weight": ShardSpec((d_inner, cfg.hidden), 0),
+            "in_B_weight": ShardSpec((bc, cfg.hidden), bc_dim),
+            "in_C_weight": ShardSpec((bc, cfg.hidden), bc_dim),
+            "in_dt_weight": ShardSpec((cfg.heads, cfg.hidden), 0),
+            "conv_x_weight": ShardSpec((d_inner, k), 0),
+            "conv_B_weight": ShardSpec((bc, k), bc_dim),
+            "conv_C_weight": ShardSpec((bc, k), bc_dim),
+            "conv_x_bias": ShardSpec((d_inner,), 0),
+            "conv_B_bias": ShardSpec((bc,), bc_dim),
+            "conv_C_bias": ShardSpec((bc,), bc_dim),
+            "dt_bias": ShardSpec((cfg.heads,), 0),
+            "A_log": ShardSpec((cfg.heads,), 0),
+            "D": ShardSpec((cfg.heads,), 0),
+            "norm_weight": ShardSpec((d_inner,), 0),
+        }
+        for name, spec in self._specs.items():
+            self.register_parameter(name, self._new_param(spec, None, None))
+        self.out_proj = RowParallelLinear(d_inner, cfg.hidden, bias=False, group=group, input_is_parallel=True,
+                                          sequence_parallel=self.sequence_parallel)
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        return self._specs
+
+    def param_init(self, name: str):
+        """Init rules for ``mimo.llm.params`` (as mamba_ssm); None: N(0, std) projections."""
+        if name.startswith("conv_"):
+            return init_conv(self.cfg.conv_kernel)
+        return {"dt_bias": init_dt_bias(), "A_log": init_uniform_log(1.0, 16.0),
+                "D": init_constant(1.0), "norm_weight": init_constant(1.0)}.get(name)
+
+    def _rep(self, p: torch.Tensor) -> torch.Tensor:
+        # replicated B/C weights feed only this rank's heads: all-reduce their (partial) grads
+        return p if self.bc_sharded else copy_to_group(p, self.group)
+
+    def forward(self, x_TD: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        cfg, rep = self.cfg, self._rep
+        x_TD = gather_seq(x_TD, self.group) if self.sequence_parallel else copy_to_group(x_TD, self.group)
+        t, dl, bcl, hl = x_TD.shape[0], self.d_local, self.bc_local, self.heads_local
+        w = torch.cat([self.in_z_weight, self.in_x_weight, rep(self.in_B_weight), rep(self.in_C_weight), self.in_dt_weight])
+        z_TC, xbc_TC, dt_TH = F.linear(x_TD, w).split([dl, dl + 2 * bcl, hl], dim=-1)
+
+        seg_T, offset_T = segments(ctx.cu_seqlens, t)
+        conv_w = torch.cat([self.conv_x_weight, rep(self.conv_B_weight), rep(self.conv_C_weight)])
+        conv_b = torch.cat([self.conv_x_bias, rep(self.conv_B_bias), rep(self.conv_C_bias)])
+        xbc_TC = self._conv(xbc_TC, conv_w, conv_b, seg_T, offset_T, ctx)
+        x_TC, B_TC, C_TC = xbc_TC.split([dl, bcl, bcl], dim=-1)
+
+        cdt = torch.promote_types(x_TD.dtype, torch.float32)  # the scan and norms run in fp32 at least
+        x_THP = x_TC.reshape(t, hl, cfg.head_dim)
+        B_TGN, C_TGN = (v.reshape(t, bcl // cfg.state, cfg.state) for v in (B_TC, C_TC))
+        if not self.bc_sharded:  # each local head reads its own group's B, C
+            B_TGN, C_TGN = B_TGN[:, self.head_group], C_TGN[:, self.head_group]
+        dt_TH = F.softplus(dt_TH.to(cdt) + self.dt_bias.to(cdt))
+        A_H = -torch.exp(self.A_log.to(cdt))
+        y_THP = self._scan(x_THP, dt_TH, A_H, B_TGN, C_TGN, seg_T, ctx, cdt)
+        y_THP = y_THP + x_THP.to(cdt) * self.D.to(cdt)[:, None]
+
+        y_TC = self._gated_norm(y_THP, z_TC.to(cdt)).to(x_TD.dtype)
+        return self.out_proj(y_TC)
+
+    def _conv(self, xbc_TC, w_CK, b_C, seg_T, offset_T, ctx):
+        if self.impl == "naive":
+            return F.silu(conv1d_naive(xbc_TC, w_CK, b_C, ctx.cu_seqlens))
+        fn = find_kernel("conv", self.impl, xbc_TC)
+        if fn is not None:  # channel-last [1, C, T] view; seq_idx restarts the conv per sample
+            y = fn(xbc_TC.unsqueeze(0).transpose(1, 2), w_CK, b_C, seq_idx=seg_T.to(torch.int32).unsqueeze(0), activation="silu")
+            return y.transpose(1, 2).squeeze(0)
+        return F.silu(causal_conv1d(xbc_TC, w_CK, b_C, offset_T))
+
+    def _scan(self, x_THP, dt_TH, A_H, B_TGN, C_TGN, seg_T, ctx, cdt):
+        if self.impl == "naive":
+            return ssd_naive(x_THP.to(cdt), dt_TH, A_H, B_TGN.to(cdt), C_TGN.to(cdt), ctx.cu_seqlens)
+        fn = find_kernel("ssd", self.impl, x_THP)
+        if fn is None and self.impl == "kernel":
+            raise RuntimeError("Mamba-2 impl='kernel' needs the mamba_ssm package (and CUDA)")
+        if fn is not None:  # seq_idx: the kernel's own segment masks
+            y = fn(x_THP.unsqueeze(0), dt_TH.unsqueeze(0), A_H, B_TGN.unsqueeze(0), C_TGN.unsqueeze(0),
+                   chunk_size=self.cfg.chunk, seq_idx=seg_T.to(torch.int32).unsqueeze(0))
+            return y.squeeze(0).to(cdt)
+        return ssd_chunked(x_THP.to(cdt), dt_TH, A_H, B_TGN.to(cdt), C_TGN.to(cdt), seg_T, self.cfg.chunk)
+
+    def _gated_norm(self, y_THP: torch.Tensor, z_TC: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(y * SiLU(z)) over groups of d/groups channels (mamba_ssm's norm_before_gate=False)."""
+        t, hl, p = y_THP.shape
+        y_THP = y_THP * F.silu(z_TC).reshape(t, hl, p)
+        per_group = self.cfg.heads // self.cfg.groups  # heads in one norm group
+        ss_TH = y_THP.pow(2).sum(-1)
+        if self.bc_sharded:  # whole groups live on this rank
+            ms_TG = ss_TH.reshape(t, hl // per_group, per_group).sum(-1) / (per_group * p)
+            ms_TH = ms_TG.repeat_interleave(per_group, dim=1)
+        else:  # a group spans TP ranks: sum its squares over the group (all-reduce forward and backward)
+            ss_TG = ss_TH.new_zeros(t, self.cfg.groups).index_add(1, self.head_group, ss_TH)
+            ss_TG = reduce_from_group(copy_to_group(ss_TG, self.group), self.group)
+            ms_TH = ss_TG[:, self.head_group] / (per_group * p)
+        y_THP = y_THP * torch.rsqrt(ms_TH + self.cfg.norm_eps).unsqueeze(-1)
+        return y_THP.reshape(t, hl * p) * self.norm_weight.to(y_THP.dtype)
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return (f"heads={c.heads} (local {self.heads_local}), head_dim={c.head_dim}, state={c.state}, "
+                f"groups={c.groups} ({'sharded' if self.bc_sharded else 'replicated'}), chunk={c.chunk}, "
+                f"sequence_parallel={self.sequence_parallel}, impl={self.impl}")
+
+
+class Mamba2(nn.Module):
+    """``forward(h_TD, ctx) -> h_TD``: ``h + mixer(norm(h))`` (``[T/tp, D]`` blocks under SP)."""
+
+    def __init__(self, cfg: Mamba2Config, tp_group=None, sequence_parallel: bool = False, impl: str = "auto"):
+        super().__init__()
+        sp = sequence_parallel and group_size(tp_group) > 1
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, grad_group=tp_group if sp else None)
+        self.mixer = Mamba2Mixer(cfg, tp_group, sp, impl)
+
+    def init_weights(self, seed: int, std: float, out_std: float | None = None) -> None:
+        """TP-invariant: each parameter from ``param_seed(seed, its name in this layer)``;
+        projections N(0, std) (``out_proj``: ``out_std``), the rest by the mixer's ``param_init``."""
+        init_params_(param_table(self), seed, std, {"mixer.out_proj.weight": std if out_std is None else out_std})
+
+    def forward(self, h_TD: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+        return h_TD + self.mixer(self.norm(h_TD), ctx)
+
+
+def build_mamba2(arch: HybridArch, spec, tp_group=None, sequence_parallel: bool = False) -> Mamba2:
+    """Builder of the ``"mamba"`` layer kind (``mimo.llm.blocks.PROVIDERS`` names it)."""
+    return Mamba2(Mamba2Config.from_arch(arch), tp_group, sequence_parallel)
+

@@ -1,0 +1,274 @@
+"""Pipeline stages of the hybrid LLM.
+
+An ``LLMStage`` runs its slice of the pattern's layers on one rank's pack. The first stage
+also owns the token embedding and the scatter of image rows into their slots, and *declares*
+where it wants those rows (``image_placement``: DESIGN §2, so bridges know nothing about
+models). The last stage owns the final norm, the vocab-parallel head and the loss. Stages
+never look at layer types: layers come from ``mimo.llm.blocks``.
+
+Parameter names are layout-independent: ``embed.weight``, ``layers.<global index>.…``,
+``norm.weight``, ``head.weight``. Random init draws every tensor from
+``param_seed(seed, <its name>)``, so a model built at any TP / PP holds the same full weights.
+
+Tied embeddings: with one stage the head reads the embedding's weight. With several, the last
+stage holds a copy (``head.weight``, whose canonical name is ``embed.weight``, initialised and
+loaded identically); after backward ``sync_tied_grads`` all-reduces the two copies' gradients
+over ``embedding_group`` (first and last stage ranks of one TP/CP/DP coordinate), so both
+take the same optimizer step and stay equal.
+
+Activations: without sequence parallel, the hidden states between layers and stages are the
+whole pack ``[T, D]`` (replicated over TP); with it, this rank's contiguous ``[T/tp, D]`` block
+(the pack must already be padded to a multiple of tp, ``mimo.layout.PackLayout``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mimo.batch import PackedBatch
+from mimo.errors import LayoutError
+from mimo.grid import ParallelGrid
+from mimo.layout import Placement, packed_placement
+from mimo.llm.blocks import build_layer
+from mimo.llm.config import HybridArch
+from mimo.llm.context import SeqContext
+from mimo.llm.norm import RMSNorm
+from mimo.llm.params import ParamInfo, full_tensors, load_full_, param_table
+from mimo.parallel import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    all_reduce,
+    copy_to_group,
+    gather_along,
+    gather_seq,
+    group_rank,
+    group_size,
+    param_seed,
+    vocab_parallel_cross_entropy,
+)
+
+
+class LLMStage(nn.Module):
+    """Stage ``stage`` of ``num_stages`` of the LLM described by ``arch`` (see module doc)."""
+
+    def __init__(self, arch: HybridArch, stage: int = 0, num_stages: int = 1, tp_group=None,
+                 sequence_parallel: bool = False, *, device=None, dtype=None):
+        super().__init__()
+        if not 0 <= stage < num_stages:
+            raise LayoutError(f"stage {stage} outside 0..{num_stages - 1}")
+        self.arch, self.stage, self.num_stages = arch, stage, num_stages
+        pattern = arch.layer_pattern()
+        # one stage runs every layer, '|' or not: the one-process reference of any pattern
+        self.specs = pattern.layers if num_stages == 1 else pattern.stages(num_stages)[stage]
+        self.tp_group, self.tp_size, self.tp_rank = tp_group, group_size(tp_group), group_rank(tp_group)
+        self.sequence_parallel = sp = bool(sequence_parallel) and self.tp_size > 1
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.tied = arch.tie_embeddings
+        if self.is_first:
+            self.embed = VocabParallelEmbedding(arch.vocab, arch.hidden, tp_group, sp)
+        self.layers = nn.ModuleDict({str(s.index): build_layer(arch, s, tp_group, sp) for s in self.specs})
+        if self.is_last:
+            self.norm = RMSNorm(arch.hidden, arch.norm_eps, tp_group if sp else None)
+            if not (self.tied and self.is_first):  # one stage, tied: the head reads embed.weight
+                self.head = ColumnParallelLinear(arch.hidden, arch.vocab, bias=False, group=tp_group,
+                                                 sequence_parallel=sp, pad_out_features=True)
+        if device is not None or dtype is not None:
+            self.to(device=device, dtype=dtype)
+
+    # ---------------------------------------------------------------- parameters
+    def canonical_name(self, name: str) -> str:
+        """Layout-independent name of a parameter (the tied head copy is ``embed.weight``)."""
+        return "embed.weight" if self.tied and name == "head.weight" else name
+
+    def param_table(self) -> dict[str, ParamInfo]:
+        return param_table(self, self.canonical_name)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, std: float | None = None) -> None:
+        """TP/PP-invariant random init: each part from ``param_seed(seed, <its name>)``."""
+        std = self.arch.init_std if std is None else std
+        # projections into the residual stream: std / sqrt(#residual branches), one per layer
+        # here (Megatron's std / sqrt(2 * num_layers) counts an attention + MLP block as two)
+        out_std = std / math.sqrt(len(self.arch.layer_pattern().layers))
+        if self.is_first:
+            self.embed.init_weights(param_seed(seed, "embed"), std)
+        for index, layer in self.layers.items():
+            layer.init_weights(param_seed(seed, f"layers.{index}"), std, out_std)
+        if self.is_last:
+            self.norm.init_weights()
+            if hasattr(self, "head"):
+                self.head.init_weights(param_seed(seed, "embed" if self.tied else "head"), std)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Full, unpadded parameters by canonical name (collective over the TP group)."""
+        return full_tensors(self.param_table())
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Full gradients by canonical name (collective over the TP group)."""
+        return full_tensors(self.param_table(), grads=True)
+
+    def load_full_(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load this rank's slices from full tensors by canonical name (local)."""
+        load_full_(self.param_table(), state)
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """This stage's copy of a tied embedding that lives on two stages (else None)."""
+        if not self.tied or self.num_stages == 1:
+            return None
+        return self.embed.weight if self.is_first else (self.head.weight if self.is_last else None)
+
+    # ---------------------------------------------------------------- inputs
+    def local_len(self, batch: PackedBatch) -> int:
+        t = batch.num_tokens
+        if self.sequence_parallel:
+            if t % self.tp_size:
+                raise LayoutError(
+                    f"sequence parallel needs the pack padded to a multiple of tp={self.tp_size}; got {t} positions"
+                )
+            return t // self.tp_size
+        return t
+
+    @staticmethod
+    def context(batch: PackedBatch) -> SeqContext:
+        return SeqContext(batch.cu_seqlens, batch.positions, batch.max_seqlen)
+
+    def image_placement(self, grid: ParallelGrid, samples: Sequence[tuple[int, Sequence[int]]],
+                        blocks: Sequence[range]) -> tuple[Placement, dict[int, list[int]]]:
+        """Where this stage wants the rows of one encoder: (placement, local slots per rank).
+
+        ``samples[i] = (sequence length, positions of its rows)``; ``blocks``: the DP blocks.
+        Rows land at their positions in the pack, on the TP rank holding that position under
+        sequence parallel (replicated over TP otherwise); each rank's buffer is compact.
+        """
+        return packed_placement(grid, samples, blocks, self.arch.hidden, self.sequence_parallel)
+
+    def local_image_slots(self, batch: PackedBatch, key: str) -> torch.Tensor:
+        """Positions in this rank's hidden states where ``key``'s compact rows go (in row order);
+        the same slots ``image_placement`` gives this rank."""
+        slots = batch.image_slots[key]
+        if not self.sequence_parallel:
+            return slots
+        n = self.local_len(batch)
+        lo = self.tp_rank * n
+        mine = (slots >= lo) & (slots < lo + n)
+        return slots[mine] - lo
+
+    def embed_tokens(self, batch: PackedBatch, image_rows: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Token embeddings with image rows scattered into their slots: ``[T_local, D]``."""
+        h_TD = self.embed(batch.tokens)
+        for key, rows_RD in (image_rows or {}).items():
+            slots_R = self.local_image_slots(batch, key).to(h_TD.device)
+            if rows_RD.shape != (slots_R.numel(), h_TD.shape[1]):
+                raise LayoutError(
+                    f"image rows {key!r}: got {tuple(rows_RD.shape)}, this rank's slots need "
+                    f"({slots_R.numel()}, {h_TD.shape[1]})"
+                )
+            h_TD = h_TD.index_copy(0, slots_R, rows_RD.to(h_TD.dtype))  # differentiable in both
+        return h_TD
+
+    # ---------------------------------------------------------------- compute
+    def forward(self, batch: PackedBatch, hidden: torch.Tensor | None = None,
+                image_rows: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Hidden states ``[T_local, D]`` for the next stage, or, on the last stage, this rank's
+        vocab-parallel logits ``[T, V_padded / tp]`` (see ``loss`` and ``gather_logits``).
+
+        ``batch``: the rank's whole pack; ``hidden``: the previous stage's output (not on the
+        first stage); ``image_rows``: per placeholder key, this rank's compact rows
+        ``[R_local, D]`` in the order of ``local_image_slots`` (first stage only).
+        """
+        t_local = self.local_len(batch)
+        if self.is_first:
+            if hidden is not None:
+                raise ValueError("the first stage embeds tokens; it takes no hidden states")
+            h_TD = self.embed_tokens(batch, image_rows)
+        else:
+            if hidden is None or hidden.shape[0] != t_local:
+                got = None if hidden is None else tuple(hidden.shape)
+                raise LayoutError(f"stage {self.stage} needs hidden states [{t_local}, {self.arch.hidden}], got {got}")
+            if image_rows:
+                raise ValueError("only the first stage takes image rows")
+            h_TD = hidden
+        ctx = self.context(batch)
+        for layer in self.layers.values():
+            h_TD = layer(h_TD, ctx)
+        if not self.is_last:
+            return h_TD
+        return self.logits(self.norm(h_TD))
+
+    def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "head"):
+            return self.head(x_TD)
+        # tied, single stage: the embedding's (vocab-padded, TP-split) weight is the head
+        x_TD = gather_seq(x_TD, self.tp_group) if self.sequence_parallel else copy_to_group(x_TD, self.tp_group)
+        return F.linear(x_TD, self.embed.weight)
+
+    def token_losses(self, logits_TV: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """fp32 per-token losses ``[T]`` (0 where the loss mask is off or the label < 0)."""
+        return vocab_parallel_cross_entropy(logits_TV, batch.labels, self.tp_group, self.arch.vocab, batch.loss_mask)
+
+    def loss(self, logits_TV: torch.Tensor, batch: PackedBatch, num_loss_tokens: float | torch.Tensor) -> torch.Tensor:
+        """Sum of this pack's token losses / ``num_loss_tokens``, the loss-token count over every
+        DP rank and microbatch of the step (DESIGN §2), so that summing gradients over them
+        gives the per-token mean of the whole batch."""
+        return self.token_losses(logits_TV, batch).sum() / num_loss_tokens
+
+    def gather_logits(self, logits_TV: torch.Tensor) -> torch.Tensor:
+        """Full logits ``[T, vocab]`` on every TP rank, padding stripped (for verification)."""
+        return gather_along(logits_TV, -1, self.tp_group)[..., : self.arch.vocab]
+
+
+def count_loss_tokens(batch: PackedBatch) -> int:
+    """Tokens of a pack that count in the loss (loss mask on, label >= 0)."""
+    return int(((batch.labels >= 0) & batch.loss_mask.bool()).sum())
+
+
+def build_stage(arch: HybridArch, grid: ParallelGrid, rank: int | None = None, sequence_parallel: bool = False,
+                *, device=None, dtype=None) -> LLMStage:
+    """The stage this rank runs on an LLM grid (dims tp, cp, dp, pp). Creates the grid's TP
+    groups: call it on every rank of the world (ranks outside the grid get None)."""
+    tp_group = grid.group("tp")
+    rank = dist.get_rank() if rank is None else rank
+    if rank not in grid:
+        return None
+    pp = grid.shape.get("pp", 1)
+    return LLMStage(arch, grid.coord(rank, "pp") if pp > 1 else 0, pp, tp_group, sequence_parallel,
+                    device=device, dtype=dtype)
+
+
+def embedding_group(grid: ParallelGrid, rank: int | None = None):
+    """The group of the first and last pipeline stage ranks that share this rank's TP/CP/DP
+    coordinates (tied embeddings), or None where there is nothing to sync.
+
+    Collective over the world: every rank calls it at the same point (it creates all such
+    groups in a fixed order). For pp = 2 it is the grid's PP group. Keep the result; do not
+    call it per step.
+    """
+    pp = grid.shape.get("pp", 1)
+    if pp == 1:
+        return None
+    if pp == 2:
+        return grid.group("pp", rank)
+    rank = dist.get_rank() if rank is None else rank
+    mine = None
+    for ranks in grid.partition("pp"):  # ordered by first rank: the same order on every rank
+        pair = [ranks[0], ranks[-1]]
+        group = dist.new_group(pair)
+        if rank in pair:
+            mine = group
+    return mine
+
+
+def sync_tied_grads(stage: LLMStage, group) -> None:
+    """Sum the gradients of a tied embedding's first- and last-stage copies (after backward,
+    before clipping and the optimizer step). A no-op where the stage holds no copy."""
+    weight = stage.tied_weight()
+    if weight is None or group is None:
+        return
+    grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+    weight.grad = all_reduce(grad, group)

@@ -1,0 +1,41 @@
+"""RMSNorm, computed as Hugging Face's Llama / Qwen do (normalise in fp32, scale in the input dtype).
+
+Its weight is replicated over TP. When the tensor it normalises is split over the TP group
+(sequence parallel: each rank holds a block of tokens; QK-norm: each rank holds a block of
+heads), each rank's weight gradient covers only its part. ``grad_group`` names that group: the
+weight then goes through ``copy_to_group`` (identity forward, all-reduce of its gradient in
+backward), so every rank ends with the complete gradient (DESIGN §2's convention).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from mimo.parallel import copy_to_group, group_size
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5, grad_group=None, *, device=None, dtype=None):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.grad_group = grad_group if group_size(grad_group) > 1 else None
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float = 0.0) -> None:
+        self.weight.fill_(1.0)
+
+    def param_init(self, name: str):
+        """Initialisation rule for ``mimo.llm.params.init_params_``: ones."""
+        return lambda t, gen: t.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = self.weight if self.grad_group is None else copy_to_group(self.weight, self.grad_group)
+        return weight * x32.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, grad_all_reduce={self.grad_group is not None}"

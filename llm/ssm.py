@@ -1,0 +1,191 @@
+"""Pieces shared by the recurrent layers (Mamba-2, Gated DeltaNet) over packed sequences.
+
+- ``segments``: per-token segment id and offset inside its segment, from ``cu_seqlens``;
+- ``causal_conv1d``: the short depthwise causal convolution, reset at every sample boundary;
+- ``segsum``: stable segment sums of log-decays, the core of the chunked (matrix) forms;
+- initialisers (full shape, TP-invariant through ``mimo.llm.params``) for dt bias, A_log, conv;
+- ``find_kernel``: feature detection of optional GPU kernel packages (mamba_ssm, causal_conv1d,
+  fla). They are imported lazily, only when installed and asked for, never at module load.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "segments", "causal_conv1d", "segsum", "kernel", "find_kernel", "KERNELS", "IMPLS",
+    "init_dt_bias", "init_conv", "init_uniform_log", "init_constant",
+]
+
+
+def segments(cu_seqlens: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(seg_T, offset_T)``: segment index of each of ``t`` tokens and its offset in it.
+
+    Uses searchsorted rather than ``SeqContext.segment_ids`` so that no device sync is needed.
+    Tokens past ``cu_seqlens[-1]`` (there should be none) form one more trailing segment.
+    """
+    cu = cu_seqlens.to(torch.int64)
+    t_T = torch.arange(t, device=cu.device)
+    seg_T = torch.searchsorted(cu[1:], t_T, right=True)
+    offset_T = t_T - cu[seg_T.clamp(max=cu.numel() - 1)]
+    return seg_T, offset_T
+
+
+def causal_conv1d(x_TC: torch.Tensor, w_CK: torch.Tensor, bias_C: torch.Tensor | None, offset_T: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv: ``y_t = sum_s w[:, K-1-s] * x_{t-s}`` over ``s < K`` within t's sample.
+
+    Same weight convention as ``nn.Conv1d(C, C, K, groups=C, padding=K-1)`` truncated to T
+    (Mamba-2's and causal-conv1d's). ``offset_T`` (position inside the sample) masks the taps
+    that would read the previous sample, so the convolution restarts at each boundary.
+    K is small (4): a loop over taps, no [T, K, C] unfold.
+    """
+    k = w_CK.shape[1]
+    y_TC = x_TC * w_CK[:, k - 1]
+    for s in range(1, k):
+        shifted_TC = F.pad(x_TC, (0, 0, s, 0))[: x_TC.shape[0]]  # x_{t-s}, zeros for t < s
+        keep_T1 = (offset_T >= s).unsqueeze(-1)
+        y_TC = y_TC + torch.where(keep_T1, shifted_TC, 0.0) * w_CK[:, k - 1 - s]
+    return y_TC if bias_C is None else y_TC + bias_C
+
+
+def segsum(a: torch.Tensor) -> torch.Tensor:
+    """``out[..., i, j] = a[..., j+1] + ... + a[..., i]`` for ``i >= j`` (0 on the diagonal).
+
+    Entries above the diagonal are 0 (mask them yourself). Built by a masked cumsum instead of
+    ``cumsum[i] - cumsum[j]``: no cancellation between two large partial sums.
+    """
+    n = a.shape[-1]
+    strict = torch.ones(n, n, dtype=torch.bool, device=a.device).tril(-1)
+    a_ij = a.unsqueeze(-1).expand(*a.shape, n).masked_fill(~strict, 0.0)  # [..., i, j] = a_i if i > j
+    return a_ij.cumsum(-2)
+
+
+# ---- initialisers (full shape; sliced per TP rank by init_shard) ----
+def init_dt_bias(dt_min: float = 1e-3, dt_max: float = 0.1, dt_floor: float = 1e-4):
+    """Mamba-2's dt bias: softplus(bias) log-uniform in [dt_min, dt_max]."""
+
+    def fill(t: torch.Tensor, gen: torch.Generator) -> None:
+        u = torch.rand(t.shape, generator=gen)
+        dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=dt_floor)
+        t.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+    return fill
+
+
+def init_conv(kernel_size: int):
+    """``nn.Conv1d``'s default for a depthwise conv: U(-1/sqrt(K), 1/sqrt(K)) (fan_in = K)."""
+    bound = 1.0 / math.sqrt(kernel_size)
+
+    def fill(t: torch.Tensor, gen: torch.Generator) -> None:
+        t.uniform_(-bound, bound, generator=gen)
+
+    return fill
+
+
+def init_uniform_log(low: float, high: float):
+    """log(U(low, high)): A_log of Mamba-2 (1, 16) and Gated DeltaNet (0, 16)."""
+
+    def fill(t: torch.Tensor, gen: torch.Generator) -> None:
+        t.uniform_(low, high, generator=gen).clamp_(min=1e-4).log_()  # no log(0)
+
+    return fill
+
+
+def init_constant(value: float):
+    def fill(t: torch.Tensor, gen: torch.Generator) -> None:
+        t.fill_(value)
+
+    return fill
+
+
+# ---- optional GPU kernels ----
+IMPLS = ("auto", "kernel", "chunked", "naive")
+_log = logging.getLogger(__name__)
+
+
+def _probe_ssd(fn, device) -> None:
+    bf = dict(device=device, dtype=torch.bfloat16)
+    x = torch.randn(1, 32, 2, 16, **bf, requires_grad=True)
+    dt = torch.rand(1, 32, 2, device=device, requires_grad=True)
+    B, C = (torch.randn(1, 32, 1, 16, **bf, requires_grad=True) for _ in range(2))
+    seq_idx = (torch.arange(32, device=device) >= 11).to(torch.int32).unsqueeze(0)
+    fn(x, dt, -torch.rand(2, device=device), B, C, chunk_size=16, seq_idx=seq_idx).float().sum().backward()
+
+
+def _probe_conv(fn, device) -> None:
+    x = torch.randn(1, 32, 16, device=device, dtype=torch.bfloat16).transpose(1, 2).requires_grad_(True)
+    w = torch.randn(16, 4, device=device, dtype=torch.bfloat16, requires_grad=True)
+    seq_idx = (torch.arange(32, device=device) >= 11).to(torch.int32).unsqueeze(0)
+    fn(x, w, None, seq_idx=seq_idx, activation="silu").float().sum().backward()
+
+
+def _probe_gated_delta(fn, device) -> None:
+    bf = dict(device=device, dtype=torch.bfloat16)
+    q, k = (F.normalize(torch.randn(1, 32, 2, 16, **bf), dim=-1).requires_grad_(True) for _ in range(2))
+    v = torch.randn(1, 32, 2, 16, **bf, requires_grad=True)
+    g = (-torch.rand(1, 32, 2, device=device)).requires_grad_(True)
+    beta = torch.rand(1, 32, 2, **bf, requires_grad=True)
+    cu = torch.tensor([0, 11, 32], device=device, dtype=torch.long)
+    o, _ = fn(q, k, v, g, beta, scale=1.0, cu_seqlens=cu)
+    o.float().sum().backward()
+
+
+# name -> (module, function, probe): mamba_ssm's SSD scan, Dao's causal-conv1d, fla's gated delta rule
+KERNELS = {
+    "ssd": ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined", _probe_ssd),
+    "conv": ("causal_conv1d", "causal_conv1d_fn", _probe_conv),
+    "gated_delta": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", _probe_gated_delta),
+}
+_IMPORTED: dict[str, object] = {}
+_PROBED: dict[tuple[str, str], bool] = {}
+
+
+def kernel(name: str):
+    """The kernel function ``name`` of ``KERNELS`` if its package is installed (imported on first use), else None."""
+    if name not in _IMPORTED:
+        module, attr, _ = KERNELS[name]
+        fn = None
+        try:
+            if importlib.util.find_spec(module.split(".")[0]) is not None:
+                fn = getattr(importlib.import_module(module), attr, None)
+        except Exception as e:  # a broken install (ABI mismatch, no triton) means "not available"
+            _log.warning("optional kernel %s.%s could not be imported (%s); using the torch path", module, attr, e)
+        _IMPORTED[name] = fn
+    return _IMPORTED[name]
+
+
+def find_kernel(name: str, impl: str, x: torch.Tensor):
+    """The kernel a layer with ``impl`` (one of ``IMPLS``) should call for input ``x``, or None.
+
+    "kernel": the kernel whenever installed (the caller decides what a missing one means).
+    "auto": only on CUDA in bf16/fp16 (DESIGN §3: fast paths are half precision; fp32 runs the
+    exact torch path), and only if a tiny forward + backward with sample boundaries ran on this
+    device (probed once per process and device: a package can import yet refuse to run, e.g.
+    fla on Hopper with Triton < 3.7.1 raises in backward). "chunked" / "naive": None.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; one of {IMPLS}")
+    if impl == "kernel":
+        return kernel(name)
+    if impl != "auto" or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    fn = kernel(name)
+    if fn is None:
+        return None
+    key = (name, str(x.device))
+    if key not in _PROBED:
+        try:
+            with torch.enable_grad():
+                KERNELS[name][2](fn, x.device)
+            _PROBED[key] = True
+        except Exception as e:
+            _log.warning("optional kernel %r does not run on %s (%s: %s); using the torch path",
+                         name, x.device, type(e).__name__, str(e)[:200])
+            _PROBED[key] = False
+    return fn if _PROBED[key] else None

@@ -1,0 +1,202 @@
+"""``mimo verify-llm``: our LLM at a TP / PP layout against the Hugging Face original.
+
+The main process builds the Hugging Face model (the checkpoint's weights, or random weights
+for ``config.json`` at a scale where every path shows: ``randomize_``), runs it on each random sample alone, and writes the
+weights to a directory unless they are already there. ``tp * pp`` gloo workers then import
+that directory exactly as ``init: {hf: DIR}`` does, run one packed batch of all samples
+through the pipeline and return the logits (full vocab) and their stages' full weights. We
+report the largest per-sample ``‖ours − hf‖ / ‖hf‖`` of the logits, the loss against the
+Hugging Face per-token loss, and whether exporting our weights gives back the Hugging Face
+state dict bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+import torch
+
+from mimo.batch import PackedBatch
+from mimo.errors import ConfigError, MimoError
+from mimo.grid import ParallelConfig, ParallelGrid
+from mimo.llm.config import LLMModuleConfig
+from mimo.llm.hf import HFCheckpoint, arch_from_hf_config, check_hf_tensors, export_hf_state, load_hf_checkpoint
+from mimo.llm.model import build_stage, count_loss_tokens
+from mimo.llm.pipeline import run_pipeline
+
+
+# ---------------------------------------------------------------- packs
+
+
+def pack_samples(samples: list[torch.Tensor], pad_multiple: int = 1) -> PackedBatch:
+    """One pack of token samples: next-token labels within each sample (the last token of a
+    sample has none), padded at the end to ``pad_multiple`` as its own masked segment."""
+    lens = [int(s.numel()) for s in samples]
+    total = sum(lens)
+    pad = -total % pad_multiple
+    tokens = torch.cat([*samples, torch.zeros(pad, dtype=torch.long)]).long()
+    seg = lens + ([pad] if pad else [])
+    positions = torch.cat([torch.arange(n) for n in seg]) if seg else torch.zeros(0, dtype=torch.long)
+    cu = torch.tensor([0, *torch.tensor(seg).cumsum(0).tolist()], dtype=torch.int32)
+    labels = torch.full((total + pad,), -100, dtype=torch.long)
+    for s, start in zip(samples, cu[:-1].tolist()):
+        labels[start : start + s.numel() - 1] = s[1:]
+    loss_mask = labels >= 0
+    batch = PackedBatch(tokens, positions, cu, labels, loss_mask)
+    batch.validate()
+    return batch
+
+
+def random_samples(vocab: int, count: int, max_len: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """``count`` samples of random tokens, ragged lengths in 1..max_len; one has length 1."""
+    lens = torch.randint(1, max_len + 1, (count,), generator=generator).tolist()
+    lens[min(1, count - 1)] = 1
+    return [torch.randint(0, vocab, (n,), generator=generator) for n in lens]
+
+
+# ---------------------------------------------------------------- worker side
+
+
+def verify_llm_worker(path: str, tp: int, pp: int, sequence_parallel: bool, batch: PackedBatch) -> dict | None:
+    """On every rank of the pool: import ``path`` at tp x pp (ranks 0..tp*pp-1), run ``batch``."""
+    import torch.distributed as dist
+
+    arch = arch_from_hf_config(HFCheckpoint(path).config)
+    grid = ParallelGrid({"tp": tp, "cp": 1, "dp": 1, "pp": pp})
+    stage = build_stage(arch, grid, sequence_parallel=sequence_parallel)
+    if stage is None:  # a pool larger than the layout
+        return None
+    load_hf_checkpoint(stage, path)
+    res = run_pipeline(stage, grid, batch, num_loss_tokens=max(1, count_loss_tokens(batch)))
+    logits = stage.gather_logits(res.logits) if stage.is_last else None
+    state = stage.full_state()
+    if stage.tp_rank != 0:
+        return None
+    return {"rank": dist.get_rank(), "stage": stage.stage, "logits": logits,
+            "loss": None if res.loss is None else float(res.loss), "state": state}
+
+
+# ---------------------------------------------------------------- main side
+
+
+def _read_config(path: str) -> tuple[str, dict]:
+    if os.path.isfile(path) and os.path.basename(path) == "config.json":
+        path = os.path.dirname(path) or "."
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise MimoError(f"{path!r}: no config.json")
+    with open(config_file) as f:
+        return path, json.load(f)
+
+
+def _hf_model(path: str, from_checkpoint: bool, seed: int):
+    import transformers
+
+    kwargs = dict(dtype=torch.float32, attn_implementation="eager")
+    if from_checkpoint:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+    else:
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+        randomize_(model, seed)
+    return model.eval()
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Weights at which every path shows in the logits: matrices ~ N(0, 1/fan_in), norm
+    weights 1 + N(0, 0.2²), biases N(0, 0.2²). (A fresh Hugging Face init, std 0.02 with unit
+    norms and zero biases, leaves attention almost invisible: doubling the RoPE base moves the
+    logits by ~1e-4 — too close to the tolerance to catch a bug reliably.)"""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        if p.dim() >= 2:
+            p.copy_(noise / p.shape[-1] ** 0.5)
+        elif "norm" in name:
+            p.copy_(1 + 0.2 * noise)
+        else:
+            p.copy_(0.2 * noise)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in float64 (DESIGN §3)."""
+    a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()
+    den = torch.linalg.vector_norm(b64).item()
+    num = torch.linalg.vector_norm(a64 - b64).item()
+    return (0.0 if num == 0.0 else float("inf")) if den == 0.0 else num / den
+
+
+def check_layout(path: str, tp: int, pp: int, sequence_parallel: bool = False,
+                 from_checkpoint: bool = False) -> tuple[str, dict]:
+    """(directory, config.json) if ``path`` holds a supported model that fits tp x pp (and, for
+    a checkpoint, whose tensors fit it); else MimoError / ConfigError, before any process starts."""
+    path, cfg = _read_config(path)
+    arch = arch_from_hf_config(cfg)
+    module = LLMModuleConfig(kind="hybrid", arch=arch, parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=sequence_parallel))
+    problems = arch.validate("arch") + module.validate("")
+    if problems:
+        raise ConfigError(problems)
+    if from_checkpoint:
+        ckpt = HFCheckpoint(path)
+        check_hf_tensors(arch, {n: ckpt.shape(n) for n in ckpt.keys()}, path)
+    return path, cfg
+
+
+def verify_llm(path: str, pool, *, from_checkpoint: bool, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
+               samples: int = 6, max_len: int = 20, seed: int = 0, tol: float = 1e-5) -> dict[str, Any]:
+    """Compare our logits at tp x pp with Hugging Face's (see module doc). ``pool``: a worker
+    pool (``mimo.launch.WorkerPool``) of at least tp*pp ranks; ranks past tp*pp idle."""
+    path, cfg = check_layout(path, tp, pp, sequence_parallel, from_checkpoint)
+    arch = arch_from_hf_config(cfg)
+    hf = _hf_model(path, from_checkpoint, seed)
+
+    gen = torch.Generator().manual_seed(seed + 2)
+    toks = random_samples(arch.vocab, samples, min(max_len, arch.max_seq_len), gen)
+    batch = pack_samples(toks, tp if sequence_parallel else 1)
+    with torch.no_grad():
+        ref = [hf(input_ids=t[None]).logits[0].float() for t in toks]
+    ref_loss = sum(torch.nn.functional.cross_entropy(r[:-1], t[1:], reduction="sum") for r, t in zip(ref, toks) if t.numel() > 1)
+    ref_loss = float(ref_loss) / max(1, count_loss_tokens(batch))
+
+    with tempfile.TemporaryDirectory(prefix="mimo-verify-llm-") as tmp:
+        weights = path
+        if not from_checkpoint:
+            hf.save_pretrained(tmp)
+            weights = tmp
+        results = pool.run(verify_llm_worker, weights, tp, pp, sequence_parallel, batch)
+
+    results = [r for r in results if r is not None]
+    logits = next(r["logits"] for r in results if r["logits"] is not None)
+    loss = next(r["loss"] for r in results if r["loss"] is not None)
+    cu = batch.cu_seqlens.tolist()
+    errs = [rel_err(logits[cu[i] : cu[i + 1]], ref[i]) for i in range(len(toks))]
+    worst = max(range(len(errs)), key=errs.__getitem__)
+
+    state = {}
+    for r in results:
+        state.update(r["state"])
+    ours_hf = export_hf_state(state, arch)
+    theirs = hf.state_dict()
+    mismatched = sorted(set(ours_hf) ^ set(theirs)) or [k for k in theirs if not torch.equal(ours_hf[k], theirs[k])]
+
+    max_err = max(errs)
+    loss_err = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
+    ok = max_err <= tol and loss_err <= tol and not mismatched
+    return {
+        "command": "verify-llm",
+        "model_type": cfg.get("model_type"),
+        "tp": tp, "pp": pp, "sequence_parallel": sequence_parallel,
+        "samples": [int(t.numel()) for t in toks],
+        "pack_tokens": batch.num_tokens,
+        "worst_sample": worst,
+        "loss": loss, "hf_loss": ref_loss, "loss_rel_err": loss_err,
+        "export_exact": not mismatched,
+        **({"export_mismatch": mismatched[:5]} if mismatched else {}),
+        "tol": tol,
+        "max_rel_err": max_err,
+        "ok": ok,
+    }
