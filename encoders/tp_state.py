@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 
 from mimo.errors import MimoError
-from mimo.parallel import ShardSpec, TPModule, gather_shard, init_shard, param_seed, shard_tensor
+from mimo.parallel import ShardSpec, TPModule, init_shard, param_seed, shard_tensor
+from mimo.parallel.params import full_tensors, param_table
 
 __all__ = ["TPParam", "tp_params", "shard_specs", "init_tp_invariant", "load_full_", "full_state", "full_grads"]
 
@@ -90,17 +91,11 @@ def load_full_(module: nn.Module, state: Mapping[str, torch.Tensor], what: str =
         p.param.copy_(shard_tensor(full, p.spec, p.tp_rank, p.tp_size))
 
 
-@torch.no_grad()
 def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """Collective over each TP group: the full parameters on every rank (CPU copies)."""
-    return {p.name: gather_shard(p.param.detach(), p.spec, p.group).cpu().clone() for p in tp_params(module)}
+    return {n: t.cpu() for n, t in full_tensors(param_table(module)).items()}
 
 
-@torch.no_grad()
 def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
     """Collective: full gradients (zeros where a parameter got none), for the parity checks."""
-    out = {}
-    for p in tp_params(module):
-        g = p.param.grad if p.param.grad is not None else torch.zeros_like(p.param)
-        out[p.name] = gather_shard(g.detach(), p.spec, p.group).cpu().clone()
-    return out
+    return {n: t.cpu() for n, t in full_tensors(param_table(module), grads=True).items()}

@@ -30,7 +30,7 @@ from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
 from mimo.llm.linear import FusedColumnParallelLinear
 from mimo.llm.norm import RMSNorm
-from mimo.llm.params import init_params_, param_table
+from mimo.parallel.params import init_params_, param_table
 from mimo.llm.rope import RopeConfig, apply_rope, inv_freq, rope_tables
 from mimo.parallel import RowParallelLinear, group_size
 

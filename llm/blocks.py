@@ -26,7 +26,7 @@ so ``mimo.llm.mamba2`` / ``mimo.llm.gdn`` plug in without this file importing th
   QK-norm over split heads) goes through ``copy_to_group`` (see ``mimo.llm.norm.RMSNorm``).
 * ``init_weights(seed, std, out_std=None)``: TP-invariant random init from the layer's seed
   (the stage passes ``param_seed(base_seed, "layers.<index>")``); ``out_std`` is for
-  projections writing into the residual stream. ``mimo.llm.params.init_params_`` does it
+  projections writing into the residual stream. ``mimo.parallel.params.init_params_`` does it
   generically.
 """
 

@@ -33,7 +33,7 @@ from mimo.errors import LayoutError
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
 from mimo.llm.norm import RMSNorm
-from mimo.llm.params import init_params_, param_table
+from mimo.parallel.params import init_params_, param_table
 from mimo.llm.recurrence import conv1d_naive, ssd_naive
 from mimo.llm.ssm import causal_conv1d, find_kernel, init_constant, init_conv, init_dt_bias, init_uniform_log, segments, segsum
 from mimo.parallel import RowParallelLinear, ShardSpec, TPModule, copy_to_group, gather_seq, group_size, reduce_from_group
@@ -168,7 +168,7 @@ class Mamba2Mixer(TPModule):
         return self._specs
 
     def param_init(self, name: str):
-        """Init rules for ``mimo.llm.params`` (as mamba_ssm); None: N(0, std) projections."""
+        """Init rules for ``mimo.parallel.params`` (as mamba_ssm); None: N(0, std) projections."""
         if name.startswith("conv_"):
             return init_conv(self.cfg.conv_kernel)
         return {"dt_bias": init_dt_bias(), "A_log": init_uniform_log(1.0, 16.0),

@@ -18,7 +18,7 @@ from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
 from mimo.llm.linear import FusedColumnParallelLinear
 from mimo.llm.norm import RMSNorm
-from mimo.llm.params import init_params_, param_table
+from mimo.parallel.params import init_params_, param_table
 from mimo.parallel import RowParallelLinear, group_size
 
 ACTIVATIONS = ("swiglu", "relu2", "gelu")

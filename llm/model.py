@@ -39,7 +39,7 @@ from mimo.llm.blocks import build_layer
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
 from mimo.llm.norm import RMSNorm
-from mimo.llm.params import ParamInfo, full_tensors, load_full_, param_table
+from mimo.parallel.params import ParamInfo, full_tensors, load_full_, param_table
 from mimo.parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,

@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
         self.weight.fill_(1.0)
 
     def param_init(self, name: str):
-        """Initialisation rule for ``mimo.llm.params.init_params_``: ones."""
+        """Initialisation rule for ``mimo.parallel.params.init_params_``: ones."""
         return lambda t, gen: t.fill_(1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 - ``segments``: per-token segment id and offset inside its segment, from ``cu_seqlens``;
 - ``causal_conv1d``: the short depthwise causal convolution, reset at every sample boundary;
 - ``segsum``: stable segment sums of log-decays, the core of the chunked (matrix) forms;
-- initialisers (full shape, TP-invariant through ``mimo.llm.params``) for dt bias, A_log, conv;
+- initialisers (full shape, TP-invariant through ``mimo.parallel.params``) for dt bias, A_log, conv;
 - ``find_kernel``: feature detection of optional GPU kernel packages (mamba_ssm, causal_conv1d,
   fla). They are imported lazily, only when installed and asked for, never at module load.
 """

@@ -22,7 +22,7 @@ from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
 from mimo.llm.mamba2 import Mamba2, Mamba2Config, ssd_chunked
 from mimo.llm.model import LLMStage, build_stage, count_loss_tokens
-from mimo.llm.params import full_tensors, init_params_, load_full_, param_table
+from mimo.parallel.params import full_tensors, init_params_, load_full_, param_table
 from mimo.llm.pattern import LayerSpec
 from mimo.llm.pipeline import run_pipeline
 from mimo.llm.recurrence import conv1d_naive, ssd_naive
