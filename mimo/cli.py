@@ -251,21 +251,35 @@ def run_verify_encoder(args: argparse.Namespace) -> dict[str, Any]:
             "image_size": arch.image_size, **report}
 
 
-# ---------------------------------------------------------------- train
+# ---------------------------------------------------------------- verify-train
 
 
-def train_arguments(parser: argparse.ArgumentParser) -> None:
+def verify_train_arguments(parser: argparse.ArgumentParser) -> None:
     config_arguments(parser)
-    parser.add_argument("--run-dir", metavar="DIR", help="metrics, logs, resolved config (default: the parent of train.checkpoint.dir)")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds a collective may wait before the run is aborted")
-    parser.add_argument("--stop-at", type=int, metavar="STEP", help="stop cleanly after this step (checkpointed); `mimo train` again resumes")
-    parser.add_argument("--log-every", type=int, default=1, metavar="K", help="a progress line every K steps when stdout is not a terminal")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tol", type=float, default=1e-5, help="largest allowed ||a-b||/||b||")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a hung rank fails the run")
 
 
-def run_train(args: argparse.Namespace) -> dict[str, Any]:
-    from mimo.train import TrainOptions, train
+def run_verify_train(args: argparse.Namespace) -> dict[str, Any]:
+    from mimo.inputs import ensure_index
+    from mimo.launch import WorkerPool
+    from mimo.verify_train import compare, train_case
 
-    return train(args.config, args.overrides, TrainOptions(args.run_dir, args.timeout, args.stop_at, args.log_every))
+    if args.steps < 1:
+        raise UsageError("--steps must be >= 1")
+    config = load_config(args.config, args.overrides)
+    ensure_index(config)  # once, here, before any rank reads it
+    with WorkerPool(config.world_size, timeout_s=args.timeout) as pool:
+        layout = pool.run(train_case, args.config, args.overrides, args.steps, False)
+    with WorkerPool(1, timeout_s=args.timeout) as pool:
+        reference = pool.run(train_case, args.config, args.overrides, args.steps, True)
+    report = compare(layout, reference, args.tol)
+    print(f"verify-train {args.config} {' '.join(args.overrides)}: " + ("ok" if report["ok"] else "MISMATCH"))
+    print(format_layout(config.layout_rows()))
+    for key in ("loss", "grad_norm", "grads", "params"):
+        print(f"  max {key} rel err {report[f'max_{key}_rel_err']:.2e} ({report['worst'].get(key, '-')})")
+    return {"command": "verify-train", **report}
 
 
 COMMANDS: tuple[Command, ...] = (
@@ -273,6 +287,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("make-demo-data", "write learnable demo shards and a local tokenizer", make_demo_data_arguments, run_make_demo_data),
     Command("prepare-data", "index the shards of a config (once; train prepares a missing index itself)", prepare_data_arguments, run_prepare_data),
     Command("inspect-data", "read packed microbatches through the real pipeline and report counts", inspect_data_arguments, run_inspect_data),
+    Command("verify-train", "train a config's layout beside the one-process reference and compare", verify_train_arguments, run_verify_train),
     Command("verify-bridge", "check a bridge between two layouts against the one-process reference", verify_bridge_arguments, run_verify_bridge),
     Command("verify-encoder", "check an imported timm / Hugging Face vision tower against the original", verify_encoder_arguments, run_verify_encoder),
     Command("verify-llm", "check the LLM at a TP/PP layout against the Hugging Face model", verify_llm_arguments, run_verify_llm),

@@ -1,0 +1,173 @@
+"""One training step on the simplest correct schedule: every microbatch forward, then every
+microbatch backward (no pipeline interleaving; 1F1B comes with ``mimo.schedules``).
+
+Per microbatch and rank, in this fixed order (every collective is entered by all its ranks at
+the same point):
+
+1. data: the pipeline delivers this rank's pack (LLM ranks) and pixels (encoder ranks);
+2. each encoder's forward, then its bridge to the LLM's first stage (declared placement);
+3. the LLM stages, stage after stage (blocking point-to-point between stages); the last stage's
+   loss is its token-loss sum over the step's global loss-token count.
+
+Backward runs the microbatches in the same order: the LLM stages from last to first, then each
+bridge's backward (the LLM side hands the gradient of the rows it received; the bridge's
+output is detached at the boundary so this happens in an explicit phase on every rank), which
+continues into the encoder. Then tied-embedding and DP gradient sums, the global norm (one
+world-wide all-reduce), clipping, and each module's optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mimo.bridges.executor import Bridge
+from mimo.data.pipeline import DataPipeline, Microbatch
+from mimo.layout import dp_placement, packed_placement
+from mimo.llm.model import count_loss_tokens, sync_tied_grads
+from mimo.llm.pipeline import pp_neighbour
+from mimo.model import MimoModel
+from mimo.optim import PrecisionPolicy, clip_grads_, global_grad_norm, lr_at, sync_grads
+
+
+@dataclass
+class StepResult:
+    loss: float  # the step's per-token loss (global)
+    grad_norm: float  # before clipping
+    loss_tokens: int
+    lr: dict[str, float] = field(default_factory=dict)
+    read_failures: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Forward:
+    """What backward needs of one microbatch on this rank."""
+
+    bridges: dict  # encoder -> (bridge, y, y_leaf)
+    hidden_in: torch.Tensor | None = None  # received from the previous stage (requires grad)
+    out: torch.Tensor | None = None  # sent to the next stage, or the loss on the last stage
+
+
+def _sum_over(value: float, group) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    if group is not None:
+        dist.all_reduce(t, group=group)
+    return t.item()
+
+
+def forward_microbatch(model: MimoModel, mb: Microbatch, num_loss_tokens: float) -> _Forward:
+    rank, stage = model.rank, model.stage
+    llm_grid, hidden = model.llm_grid, model.config.llm.arch.hidden
+    state = _Forward({})
+    image_rows = {}
+    sequence_parallel = model.config.llm.parallel.sequence_parallel and model.config.llm.parallel.tp > 1
+    for name, part in model.encoders.items():
+        feed_rows = model.config.encoders[name].rows_per_image
+        placeholder = model.config.encoders[name].placeholder
+        rows = [s.images * feed_rows for s in mb.samples]
+        src = dp_placement(part.grid, rows, mb.encoder_blocks[name], hidden)
+        samples = [(s.tokens, s.positions(placeholder, feed_rows)) for s in mb.samples]
+        # the LLM first stage's declared placement (LLMStage.image_placement); ranks without a
+        # stage compute the same pure function
+        dst, _ = packed_placement(llm_grid, samples, mb.llm_blocks, hidden, sequence_parallel)
+        if rank not in src.local_rows and rank not in dst.local_rows:
+            continue
+        trains = model.encoder_trains[name]
+        bridge = Bridge(src, dst, part.bridge_group,
+                        src_replica_group=part.tp_group if rank in part.grid else None,
+                        dst_replica_group=model.llm_tp if rank in llm_grid and not sequence_parallel else None,
+                        needs_grad=trains, rank=rank)
+        x = part.module(mb.pixels[name]) if part.module is not None else None
+        y = bridge(x)
+        y_leaf = None
+        if bridge.is_dst:
+            y_leaf = y.detach().requires_grad_(trains)
+            image_rows[placeholder] = y_leaf
+        state.bridges[name] = (bridge, y, y_leaf)
+    if stage is None:
+        return state
+    prev, nxt = pp_neighbour(llm_grid, rank, -1), pp_neighbour(llm_grid, rank, +1)
+    batch = mb.pack
+    h_in = None
+    if prev is not None:
+        p = next(stage.parameters())
+        h_in = torch.empty(stage.local_len(batch), hidden, dtype=p.dtype, device=p.device)
+        dist.recv(h_in, src=prev)
+        h_in.requires_grad_(True)
+    out = stage(batch, hidden=h_in, image_rows=image_rows if stage.is_first else None)
+    if nxt is not None:
+        dist.send(out.detach().contiguous(), dst=nxt)
+    else:
+        out = stage.loss(out, batch, num_loss_tokens)
+    state.hidden_in, state.out = h_in, out
+    return state
+
+
+def backward_microbatch(model: MimoModel, state: _Forward) -> None:
+    rank, stage = model.rank, model.stage
+    if stage is not None and state.out is not None:
+        prev, nxt = pp_neighbour(model.llm_grid, rank, -1), pp_neighbour(model.llm_grid, rank, +1)
+        if nxt is None:
+            if state.out.requires_grad:
+                state.out.backward()
+        else:
+            grad = torch.empty_like(state.out)
+            dist.recv(grad, src=nxt)
+            if state.out.requires_grad:
+                state.out.backward(grad)
+        if prev is not None:
+            g = state.hidden_in.grad if state.hidden_in.grad is not None else torch.zeros_like(state.hidden_in)
+            dist.send(g.contiguous(), dst=prev)
+    for name, (bridge, y, y_leaf) in state.bridges.items():
+        if not model.encoder_trains[name]:
+            continue
+        if bridge.is_dst:
+            g = y_leaf.grad if y_leaf.grad is not None else torch.zeros_like(y_leaf)
+            y.backward(g)
+        else:  # a non-colocated source: receive the gradient of what it sent
+            Bridge.backward_source(y)
+
+
+def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: dict, policy: PrecisionPolicy | None = None,
+               on_grads=None) -> StepResult:
+    """One step; ``on_grads(model, grad_norm)`` (optional) sees the gradients before clipping."""
+    cfg = model.config
+    mbs = pipeline.step(step)
+    # the global loss-token count: each LLM DP rank's packs, summed over DP (DESIGN §2)
+    local = sum(count_loss_tokens(mb.pack) for mb in mbs) if model.stage is not None else 0
+    num_loss_tokens = _sum_over(local, model.llm_dp) if model.stage is not None else 0.0
+    states = [forward_microbatch(model, mb, max(num_loss_tokens, 1.0)) for mb in mbs]
+    loss_local = 0.0
+    if model.stage is not None and model.stage.is_last:
+        loss_local = sum(float(s.out.detach()) for s in states)
+    for s in states:
+        backward_microbatch(model, s)
+    params = model.train_params()
+    if model.stage is not None:
+        sync_tied_grads(model.stage, model.llm_embedding_group)
+    sync_grads(params, policy)
+    norm = global_grad_norm(params)
+    if on_grads is not None:
+        on_grads(model, norm)
+    clip_grads_(params, cfg.train.grad_clip, norm)
+    lrs = {}
+    for module, opt in optimizers.items():
+        lr = lr_at(step, cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        lrs[module] = lr
+    # the step's loss: the last stage's DP ranks hold the parts
+    loss = loss_local
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([loss_local if (model.stage is not None and model.stage.is_last and model.llm_grid.coords(model.rank)["tp"] == 0) else 0.0], dtype=torch.float64)
+        dist.all_reduce(t)
+        loss = t.item()
+    failures: dict = {}
+    for mb in mbs:
+        for k, v in mb.read_failures.items():
+            failures[k] = failures.get(k, 0) + v
+    return StepResult(loss, norm, int(num_loss_tokens), lrs, failures)
