@@ -83,6 +83,8 @@ class EncoderModuleConfig:
     feature_layer: int | Literal["post_norm"] = -2
     drop_class_token: bool = True  # LLaVA feeds the patch rows only; no effect without a [CLS] token
     freeze: list[EncoderPart] = field(default_factory=list)
+    lr: float | None = None  # this module's AdamW learning rate (None: train.lr)
+    weight_decay: float | None = None  # None: train.weight_decay
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property

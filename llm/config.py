@@ -173,6 +173,8 @@ class LLMModuleConfig:
     arch: HybridArch
     init: HybridInit = field(default_factory=HybridInit)
     freeze: bool = False  # true: the whole LLM is frozen (LLaVA stage 1 trains only projectors)
+    lr: float | None = None  # this module's AdamW learning rate (None: train.lr)
+    weight_decay: float | None = None  # None: train.weight_decay
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def stages(self) -> list[tuple[LayerSpec, ...]]:

@@ -80,6 +80,12 @@ class MimoConfig:
     def encoders(self) -> dict[str, EncoderModuleConfig]:
         return {name: m for name, m in self.modules.items() if isinstance(m, EncoderModuleConfig)}
 
+    def optimizer_settings(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Each module's AdamW learning rate and weight decay (its own, else train's)."""
+        lr = {n: m.lr if m.lr is not None else self.train.lr for n, m in self.modules.items()}
+        wd = {n: m.weight_decay if m.weight_decay is not None else self.train.weight_decay for n, m in self.modules.items()}
+        return lr, wd
+
     def rank_range(self, name: str) -> range:
         return self.modules[name].parallel.rank_range(self.world_size)
 
@@ -109,6 +115,11 @@ class MimoConfig:
     # ---- checks spanning modules (each module checked itself already) ----
     def validate(self, path: str) -> list[str]:
         problems = at_least(self, path, 1, "world_size")
+        for name, module in self.modules.items():
+            for key in ("lr", "weight_decay"):
+                value = getattr(module, key)
+                if value is not None and (value < 0 or (key == "lr" and value == 0)):
+                    problems.append(f"{join_path(path, 'modules', name, key)}: must be {'> 0' if key == 'lr' else '>= 0'}, got {value}")
         problems += self._module_set()
         if not problems:
             problems += self._rank_ranges()

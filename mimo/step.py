@@ -154,7 +154,8 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     clip_grads_(params, cfg.train.grad_clip, norm)
     lrs = {}
     for module, opt in optimizers.items():
-        lr = lr_at(step, cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps)
+        # each module's own base lr (AdamW keeps it in defaults), on the shared schedule
+        lr = lr_at(step, opt.defaults["lr"], cfg.train.warmup_steps, cfg.train.steps)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.step()

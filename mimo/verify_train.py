@@ -50,9 +50,7 @@ def train_case(config_path: str, overrides: list[str], steps: int, reference: bo
     par = config.llm.parallel
     pipeline = DataPipeline(data_plan(config, index), text_spec(config), model.llm_grid, par.sequence_parallel and par.tp > 1,
                             encoder_feeds(config), config.train.micro_batches, config.data.workers, config.data.prefetch, rank)
-    params = model.train_params()
-    modules = {p.module for p in params}
-    optimizers = build_optimizers(params, {m: config.train.lr for m in modules}, {m: config.train.weight_decay for m in modules})
+    optimizers = build_optimizers(model.train_params(), *config.optimizer_settings())
     record = {"steps": []}
 
     def grab(model, norm):

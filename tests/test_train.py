@@ -96,3 +96,17 @@ def test_a_wrong_gradient_scale_fails_verification(pools, demo_config):
     report = compare(layout, _reference(pools, demo_config, overrides), TOL)
     assert not report["ok"]
     assert report["max_grads_rel_err"] > 0.5  # a factor of 4 on every DP-summed gradient
+
+
+def test_per_module_learning_rates_and_schedule(demo_config):
+    from mimo.optim import lr_at
+
+    config = load_config(demo_config, ["modules.vision.lr=0.01", "modules.language.weight_decay=0.1"])
+    lr, wd = config.optimizer_settings()
+    assert lr == {"vision": 0.01, "language": config.train.lr}
+    assert wd == {"vision": config.train.weight_decay, "language": 0.1}
+    # linear warmup to the base, then cosine down to 10% of it
+    assert lr_at(5, 0.01, 10, 100) == pytest.approx(0.005)
+    assert lr_at(10, 0.01, 10, 100) == pytest.approx(0.01)
+    assert lr_at(100, 0.01, 10, 100) == pytest.approx(0.001)
+    assert lr_at(55, 0.01, 10, 100) == pytest.approx(0.0055)
