@@ -35,10 +35,8 @@ import torch.nn.functional as F
 from mimo.errors import LayoutError
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
-from mimo.llm.norm import RMSNorm
-from mimo.parallel.params import init_params_, param_table
 from mimo.llm.recurrence import conv1d_naive, gated_delta_naive
-from mimo.llm.ssm import causal_conv1d, find_kernel, init_constant, init_conv, init_dt_bias, init_uniform_log, segments, segsum
+from mimo.llm.ssm import PreNormResidual, causal_conv1d, find_kernel, init_constant, init_conv, init_dt_bias, init_uniform_log, segments, segsum
 from mimo.parallel import RowParallelLinear, ShardSpec, TPModule, copy_to_group, gather_seq, group_size
 
 __all__ = ["GDNConfig", "gated_delta_chunked", "l2norm", "GatedDeltaNetMixer", "GatedDeltaNet", "build_gdn"]
@@ -244,22 +242,12 @@ class GatedDeltaNetMixer(TPModule):
                 f"sequence_parallel={self.sequence_parallel}, impl={self.impl}")
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(PreNormResidual):
     """``forward(h_TD, ctx) -> h_TD``: ``h + mixer(norm(h))`` (``[T/tp, D]`` blocks under SP)."""
 
     def __init__(self, cfg: GDNConfig, tp_group=None, sequence_parallel: bool = False, impl: str = "auto"):
-        super().__init__()
         sp = sequence_parallel and group_size(tp_group) > 1
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, grad_group=tp_group if sp else None)
-        self.mixer = GatedDeltaNetMixer(cfg, tp_group, sp, impl)
-
-    def init_weights(self, seed: int, std: float, out_std: float | None = None) -> None:
-        """TP-invariant: each parameter from ``param_seed(seed, its name in this layer)``;
-        projections N(0, std) (``out_proj``: ``out_std``), the rest by the mixer's ``param_init``."""
-        init_params_(param_table(self), seed, std, {"mixer.out_proj.weight": std if out_std is None else out_std})
-
-    def forward(self, h_TD: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
-        return h_TD + self.mixer(self.norm(h_TD), ctx)
+        super().__init__(cfg.hidden, cfg.norm_eps, GatedDeltaNetMixer(cfg, tp_group, sp, impl), tp_group, sp)
 
 
 def build_gdn(arch: HybridArch, spec, tp_group=None, sequence_parallel: bool = False) -> GatedDeltaNet:

@@ -18,8 +18,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+from mimo.llm.norm import RMSNorm
+from mimo.parallel.params import init_params_, param_table
+
 __all__ = [
-    "segments", "causal_conv1d", "segsum", "kernel", "find_kernel", "KERNELS", "IMPLS",
+    "PreNormResidual", "segments", "causal_conv1d", "segsum", "kernel", "find_kernel", "KERNELS", "IMPLS",
     "init_dt_bias", "init_conv", "init_uniform_log", "init_constant",
 ]
 
@@ -189,3 +192,21 @@ def find_kernel(name: str, impl: str, x: torch.Tensor):
                          name, x.device, type(e).__name__, str(e)[:200])
             _PROBED[key] = False
     return fn if _PROBED[key] else None
+
+
+class PreNormResidual(torch.nn.Module):
+    """A recurrent layer: ``forward(h_TD, ctx) -> h + mixer(norm(h))`` (``[T/tp, D]`` blocks
+    under sequence parallelism). Mamba-2 and Gated DeltaNet differ only in their mixer."""
+
+    def __init__(self, hidden: int, eps: float, mixer: torch.nn.Module, tp_group=None, sequence_parallel: bool = False):
+        super().__init__()
+        self.norm = RMSNorm(hidden, eps, grad_group=tp_group if sequence_parallel else None)
+        self.mixer = mixer
+
+    def init_weights(self, seed: int, std: float, out_std: float | None = None) -> None:
+        """TP-invariant: each parameter from ``param_seed(seed, its name in this layer)``;
+        projections N(0, std) (``out_proj``: ``out_std``), the rest by the mixer's ``param_init``."""
+        init_params_(param_table(self), seed, std, {"mixer.out_proj.weight": std if out_std is None else out_std})
+
+    def forward(self, h_TD: torch.Tensor, ctx) -> torch.Tensor:
+        return h_TD + self.mixer(self.norm(h_TD), ctx)
