@@ -282,8 +282,26 @@ def run_verify_train(args: argparse.Namespace) -> dict[str, Any]:
     return {"command": "verify-train", **report}
 
 
+# ---------------------------------------------------------------- train
+
+
+def train_arguments(parser: argparse.ArgumentParser) -> None:
+    config_arguments(parser)
+    parser.add_argument("--run-dir", metavar="DIR", help="metrics, logs, resolved config (default: the parent of train.checkpoint.dir)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds a collective may wait before the run is aborted")
+    parser.add_argument("--stop-at", type=int, metavar="STEP", help="stop cleanly after this step (checkpointed); `mimo train` again resumes")
+    parser.add_argument("--log-every", type=int, default=1, metavar="K", help="a progress line every K steps when stdout is not a terminal")
+
+
+def run_train(args: argparse.Namespace) -> dict[str, Any]:
+    from mimo.train import TrainOptions, train
+
+    return train(args.config, args.overrides, TrainOptions(args.run_dir, args.timeout, args.stop_at, args.log_every))
+
+
 COMMANDS: tuple[Command, ...] = (
     Command("check-config", "validate a config (and overrides) without starting anything", config_arguments, run_check_config),
+    Command("train", "train a config: launch its ranks, log, checkpoint, resume", train_arguments, run_train),
     Command("make-demo-data", "write learnable demo shards and a local tokenizer", make_demo_data_arguments, run_make_demo_data),
     Command("prepare-data", "index the shards of a config (once; train prepares a missing index itself)", prepare_data_arguments, run_prepare_data),
     Command("inspect-data", "read packed microbatches through the real pipeline and report counts", inspect_data_arguments, run_inspect_data),

@@ -125,12 +125,17 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection, p
 class WorkerPool:
     """N local ranks in one gloo process group, reused across many ``run`` calls."""
 
-    def __init__(self, world_size: int, timeout_s: float = 120.0, start_timeout_s: float = 120.0):
+    def __init__(self, world_size: int, timeout_s: float = 120.0, start_timeout_s: float = 120.0,
+                 collective_timeout_s: float | None = None):
+        """``timeout_s``: a case's deadline (``math.inf``: none, e.g. a whole training run);
+        ``collective_timeout_s``: how long one collective may wait before it raises on its rank
+        (default: ``timeout_s``, at least 30 s)."""
         if world_size < 1:
             raise ValueError("world_size must be >= 1")
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
+        self.collective_timeout_s = collective_timeout_s
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
         self._tmpdir: tempfile.TemporaryDirectory | None = None
@@ -154,7 +159,7 @@ class WorkerPool:
                 parent, child = ctx.Pipe()
                 p = ctx.Process(
                     target=_worker_main,
-                    args=(rank, self.world_size, init_file, child, max(self.timeout_s, 30.0)),
+                    args=(rank, self.world_size, init_file, child, self.collective_timeout_s or max(min(self.timeout_s, 86400.0), 30.0)),
                     daemon=True,
                     name=f"mimo-rank{rank}",
                 )
@@ -209,7 +214,10 @@ class WorkerPool:
         pending = {c: r for r, c in enumerate(self._conns)}
         while pending:
             left = deadline - time.monotonic()
-            ready = wait(list(pending), timeout=max(left, 0.0)) if left > 0 else []
+            # waits are capped (poll() rejects timeouts of weeks): an infinite deadline just loops
+            ready = wait(list(pending), timeout=min(left, 3600.0)) if left > 0 else []
+            if not ready and time.monotonic() < deadline:
+                continue
             if not ready:
                 stuck = sorted(pending.values())
                 self._kill()

@@ -35,22 +35,15 @@ def _reporter(model, grid) -> bool:
 
 def train_case(config_path: str, overrides: list[str], steps: int, reference: bool) -> dict:
     """Runs on every rank of a worker pool: ``steps`` training steps, recording what to compare."""
-    from mimo.data.pipeline import DataPipeline
-    from mimo.inputs import data_plan, encoder_feeds, ensure_index, text_spec
-    from mimo.model import MimoModel
-    from mimo.optim import build_optimizers
+    from mimo.optim import PrecisionPolicy
+    from mimo.run import build_run
     from mimo.step import train_step
 
     config = load_config(config_path, overrides)
     if reference:
         config = one_process(config)
-    rank = dist.get_rank()
-    model = MimoModel(config, rank)
-    index, _ = ensure_index(config)
-    par = config.llm.parallel
-    pipeline = DataPipeline(data_plan(config, index), text_spec(config), model.llm_grid, par.sequence_parallel and par.tp > 1,
-                            encoder_feeds(config), config.train.micro_batches, config.data.workers, config.data.prefetch, rank)
-    optimizers = build_optimizers(model.train_params(), *config.optimizer_settings())
+    run = build_run(config, dist.get_rank(), policy=PrecisionPolicy.named("fp32"))  # `mimo train`'s assembly; checks run fp32
+    model, pipeline, optimizers = run.model, run.pipeline, run.optimizers
     record = {"steps": []}
 
     def grab(model, norm):

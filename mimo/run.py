@@ -1,0 +1,46 @@
+"""What one rank needs to train a config: the model part, the data pipeline, the optimizers.
+
+``build_run(config, rank)`` is called on every rank of the world at the same point (the model
+and the pipeline create process groups, in this fixed order). ``mimo train`` and
+``mimo verify-train`` assemble their ranks through it, so both run the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mimo.config import MimoConfig
+from mimo.data.index import Index
+from mimo.data.pipeline import DataPipeline
+from mimo.inputs import data_plan, encoder_feeds, ensure_index, text_spec
+from mimo.model import MimoModel
+from mimo.optim import PrecisionPolicy, build_optimizers
+
+
+@dataclass
+class Run:
+    config: MimoConfig
+    model: MimoModel
+    pipeline: DataPipeline
+    optimizers: dict[str, torch.optim.Optimizer]  # module -> optimizer (only modules training on this rank)
+    policy: PrecisionPolicy
+
+    def close(self) -> None:
+        self.pipeline.close()
+
+
+def build_run(config: MimoConfig, rank: int, index: Index | None = None, policy: PrecisionPolicy | None = None,
+              device: torch.device | str = "cpu") -> Run:
+    """Model, pipeline and optimizers of ``rank``; ``index`` defaults to the config's
+    (prepared beforehand, once: here it is only loaded)."""
+    policy = policy or PrecisionPolicy.named(config.train.precision)
+    model = MimoModel(config, rank, device=device, dtype=policy.params)
+    if index is None:
+        index, _ = ensure_index(config)
+    par = config.llm.parallel
+    pipeline = DataPipeline(data_plan(config, index), text_spec(config), model.llm_grid, par.sequence_parallel and par.tp > 1,
+                            encoder_feeds(config), config.train.micro_batches, config.data.workers, config.data.prefetch, rank)
+    optimizers = build_optimizers(model.train_params(), *config.optimizer_settings())
+    return Run(config, model, pipeline, optimizers, policy)

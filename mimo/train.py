@@ -1,0 +1,443 @@
+"""``mimo train``: launch the ranks, train, report, checkpoint, resume.
+
+Launching. Without torchrun, ``train`` validates the config, prepares a missing data index
+(once, here), and starts ``world_size`` local processes over gloo through
+``mimo.launch.WorkerPool`` — the same machinery as the verify commands: an exception on any
+rank, or a rank dying, ends every rank and reports that rank's message. Under ``torchrun``
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR set) this process is one rank: rank 0 prepares the
+index and the run directory, and torchrun tears the job down if a rank fails. Either way a
+collective that does not complete within ``--timeout`` seconds raises on the ranks waiting in
+it (the process group's timeout), which ends the run with a message naming the rank and step.
+
+Stopping. SIGINT / SIGTERM (or ``--stop-at STEP``) stop cleanly: every rank finishes the
+current step, a checkpoint is written, and a later ``mimo train`` with the same config resumes
+from it. The stop request travels in the per-step statistics all-gather, so all ranks stop
+after the same step. A second Ctrl-C to the launcher aborts at once.
+
+Run directory (default: the parent of ``train.checkpoint.dir``, e.g. ``runs/demo`` for
+``runs/demo/ckpt``; ``--run-dir`` overrides): ``config.yaml`` (the resolved config),
+``metrics.jsonl`` (one JSON object per step, rank 0), ``logs/rank<N>.log``, ``tensorboard/``
+(when the tensorboard package is installed), and (by default) the checkpoints. On resume,
+metrics of steps after the checkpoint (done by the interrupted run, about to be redone) are
+dropped, so the file always reads as one run.
+
+Resuming is automatic: ``mimo train`` continues from the latest complete checkpoint in
+``train.checkpoint.dir``. A checkpoint written at another layout is an error before any process
+starts; a config that differs otherwise (``train.checkpoint`` and data loader settings aside)
+is resumed with a warning naming the keys, as it will not reproduce an uninterrupted run.
+
+Exact resume: the step number fixes the data (DESIGN §2), the learning rate is a function of
+the step, and the checkpoint holds parameters, optimizer states and RNG; a resumed run
+therefore computes the uninterrupted run's steps bit for bit (CPU, fp32).
+
+Test hook: ``MIMO_TRAIN_FAULT=KIND:RANK:STEP`` makes rank RANK, at step STEP, ``raise`` an
+exception, ``hang`` (stop responding before the step's collectives), or ``stall-save`` (stop
+after writing its checkpoint files, before the checkpoint is committed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import multiprocessing as mp
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+from mimo.config import MimoConfig, load_config
+from mimo.errors import ConfigError, DistributedError
+
+log = logging.getLogger("mimo.train")
+
+FAULT_ENV = "MIMO_TRAIN_FAULT"
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+
+
+@dataclass
+class TrainOptions:
+    run_dir: str | None = None  # None: the parent of train.checkpoint.dir
+    timeout_s: float = 900.0  # how long one collective may wait
+    stop_at: int | None = None  # stop cleanly (checkpointed) after this step
+    log_every: int = 1  # progress lines when stdout is not a terminal
+
+
+def default_run_dir(config: MimoConfig) -> str:
+    return os.path.dirname(os.path.abspath(config.train.checkpoint.dir))
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in TORCHRUN_ENV)
+
+
+# ---------------------------------------------------------------- the command (launcher side)
+
+
+def train(config_path: str, overrides: list[str], options: TrainOptions) -> dict:
+    """``mimo train CONFIG [key=value ...]``; returns the summary printed as the last line."""
+    config = load_config(config_path, overrides)
+    if options.timeout_s <= 0 or options.log_every < 1:
+        raise ConfigError("--timeout must be > 0 and --log-every >= 1")
+    if options.stop_at is not None and not 1 <= options.stop_at <= config.train.steps:
+        raise ConfigError(f"--stop-at {options.stop_at}: must be a step in 1..train.steps={config.train.steps}")
+    options = TrainOptions(os.path.abspath(options.run_dir or default_run_dir(config)), options.timeout_s, options.stop_at, options.log_every)
+    if under_torchrun():
+        return _train_under_torchrun(config_path, overrides, config, options)
+    handler = _launcher_logging()
+    try:
+        done = _preflight(config, options)
+        if done is not None:
+            return done
+        from mimo.inputs import ensure_index
+        from mimo.launch import WorkerPool
+
+        ensure_index(config)  # once, before any rank reads it
+        _prepare_run_dir(config, options.run_dir, config_path, overrides)
+        log.info("training %s on %d local processes; run directory %s", config_path, config.world_size, options.run_dir)
+        with _stop_on_signals(), WorkerPool(config.world_size, timeout_s=math.inf, collective_timeout_s=options.timeout_s) as pool:
+            try:
+                results = pool.run(train_rank, config_path, list(overrides), options, True)
+            except DistributedError as e:
+                raise DistributedError(_short_failure(str(e), options.run_dir)) from None
+        return {"ok": True, "command": "train", **results[0]}
+    finally:
+        logging.getLogger("mimo").removeHandler(handler)
+
+
+def _short_failure(message: str, run_dir: str) -> str:
+    """'train_rank: rank 2 failed:\n<traceback>' -> 'rank 2 failed: <the exception line> (traceback in
+    logs/rank2.log)': the cause, without a wall of traceback (the rank logged it in full)."""
+    m = re.match(r"^.*?(rank (\d+) failed):\n(.*)$", message, re.S)
+    if not m:
+        return message
+    head, rank, trace = m.groups()
+    last = [line for line in trace.strip().splitlines() if line.strip()][-1]
+    last = re.sub(r"^[\w.]+\.(\w+: )", r"\1", last)  # mimo.errors.DistributedError: -> DistributedError:
+    return f"{head}: {last} (traceback in {os.path.join(run_dir, 'logs', f'rank{rank}.log')})"
+
+
+def _preflight(config: MimoConfig, options: TrainOptions) -> dict | None:
+    """Before any process starts: a checkpoint at another layout is an error; a run that is
+    already done returns its summary."""
+    from mimo.checkpoint import check_layout, latest_checkpoint, read_meta
+
+    latest = latest_checkpoint(os.path.abspath(config.train.checkpoint.dir))
+    if latest is None:
+        return None
+    step, path = latest
+    meta = read_meta(path)
+    check_layout(meta, config, path)
+    changed = _changed_keys(meta.get("config", {}), _plain(config))
+    changed = [k for k in changed if not k.startswith(("train.checkpoint.", "data.workers", "data.prefetch"))]
+    if changed:
+        log.warning("resuming from %s with a config that differs at %s: the run will not reproduce an uninterrupted one",
+                    path, ", ".join(changed[:8]))
+    target = options.stop_at or config.train.steps
+    if step >= target:
+        return {"ok": True, "command": "train", "steps": step, "final_loss": _last_loss(options.run_dir, step),
+                "run_dir": options.run_dir, "checkpoint": path, "resumed_from": step, "steps_run": 0, "stopped": False}
+    return None
+
+
+def _plain(config: MimoConfig) -> dict:
+    """The resolved config as plain dicts and lists (as JSON and YAML write it)."""
+    return json.loads(json.dumps(config.as_dict(), default=str))
+
+
+def _changed_keys(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += _changed_keys(a.get(k), b.get(k), f"{prefix}{k}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def _last_loss(run_dir: str, step: int) -> float | None:
+    from mimo.metrics import read_metrics
+
+    for rec in read_metrics(os.path.join(run_dir, "metrics.jsonl")):
+        if rec.get("step") == step:
+            return rec.get("loss")
+    return None
+
+
+def _prepare_run_dir(config: MimoConfig, run_dir: str, config_path: str, overrides: list[str]) -> None:
+    import yaml
+
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    command = " ".join(["mimo train", config_path, *overrides])
+    tmp = os.path.join(run_dir, "config.yaml.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(f"# resolved from `{command}`\n")
+        yaml.safe_dump(_plain(config), f, sort_keys=False)
+    os.replace(tmp, os.path.join(run_dir, "config.yaml"))
+
+
+def _launcher_logging() -> logging.Handler:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s [launcher] %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("mimo")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return handler
+
+
+@contextmanager
+def _stop_on_signals():
+    """First SIGINT / SIGTERM: ask every rank to stop after its step (checkpointed); second: abort."""
+    caught = []
+
+    def handler(signum, frame):
+        caught.append(signum)
+        if len(caught) > 1:
+            for child in mp.active_children():
+                child.kill()
+            raise KeyboardInterrupt
+        log.warning("%s: stopping after the current step (a checkpoint is written); again to abort", signal.Signals(signum).name)
+        for child in mp.active_children():
+            try:
+                os.kill(child.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _train_under_torchrun(config_path: str, overrides: list[str], config: MimoConfig, options: TrainOptions) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if world != config.world_size:
+        raise ConfigError(f"world_size: the config asks for {config.world_size} ranks, torchrun started {world}")
+    done = _preflight(config, options)  # on every rank: all of them stop on a user error, before any group starts
+    if done is not None:
+        return done
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    # gloo for the CPU tensors (statistics, data), NCCL for CUDA tensors
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=options.timeout_s))
+    try:
+        if rank == 0:
+            from mimo.inputs import ensure_index
+
+            ensure_index(config)
+            _prepare_run_dir(config, options.run_dir, config_path, overrides)
+        dist.barrier()
+        summary = train_rank(config_path, overrides, options, False)
+    finally:
+        dist.destroy_process_group()
+    return {"ok": True, "command": "train", "rank": rank, **summary}
+
+
+# ---------------------------------------------------------------- one rank
+
+
+def train_rank(config_path: str, overrides: list[str], options: TrainOptions, local_launch: bool) -> dict:
+    """Runs on every rank (a WorkerPool worker, or a torchrun process with its group up)."""
+    import torch.distributed as dist
+
+    from mimo.checkpoint import latest_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint
+    from mimo.metrics import Reporter, StepTimer
+    from mimo.run import build_run
+    from mimo.step import train_step
+
+    rank = dist.get_rank()
+    config = load_config(config_path, overrides)
+    handlers = _rank_logging(rank, options.run_dir)
+    stop = _StopRequest()
+    if local_launch:
+        _exit_with_parent()
+    fault = _Fault.from_env(rank)
+    ckpt = config.train.checkpoint
+    ckpt_dir = os.path.abspath(ckpt.dir)
+    last_step = options.stop_at or config.train.steps
+    run = None
+    try:
+        _groups_inherit_timeout(options.timeout_s)
+        run = build_run(config, rank)
+        start = _latest_step(ckpt_dir, rank)
+        if start:
+            meta = load_checkpoint(run.model, os.path.join(ckpt_dir, f"step-{start:08d}"), run.optimizers)
+            log.info("resumed from %s (step %d)", os.path.join(ckpt_dir, f"step-{start:08d}"), meta["step"])
+        if rank == 0:
+            for path in remove_leftovers(ckpt_dir):
+                log.info("removed an incomplete checkpoint: %s", path)
+        timer = StepTimer(run)
+        report = Reporter(run, options.run_dir, options.log_every, start, last_step) if rank == 0 else None
+        step, loss, path, stopped = start, None, None, False
+        for step in range(start + 1, last_step + 1):
+            with _name_timeouts(rank, step, options.timeout_s):
+                fault.at_step(step)
+                timer.begin()
+                result = train_step(run.model, timer.pipeline, step, run.optimizers, run.policy)
+                stats = timer.end(result.read_failures, stop.requested or step == options.stop_at)
+                stopped = stats["stop"] and step < config.train.steps
+                saved_at = None
+                if (ckpt.every and step % ckpt.every == 0) or step == config.train.steps or stats["stop"]:
+                    t0 = time.perf_counter()
+                    path = save_checkpoint(run.model, run.optimizers, step, ckpt_dir, ckpt.keep,
+                                           after_write=(lambda s=step: fault.during_save(s)))
+                    stats["time_s"]["checkpoint"] = time.perf_counter() - t0
+                    saved_at = path
+            loss = result.loss
+            if report is not None:
+                report.step(step, result, stats, saved_at)
+            if stats["stop"]:
+                break
+        if report is not None:
+            report.close()
+        if stopped and rank == 0:
+            log.warning("stopped after step %d; `mimo train` with the same config resumes from %s", step, path)
+        latest = latest_checkpoint(ckpt_dir)
+        return {"steps": step, "final_loss": loss, "run_dir": options.run_dir, "checkpoint": latest[1] if latest else None,
+                "resumed_from": start or None, "steps_run": step - start, "stopped": stopped}
+    except BaseException:
+        log.exception("rank %d failed", rank, extra={"file_only": True})
+        raise
+    finally:
+        if run is not None:
+            run.close()
+        sys.stdout.flush()
+        stop.restore()
+        for h in handlers:
+            logging.getLogger("mimo").removeHandler(h)
+            h.close()
+
+
+def _groups_inherit_timeout(timeout_s: float) -> None:
+    """``dist.new_group()`` without a timeout takes torch's default (30 min), not the world
+    group's: make the groups this rank creates from now on (grids, bridges, data) time out
+    after ``timeout_s`` too, so a hung collective ends the run in the time the user asked for."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        if isinstance(getattr(c10d, name, None), timedelta):
+            setattr(c10d, name, timedelta(seconds=timeout_s))
+
+
+def _latest_step(ckpt_dir: str, rank: int) -> int:
+    """Rank 0 picks the checkpoint; everyone loads that one (never a later one appearing meanwhile)."""
+    import torch
+    import torch.distributed as dist
+
+    from mimo.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(ckpt_dir) if rank == 0 else None
+    t = torch.tensor([latest[0] if latest else 0], dtype=torch.int64)
+    if dist.get_world_size() > 1:
+        dist.broadcast(t, src=0)
+    return int(t.item())
+
+
+@contextmanager
+def _name_timeouts(rank: int, step: int, timeout_s: float):
+    """A collective that timed out says so, with this rank and step (the backend's message
+    alone names neither)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise DistributedError(
+                f"rank {rank}, step {step}: a collective did not complete within {timeout_s:g} s "
+                f"(another rank failed or stopped responding): {str(e).strip().splitlines()[0]}"
+            ) from e
+        raise
+
+
+def _rank_logging(rank: int, run_dir: str) -> list[logging.Handler]:
+    """Rank-prefixed records: rank 0 shows INFO on the console, the others warnings; every rank
+    logs INFO into ``logs/rank<N>.log``."""
+    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    console.addFilter(lambda record: not getattr(record, "file_only", False))  # e.g. step lines: the progress display shows them
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    file = logging.FileHandler(os.path.join(run_dir, "logs", f"rank{rank}.log"), encoding="utf-8")
+    handlers = [console, file]
+    root = logging.getLogger("mimo")
+    root.setLevel(logging.INFO)
+    for h in handlers:
+        h.setFormatter(fmt)
+        root.addHandler(h)
+    return handlers
+
+
+class _StopRequest:
+    """SIGINT / SIGTERM ask for a clean stop after the current step (idempotent)."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore(self) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+
+    def _handler(self, signum, frame):
+        if not self.requested:
+            log.warning("%s: stopping after the current step", signal.Signals(signum).name)
+        self.requested = True
+
+
+def _exit_with_parent() -> None:
+    """A locally launched rank whose launcher died (e.g. kill -9) exits instead of training on."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="mimo-parent-watch", daemon=True).start()
+
+
+@dataclass
+class _Fault:
+    """The ``MIMO_TRAIN_FAULT`` test hook (see the module doc)."""
+
+    kind: str | None = None
+    step: int = 0
+
+    @classmethod
+    def from_env(cls, rank: int) -> "_Fault":
+        spec = os.environ.get(FAULT_ENV)
+        if not spec:
+            return cls()
+        try:
+            kind, at_rank, step = spec.split(":")
+            at_rank, step = int(at_rank), int(step)
+        except ValueError:
+            raise ConfigError(f"{FAULT_ENV}={spec!r}: expected KIND:RANK:STEP") from None
+        if kind not in ("raise", "hang", "stall-save"):
+            raise ConfigError(f"{FAULT_ENV}={spec!r}: KIND is raise, hang or stall-save")
+        return cls(kind, step) if at_rank == rank else cls()
+
+    def at_step(self, step: int) -> None:
+        if step != self.step:
+            return
+        if self.kind == "raise":
+            raise RuntimeError(f"injected failure ({FAULT_ENV}) at step {step}")
+        if self.kind == "hang":
+            log.warning("%s: not responding from step %d on", FAULT_ENV, step)
+            while True:
+                time.sleep(3600)
+
+    def during_save(self, step: int) -> None:
+        if self.kind == "stall-save" and step == self.step:
+            log.warning("%s: stalling inside the save of step %d", FAULT_ENV, step)
+            while True:
+                time.sleep(3600)
