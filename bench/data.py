@@ -40,24 +40,19 @@ def anchor(pattern: str, limit: int) -> tuple[int, float]:
 
 
 def ours(config, batches: int):
-    from mimo.data.pack import pack
-    from mimo.data.pipeline import SampleReader, llm_blocks
-    from mimo.inputs import data_plan, encoder_feeds, ensure_index, text_spec
+    from mimo.data.pipeline import SampleReader
+    from mimo.inputs import data_plan, encoder_feeds, ensure_index, read_packs, text_spec
 
     index, _ = ensure_index(config)
     plan = data_plan(config, index)
     spec = text_spec(config)
     reader = SampleReader(index, spec, encoder_feeds(config))
-    llm = config.llm.parallel
-    rows = dict(spec.rows_per_image)
     microbatches = [plan.microbatch(k) for k in range(batches)]  # planning is not timed
     samples = tokens = computed = 0
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(config.data.workers) as pool:
         for mb in microbatches:
-            for block in llm_blocks(mb, llm.dp):
-                got = list(pool.map(reader.read, [mb[i] for i in block]))
-                batch = pack([r.item for r in got], rows, llm.tp, llm.cp, llm.sequence_parallel, reader.pad_id)
+            for got, batch in read_packs(reader, mb, config.llm.parallel, dict(spec.rows_per_image), pool.map):
                 computed += batch.num_tokens
                 tokens += sum(len(r.item.tokens) for r in got)
                 samples += len(got)

@@ -11,6 +11,7 @@ import logging
 import os
 from collections import Counter
 
+from mimo.batch import PackedBatch
 from mimo.config import MimoConfig
 from mimo.data.images import CLIP_MEAN, CLIP_STD, ImageSpec
 from mimo.data.index import Index, TextSpec, prepare
@@ -72,28 +73,38 @@ def data_plan(config: MimoConfig, index: Index) -> DataPlan:
     return DataPlan(index, d.tokens_per_microbatch, d.max_sample_tokens, d.seed, d.shuffle)
 
 
+def read_packs(reader, samples: list, llm_parallel, rows_per_image: dict[str, int], map_fn=map) -> list[tuple[list, PackedBatch]]:
+    """The reader ranks' work for one global microbatch, in one process: each LLM DP block's
+    samples read (``map_fn`` may be a thread pool's map) and packed as that rank packs them."""
+    from mimo.data.pack import pack
+    from mimo.data.pipeline import llm_blocks
+
+    par = llm_parallel
+    out = []
+    for block in llm_blocks(samples, par.dp):
+        got = list(map_fn(reader.read, [samples[i] for i in block]))
+        out.append((got, pack([r.item for r in got], rows_per_image, par.tp, par.cp, par.sequence_parallel, reader.pad_id)))
+    return out
+
+
 def inspect(config: MimoConfig, batches: int) -> dict:
     """Read ``batches`` global microbatches through the real reading and packing code, in one
     process, for every LLM DP block; report counts (DESIGN §2 padding fraction)."""
-    from mimo.data.pack import pack
-    from mimo.data.pipeline import SampleReader, llm_blocks
+    from mimo.data.pipeline import SampleReader
 
     index, status = ensure_index(config)
     plan = data_plan(config, index)
     spec = text_spec(config)
     reader = SampleReader(index, spec, encoder_feeds(config))
     llm = config.llm.parallel
-    rows = dict(spec.rows_per_image)
     failures: Counter = Counter()
     read = computed = real = image_rows = 0
-    ratios, dp_tokens = [], []
+    ratios = []
     for k in range(batches):
         samples = plan.microbatch(k)
         per_rank = []
-        for block in llm_blocks(samples, llm.dp):
-            got = [reader.read(samples[i]) for i in block]
+        for got, batch in read_packs(reader, samples, llm, dict(spec.rows_per_image)):
             failures.update(r.failure for r in got if r.failure)
-            batch = pack([r.item for r in got], rows, llm.tp, llm.cp, llm.sequence_parallel, reader.pad_id)
             computed += batch.num_tokens
             per_rank.append(sum(len(r.item.tokens) for r in got))
             image_rows += sum(int(v.numel()) for v in batch.image_slots.values())
@@ -101,7 +112,6 @@ def inspect(config: MimoConfig, batches: int) -> dict:
         real += sum(per_rank)
         mean = sum(per_rank) / len(per_rank)
         ratios.append(max(per_rank) / mean if mean else 1.0)
-        dp_tokens.append(per_rank)
     return {
         "index": status,
         "samples_indexed": len(index.entries),
