@@ -48,10 +48,14 @@ class TrainConfig:
     precision: Literal["fp32", "bf16"] = "fp32"
     grad_clip: float | None = 1.0  # max global gradient norm; None: no clipping
     seed: int = 0  # parameter initialisation and dropout
+    # "simple": every microbatch forward, then every backward; "1f1b": the tick-table pipeline
+    # schedule of mimo.schedules (1F1B per LLM stage, encoders ahead by encoder_prefetch)
+    schedule: Literal["simple", "1f1b"] = "1f1b"
+    encoder_prefetch: int = 1  # microbatches whose encoder forward is done by stage 0's F(k) (1f1b)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self, path: str) -> list[str]:
-        problems = at_least(self, path, 1, "micro_batches", "steps")
+        problems = at_least(self, path, 1, "micro_batches", "steps", "encoder_prefetch")
         problems += at_least(self, path, 0, "weight_decay", "warmup_steps")
         for name in ("lr", "grad_clip"):
             value = getattr(self, name)

@@ -51,22 +51,48 @@ class PrecisionPolicy:
 
 def sync_grads(params: Iterable[TrainParam], policy: PrecisionPolicy | None = None, bucket_numel: int = 1 << 22) -> None:
     """Sum gradients over each parameter's DP group, in buckets of about ``bucket_numel``."""
-    reduce_dtype = policy.grad_reduce if policy else torch.float32
-    by_group: dict[int, tuple[object, list[torch.Tensor]]] = {}
-    for p in params:
-        if p.dp_group is None:
-            continue
-        if p.param.grad is None:  # unused on this rank (e.g. no samples): every DP rank must send the same buckets
-            p.param.grad = torch.zeros_like(p.param)
-        by_group.setdefault(id(p.dp_group), (p.dp_group, []))[1].append(p.param.grad)
-    for group, grads in by_group.values():
-        for bucket in _buckets(grads, bucket_numel):
-            flat = torch.cat([g.reshape(-1).to(reduce_dtype) for g in bucket])
-            dist.all_reduce(flat, group=group)
+    pending = GradSync(policy, bucket_numel)
+    pending.start(params)
+    pending.finish()
+
+
+class GradSync:
+    """DP gradient sums started asynchronously, bucket by bucket, so they overlap what still
+    runs (other modules' backward); ``finish()`` waits and writes the sums back, before the
+    optimizer step. Every rank of a DP group must start the same params in the same order."""
+
+    def __init__(self, policy: PrecisionPolicy | None = None, bucket_numel: int = 1 << 22):
+        self.reduce_dtype = policy.grad_reduce if policy else torch.float32
+        self.bucket_numel = bucket_numel
+        self.started: set[int] = set()  # id() of the params already started
+        self._pending: list[tuple] = []  # (work, flat, grads, group)
+
+    def start(self, params: Iterable[TrainParam]) -> int:
+        """Launch the sums of ``params``' gradients (which must be final); returns the bucket count."""
+        by_group: dict[int, tuple[object, list[torch.Tensor]]] = {}
+        for p in params:
+            if p.dp_group is None:
+                continue
+            if p.param.grad is None:  # unused on this rank (e.g. no samples): every DP rank must send the same buckets
+                p.param.grad = torch.zeros_like(p.param)
+            self.started.add(id(p.param))
+            by_group.setdefault(id(p.dp_group), (p.dp_group, []))[1].append(p.param.grad)
+        count = 0
+        for group, grads in by_group.values():
+            for bucket in _buckets(grads, self.bucket_numel):
+                flat = torch.cat([g.reshape(-1).to(self.reduce_dtype) for g in bucket])
+                self._pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket, group))
+                count += 1
+        return count
+
+    def finish(self) -> None:
+        for work, flat, bucket, _ in self._pending:
+            work.wait()
             off = 0
             for g in bucket:
                 g.copy_(flat[off : off + g.numel()].view_as(g))
                 off += g.numel()
+        self._pending.clear()
 
 
 def _buckets(grads: list[torch.Tensor], bucket_numel: int):

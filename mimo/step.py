@@ -1,5 +1,9 @@
-"""One training step on the simplest correct schedule: every microbatch forward, then every
-microbatch backward (no pipeline interleaving; 1F1B comes with ``mimo.schedules``).
+"""One training step. ``train.schedule: 1f1b`` (the default; also any traced step) runs the
+microbatches on a tick table of ``mimo.schedules`` (``mimo.schedule_run``: 1F1B per LLM stage,
+encoder prefetch, DP gradient sums overlapping the remaining backwards), reusing this module's
+encoder / bridge phases. ``train.schedule: simple`` runs the simplest correct schedule below:
+every microbatch forward, then every microbatch backward, no pipeline interleaving. The
+optimizer part after the microbatches is the same for both.
 
 Per microbatch and rank, in this fixed order (every collective is entered by all its ranks at
 the same point):
@@ -29,7 +33,7 @@ from mimo.layout import dp_placement, packed_placement
 from mimo.llm.model import count_loss_tokens, sync_tied_grads
 from mimo.llm.pipeline import pp_neighbour
 from mimo.model import MimoModel
-from mimo.optim import PrecisionPolicy, clip_grads_, global_grad_norm, lr_at, sync_grads
+from mimo.optim import GradSync, PrecisionPolicy, clip_grads_, global_grad_norm, lr_at, sync_grads
 
 
 @dataclass
@@ -39,6 +43,7 @@ class StepResult:
     loss_tokens: int
     lr: dict[str, float] = field(default_factory=dict)
     read_failures: dict = field(default_factory=dict)
+    trace: list | None = None  # this rank's events, when asked for (train_step(trace=True))
 
 
 @dataclass
@@ -57,11 +62,12 @@ def _sum_over(value: float, group) -> float:
     return t.item()
 
 
-def forward_microbatch(model: MimoModel, mb: Microbatch, num_loss_tokens: float) -> _Forward:
-    rank, stage = model.rank, model.stage
-    llm_grid, hidden = model.llm_grid, model.config.llm.arch.hidden
-    state = _Forward({})
-    image_rows = {}
+def encode_and_bridge(model: MimoModel, mb: Microbatch, trace: "Trace | None" = None, tick: int | None = None,
+                      index: int | None = None) -> tuple[dict, dict]:
+    """Each encoder's forward and its bridge to the LLM's first stage (a collective over the
+    bridge's ranks). Returns (encoder -> (bridge, y, y_leaf), placeholder -> rows for stage 0)."""
+    rank, llm_grid, hidden = model.rank, model.llm_grid, model.config.llm.arch.hidden
+    bridges, image_rows = {}, {}
     sequence_parallel = model.config.llm.parallel.sequence_parallel and model.config.llm.parallel.tp > 1
     for name, part in model.encoders.items():
         feed_rows = model.config.encoders[name].rows_per_image
@@ -79,13 +85,50 @@ def forward_microbatch(model: MimoModel, mb: Microbatch, num_loss_tokens: float)
                         src_replica_group=part.tp_group if rank in part.grid else None,
                         dst_replica_group=model.llm_tp if rank in llm_grid and not sequence_parallel else None,
                         needs_grad=trains, rank=rank)
-        x = part.module(mb.pixels[name]) if part.module is not None else None
+        x = None
+        if part.module is not None:
+            x = part.module(mb.pixels[name])
+            _note(trace, tick, "encoder_fwd", index, name)
         y = bridge(x)
+        _note(trace, tick, "bridge_fwd", index, name)
         y_leaf = None
         if bridge.is_dst:
             y_leaf = y.detach().requires_grad_(trains)
             image_rows[placeholder] = y_leaf
-        state.bridges[name] = (bridge, y, y_leaf)
+        bridges[name] = (bridge, y, y_leaf)
+    return bridges, image_rows
+
+
+def bridge_backward(model: MimoModel, bridges: dict, trace: "Trace | None" = None, tick: int | None = None,
+                    index: int | None = None) -> None:
+    """Each trained bridge's backward (the LLM side hands the gradient of the rows it
+    received), continuing into the encoder; on every rank of the bridge."""
+    for name, (bridge, y, y_leaf) in bridges.items():
+        if not model.encoder_trains[name]:
+            continue
+        if bridge.is_dst:
+            g = y_leaf.grad if y_leaf.grad is not None else torch.zeros_like(y_leaf)
+            y.backward(g)
+        else:  # a non-colocated source: receive the gradient of what it sent
+            Bridge.backward_source(y)
+        _note(trace, tick, "bridge_bwd", index, name)
+        if model.encoders[name].module is not None:
+            _note(trace, tick, "encoder_bwd", index, name)
+
+
+Trace = list  # of event dicts: tick, kind, microbatch, module (and stage for LLM ops)
+
+
+def _note(trace: Trace | None, tick: int | None, kind: str, microbatch: int | None, module: str, **extra) -> None:
+    if trace is not None:
+        trace.append({"tick": tick, "kind": kind, "microbatch": microbatch, "module": module, **extra})
+
+
+def forward_microbatch(model: MimoModel, mb: Microbatch, num_loss_tokens: float) -> _Forward:
+    rank, stage = model.rank, model.stage
+    llm_grid, hidden = model.llm_grid, model.config.llm.arch.hidden
+    bridges, image_rows = encode_and_bridge(model, mb)
+    state = _Forward(bridges)
     if stage is None:
         return state
     prev, nxt = pp_neighbour(llm_grid, rank, -1), pp_neighbour(llm_grid, rank, +1)
@@ -120,34 +163,39 @@ def backward_microbatch(model: MimoModel, state: _Forward) -> None:
         if prev is not None:
             g = state.hidden_in.grad if state.hidden_in.grad is not None else torch.zeros_like(state.hidden_in)
             dist.send(g.contiguous(), dst=prev)
-    for name, (bridge, y, y_leaf) in state.bridges.items():
-        if not model.encoder_trains[name]:
-            continue
-        if bridge.is_dst:
-            g = y_leaf.grad if y_leaf.grad is not None else torch.zeros_like(y_leaf)
-            y.backward(g)
-        else:  # a non-colocated source: receive the gradient of what it sent
-            Bridge.backward_source(y)
+    bridge_backward(model, state.bridges)
 
 
 def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: dict, policy: PrecisionPolicy | None = None,
-               on_grads=None) -> StepResult:
-    """One step; ``on_grads(model, grad_norm)`` (optional) sees the gradients before clipping."""
+               on_grads=None, trace: bool = False) -> StepResult:
+    """One step; ``on_grads(model, grad_norm)`` (optional) sees the gradients before clipping.
+    ``trace``: record this rank's events (ticked schedules only; see mimo.schedule_run)."""
     cfg = model.config
     mbs = pipeline.step(step)
     # the global loss-token count: each LLM DP rank's packs, summed over DP (DESIGN §2)
     local = sum(count_loss_tokens(mb.pack) for mb in mbs) if model.stage is not None else 0
     num_loss_tokens = _sum_over(local, model.llm_dp) if model.stage is not None else 0.0
-    states = [forward_microbatch(model, mb, max(num_loss_tokens, 1.0)) for mb in mbs]
-    loss_local = 0.0
-    if model.stage is not None and model.stage.is_last:
-        loss_local = sum(float(s.out.detach()) for s in states)
-    for s in states:
-        backward_microbatch(model, s)
+    events: Trace | None = [] if trace else None
+    overlap: GradSync | None = None
+    if cfg.train.schedule == "simple" and not trace:
+        states = [forward_microbatch(model, mb, max(num_loss_tokens, 1.0)) for mb in mbs]
+        loss_local = 0.0
+        if model.stage is not None and model.stage.is_last:
+            loss_local = sum(float(s.out.detach()) for s in states)
+        for s in states:
+            backward_microbatch(model, s)
+    else:
+        from mimo.schedule_run import run_schedule  # imports this module's helpers
+
+        # DP sums start while later backwards still run; the tied-embedding sum below commutes with them
+        overlap = GradSync(policy)
+        loss_local = run_schedule(model, mbs, max(num_loss_tokens, 1.0), cfg.train.schedule, cfg.train.encoder_prefetch, events,
+                                  overlap, model.train_params())
+        overlap.finish()
     params = model.train_params()
     if model.stage is not None:
         sync_tied_grads(model.stage, model.llm_embedding_group)
-    sync_grads(params, policy)
+    sync_grads([p for p in params if overlap is None or id(p.param) not in overlap.started], policy)
     norm = global_grad_norm(params)
     if on_grads is not None:
         on_grads(model, norm)
@@ -171,4 +219,4 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     for mb in mbs:
         for k, v in mb.read_failures.items():
             failures[k] = failures.get(k, 0) + v
-    return StepResult(loss, norm, int(num_loss_tokens), lrs, failures)
+    return StepResult(loss, norm, int(num_loss_tokens), lrs, failures, events)
