@@ -1,23 +1,16 @@
-"""One training step. ``train.schedule: 1f1b`` (the default; also any traced step) runs the
-microbatches on a tick table of ``mimo.schedules`` (``mimo.schedule_run``: 1F1B per LLM stage,
-encoder prefetch, DP gradient sums overlapping the remaining backwards), reusing this module's
-encoder / bridge phases. ``train.schedule: simple`` runs the simplest correct schedule below:
-every microbatch forward, then every microbatch backward, no pipeline interleaving. The
-optimizer part after the microbatches is the same for both.
+"""One training step: the microbatches on a tick table of ``mimo.schedules`` (``train.schedule``:
+``1f1b``, the default, or ``simple`` — every microbatch forward, then every one backward), run
+by ``mimo.schedule_run`` on every rank; then the optimizer part, the same for both.
 
-Per microbatch and rank, in this fixed order (every collective is entered by all its ranks at
-the same point):
-
-1. data: the pipeline delivers this rank's pack (LLM ranks) and pixels (encoder ranks);
-2. each encoder's forward, then its bridge to the LLM's first stage (declared placement);
-3. the LLM stages, stage after stage (blocking point-to-point between stages); the last stage's
-   loss is its token-loss sum over the step's global loss-token count.
-
-Backward runs the microbatches in the same order: the LLM stages from last to first, then each
-bridge's backward (the LLM side hands the gradient of the rows it received; the bridge's
-output is detached at the boundary so this happens in an explicit phase on every rank), which
-continues into the encoder. Then tied-embedding and DP gradient sums, the global norm (one
-world-wide all-reduce), clipping, and each module's optimizer step.
+Per microbatch and rank, in a fixed order (every collective is entered by all its ranks at the
+same point): the data pipeline delivers this rank's pack (LLM ranks) and pixels (encoder
+ranks); each encoder runs forward, then its bridge to the LLM's first stage (declared
+placement) — ``encode_and_bridge`` here; the LLM stages run, the last one's loss being its
+token-loss sum over the step's global loss-token count. Backward: the LLM stages, then each
+bridge's backward (the bridge's output is detached at the LLM boundary, so this is an explicit
+phase on every rank — ``bridge_backward`` here), which continues into the encoder. Then
+tied-embedding and DP gradient sums, the global norm (one world-wide all-reduce), clipping, and
+each module's optimizer step.
 """
 
 from __future__ import annotations
@@ -31,7 +24,6 @@ from mimo.bridges.executor import Bridge
 from mimo.data.pipeline import DataPipeline, Microbatch
 from mimo.layout import dp_placement, packed_placement
 from mimo.llm.model import count_loss_tokens, sync_tied_grads
-from mimo.llm.pipeline import pp_neighbour
 from mimo.model import MimoModel
 from mimo.optim import GradSync, PrecisionPolicy, clip_grads_, global_grad_norm, lr_at, sync_grads
 
@@ -44,15 +36,6 @@ class StepResult:
     lr: dict[str, float] = field(default_factory=dict)
     read_failures: dict = field(default_factory=dict)
     trace: list | None = None  # this rank's events, when asked for (train_step(trace=True))
-
-
-@dataclass
-class _Forward:
-    """What backward needs of one microbatch on this rank."""
-
-    bridges: dict  # encoder -> (bridge, y, y_leaf)
-    hidden_in: torch.Tensor | None = None  # received from the previous stage (requires grad)
-    out: torch.Tensor | None = None  # sent to the next stage, or the loss on the last stage
 
 
 def _sum_over(value: float, group) -> float:
@@ -124,78 +107,28 @@ def _note(trace: Trace | None, tick: int | None, kind: str, microbatch: int | No
         trace.append({"tick": tick, "kind": kind, "microbatch": microbatch, "module": module, **extra})
 
 
-def forward_microbatch(model: MimoModel, mb: Microbatch, num_loss_tokens: float) -> _Forward:
-    rank, stage = model.rank, model.stage
-    llm_grid, hidden = model.llm_grid, model.config.llm.arch.hidden
-    bridges, image_rows = encode_and_bridge(model, mb)
-    state = _Forward(bridges)
-    if stage is None:
-        return state
-    prev, nxt = pp_neighbour(llm_grid, rank, -1), pp_neighbour(llm_grid, rank, +1)
-    batch = mb.pack
-    h_in = None
-    if prev is not None:
-        p = next(stage.parameters())
-        h_in = torch.empty(stage.local_len(batch), hidden, dtype=p.dtype, device=p.device)
-        dist.recv(h_in, src=prev)
-        h_in.requires_grad_(True)
-    out = stage(batch, hidden=h_in, image_rows=image_rows if stage.is_first else None)
-    if nxt is not None:
-        dist.send(out.detach().contiguous(), dst=nxt)
-    else:
-        out = stage.loss(out, batch, num_loss_tokens)
-    state.hidden_in, state.out = h_in, out
-    return state
-
-
-def backward_microbatch(model: MimoModel, state: _Forward) -> None:
-    rank, stage = model.rank, model.stage
-    if stage is not None and state.out is not None:
-        prev, nxt = pp_neighbour(model.llm_grid, rank, -1), pp_neighbour(model.llm_grid, rank, +1)
-        if nxt is None:
-            if state.out.requires_grad:
-                state.out.backward()
-        else:
-            grad = torch.empty_like(state.out)
-            dist.recv(grad, src=nxt)
-            if state.out.requires_grad:
-                state.out.backward(grad)
-        if prev is not None:
-            g = state.hidden_in.grad if state.hidden_in.grad is not None else torch.zeros_like(state.hidden_in)
-            dist.send(g.contiguous(), dst=prev)
-    bridge_backward(model, state.bridges)
-
-
 def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: dict, policy: PrecisionPolicy | None = None,
                on_grads=None, trace: bool = False) -> StepResult:
     """One step; ``on_grads(model, grad_norm)`` (optional) sees the gradients before clipping.
-    ``trace``: record this rank's events (ticked schedules only; see mimo.schedule_run)."""
+    ``trace``: record this rank's events (see mimo.schedule_run)."""
     cfg = model.config
     mbs = pipeline.step(step)
     # the global loss-token count: each LLM DP rank's packs, summed over DP (DESIGN §2)
     local = sum(count_loss_tokens(mb.pack) for mb in mbs) if model.stage is not None else 0
     num_loss_tokens = _sum_over(local, model.llm_dp) if model.stage is not None else 0.0
     events: Trace | None = [] if trace else None
-    overlap: GradSync | None = None
-    if cfg.train.schedule == "simple" and not trace:
-        states = [forward_microbatch(model, mb, max(num_loss_tokens, 1.0)) for mb in mbs]
-        loss_local = 0.0
-        if model.stage is not None and model.stage.is_last:
-            loss_local = sum(float(s.out.detach()) for s in states)
-        for s in states:
-            backward_microbatch(model, s)
-    else:
-        from mimo.schedule_run import run_schedule  # imports this module's helpers
+    from mimo.schedule_run import run_schedule  # imports this module's helpers
 
-        # DP sums start while later backwards still run; the tied-embedding sum below commutes with them
-        overlap = GradSync(policy)
-        loss_local = run_schedule(model, mbs, max(num_loss_tokens, 1.0), cfg.train.schedule, cfg.train.encoder_prefetch, events,
-                                  overlap, model.train_params())
-        overlap.finish()
+    # one tick loop runs both schedules; DP sums start while later backwards still run (the
+    # tied-embedding sum below commutes with them)
+    overlap = GradSync(policy)
     params = model.train_params()
+    loss_local = run_schedule(model, mbs, max(num_loss_tokens, 1.0), cfg.train.schedule, cfg.train.encoder_prefetch, events,
+                              overlap, params)
+    overlap.finish()
     if model.stage is not None:
         sync_tied_grads(model.stage, model.llm_embedding_group)
-    sync_grads([p for p in params if overlap is None or id(p.param) not in overlap.started], policy)
+    sync_grads([p for p in params if id(p.param) not in overlap.started], policy)
     norm = global_grad_norm(params)
     if on_grads is not None:
         on_grads(model, norm)
