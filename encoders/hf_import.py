@@ -41,8 +41,8 @@ from mimo.encoders.weights import ImportedWeights, Rule, check_arch, map_state
 from mimo.errors import MimoError
 
 __all__ = [
-    "read_hf_config", "hf_arch", "hf_rules", "load_hf_state", "import_hf_state", "import_hf",
-    "save_hf_checkpoint", "build_hf_model", "hf_features",
+    "read_config_json", "read_hf_config", "hf_arch", "hf_rules", "load_hf_state", "import_hf_state", "import_hf",
+    "save_hf_checkpoint", "build_hf_model", "hf_features", "import_llava_projector",
 ]
 
 FAMILIES = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
@@ -50,8 +50,8 @@ _ACTS = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_
 _PATCH_KEY = "embeddings.patch_embedding.weight"
 
 
-def read_hf_config(path: str) -> tuple[str, dict, dict]:
-    """(family, vision config dict, the whole config.json) of a checkpoint directory."""
+def read_config_json(path: str) -> dict:
+    """The ``config.json`` of a Hugging Face checkpoint directory."""
     if not os.path.isdir(path):
         raise MimoError(f"Hugging Face checkpoint directory {path!r} not found")
     cfg_path = os.path.join(path, "config.json")
@@ -59,9 +59,15 @@ def read_hf_config(path: str) -> tuple[str, dict, dict]:
         raise MimoError(f"{path!r} has no config.json (a Hugging Face checkpoint directory holds config.json and model.safetensors)")
     try:
         with open(cfg_path) as f:
-            whole = json.load(f)
+            return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise MimoError(f"{cfg_path!r} is not readable JSON: {e}") from None
+
+
+def read_hf_config(path: str) -> tuple[str, dict, dict]:
+    """(family, vision config dict, the whole config.json) of a checkpoint directory."""
+    whole = read_config_json(path)
+    cfg_path = os.path.join(path, "config.json")
     vision = whole if whole.get("model_type") in FAMILIES else whole.get("vision_config")
     kind = vision.get("model_type") if isinstance(vision, dict) else None
     if kind is None and isinstance(vision, dict) and whole.get("model_type") in ("clip", "siglip"):
@@ -134,6 +140,20 @@ def hf_rules(arch: VitArch, prefix: str = "") -> list[Rule]:
     rules += [same("norm.weight", "post_layernorm.weight", D, optional=True),
               same("norm.bias", "post_layernorm.bias", D, optional=True)]
     return rules
+
+
+def import_llava_projector(state: Mapping[str, torch.Tensor], arch: VitArch, llm_hidden: int, prefix: str,
+                           where: str = "Hugging Face LLaVA state dict") -> ImportedWeights:
+    """LLaVA's ``multi_modal_projector.*`` (under ``prefix``) as mimo's ``mlp2x_gelu`` projector:
+    the names are the same (``linear_1``, ``linear_2``, HF's ``[out, in]`` weights), so every
+    rule is an identity; what it adds is the shape check and an exact export."""
+    D, E = arch.hidden, llm_hidden
+    shapes = {"linear_1.weight": (E, D), "linear_1.bias": (E,), "linear_2.weight": (E, E), "linear_2.bias": (E,)}
+    rules = [Rule(name, (prefix + name,), shape, shape) for name, shape in shapes.items()]
+    return map_state(
+        state, rules, source="hf-llava-projector", where=where, arch=arch,
+        unmapped=lambda key: f"tensor {key!r} has no place in the mlp2x_gelu projector", meta={"prefix": prefix},
+    )
 
 
 def find_prefix(state: Mapping[str, torch.Tensor], where: str) -> str:

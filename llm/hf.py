@@ -82,8 +82,16 @@ def hf_decoder_layers(arch: HybridArch) -> int:
     return pairs
 
 
-def hf_name_map(arch: HybridArch) -> dict[str, str]:
-    """Our canonical parameter name -> Hugging Face name, for every parameter of ``arch``."""
+Rename = Callable[[str], str]  # a Hugging Face causal-LM name -> its name inside a larger model (LLaVA)
+
+
+def _same(name: str) -> str:
+    return name
+
+
+def hf_name_map(arch: HybridArch, rename: Rename = _same) -> dict[str, str]:
+    """Our canonical parameter name -> Hugging Face name, for every parameter of ``arch``
+    (``rename``: where the causal LM sits inside a larger checkpoint)."""
     out = {}
     for j in range(hf_decoder_layers(arch)):
         for ours, theirs, present in HF_NAMES:
@@ -92,7 +100,7 @@ def hf_name_map(arch: HybridArch) -> dict[str, str]:
     # keep HF's own order: embedding, layers, final norm, head
     first = {"embed.weight": out.pop("embed.weight")}
     last = {k: out.pop(k) for k in ("norm.weight", "head.weight") if k in out}
-    return {**first, **out, **last}
+    return {k: rename(v) for k, v in {**first, **out, **last}.items()}
 
 
 def _rope_from_hf(cfg: Mapping) -> tuple[float, RopeScaling | None]:
@@ -240,9 +248,10 @@ def full_shapes(arch: HybridArch) -> dict[str, tuple[int, ...]]:
     return {name: tuple(info.spec.full_shape) for name, info in stage.param_table().items()}
 
 
-def check_hf_tensors(arch: HybridArch, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
+def check_hf_tensors(arch: HybridArch, shapes: Mapping[str, tuple[int, ...]], source: str, rename: Rename = _same) -> None:
     """MimoError naming the first missing, misfit or unexpected tensor of a checkpoint."""
-    names = hf_name_map(arch)
+    names = hf_name_map(arch, rename)
+    tied_head = rename(TIED_HEAD)
     want = full_shapes(arch)
     for ours, theirs in names.items():
         if theirs not in shapes:
@@ -252,13 +261,13 @@ def check_hf_tensors(arch: HybridArch, shapes: Mapping[str, tuple[int, ...]], so
                 f"{source}: tensor {theirs!r} has shape {tuple(shapes[theirs])}, but the model's {ours!r} "
                 f"needs {want[ours]}"
             )
-    used = set(names.values()) | ({TIED_HEAD} if arch.tie_embeddings else set())
+    used = set(names.values()) | ({tied_head} if arch.tie_embeddings else set())
     natural = lambda n: [int(p) if p.isdigit() else p for p in n.split(".")]  # noqa: E731  layer 2 before 10
     extra = sorted((n for n in shapes if n not in used and not n.endswith(IGNORED)), key=natural)
     if extra:
         raise MimoError(
             f"{source}: tensor {extra[0]!r} (shape {tuple(shapes[extra[0]])}) has no place in the model"
-            f"{' (the arch ties embeddings)' if extra[0] == TIED_HEAD else ''}; {len(extra)} unused in all"
+            f"{' (the arch ties embeddings)' if extra[0] == tied_head else ''}; {len(extra)} unused in all"
         )
 
 
@@ -282,16 +291,16 @@ def load_hf_checkpoint(stage: LLMStage, path: str) -> None:
     import_hf_state_(stage, ckpt.get, shapes, source=path)
 
 
-def export_hf_state(full_state: Mapping[str, torch.Tensor], arch: HybridArch) -> dict[str, torch.Tensor]:
+def export_hf_state(full_state: Mapping[str, torch.Tensor], arch: HybridArch, rename: Rename = _same) -> dict[str, torch.Tensor]:
     """Hugging Face state dict (as ``model.state_dict()`` has it) from our full canonical state
     (all stages merged; vocab padding is already stripped by ``full_state``)."""
     out = {}
-    for ours, theirs in hf_name_map(arch).items():
+    for ours, theirs in hf_name_map(arch, rename).items():
         if ours not in full_state:
             raise MimoError(f"export: the state has no {ours!r} (merge the full state of every stage)")
         out[theirs] = full_state[ours]
     if arch.tie_embeddings:
-        out[TIED_HEAD] = full_state["embed.weight"]
+        out[rename(TIED_HEAD)] = full_state["embed.weight"]
     return out
 
 

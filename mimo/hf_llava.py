@@ -1,0 +1,298 @@
+"""Hugging Face LLaVA (``LlavaForConditionalGeneration``) <-> mimo's modules.
+
+A LLaVA checkpoint is three models side by side, and each part is mapped by the module that
+owns its mapping; this file only splits the keys and composes them:
+
+    part        current names (transformers >= 4.52)      legacy names (llava-1.5 checkpoints)
+    vision      model.vision_tower.[vision_model.]*         vision_tower.vision_model.*
+    projector   model.multi_modal_projector.*              multi_modal_projector.*
+    LLM body    model.language_model.*                     language_model.model.*
+    LM head     lm_head.weight                             language_model.lm_head.weight
+
+    vision    -> ``mimo.encoders.hf_import`` (CLIP / SigLIP tower rules, prefix found from the keys)
+    projector -> ``mimo.encoders.hf_import.import_llava_projector`` (mlp2x_gelu, same names)
+    LLM       -> ``mimo.llm.hf`` (Llama / Qwen names), renamed into the LLaVA prefixes
+
+Import accepts either naming (not a mix); export writes the checkpoint's own naming, key
+order and dtypes, so import -> export reproduces the source exactly. ``llava_arch`` reads an
+HF ``LlavaConfig`` (``config.json``; HF's defaults filled in) into the mimo architecture, and
+``llava_modules`` into the ``modules:`` section of a mimo config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from mimo.encoders.config import VitArch
+from mimo.encoders.hf_import import FAMILIES, hf_arch, import_hf_state, import_llava_projector, load_hf_state, read_config_json
+from mimo.encoders.weights import ImportedWeights
+from mimo.errors import MimoError
+from mimo.llm.config import HybridArch
+from mimo.llm.hf import arch_from_hf_config, check_hf_tensors, export_hf_state, full_shapes, hf_name_map
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Naming", "NAMINGS", "LlavaArch", "LlavaWeights", "llava_arch", "llava_modules", "import_llava_state",
+    "load_llava", "export_llava_state", "save_llava", "load_llava_",
+]
+
+
+@dataclass(frozen=True)
+class Naming:
+    """Where LLaVA's parts sit in a state dict."""
+
+    name: str
+    vision: str  # prefix of the vision tower
+    projector: str  # prefix of multi_modal_projector
+    llm: str  # prefix that replaces a causal LM's "model."
+    head: str  # the LM head's key
+
+    def llm_key(self, causal_lm_key: str) -> str:
+        """A Llama/Qwen ``*ForCausalLM`` key -> its key in this LLaVA naming."""
+        if causal_lm_key == "lm_head.weight":
+            return self.head
+        if not causal_lm_key.startswith("model."):
+            raise ValueError(f"not a causal-LM key: {causal_lm_key!r}")
+        return self.llm + causal_lm_key[len("model."):]
+
+    def part(self, key: str) -> str | None:
+        """'vision', 'projector', 'llm' or None (a key of no LLaVA part)."""
+        if key.startswith(self.vision):
+            return "vision"
+        if key.startswith(self.projector):
+            return "projector"
+        if key.startswith(self.llm) or key == self.head:
+            return "llm"
+        return None
+
+
+NAMINGS = {
+    "current": Naming("current", "model.vision_tower.", "model.multi_modal_projector.", "model.language_model.", "lm_head.weight"),
+    "legacy": Naming("legacy", "vision_tower.", "multi_modal_projector.", "language_model.model.", "language_model.lm_head.weight"),
+}
+
+
+def detect_naming(keys, where: str) -> Naming:
+    """The naming a state dict uses; MimoError for neither or a mix of both."""
+    keys = list(keys)
+    # legacy's LM head also starts with "language_model.", so test the current roots first
+    current = [k for k in keys if k.startswith(("model.vision_tower.", "model.multi_modal_projector.", "model.language_model."))]
+    legacy = [k for k in keys if k.startswith(("vision_tower.", "multi_modal_projector.", "language_model."))]
+    if current and legacy:
+        raise MimoError(f"{where} mixes current LLaVA names ({current[0]!r}) with legacy ones ({legacy[0]!r})")
+    if not current and not legacy:
+        first = repr(keys[0]) if keys else "no tensors"
+        raise MimoError(f"{where} is not a LLaVA state dict: no key under model.vision_tower / model.language_model "
+                        f"(or the legacy vision_tower / language_model); first key: {first}")
+    return NAMINGS["current" if current else "legacy"]
+
+
+# ---------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class LlavaArch:
+    """What mimo needs of an HF ``LlavaConfig``."""
+
+    family: str  # "clip" or "siglip" (the vision tower)
+    vision: VitArch
+    llm: HybridArch
+    feature_layer: int  # vision_feature_layer: hidden_states[L]
+    drop_class_token: bool  # vision_feature_select_strategy == "default"
+    image_token_id: int
+    vision_config: dict = dataclasses.field(repr=False)  # the normalised sub-configs
+    text_config: dict = dataclasses.field(repr=False)
+
+
+def normalised_config(config: Mapping) -> dict:
+    """``config.json`` of a LLaVA checkpoint with Hugging Face's defaults filled in (llava-1.5
+    configs leave most of the Llama sizes to them)."""
+    import transformers
+
+    if config.get("model_type") != "llava":
+        raise MimoError(f"model_type {config.get('model_type')!r} is not 'llava' (a LlavaForConditionalGeneration config)")
+    try:
+        return transformers.LlavaConfig(**{k: v for k, v in config.items() if k != "model_type"}).to_dict()
+    except (TypeError, ValueError) as e:
+        raise MimoError(f"the LLaVA config is not valid for transformers' LlavaConfig: {e}") from None
+
+
+def llava_arch(config: Mapping) -> LlavaArch:
+    """The mimo architecture of an HF LLaVA config (a ``config.json`` dict)."""
+    cfg = normalised_config(config)
+    vision, text = cfg["vision_config"], cfg["text_config"]
+    family = FAMILIES.get(vision.get("model_type"))
+    if family is None:
+        raise MimoError(f"LLaVA vision tower {vision.get('model_type')!r} is not supported ({', '.join(FAMILIES)})")
+    layer = cfg["vision_feature_layer"]
+    if not isinstance(layer, int):
+        raise MimoError(f"vision_feature_layer {layer!r}: several feature layers (concatenated) are not supported; one int is")
+    if cfg["projector_hidden_act"] != "gelu" or not cfg["multimodal_projector_bias"]:
+        raise MimoError(f"the projector must be Linear-GELU-Linear with biases (mlp2x_gelu); this config has "
+                        f"projector_hidden_act={cfg['projector_hidden_act']!r}, multimodal_projector_bias={cfg['multimodal_projector_bias']}")
+    varch = hf_arch(family, vision)
+    strategy = cfg["vision_feature_select_strategy"]
+    if strategy == "default" and not varch.class_token:
+        raise MimoError(f"vision_feature_select_strategy 'default' drops the first row, but a {family} tower has no [CLS] "
+                        f"row (it would drop a patch); use 'full'")
+    text = dict(text, tie_word_embeddings=bool(cfg.get("tie_word_embeddings")) or bool(text.get("tie_word_embeddings")))
+    return LlavaArch(family, varch, arch_from_hf_config(text), layer, strategy == "default",
+                     int(cfg["image_token_index"]), vision, text)
+
+
+def _plain(arch) -> dict:
+    """An arch dataclass as YAML-ready data: its required fields and those that differ from
+    what the dataclass would fill in by itself."""
+    required = {f.name: getattr(arch, f.name) for f in dataclasses.fields(arch)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    default = dataclasses.asdict(type(arch)(**required))
+    return {k: v for k, v in dataclasses.asdict(arch).items() if k in required or v != default[k]}
+
+
+def llava_modules(config: Mapping, placeholder: str = "<image>", vision: str = "vision", language: str = "language") -> dict:
+    """The ``modules:`` section of a mimo config for an HF LLaVA config (layouts left at their
+    defaults: add ``parallel`` per module)."""
+    arch = llava_arch(config)
+    return {
+        vision: {"kind": "vit", "arch": _plain(arch.vision), "projector": {"kind": "mlp2x_gelu"}, "placeholder": placeholder,
+                 "feature_layer": arch.feature_layer, "drop_class_token": arch.drop_class_token},
+        language: {"kind": "hybrid", "arch": _plain(arch.llm)},
+    }
+
+
+# ---------------------------------------------------------------- weights
+
+
+@dataclass
+class LlavaWeights:
+    """A LLaVA checkpoint mapped onto mimo's modules, and what export needs to write it back."""
+
+    where: str
+    naming: Naming
+    arch: LlavaArch
+    config: dict  # config.json as read
+    vision: ImportedWeights  # the tower by mimo name (every block), its extras
+    projector: ImportedWeights  # linear_1 / linear_2 by mimo name
+    llm: dict[str, torch.Tensor]  # canonical LLM names (``LLMStage.full_state``'s)
+    llm_extras: dict[str, torch.Tensor]  # LLM keys mimo does not use (rotary buffers, a tied head)
+    key_order: tuple[str, ...]
+    dtypes: dict[str, torch.dtype]
+
+
+def import_llava_state(state: Mapping[str, torch.Tensor], config: Mapping, where: str = "LLaVA state dict") -> LlavaWeights:
+    """Map a LLaVA state dict (either naming) with its ``config.json``; MimoError naming the
+    first tensor that does not fit, with both shapes."""
+    arch = llava_arch(config)
+    naming = detect_naming(state, where)
+    parts: dict[str | None, dict[str, torch.Tensor]] = {"vision": {}, "projector": {}, "llm": {}, None: {}}
+    for key, t in state.items():
+        parts[naming.part(key)][key] = t
+    if parts[None]:
+        key = next(iter(parts[None]))
+        raise MimoError(f"{where}: tensor {key!r} belongs to no LLaVA part (with {naming.name} names: "
+                        f"{naming.vision}*, {naming.projector}*, {naming.llm}*, {naming.head})")
+    vision = import_hf_state(parts["vision"], arch.vision, arch.family, where, arch.vision_config)
+    for key, (got, need) in vision.resampled.items():  # the config's own image size: nothing to resample
+        raise MimoError(f"{where}: tensor {key!r} has shape {got}, the config expects {need}")
+    projector = import_llava_projector(parts["projector"], arch.vision, arch.llm.hidden, naming.projector, where)
+    llm_state = parts["llm"]
+    check_hf_tensors(arch.llm, {k: tuple(t.shape) for k, t in llm_state.items()}, where, naming.llm_key)
+    names = hf_name_map(arch.llm, naming.llm_key)
+    llm = {ours: llm_state[theirs] for ours, theirs in names.items()}
+    used = set(names.values()) | {naming.head}  # a tied head follows the embedding on export
+    return LlavaWeights(
+        where, naming, arch, dict(config), vision, projector, llm,
+        llm_extras={k: t for k, t in llm_state.items() if k not in used},
+        key_order=tuple(state), dtypes={k: t.dtype for k, t in state.items()},
+    )
+
+
+def load_llava(path: str) -> LlavaWeights:
+    """A LLaVA checkpoint directory: ``config.json`` and ``model.safetensors`` (or shards)."""
+    return import_llava_state(load_hf_state(path), read_config_json(path), f"checkpoint {path!r}")
+
+
+def _replaced(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor] | None, what: str) -> dict[str, torch.Tensor]:
+    out = dict(base)
+    for name, t in (new or {}).items():
+        if name not in out:
+            raise MimoError(f"export: {what} has no tensor {name!r}")
+        if tuple(t.shape) != tuple(out[name].shape):
+            raise MimoError(f"export: {what} {name!r} has shape {tuple(t.shape)}, expected {tuple(out[name].shape)}")
+        out[name] = t
+    return out
+
+
+def export_llava_state(w: LlavaWeights, tower: Mapping[str, torch.Tensor] | None = None,
+                       projector: Mapping[str, torch.Tensor] | None = None,
+                       llm: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The LLaVA state dict in the checkpoint's naming, key order and dtypes; ``tower`` /
+    ``projector`` / ``llm`` (mimo names: e.g. trained full states) replace what they name."""
+    out = w.vision.export(tower)
+    out.update(w.projector.export(projector))
+    for key, t in export_hf_state(_replaced(w.llm, llm, "the LLM"), w.arch.llm, w.naming.llm_key).items():
+        if key in w.dtypes:  # a tied head is written back only if the checkpoint had it
+            out[key] = t.detach().cpu().to(w.dtypes[key])
+    out.update(w.llm_extras)
+    ordered = {k: out.pop(k) for k in w.key_order if k in out}
+    ordered.update(out)
+    return ordered
+
+
+def save_llava(path: str, state: Mapping[str, torch.Tensor], config: Mapping) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (tied tensors stored once, as HF does)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    skip = {detect_naming(state, path).head} if llava_arch(config).llm.tie_embeddings else set()
+    save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items() if k not in skip},
+              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(dict(config), f, indent=2)
+
+
+# ---------------------------------------------------------------- into a model
+
+
+def load_llava_(model, w: LlavaWeights, encoder: str | None = None) -> None:
+    """Load the weights into a built ``MimoModel`` on this rank: the tower and projector of
+    ``encoder`` (default: the only encoder) and this rank's LLM stage."""
+    names = list(model.encoders)
+    if encoder is None:
+        if len(names) != 1:
+            raise MimoError(f"the model has encoders {names}; name the one the LLaVA vision tower goes into")
+        encoder = names[0]
+    if encoder not in model.encoders:
+        raise MimoError(f"no encoder module {encoder!r} (encoders: {names})")
+    enc_cfg = model.config.encoders[encoder]
+    if enc_cfg.projector.kind != "mlp2x_gelu":
+        raise MimoError(f"modules.{encoder}.projector.kind is {enc_cfg.projector.kind!r}; LLaVA's projector is mlp2x_gelu")
+    if enc_cfg.arch != w.arch.vision:
+        raise MimoError(f"modules.{encoder}.arch {enc_cfg.arch} is not {w.where}'s vision tower {w.arch.vision}")
+    want = full_shapes(model.config.llm.arch)
+    for name, t in w.llm.items():
+        if name not in want or tuple(t.shape) != want[name]:
+            need = want.get(name, "no such parameter")
+            raise MimoError(f"{w.where}: the LLM's {name!r} has shape {tuple(t.shape)}; modules.{model.llm_name}.arch needs {need}")
+    for field in ("rope_theta", "rope_scaling", "norm_eps", "qk_norm", "mlp_act", "head_dim"):
+        ours, theirs = getattr(model.config.llm.arch, field), getattr(w.arch.llm, field)
+        if ours != theirs:
+            raise MimoError(f"modules.{model.llm_name}.arch.{field} is {ours!r}, {w.where} has {theirs!r}")
+    if (enc_cfg.feature_layer, enc_cfg.drop_class_token) != (w.arch.feature_layer, w.arch.drop_class_token):
+        log.warning("%s: feature_layer=%r, drop_class_token=%r differ from the checkpoint's (%r, %r)", w.where,
+                    enc_cfg.feature_layer, enc_cfg.drop_class_token, w.arch.feature_layer, w.arch.drop_class_token)
+    module = model.encoders[encoder].module
+    if module is not None:
+        module.tower.load_weights_(w.vision)
+        module.imported = w.vision
+        module.projector.load_full_(w.projector.tower)
+    if model.stage is not None:
+        model.stage.load_full_(w.llm)
