@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "Naming", "NAMINGS", "LlavaArch", "LlavaWeights", "llava_arch", "llava_modules", "import_llava_state",
-    "load_llava", "export_llava_state", "save_llava", "load_llava_",
+    "load_llava", "export_llava_state", "export_llava_grads", "save_llava", "load_llava_",
 ]
 
 
@@ -245,6 +245,20 @@ def export_llava_state(w: LlavaWeights, tower: Mapping[str, torch.Tensor] | None
     ordered = {k: out.pop(k) for k in w.key_order if k in out}
     ordered.update(out)
     return ordered
+
+
+def export_llava_grads(w: LlavaWeights, encoder_grads: Mapping[str, torch.Tensor],
+                       llm_grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full gradients of a mimo model in the checkpoint's names (for parity checks):
+    ``encoder_grads`` by the encoder module's names (``tower.*``, ``projector.*``), ``llm_grads``
+    canonical. What mimo never computes (blocks after the feature layer, a final norm or
+    pooling head it does not run) gets zeros, as Hugging Face's unused parameters have none."""
+    tower = {n: encoder_grads.get(f"tower.{n}", torch.zeros_like(t)) for n, t in w.vision.tower.items()}
+    projector = {n: encoder_grads[f"projector.{n}"] for n in w.projector.tower}
+    out = export_llava_state(w, tower, projector, llm_grads)
+    for key in [*w.vision.extras, *w.llm_extras]:
+        out[key] = torch.zeros_like(out[key])
+    return out
 
 
 def save_llava(path: str, state: Mapping[str, torch.Tensor], config: Mapping) -> None:
