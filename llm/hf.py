@@ -272,23 +272,69 @@ def check_hf_tensors(arch: HybridArch, shapes: Mapping[str, tuple[int, ...]], so
 
 
 def import_hf_state_(stage: LLMStage, get: Callable[[str], torch.Tensor],
-                     shapes: Mapping[str, tuple[int, ...]], source: str = "checkpoint") -> None:
+                     shapes: Mapping[str, tuple[int, ...]], source: str = "checkpoint", rename: Rename = _same) -> None:
     """Load Hugging Face tensors (by name: ``get``, ``shapes``) into this rank's stage."""
-    check_hf_tensors(stage.arch, shapes, source)
-    names = hf_name_map(stage.arch)
+    check_hf_tensors(stage.arch, shapes, source, rename)
+    names = hf_name_map(stage.arch, rename)
     stage.load_full_({ours: get(names[ours]) for ours in stage.param_table()})
 
 
+# Where the causal LM sits inside a LLaVA checkpoint: (what replaces its "model.", its head key),
+# in transformers' current names and in those of published llava-1.5 checkpoints
+LLAVA_LM = {"current": ("model.language_model.", "lm_head.weight"),
+            "legacy": ("language_model.model.", "language_model.lm_head.weight")}
+
+
+def llava_lm_key(name: str, body: str, head: str) -> str:
+    """A causal-LM key -> its key inside a LLaVA checkpoint (``body``, ``head``: a ``LLAVA_LM`` pair)."""
+    if name == TIED_HEAD:
+        return head
+    if not name.startswith("model."):
+        raise ValueError(f"not a causal-LM key: {name!r}")
+    return body + name[len("model."):]
+
+
+def normalised_llava_config(config: Mapping) -> dict:
+    """A LLaVA ``config.json`` with Hugging Face's defaults filled in (llava-1.5 configs leave
+    most of the Llama sizes to them)."""
+    import transformers
+
+    if config.get("model_type") != "llava":
+        raise MimoError(f"model_type {config.get('model_type')!r} is not 'llava' (a LlavaForConditionalGeneration config)")
+    try:
+        return transformers.LlavaConfig(**{k: v for k, v in config.items() if k != "model_type"}).to_dict()
+    except (TypeError, ValueError) as e:
+        raise MimoError(f"the LLaVA config is not valid for transformers' LlavaConfig: {e}") from None
+
+
+def llava_text_config(config: Mapping) -> dict:
+    """The language model's config inside a LLaVA ``config.json`` (defaults filled in), with
+    LLaVA's tie flag (top level, or the text config's in older configs)."""
+    whole = normalised_llava_config(config)
+    return {**whole["text_config"], "tie_word_embeddings": bool(whole["tie_word_embeddings"])}
+
+
 def load_hf_checkpoint(stage: LLMStage, path: str) -> None:
-    """``init: {hf: DIR}``: load a Hugging Face checkpoint directory into this rank's stage."""
+    """``init: {hf: DIR}``: load a Hugging Face checkpoint directory into this rank's stage: a
+    causal LM, or the language model of a LLaVA checkpoint (either key naming)."""
     ckpt = HFCheckpoint(path)
-    theirs = arch_from_hf_config(ckpt.config)
+    config, rename, keys = ckpt.config, _same, ckpt.keys()
+    if config.get("model_type") == "llava":
+        config = llava_text_config(config)
+        found = [pair for pair in LLAVA_LM.values() if llava_lm_key("model.embed_tokens.weight", *pair) in keys]
+        if not found:
+            raise MimoError(f"{path!r}: a LLaVA config, but no language model embedding "
+                            f"({' or '.join(llava_lm_key('model.embed_tokens.weight', *p) for p in LLAVA_LM.values())})")
+        body, head = found[0]
+        rename = lambda name: llava_lm_key(name, body, head)  # noqa: E731
+        keys = [k for k in keys if k.startswith(body) or k == head]
+    theirs = arch_from_hf_config(config)
     for field in ("rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qk_norm"):
         if getattr(theirs, field) != getattr(stage.arch, field):
             log.warning("%s: arch.%s=%r differs from the checkpoint's config.json (%r)",
                         path, field, getattr(stage.arch, field), getattr(theirs, field))
-    shapes = {name: ckpt.shape(name) for name in ckpt.keys()}
-    import_hf_state_(stage, ckpt.get, shapes, source=path)
+    shapes = {name: ckpt.shape(name) for name in keys}
+    import_hf_state_(stage, ckpt.get, shapes, path, rename)
 
 
 def export_hf_state(full_state: Mapping[str, torch.Tensor], arch: HybridArch, rename: Rename = _same) -> dict[str, torch.Tensor]:

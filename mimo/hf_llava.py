@@ -35,7 +35,17 @@ from mimo.encoders.hf_import import FAMILIES, hf_arch, import_hf_state, import_l
 from mimo.encoders.weights import ImportedWeights
 from mimo.errors import MimoError
 from mimo.llm.config import HybridArch
-from mimo.llm.hf import arch_from_hf_config, check_hf_tensors, export_hf_state, full_shapes, hf_name_map
+from mimo.llm.hf import (
+    LLAVA_LM,
+    arch_from_hf_config,
+    check_hf_tensors,
+    export_hf_state,
+    full_shapes,
+    hf_name_map,
+    llava_lm_key,
+    llava_text_config,
+    normalised_llava_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +67,7 @@ class Naming:
 
     def llm_key(self, causal_lm_key: str) -> str:
         """A Llama/Qwen ``*ForCausalLM`` key -> its key in this LLaVA naming."""
-        if causal_lm_key == "lm_head.weight":
-            return self.head
-        if not causal_lm_key.startswith("model."):
-            raise ValueError(f"not a causal-LM key: {causal_lm_key!r}")
-        return self.llm + causal_lm_key[len("model."):]
+        return llava_lm_key(causal_lm_key, self.llm, self.head)
 
     def part(self, key: str) -> str | None:
         """'vision', 'projector', 'llm' or None (a key of no LLaVA part)."""
@@ -75,8 +81,8 @@ class Naming:
 
 
 NAMINGS = {
-    "current": Naming("current", "model.vision_tower.", "model.multi_modal_projector.", "model.language_model.", "lm_head.weight"),
-    "legacy": Naming("legacy", "vision_tower.", "multi_modal_projector.", "language_model.model.", "language_model.lm_head.weight"),
+    "current": Naming("current", "model.vision_tower.", "model.multi_modal_projector.", *LLAVA_LM["current"]),
+    "legacy": Naming("legacy", "vision_tower.", "multi_modal_projector.", *LLAVA_LM["legacy"]),
 }
 
 
@@ -112,23 +118,10 @@ class LlavaArch:
     text_config: dict = dataclasses.field(repr=False)
 
 
-def normalised_config(config: Mapping) -> dict:
-    """``config.json`` of a LLaVA checkpoint with Hugging Face's defaults filled in (llava-1.5
-    configs leave most of the Llama sizes to them)."""
-    import transformers
-
-    if config.get("model_type") != "llava":
-        raise MimoError(f"model_type {config.get('model_type')!r} is not 'llava' (a LlavaForConditionalGeneration config)")
-    try:
-        return transformers.LlavaConfig(**{k: v for k, v in config.items() if k != "model_type"}).to_dict()
-    except (TypeError, ValueError) as e:
-        raise MimoError(f"the LLaVA config is not valid for transformers' LlavaConfig: {e}") from None
-
-
 def llava_arch(config: Mapping) -> LlavaArch:
     """The mimo architecture of an HF LLaVA config (a ``config.json`` dict)."""
-    cfg = normalised_config(config)
-    vision, text = cfg["vision_config"], cfg["text_config"]
+    cfg = normalised_llava_config(config)
+    vision = cfg["vision_config"]
     family = FAMILIES.get(vision.get("model_type"))
     if family is None:
         raise MimoError(f"LLaVA vision tower {vision.get('model_type')!r} is not supported ({', '.join(FAMILIES)})")
@@ -143,7 +136,7 @@ def llava_arch(config: Mapping) -> LlavaArch:
     if strategy == "default" and not varch.class_token:
         raise MimoError(f"vision_feature_select_strategy 'default' drops the first row, but a {family} tower has no [CLS] "
                         f"row (it would drop a patch); use 'full'")
-    text = dict(text, tie_word_embeddings=bool(cfg.get("tie_word_embeddings")) or bool(text.get("tie_word_embeddings")))
+    text = llava_text_config(config)
     return LlavaArch(family, varch, arch_from_hf_config(text), layer, strategy == "default",
                      int(cfg["image_token_index"]), vision, text)
 

@@ -197,6 +197,39 @@ def test_checkpoint_directory_round_trip(tmp_path, writer):
     assert_same_state(export_llava_state(w), want)
 
 
+@pytest.mark.parametrize("writer", ["transformers", "current"])
+@pytest.mark.parametrize("case", ["clip-2-default-untied", "clip-1-full-tied"])
+def test_module_init_hf_reads_a_llava_checkpoint(tmp_path, writer, case):
+    """``init: {hf: DIR}`` of the vision module and of the LLM accept a LLaVA directory: each
+    takes its own part (the projector has no such key)."""
+    from mimo.encoders.hf_import import import_hf
+    from mimo.llm.hf import load_hf_checkpoint
+    from mimo.llm.model import LLMStage
+
+    config = llava_config(case)
+    model = hf_model(config)
+    if writer == "transformers":
+        model.save_pretrained(tmp_path)
+    else:
+        save_llava(str(tmp_path), model.state_dict(), config)
+    w = load_llava(str(tmp_path))
+    stage = LLMStage(w.arch.llm)
+    load_hf_checkpoint(stage, str(tmp_path))
+    got = stage.full_state()
+    assert set(got) == set(w.llm) and all(torch.equal(got[k], w.llm[k]) for k in got)
+    tower = import_hf(str(tmp_path), w.arch.vision).tower
+    assert set(tower) == set(w.vision.tower) and all(torch.equal(tower[k], w.vision.tower[k]) for k in tower)
+    if writer == "current":  # a misfit language model names its LLaVA key and both shapes
+        state = model.state_dict()
+        key = "model.language_model.layers.0.mlp.up_proj.weight"
+        want = tuple(state[key].shape)
+        state[key] = torch.zeros(want[0] + 1, want[1])
+        save_llava(str(tmp_path / "misfit"), state, config)
+        with pytest.raises(MimoError) as e:
+            load_hf_checkpoint(LLMStage(w.arch.llm), str(tmp_path / "misfit"))
+        assert f"{key!r} has shape {(want[0] + 1, want[1])}" in str(e.value) and f"needs {want}" in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("naming", ["current", "legacy"])
 @pytest.mark.parametrize("part,key_current,shape", [
     ("vision", "model.vision_tower.encoder.layers.1.mlp.fc1.weight", (65, 32)),
