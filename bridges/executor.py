@@ -54,9 +54,11 @@ def _flat_region(buf: torch.Tensor, moves: list[Move], row_of, col0: int) -> tor
 class _Executor:
     """Runs one direction of a bridge on this rank."""
 
-    def __init__(self, plan: TransferPlan, rank: int, group, replica_group):
+    def __init__(self, plan: TransferPlan, rank: int, group, replica_group, defer_sends: bool = False):
         self.plan, self.rank, self.group = plan, rank, group
         self.replica_group = replica_group
+        self.defer_sends = defer_sends
+        self.deferred: list[tuple] = []  # (requests, tensors they read): sends not waited for yet
         self.src_col0 = plan.src.columns_of(rank).start if rank in plan.src.local_rows else 0
         self.dst_col0 = plan.dst.columns_of(rank).start if rank in plan.dst.local_rows else 0
         self.sends = [m for m in plan.moves if m.src == rank and m.dst != rank]
@@ -149,8 +151,12 @@ class _Executor:
                 if needs_unpack:
                     staged.append((buf, in_m))
         if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
+            reqs = dist.batch_isend_irecv(ops)
+            if self.defer_sends and not self.recvs:  # a pure sender runs ahead; wait_sends() later
+                self.deferred.append((reqs, [op.tensor for op in ops]))
+            else:
+                for req in reqs:
+                    req.wait()
         for buf, in_m in staged:
             self._unpack(y, buf, in_m)
 
@@ -198,6 +204,8 @@ class Bridge:
     replicated over TP); needed only on non-colocated bridges. ``needs_grad``: whether
     gradients flow back (False when nothing upstream trains); every rank must agree, since
     a non-colocated destination cannot see whether the source needs its gradient.
+    ``defer_sends``: a non-colocated source's forward returns once its sends are posted; the
+    caller must ``wait_sends()`` before reusing what it sent (a schedule's encoder prefetch).
     """
 
     def __init__(
@@ -210,13 +218,14 @@ class Bridge:
         *,
         needs_grad: bool = True,
         rank: int | None = None,
+        defer_sends: bool = False,
     ):
         self.rank = dist.get_rank() if rank is None else rank
         self.needs_grad = needs_grad
         self.src, self.dst = src, dst
         self.is_src = self.rank in src.local_rows
         self.is_dst = self.rank in dst.local_rows
-        self.fwd = _Executor(make_plan(src, dst), self.rank, group, dst_replica_group)
+        self.fwd = _Executor(make_plan(src, dst), self.rank, group, dst_replica_group, defer_sends)
         self.bwd = _Executor(make_plan(dst, src), self.rank, group, src_replica_group)
         self.stats = BridgeStats()
 
@@ -238,6 +247,14 @@ class Bridge:
         elif self.is_src and tuple(x.shape) != self.src.local_shape(self.rank):
             raise LayoutError(f"rank {self.rank}: local tensor {tuple(x.shape)} != placement {self.src.local_shape(self.rank)}")
         return _BridgeFunction.apply(self, x)
+
+    def wait_sends(self) -> None:
+        """With ``defer_sends``: wait until the forward's sends completed (a non-colocated
+        source returns from forward once they are posted, so it can compute ahead)."""
+        for reqs, _ in self.fwd.deferred:
+            for req in reqs:
+                req.wait()
+        self.fwd.deferred.clear()
 
     @staticmethod
     def backward_source(token: torch.Tensor) -> None:

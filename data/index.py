@@ -26,7 +26,7 @@ from mimo.data.text import TextEncoder, load_tokenizer, turns_from_caption, turn
 from mimo.errors import DataError
 
 log = logging.getLogger("mimo.data")
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: images map to encoders by placeholder (mimo.data.text); earlier bad-sample verdicts differ
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ class Microbatch:
 
 def encoder_blocks(samples: list[PlannedSample], feed: EncoderFeed) -> list[range]:
     """An encoder's DP blocks: balanced by its image rows (the same function for every user)."""
-    return dp_blocks([s.images * feed.rows_per_image for s in samples], feed.grid.shape["dp"])
+    return dp_blocks([s.images_for(feed.placeholder) * feed.rows_per_image for s in samples], feed.grid.shape["dp"])
 
 
 def llm_blocks(samples: list[PlannedSample], dp: int) -> list[range]:
@@ -105,12 +105,14 @@ class SampleReader:
             tok = self.encoder.encode(turns, len(images))
             if len(tok) != entry.tokens or tok.image_starts != entry.image_starts:
                 raise DataError("sample changed since indexing")
-            pixels = {f.name: torch.stack([preprocess(im, f.image).reshape(-1) for im in images]) if images else torch.zeros(0, f.image.numel) for f in self.feeds}
+            # each encoder gets the image files its placeholders take (mimo.data.text.image_files)
+            pixels = {f.name: torch.stack([preprocess(images[i], f.image).reshape(-1) for i in tok.image_files[f.placeholder]])
+                      if tok.image_files.get(f.placeholder) else torch.zeros(0, f.image.numel) for f in self.feeds}
             return ReadSample(PackItem(s.id, tok.tokens, tok.target, tok.image_starts), pixels)
         except (DataError, OSError) as e:
             # keep the slot: same length and image positions, no loss, zero pixels
             item = PackItem(s.id, [self.pad_id] * entry.tokens, [False] * entry.tokens, entry.image_starts, ok=False)
-            pixels = {f.name: torch.zeros(entry.images, f.image.numel) for f in self.feeds}
+            pixels = {f.name: torch.zeros(s.images_for(f.placeholder), f.image.numel) for f in self.feeds}
             return ReadSample(item, pixels, failure=str(e).split(":", 1)[0])
 
 
@@ -208,7 +210,7 @@ class DataPipeline:
         if self.rank not in members:
             return None
         numel = feed.image.numel
-        images = [s.images for s in mb.samples]
+        images = [s.images_for(feed.placeholder) for s in mb.samples]
         # modules are colocated or disjoint (config rule), so source = all LLM ranks works for both
         src = reader_placement(images, mb.llm_blocks, self.readers, set(self.llm_grid.ranks), numel)
         dst = dp_placement(feed.grid, images, mb.encoder_blocks[feed.name], numel)

@@ -25,6 +25,10 @@ class PlannedSample:
     images: int
     image_starts: dict  # placeholder -> first position of each image
 
+    def images_for(self, placeholder: str) -> int:
+        """How many images this sample has for the encoder of ``placeholder``."""
+        return len(self.image_starts.get(placeholder, ()))
+
     def positions(self, placeholder: str, rows_per_image: int) -> list[int]:
         """Positions of this sample's rows for one encoder, image after image."""
         return [s + r for s in self.image_starts.get(placeholder, ()) for r in range(rows_per_image)]

@@ -5,6 +5,18 @@ pieces that are tokenized separately and concatenated, so the assistant's tokens
 content and end marker) are known exactly and carry the labels; nothing else does. Each
 occurrence of an encoder's placeholder becomes exactly that encoder's rows per image of
 image positions (token id: the tokenizer's pad id; the LLM replaces them with image rows).
+
+Which image file feeds which encoder (several encoders, DESIGN §2) follows from the counts of
+placeholders in the text, for a sample with N image files (ordered ``png``/``0.png``, ``1.png``, ...):
+
+* every encoder's placeholder occurs N times: each image feeds every encoder (one picture seen
+  by several towers, e.g. at two resolutions); the i-th occurrence of each takes image i;
+* the placeholders occur N times in all: each image feeds one encoder; the i-th placeholder
+  occurrence in the text, whichever encoder's, takes image i ("<image> ... <sketch>" with two
+  files: the first to the image tower, the second to the sketch tower);
+* anything else is a DataError naming the counts (the sample is listed as bad).
+
+With one encoder the two rules coincide; with several they cannot both hold unless N = 0.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ class TokenizedSample:
     tokens: list[int]
     target: list[bool]  # True where the token is an assistant token (a label to predict)
     image_starts: dict[str, list[int]] = field(default_factory=dict)  # placeholder -> first position of each image
+    image_files: dict[str, list[int]] = field(default_factory=dict)  # placeholder -> the image file of each of them
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -102,7 +115,7 @@ class TextEncoder:
         return [self.tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
     def encode(self, turns: Sequence[Turn], images: int) -> TokenizedSample:
-        """DataError when an encoder's placeholder count differs from the image count."""
+        """DataError when the placeholders do not match the image files (module doc)."""
         parts: list[tuple[str, bool]] = []
         for text, is_target in self.template.pieces(turns):
             split = self._split.split(text) if self._split is not None and not is_target else [text]
@@ -111,8 +124,10 @@ class TextEncoder:
         ids = iter(self.ids(texts) if texts else [])
         tokens, target = list(self.bos), [False] * len(self.bos)
         starts: dict[str, list[int]] = {p: [] for p in self.rows_per_image}
+        occurrences: dict[str, list[int]] = {p: [] for p in self.rows_per_image}  # index among all placeholders
         for part, is_target in parts:
             if part in self.rows_per_image:
+                occurrences[part].append(sum(len(v) for v in starts.values()))
                 starts[part].append(len(tokens))
                 n = self.rows_per_image[part]
                 tokens += [self.image_token] * n
@@ -121,10 +136,20 @@ class TextEncoder:
                 piece = next(ids)
                 tokens += piece
                 target += [is_target] * len(piece)
-        for p, s in starts.items():
-            if len(s) != images:
-                raise DataError(f"placeholder and image counts differ: {len(s)} x {p!r} for {images} image(s)")
-        return TokenizedSample(tokens, target, starts)
+        return TokenizedSample(tokens, target, starts, image_files(occurrences, images))
+
+
+def image_files(occurrences: dict[str, list[int]], images: int) -> dict[str, list[int]]:
+    """Placeholder -> the image file each of its occurrences takes (module doc), from each
+    placeholder's occurrence indices among all placeholders of the text."""
+    counts = {p: len(v) for p, v in occurrences.items()}
+    if all(n == images for n in counts.values()):  # every image feeds every encoder
+        return {p: list(range(images)) for p in counts}
+    if sum(counts.values()) == images:  # each image feeds the encoder whose placeholder takes it
+        return {p: list(v) for p, v in occurrences.items()}
+    found = ", ".join(f"{n} x {p!r}" for p, n in counts.items())
+    raise DataError(f"placeholder and image counts differ: {found} for {images} image(s); each placeholder needs one "
+                    f"per image (shared images) or all placeholders together one per image (one encoder each)")
 
 
 def load_tokenizer(path: str):

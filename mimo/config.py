@@ -52,12 +52,13 @@ class TrainConfig:
     # schedule of mimo.schedules (1F1B per LLM stage, encoders ahead by encoder_prefetch)
     schedule: Literal["simple", "1f1b"] = "1f1b"
     encoder_prefetch: int = 1  # microbatches whose encoder forward is done by stage 0's F(k) (1f1b)
+    grad_bucket_mb: float = 25.0  # DP gradient sums run in buckets of this many MiB, overlapping backward
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self, path: str) -> list[str]:
         problems = at_least(self, path, 1, "micro_batches", "steps", "encoder_prefetch")
         problems += at_least(self, path, 0, "weight_decay", "warmup_steps")
-        for name in ("lr", "grad_clip"):
+        for name in ("lr", "grad_clip", "grad_bucket_mb"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 problems.append(f"{join_path(path, name)}: must be > 0, got {value}")

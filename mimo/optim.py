@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -51,69 +51,145 @@ class PrecisionPolicy:
 
 def sync_grads(params: Iterable[TrainParam], policy: PrecisionPolicy | None = None, bucket_numel: int = 1 << 22) -> None:
     """Sum gradients over each parameter's DP group, in buckets of about ``bucket_numel``."""
-    pending = GradSync(policy, bucket_numel)
-    pending.start(params)
-    pending.finish()
+    pending = GradSync(list(params), policy, bucket_numel)
+    try:
+        pending.finish()
+    finally:
+        pending.close()
+
+
+def bucket_numel(bucket_mb: float, reduce_dtype: torch.dtype) -> int:
+    """Elements of ``reduce_dtype`` in a bucket of ``bucket_mb`` MiB (at least one)."""
+    return max(1, int(bucket_mb * (1 << 20)) // torch.empty((), dtype=reduce_dtype).element_size())
+
+
+@dataclass
+class _Bucket:
+    index: int  # launch order within its module: the same on every rank of the group
+    module: str
+    group: object
+    params: list[torch.nn.Parameter]
+    ready: set[int] = field(default_factory=set)  # id() of params whose final grad is there
+    work: object = None
+    flat: torch.Tensor | None = None
 
 
 class GradSync:
-    """DP gradient sums started asynchronously, bucket by bucket, so they overlap what still
-    runs (other modules' backward); ``finish()`` waits and writes the sums back, before the
-    optimizer step. Every rank of a DP group must start the same params in the same order."""
+    """DP gradient sums of ``params`` in buckets, each launched (async all-reduce) as soon as
+    every parameter of it has its final gradient, while the rest of backward still runs.
 
-    def __init__(self, policy: PrecisionPolicy | None = None, bucket_numel: int = 1 << 22):
+    Buckets are formed per module from its parameters in reverse registration order (about the
+    order backward produces them), split by DP group, dtype and device. A post-accumulate-grad
+    hook on every parameter marks it ready, but only while its module is ``arm``-ed, i.e. during
+    the module's last backward on this rank (earlier backwards only accumulate). Buckets of a
+    module launch strictly in index order, so every rank of a DP group issues the same
+    collectives in the same order whatever order autograd happens to produce the gradients in;
+    ``flush`` launches the rest (a parameter this rank never used contributes zeros), and
+    ``finish`` waits and writes the sums back, before the optimizer step.
+    ``note(kind, module, **extra)`` (optional) records bucket_reduce_start / _end events."""
+
+    def __init__(self, params: list[TrainParam], policy: PrecisionPolicy | None = None, bucket_numel: int = 1 << 22,
+                 note=None):
         self.reduce_dtype = policy.grad_reduce if policy else torch.float32
-        self.bucket_numel = bucket_numel
-        self.started: set[int] = set()  # id() of the params already started
-        self._pending: list[tuple] = []  # (work, flat, grads, group)
-
-    def start(self, params: Iterable[TrainParam]) -> int:
-        """Launch the sums of ``params``' gradients (which must be final); returns the bucket count."""
-        by_group: dict[int, tuple[object, list[torch.Tensor]]] = {}
+        self.note = note
+        self.buckets: dict[str, list[_Bucket]] = {}
+        self._next: dict[str, int] = {}  # per module: the index of the next bucket to launch
+        self._armed: set[str] = set()
+        self._hooks = []
+        by_module: dict[str, list[TrainParam]] = defaultdict(list)
         for p in params:
-            if p.dp_group is None:
-                continue
-            if p.param.grad is None:  # unused on this rank (e.g. no samples): every DP rank must send the same buckets
-                p.param.grad = torch.zeros_like(p.param)
-            self.started.add(id(p.param))
-            by_group.setdefault(id(p.dp_group), (p.dp_group, []))[1].append(p.param.grad)
-        count = 0
-        for group, grads in by_group.values():
-            for bucket in _buckets(grads, self.bucket_numel):
-                flat = torch.cat([g.reshape(-1).to(self.reduce_dtype) for g in bucket])
-                self._pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket, group))
-                count += 1
-        return count
+            if p.dp_group is not None:
+                by_module[p.module].append(p)
+        for module, infos in by_module.items():
+            buckets: list[_Bucket] = []
+            open_: dict[tuple, _Bucket] = {}  # (group, dtype, device) -> the bucket being filled
+            sizes: dict[tuple, int] = {}
+            for p in reversed(infos):
+                key = (id(p.dp_group), p.param.dtype, p.param.device)
+                b = open_.get(key)
+                if b is None or sizes[key] + p.param.numel() > bucket_numel:
+                    b = open_[key] = _Bucket(len(buckets), module, p.dp_group, [])
+                    buckets.append(b)
+                    sizes[key] = 0
+                b.params.append(p.param)
+                sizes[key] += p.param.numel()
+                self._hooks.append(p.param.register_post_accumulate_grad_hook(self._hook(b)))
+            self.buckets[module] = buckets
+            self._next[module] = 0
+
+    def _hook(self, bucket: _Bucket):
+        def on_grad(param: torch.nn.Parameter) -> None:
+            if bucket.module in self._armed:
+                bucket.ready.add(id(param))
+                self._launch_ready(bucket.module)
+
+        return on_grad
+
+    def arm(self, module: str) -> None:
+        """The module's next backward on this rank is its last: launch buckets as they fill."""
+        if module in self.buckets:
+            self._armed.add(module)
+
+    def flush(self, module: str) -> None:
+        """Launch every bucket of ``module`` not launched yet (after its last backward)."""
+        self._armed.discard(module)
+        for b in self.buckets.get(module, [])[self._next.get(module, 0):]:
+            b.ready = {id(p) for p in b.params}
+        self._launch_ready(module)
+
+    def _launch_ready(self, module: str) -> None:
+        buckets, i = self.buckets.get(module, []), self._next.get(module, 0)
+        while i < len(buckets) and len(buckets[i].ready) == len(buckets[i].params):
+            b = buckets[i]
+            for p in b.params:
+                if p.grad is None:  # unused on this rank (e.g. no samples): every DP rank sends the same buckets
+                    p.grad = torch.zeros_like(p)
+            b.flat = torch.cat([p.grad.reshape(-1).to(self.reduce_dtype) for p in b.params])
+            if self.note is not None:
+                self.note("bucket_reduce_start", module, bucket=b.index, numel=b.flat.numel())
+            b.work = dist.all_reduce(b.flat, group=b.group, async_op=True)
+            i += 1
+        self._next[module] = i
 
     def finish(self) -> None:
-        for work, flat, bucket, _ in self._pending:
-            work.wait()
-            off = 0
-            for g in bucket:
-                g.copy_(flat[off : off + g.numel()].view_as(g))
-                off += g.numel()
-        self._pending.clear()
+        """Launch what is left, wait for every bucket and write the sums into the gradients."""
+        for module in self.buckets:
+            self.flush(module)
+        for module, buckets in self.buckets.items():
+            for b in buckets:
+                b.work.wait()
+                if self.note is not None:
+                    self.note("bucket_reduce_end", module, bucket=b.index)
+                off = 0
+                for p in b.params:
+                    p.grad.copy_(b.flat[off : off + p.numel()].view_as(p.grad))
+                    off += p.numel()
+                b.flat = b.work = None
+
+    def close(self) -> None:
+        """Remove the hooks (a GradSync serves one step)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
 
 
-def _buckets(grads: list[torch.Tensor], bucket_numel: int):
-    """Consecutive grads of one dtype and device, about ``bucket_numel`` elements each."""
-    bucket, size = [], 0
-    for g in grads:
-        if bucket and (size + g.numel() > bucket_numel or g.dtype != bucket[0].dtype or g.device != bucket[0].device):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(g)
-        size += g.numel()
-    if bucket:
-        yield bucket
+def global_grad_norm(params: Iterable[TrainParam], world_group=None, device: torch.device | str | None = None) -> float:
+    """L2 norm of the whole model's gradient: one world-wide all-reduce of one number.
 
-
-def global_grad_norm(params: Iterable[TrainParam], world_group=None, device: torch.device | str = "cpu") -> float:
-    """L2 norm of the whole model's gradient: one world-wide all-reduce of one number."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    Per-tensor norms in fp32 (``torch._foreach_norm``), squared and summed in fp64 on the
+    gradients' device, so the step reads one number back from the GPU instead of one per
+    tensor. ``device``: where the sum is reduced (default: the gradients' device)."""
+    params = list(params)
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.counts_in_norm and p.param.grad is not None:
-            total += p.param.grad.detach().double().pow(2).sum().to(device)
+            by_device[p.param.grad.device].append(p.param.grad.detach())
+    # every rank reduces on its parameters' device, counted here or not (one backend per collective)
+    dev = torch.device(device) if device is not None else (params[0].param.device if params else torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float64, device=dev)
+    for grads in by_device.values():
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        total += torch.stack(norms).double().pow(2).sum().to(dev)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total, group=world_group)
     return math.sqrt(total.item())

@@ -15,6 +15,7 @@ each module's optimizer step.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ from mimo.data.pipeline import DataPipeline, Microbatch
 from mimo.layout import dp_placement, packed_placement
 from mimo.llm.model import count_loss_tokens, sync_tied_grads
 from mimo.model import MimoModel
-from mimo.optim import GradSync, PrecisionPolicy, clip_grads_, global_grad_norm, lr_at, sync_grads
+from mimo.optim import GradSync, PrecisionPolicy, bucket_numel, clip_grads_, global_grad_norm, lr_at
 
 
 @dataclass
@@ -46,16 +47,19 @@ def _sum_over(value: float, group) -> float:
 
 
 def encode_and_bridge(model: MimoModel, mb: Microbatch, trace: "Trace | None" = None, tick: int | None = None,
-                      index: int | None = None) -> tuple[dict, dict]:
+                      index: int | None = None, defer_sends: bool = False) -> tuple[dict, dict]:
     """Each encoder's forward and its bridge to the LLM's first stage (a collective over the
-    bridge's ranks). Returns (encoder -> (bridge, y, y_leaf), placeholder -> rows for stage 0)."""
+    bridge's ranks). Returns (encoder -> (bridge, y, y_leaf), placeholder -> rows for stage 0).
+    ``defer_sends``: a non-colocated encoder rank returns once its sends are posted (the
+    caller waits for them with ``Bridge.wait_sends``). An encoder that trains nothing runs
+    without autograd state."""
     rank, llm_grid, hidden = model.rank, model.llm_grid, model.config.llm.arch.hidden
     bridges, image_rows = {}, {}
     sequence_parallel = model.config.llm.parallel.sequence_parallel and model.config.llm.parallel.tp > 1
     for name, part in model.encoders.items():
         feed_rows = model.config.encoders[name].rows_per_image
         placeholder = model.config.encoders[name].placeholder
-        rows = [s.images * feed_rows for s in mb.samples]
+        rows = [s.images_for(placeholder) * feed_rows for s in mb.samples]
         src = dp_placement(part.grid, rows, mb.encoder_blocks[name], hidden)
         samples = [(s.tokens, s.positions(placeholder, feed_rows)) for s in mb.samples]
         # the LLM first stage's declared placement (LLMStage.image_placement); ranks without a
@@ -67,13 +71,16 @@ def encode_and_bridge(model: MimoModel, mb: Microbatch, trace: "Trace | None" = 
         bridge = Bridge(src, dst, part.bridge_group,
                         src_replica_group=part.tp_group if rank in part.grid else None,
                         dst_replica_group=model.llm_tp if rank in llm_grid and not sequence_parallel else None,
-                        needs_grad=trains, rank=rank)
+                        needs_grad=trains, rank=rank, defer_sends=defer_sends)
         x = None
         if part.module is not None:
-            x = part.module(mb.pixels[name])
-            _note(trace, tick, "encoder_fwd", index, name)
+            start = time.perf_counter()
+            with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
+                x = part.module(mb.pixels[name])
+            _note(trace, tick, "encoder_fwd", index, name, start=start)
+        start = time.perf_counter()
         y = bridge(x)
-        _note(trace, tick, "bridge_fwd", index, name)
+        _note(trace, tick, "bridge_fwd", index, name, start=start)
         y_leaf = None
         if bridge.is_dst:
             y_leaf = y.detach().requires_grad_(trains)
@@ -89,22 +96,27 @@ def bridge_backward(model: MimoModel, bridges: dict, trace: "Trace | None" = Non
     for name, (bridge, y, y_leaf) in bridges.items():
         if not model.encoder_trains[name]:
             continue
+        start = time.perf_counter()
         if bridge.is_dst:
             g = y_leaf.grad if y_leaf.grad is not None else torch.zeros_like(y_leaf)
             y.backward(g)
         else:  # a non-colocated source: receive the gradient of what it sent
             Bridge.backward_source(y)
-        _note(trace, tick, "bridge_bwd", index, name)
+        # the bridge's backward continues into the encoder: one span for both
+        _note(trace, tick, "bridge_bwd", index, name, start=start)
         if model.encoders[name].module is not None:
-            _note(trace, tick, "encoder_bwd", index, name)
+            _note(trace, tick, "encoder_bwd", index, name, start=start)
 
 
-Trace = list  # of event dicts: tick, kind, microbatch, module (and stage for LLM ops)
+Trace = list  # of event dicts: tick, kind, microbatch, module (and stage for LLM ops), time
 
 
 def _note(trace: Trace | None, tick: int | None, kind: str, microbatch: int | None, module: str, **extra) -> None:
+    """``time``: when the event ended (``start``: when it began, for spans), in
+    ``time.perf_counter()`` seconds: the host's monotonic clock, comparable between the
+    processes of one machine."""
     if trace is not None:
-        trace.append({"tick": tick, "kind": kind, "microbatch": microbatch, "module": module, **extra})
+        trace.append({"tick": tick, "kind": kind, "microbatch": microbatch, "module": module, "time": time.perf_counter(), **extra})
 
 
 def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: dict, policy: PrecisionPolicy | None = None,
@@ -119,16 +131,18 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     events: Trace | None = [] if trace else None
     from mimo.schedule_run import run_schedule  # imports this module's helpers
 
-    # one tick loop runs both schedules; DP sums start while later backwards still run (the
-    # tied-embedding sum below commutes with them)
-    overlap = GradSync(policy)
+    # one tick loop runs both schedules; each module's DP sums start bucket by bucket during
+    # its last backward on this rank (the tied-embedding sum below commutes with them)
     params = model.train_params()
-    loss_local = run_schedule(model, mbs, max(num_loss_tokens, 1.0), cfg.train.schedule, cfg.train.encoder_prefetch, events,
-                              overlap, params)
-    overlap.finish()
+    grad_sync = GradSync(params, policy, bucket_numel(cfg.train.grad_bucket_mb, policy.grad_reduce if policy else torch.float32))
+    try:
+        loss_local = run_schedule(model, mbs, max(num_loss_tokens, 1.0), cfg.train.schedule, cfg.train.encoder_prefetch, events,
+                                  grad_sync)
+        grad_sync.finish()
+    finally:
+        grad_sync.close()
     if model.stage is not None:
         sync_tied_grads(model.stage, model.llm_embedding_group)
-    sync_grads([p for p in params if id(p.param) not in overlap.started], policy)
     norm = global_grad_norm(params)
     if on_grads is not None:
         on_grads(model, norm)

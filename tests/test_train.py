@@ -28,6 +28,7 @@ def demo_config(tmp_path_factory):
     cfg["data"]["tokenizer"] = str(data / "tokenizer")
     cfg["data"]["tokens_per_microbatch"] = 1024
     cfg["train"]["checkpoint"]["dir"] = str(root / "ckpt")
+    cfg["train"]["grad_bucket_mb"] = 0.05  # small buckets: several per module, launched during backward
     # sizes that tp=3 divides too (6 attention and KV heads, 6 Mamba heads)
     cfg["modules"]["language"]["arch"].update({"hidden": 48, "heads": 6, "kv_heads": 6, "mamba_head_dim": 16})
     path = root / "demo.yaml"
@@ -108,11 +109,11 @@ def _averaging_train_case(config, overrides, steps, reference):
     summed = GradSync.finish
 
     def averaged(self):
-        buckets = [(bucket, group) for _, _, bucket, group in self._pending]
+        buckets = [b for module in self.buckets.values() for b in module]
         summed(self)
-        for bucket, group in buckets:
-            for g in bucket:
-                g.div_(dist.get_world_size(group))
+        for b in buckets:
+            for p in b.params:
+                p.grad.div_(dist.get_world_size(b.group))
 
     GradSync.finish = averaged
     try:
@@ -169,10 +170,40 @@ def _ticks(events, kind, **match):
     return out
 
 
+# non-colocated encoder tp1 dp2 on ranks 0-1, LLM dp2 pp2 on ranks 2-5 (both modules have DP
+# gradient sums, so both show bucket events)
+NONCOLOCATED_DP_PP = ["world_size=6", "modules.vision.parallel.dp=2", "modules.vision.parallel.ranks=0:2",
+                      "modules.language.parallel.ranks=2:6", "modules.language.parallel.tp=1",
+                      "modules.language.parallel.dp=2", "modules.language.parallel.pp=2", "train.micro_batches=4"]
 TRACED = {
-    "non-colocated, prefetch 1": (6, SCHEDULED_LAYOUTS["non-colocated enc tp1 dp2 (2), llm tp2 pp2 (4), 4 microbatches"][1], 1),
+    "non-colocated, prefetch 1": (6, NONCOLOCATED_DP_PP, 1),
+    "non-colocated, prefetch 2": (6, NONCOLOCATED_DP_PP + ["train.encoder_prefetch=2"], 2),
     "colocated pp2, prefetch 2": (4, SCHEDULED_LAYOUTS["llm pp2 colocated, 4 microbatches, prefetch 2"][1], 2),
 }
+
+
+def _span(events, kind, mb, module=None):
+    """(start, end) of the event of ``kind`` for microbatch ``mb`` (and ``module``)."""
+    found = [e for e in events if e["kind"] == kind and e["microbatch"] == mb and module in (None, e["module"])]
+    assert len(found) == 1, (kind, mb, module, found)
+    return found[0]["start"], found[0]["time"]
+
+
+def _check_buckets_overlap_last_backward(events, mbs):
+    """Every module with DP gradient sums on this rank starts reducing a bucket *during* its
+    last backward here (by the run's own clock), with several buckets, each waited for."""
+    starts = [e for e in events if e["kind"] == "bucket_reduce_start"]
+    ends = [e for e in events if e["kind"] == "bucket_reduce_end"]
+    modules = {e["module"] for e in starts}
+    for module in modules:
+        kind = "backward" if any(e["kind"] == "backward" and e["module"] == module for e in events) else "encoder_bwd"
+        bwd_start, bwd_end = _span(events, kind, mbs - 1, module)
+        first = min(e["time"] for e in starts if e["module"] == module)
+        assert bwd_start < first < bwd_end, (module, bwd_start, first, bwd_end)
+        ids = sorted(e["bucket"] for e in starts if e["module"] == module)
+        assert ids == list(range(len(ids))) and len(ids) > 1  # launched in order, several
+        assert sorted(e["bucket"] for e in ends if e["module"] == module) == ids
+    return modules
 
 
 @pytest.mark.parametrize("name", list(TRACED))
@@ -184,8 +215,15 @@ def test_1f1b_trace_shows_the_schedule(pools, demo_config, name):
     stages, mbs = 2, 4
     stage0_f, stage0_b = {}, {}
     encoder_f, bridge_b = {}, {}
-    reduce_starts = []  # (tick, module, stage)
+    reducing = set()  # modules whose buckets were seen reducing
+    enc_f_start, stage0_b_end = {}, {}  # by the clock: encoder-only ranks' forward starts, stage 0's backward ends
     for stage, events in per_rank:
+        reducing |= _check_buckets_overlap_last_backward(events, mbs)
+        for k in range(mbs):
+            if stage is None and any(e["kind"] == "encoder_fwd" for e in events):
+                enc_f_start[k] = min(enc_f_start.get(k, float("inf")), _span(events, "encoder_fwd", k)[0])
+            if stage == 0:
+                stage0_b_end[k] = max(stage0_b_end.get(k, 0.0), _span(events, "backward", k)[1])
         assert [e["tick"] for e in events] == sorted(e["tick"] for e in events)  # in tick order
         if stage is not None:
             ops = [(e["kind"][0].upper(), e["microbatch"]) for e in events if e["kind"] in ("forward", "backward")]
@@ -200,7 +238,6 @@ def test_1f1b_trace_shows_the_schedule(pools, demo_config, name):
                 stage0_f, stage0_b = _ticks(events, "forward"), _ticks(events, "backward")
             else:  # the activation arrives from stage 0
                 assert set(_ticks(events, "recv")) == set(range(mbs))
-        reduce_starts += [(e["tick"], e["module"], stage) for e in events if e["kind"] == "bucket_reduce"]
         for k, t in _ticks(events, "encoder_fwd").items():
             encoder_f[k] = max(encoder_f.get(k, t), t)
         for k, t in _ticks(events, "bridge_bwd").items():
@@ -218,9 +255,52 @@ def test_1f1b_trace_shows_the_schedule(pools, demo_config, name):
             assert encoder_f[k + depth - 1] <= stage0_f[k] < encoder_f[k + depth]
     if depth > 1:  # the encoder's forward of microbatch 1 starts before the LLM's backward of 0
         assert encoder_f[1] < stage0_b[0]
-    # overlap: the last stage's DP gradient sums start while stage 0 (and the encoder) still run backward
-    assert {m for _, m, _ in reduce_starts} == {"language", "vision"}
-    assert min(t for t, m, st in reduce_starts if st == stages - 1) < stage0_b[mbs - 1]
+    if enc_f_start:  # non-colocated, by the real clocks: encoder forward of i+1 starts before the LLM's backward of i ends
+        for k in range(mbs - 1):
+            assert enc_f_start[k + 1] < stage0_b_end[k]
+    assert reducing == {"language", "vision"}
+
+
+def _slow_llm_trace_case(config_path, overrides, delay_s):
+    """``_trace_case`` with every LLM stage forward made ``delay_s`` slower, so that an encoder
+    rank that waited for the LLM would visibly lag behind it."""
+    import time
+
+    from mimo.schedule_run import _StageRunner
+
+    forward = _StageRunner.forward
+
+    def slow(self, *args, **kwargs):
+        time.sleep(delay_s)
+        return forward(self, *args, **kwargs)
+
+    _StageRunner.forward = slow
+    try:
+        return _trace_case(config_path, overrides)
+    finally:  # the pool's processes run later cases too
+        _StageRunner.forward = forward
+
+
+def test_frozen_encoder_prefetch_runs_ahead_of_a_slow_llm(pools, demo_config):
+    """Non-colocated frozen encoder, prefetch 2: the encoder ranks only post their sends, so they
+    compute microbatch 3 while stage 0 still runs its first forward (it needs the LLM to have
+    received microbatch 1 only); a rank that waited for each send to be received would start
+    microbatch 3 only after stage 0 received microbatch 2, i.e. after that forward. And the
+    run-ahead is bounded: before microbatch k an encoder rank waits for the sends of k - 2."""
+    depth, mbs = 2, 4
+    overrides = NONCOLOCATED_DP_PP + ["modules.vision.freeze=[tower,projector]", f"train.encoder_prefetch={depth}",
+                                      "train.schedule=1f1b"]
+    per_rank = pools(6).run(_slow_llm_trace_case, demo_config, overrides, 0.3)
+    stage0_forward_end = min(_span(events, "forward", 0)[1] for stage, events in per_rank if stage == 0)
+    encoder_ranks = [events for stage, events in per_rank if stage is None]
+    assert len(encoder_ranks) == 2
+    for events in encoder_ranks:
+        assert not [e for e in events if e["kind"] in ("bridge_bwd", "encoder_bwd", "bucket_reduce_start")]  # frozen
+        assert _span(events, "encoder_fwd", depth + 1)[0] < stage0_forward_end
+        order = [(e["kind"], e["microbatch"]) for e in events]
+        for k in range(depth, mbs):
+            assert order.index(("send_wait", k - depth)) < order.index(("encoder_fwd", k))
+        assert {k for kind, k in order if kind == "send_wait"} == set(range(mbs))  # every send waited for
 
 
 def test_schedule_setting_is_validated(demo_config):
