@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "Naming", "NAMINGS", "LlavaArch", "LlavaWeights", "llava_arch", "llava_modules", "import_llava_state",
-    "load_llava", "export_llava_state", "export_llava_grads", "save_llava", "load_llava_",
+    "load_llava", "export_llava_state", "export_llava_grads", "save_llava", "load_llava_", "describe_llava",
 ]
 
 
@@ -303,3 +303,30 @@ def load_llava_(model, w: LlavaWeights, encoder: str | None = None) -> None:
         module.projector.load_full_(w.projector.tower)
     if model.stage is not None:
         model.stage.load_full_(w.llm)
+
+
+# ---------------------------------------------------------------- `mimo import-hf-llava`
+
+
+def describe_llava(path: str, out: str | None = None) -> dict:
+    """Check that every tensor of a LLaVA checkpoint fits its config (shapes from the file
+    headers, nothing loaded) and give the ``modules:`` section of a mimo config whose vision
+    tower and LLM load from it (``init.hf``); printed, or written to ``out``."""
+    import yaml
+
+    config = read_config_json(path)
+    w = import_llava_state(load_hf_state(path, shapes_only=True), config, f"checkpoint {path!r}")
+    modules = llava_modules(config)
+    modules["vision"]["init"] = {"hf": path}
+    modules["language"]["init"] = {"hf": path}
+    text = (f"# modules of the LLaVA checkpoint {path} ({w.naming.name} key names); add parallel: per module,\n"
+            f"# and the data and train sections. The projector has no init key: it starts random (as LLaVA's stage 1).\n"
+            + yaml.safe_dump({"modules": modules}, sort_keys=False))
+    if out is None:
+        print(text, end="")
+    else:
+        with open(out, "w") as f:
+            f.write(text)
+        print(f"wrote {out}")
+    return {"ok": True, "command": "import-hf-llava", "checkpoint": path, "naming": w.naming.name,
+            "tensors": len(w.key_order), "modules": modules, "projector_loaded": False, "out": out}

@@ -306,6 +306,31 @@ def test_config_builder():
         llava_arch({**siglip, "vision_feature_select_strategy": "default"})
 
 
+def test_import_hf_llava_command(tmp_path, capsys):
+    from mimo.cli import main
+    from mimo.config import config_from_dict
+
+    config = llava_config("clip-2-default-untied")
+    model = hf_model(config)
+    model.save_pretrained(tmp_path / "llava")
+    out = tmp_path / "modules.yaml"
+    assert main(["import-hf-llava", str(tmp_path / "llava"), "--out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["ok"] and result["tensors"] == len(model.state_dict()) and result["projector_loaded"] is False
+    modules = yaml.safe_load(out.read_text())["modules"]
+    assert modules["vision"]["init"]["hf"] == str(tmp_path / "llava") and modules["language"]["init"]["hf"] == str(tmp_path / "llava")
+    cfg = config_from_dict({"world_size": 1, "modules": modules, "data": {"source": "synthetic", "max_sample_tokens": 512}})
+    assert cfg.llm.arch == llava_arch(config).llm
+    # a misfit checkpoint: exit 2, the key and both shapes, no traceback
+    state = model.state_dict()
+    state["model.multi_modal_projector.linear_2.bias"] = torch.zeros(47)
+    save_llava(str(tmp_path / "misfit"), state, config)
+    assert main(["import-hf-llava", str(tmp_path / "misfit")]) == 2
+    err = capsys.readouterr().err
+    assert "'model.multi_modal_projector.linear_2.bias' has shape (47,), the config expects (48,)" in err, err
+    assert main(["import-hf-llava", str(tmp_path / "nowhere")]) == 2
+
+
 # --------------------------------------------------------------------------- whole-model parity
 
 
