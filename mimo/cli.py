@@ -299,6 +299,20 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     return train(args.config, args.overrides, TrainOptions(args.run_dir, args.timeout, args.stop_at, args.log_every))
 
 
+# ---------------------------------------------------------------- import-hf-llava
+
+
+def import_hf_llava_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="DIR", help="a Hugging Face LlavaForConditionalGeneration directory")
+    parser.add_argument("--out", metavar="YAML", help="write the modules section there (default: print it)")
+
+
+def run_import_hf_llava(args: argparse.Namespace) -> dict[str, Any]:
+    from mimo.hf_llava import describe_llava
+
+    return describe_llava(args.checkpoint, args.out)
+
+
 COMMANDS: tuple[Command, ...] = (
     Command("check-config", "validate a config (and overrides) without starting anything", config_arguments, run_check_config),
     Command("train", "train a config: launch its ranks, log, checkpoint, resume", train_arguments, run_train),
@@ -309,6 +323,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("verify-bridge", "check a bridge between two layouts against the one-process reference", verify_bridge_arguments, run_verify_bridge),
     Command("verify-encoder", "check an imported timm / Hugging Face vision tower against the original", verify_encoder_arguments, run_verify_encoder),
     Command("verify-llm", "check the LLM at a TP/PP layout against the Hugging Face model", verify_llm_arguments, run_verify_llm),
+    Command("import-hf-llava", "check a Hugging Face LLaVA checkpoint and give the mimo modules that load it", import_hf_llava_arguments,
+            run_import_hf_llava),
 )
 
 
