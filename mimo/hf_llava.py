@@ -3,11 +3,15 @@
 A LLaVA checkpoint is three models side by side, and each part is mapped by the module that
 owns its mapping; this file only splits the keys and composes them:
 
-    part        current names (transformers >= 4.52)      legacy names (llava-1.5 checkpoints)
-    vision      model.vision_tower.[vision_model.]*         vision_tower.vision_model.*
+    part        current names                              legacy names
+    vision      model.vision_tower.[vision_model.]*         vision_tower.[vision_model.]*
     projector   model.multi_modal_projector.*              multi_modal_projector.*
     LLM body    model.language_model.*                     language_model.model.*
     LM head     lm_head.weight                             language_model.lm_head.weight
+
+Current names are the model's own (``state_dict()`` since transformers 4.52); published
+llava-1.5 checkpoints use the legacy ones (``vision_tower.vision_model.*``), and so does what
+transformers 5's ``save_pretrained`` writes (``vision_tower.*``, converted back on load).
 
     vision    -> ``mimo.encoders.hf_import`` (CLIP / SigLIP tower rules, prefix found from the keys)
     projector -> ``mimo.encoders.hf_import.import_llava_projector`` (mlp2x_gelu, same names)
