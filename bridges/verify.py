@@ -18,6 +18,9 @@ from mimo.bridges.plan import minimum_numel
 from mimo.errors import LayoutError
 from mimo.grid import ParallelGrid, parse_rank_range
 from mimo.layout import Placement, dp_blocks, dp_placement, packed_placement
+from mimo.testing import rank_device
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -145,9 +148,13 @@ def _replica_group(grid: ParallelGrid, shard: str | None, rank: int):
     return grid.group("tp") if shard is None and rank in grid else None
 
 
-def bridge_case(src_text: str, dst_text: str, colocated: bool | None, hidden: int, microbatches: int, ragged: bool, seed: int) -> dict:
-    """Runs on every rank of the pool; returns this rank's errors and byte counts."""
+def bridge_case(src_text: str, dst_text: str, colocated: bool | None, hidden: int, microbatches: int, ragged: bool, seed: int,
+                device: str = "cpu", dtype: str = "fp32") -> dict:
+    """Runs on every rank of the pool; returns this rank's errors and byte counts. ``device``:
+    where the rank's tensors live (``cuda``: its GPU, so they travel over NCCL); ``dtype``: the
+    moved tensors' type (the reference is drawn in fp32 and rounded to it; moving is exact)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    dev, dt = rank_device(device), DTYPES[dtype]
     src, dst = parse_layout(src_text), parse_layout(dst_text)
     sg, dg = resolve(src, dst, world, colocated)
     # groups are created on every rank, in the same order (ParallelGrid contract)
@@ -165,8 +172,8 @@ def bridge_case(src_text: str, dst_text: str, colocated: bool | None, hidden: in
         n = rng.randint(1, 9) if ragged else 4
         samples = random_samples(rng, n, ragged)
         src_pl, dst_pl = placements(src, dst, sg, dg, samples, hidden)
-        X = torch.randn(src_pl.rows, hidden, generator=gen)
-        G = torch.randn(src_pl.rows, hidden, generator=gen)
+        X = torch.randn(src_pl.rows, hidden, generator=gen).to(dt)
+        G = torch.randn(src_pl.rows, hidden, generator=gen).to(dt)
         for key, (a, b) in {"fwd": (src_pl, dst_pl), "bwd": (dst_pl, src_pl)}.items():
             m = minimum_numel(a, b)
             minimum[key] += m["cross"]
@@ -174,15 +181,17 @@ def bridge_case(src_text: str, dst_text: str, colocated: bool | None, hidden: in
         if rank not in members:
             continue
         bridge = Bridge(src_pl, dst_pl, group, src_replica_group=_replica_group(sg, src.shard, rank), dst_replica_group=_replica_group(dg, dst.shard, rank))
-        x = local_view(X, src_pl, rank).requires_grad_() if bridge.is_src else None
-        y = bridge(x)
+        x = local_view(X, src_pl, rank).to(dev).requires_grad_() if bridge.is_src else None
+        y = bridge(x, dtype=dt, device=dev)
         if bridge.is_dst:
-            fwd_err = max(fwd_err, (y - local_view(X, dst_pl, rank)).abs().max().item() if y.numel() else 0.0)
-            y.backward(local_view(G, dst_pl, rank))
+            if y.dtype != dt or y.device != dev:
+                raise AssertionError(f"rank {rank}: the bridge returned {y.dtype} on {y.device}, sent {dt} on {dev}")
+            fwd_err = max(fwd_err, (y - local_view(X, dst_pl, rank).to(dev)).abs().max().item() if y.numel() else 0.0)
+            y.backward(local_view(G, dst_pl, rank).to(dev))
         elif bridge.colocated is False:
             Bridge.backward_source(y)
         if bridge.is_src:
-            grad_err = max(grad_err, (x.grad - local_view(G, src_pl, rank)).abs().max().item() if x.numel() else 0.0)
+            grad_err = max(grad_err, (x.grad - local_view(G, src_pl, rank).to(dev)).abs().max().item() if x.numel() else 0.0)
         sent["fwd"] += bridge.stats.fwd_sent
         sent["bwd"] += bridge.stats.bwd_sent
         sent["allgather"] += bridge.stats.fwd_allgather + bridge.stats.bwd_allgather

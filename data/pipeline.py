@@ -73,6 +73,13 @@ class Microbatch:
     def real_tokens(self) -> int:
         return sum(s.tokens for s in self.samples)
 
+    def to(self, device: torch.device | str) -> "Microbatch":
+        """The pack and pixels on ``device`` (in place; returns self)."""
+        if self.pack is not None:
+            self.pack = self.pack.to(device)
+        self.pixels = {name: p.to(device) for name, p in self.pixels.items()}
+        return self
+
 
 def encoder_blocks(samples: list[PlannedSample], feed: EncoderFeed) -> list[range]:
     """An encoder's DP blocks: balanced by its image rows (the same function for every user)."""
@@ -131,8 +138,10 @@ class DataPipeline:
         workers: int = 2,
         prefetch: int = 2,
         rank: int | None = None,
+        device: torch.device | str = "cpu",  # where packs and pixels are delivered (read and routed on the CPU first)
     ):
         self.plan, self.text, self.feeds = plan, text, feeds
+        self.device = torch.device(device)
         self.llm_grid, self.sequence_parallel = llm_grid, sequence_parallel
         self.micro_batches, self.prefetch = micro_batches, prefetch
         self.rank = dist.get_rank() if rank is None else rank
@@ -184,7 +193,7 @@ class DataPipeline:
             pixels = self._route_pixels(mb, f, read)
             if pixels is not None:
                 mb.pixels[f.name] = pixels
-        return mb
+        return mb if self.device.type == "cpu" else mb.to(self.device)
 
     def step(self, step: int) -> list[Microbatch]:
         """The microbatches of training step ``step`` (1-based)."""

@@ -72,7 +72,7 @@ def run_check_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def verify_bridge_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world", type=int, required=True, help="local processes to start (gloo)")
+    parser.add_argument("--world", type=int, required=True, help="local processes to start")
     parser.add_argument("--src", required=True, metavar="LAYOUT", help="e.g. tp=2,dp=2 (plus cp=, shard=hidden|seq, ranks=a:b)")
     parser.add_argument("--dst", required=True, metavar="LAYOUT", help="the destination (an LLM's first stage)")
     side = parser.add_mutually_exclusive_group()
@@ -82,7 +82,14 @@ def verify_bridge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=12)
     parser.add_argument("--microbatches", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="what the bridge moves (exactly, either way)")
+    device_argument(parser)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a hung rank fails the run")
+
+
+def device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo; cuda: one process per GPU, NCCL for GPU tensors (TF32 off)")
 
 
 def run_verify_bridge(args: argparse.Namespace) -> dict[str, Any]:
@@ -93,11 +100,12 @@ def run_verify_bridge(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--world, --hidden and --microbatches must be >= 1")
     src, dst = parse_layout(args.src), parse_layout(args.dst)
     resolve(src, dst, args.world, args.colocated)  # impossible layouts fail here, before any process starts
-    with WorkerPool(args.world, timeout_s=args.timeout) as pool:
-        results = pool.run(bridge_case, args.src, args.dst, args.colocated, args.hidden, args.microbatches, args.rows == "ragged", args.seed)
-    report = summarise(results)
-    print(f"verify-bridge {args.src} -> {args.dst} on {args.world} ranks: " + ("ok" if report["ok"] else "MISMATCH"))
-    return {"command": "verify-bridge", **report}
+    with WorkerPool(args.world, timeout_s=args.timeout, device=args.device) as pool:
+        results = pool.run(bridge_case, args.src, args.dst, args.colocated, args.hidden, args.microbatches, args.rows == "ragged", args.seed,
+                           args.device, args.dtype)
+    report = summarise(results, itemsize=2 if args.dtype == "bf16" else 4)
+    print(f"verify-bridge {args.src} -> {args.dst} on {args.world} ranks ({args.device}, {args.dtype}): " + ("ok" if report["ok"] else "MISMATCH"))
+    return {"command": "verify-bridge", "device": args.device, "dtype": args.dtype, **report}
 
 
 # ---------------------------------------------------------------- verify-llm
@@ -257,8 +265,17 @@ def run_verify_encoder(args: argparse.Namespace) -> dict[str, Any]:
 def verify_train_arguments(parser: argparse.ArgumentParser) -> None:
     config_arguments(parser)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--tol", type=float, default=1e-5, help="largest allowed ||a-b||/||b||")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="the layout run's precision (bf16: GPU fast paths); the reference runs fp32")
+    parser.add_argument("--tol", type=float, help=f"largest allowed ||a-b||/||b|| (default {VERIFY_TRAIN_TOL['fp32']:g} fp32, "
+                        f"{VERIFY_TRAIN_TOL['bf16']:g} bf16)")
+    device_argument(parser)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a hung rank fails the run")
+
+
+# bf16: weights, activations and Adam state rounded to 8 bits of mantissa, against fp32 (DESIGN §3);
+# gradients and parameters then compared per module (see mimo.verify_train.compare)
+VERIFY_TRAIN_TOL = {"fp32": 1e-5, "bf16": 5e-2}
 
 
 def run_verify_train(args: argparse.Namespace) -> dict[str, Any]:
@@ -270,16 +287,18 @@ def run_verify_train(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--steps must be >= 1")
     config = load_config(args.config, args.overrides)
     ensure_index(config)  # once, here, before any rank reads it
-    with WorkerPool(config.world_size, timeout_s=args.timeout) as pool:
-        layout = pool.run(train_case, args.config, args.overrides, args.steps, False)
-    with WorkerPool(1, timeout_s=args.timeout) as pool:
-        reference = pool.run(train_case, args.config, args.overrides, args.steps, True)
-    report = compare(layout, reference, args.tol)
-    print(f"verify-train {args.config} {' '.join(args.overrides)}: " + ("ok" if report["ok"] else "MISMATCH"))
+    tol = VERIFY_TRAIN_TOL[args.precision] if args.tol is None else args.tol
+    with WorkerPool(config.world_size, timeout_s=args.timeout, device=args.device) as pool:
+        layout = pool.run(train_case, args.config, args.overrides, args.steps, False, args.device, args.precision)
+    with WorkerPool(1, timeout_s=args.timeout, device=args.device) as pool:  # the reference: one process, fp32, same device kind
+        reference = pool.run(train_case, args.config, args.overrides, args.steps, True, args.device)
+    report = compare(layout, reference, tol, per_module=args.precision == "bf16")
+    print(f"verify-train {args.config} {' '.join(args.overrides)} ({args.device}, {args.precision}, tol {tol:g}): "
+          + ("ok" if report["ok"] else "MISMATCH"))
     print(format_layout(config.layout_rows()))
     for key in ("loss", "grad_norm", "grads", "params"):
         print(f"  max {key} rel err {report[f'max_{key}_rel_err']:.2e} ({report['worst'].get(key, '-')})")
-    return {"command": "verify-train", **report}
+    return {"command": "verify-train", "device": args.device, "precision": args.precision, "tol": tol, **report}
 
 
 # ---------------------------------------------------------------- train

@@ -1,4 +1,4 @@
-"""Local multi-process worker pools over a real gloo process group.
+"""Local multi-process worker pools over a real process group (gloo, or NCCL on GPUs).
 
 A ``WorkerPool`` starts N processes once, each joining one process group, and then runs
 many cases in them: ``pool.run(fn, *args)`` calls ``fn(*args)`` on every rank and returns
@@ -12,6 +12,12 @@ ranks may be stuck inside a collective that will never complete.
 ``fn`` must be a module-level function. It travels as (source file, qualified name) and
 the worker loads that file itself, so functions defined in test modules (imported by
 pytest under names a fresh process could not import) work too.
+
+``device="cuda"``: one process per GPU (rank r drives GPU r, ``LOCAL_RANK`` set as torchrun
+would), and the group is ``cpu:gloo,cuda:nccl`` as under ``mimo train``: CUDA tensors travel
+over NCCL, CPU tensors (statistics, data routing) over gloo. The group is bound to the rank's
+GPU, so NCCL communicators of every group are created eagerly, when the group is made; a
+first point-to-point batch on a group then needs no collective before it.
 """
 
 from __future__ import annotations
@@ -83,18 +89,41 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection, pg_timeout_s: float) -> None:
+DEVICES = ("cpu", "cuda")
+
+
+def check_device(device: str, world_size: int) -> None:
+    """A clear error, before any process starts, when ``device`` cannot host ``world_size`` ranks."""
+    if device not in DEVICES:
+        raise DistributedError(f"device {device!r}: use one of {', '.join(DEVICES)}")
+    if device == "cuda":
+        import torch
+
+        have = torch.cuda.device_count()  # does not initialise CUDA in this process
+        if have < world_size:
+            # NCCL cannot put two ranks of one communicator on one GPU
+            raise DistributedError(f"--device cuda runs one rank per GPU: {world_size} ranks need {world_size} GPUs, {have} visible")
+
+
+def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection, pg_timeout_s: float, device: str = "cpu") -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
+        kwargs = {}
+        backend = "gloo"
+        if device == "cuda":
+            os.environ["LOCAL_RANK"] = str(rank)
+            torch.cuda.set_device(rank)
+            backend, kwargs = "cpu:gloo,cuda:nccl", {"device_id": torch.device("cuda", rank)}
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),
+            **kwargs,
         )
         conn.send(("ready", rank, b""))
     except Exception:
@@ -123,15 +152,18 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection, p
 
 
 class WorkerPool:
-    """N local ranks in one gloo process group, reused across many ``run`` calls."""
+    """N local ranks in one process group, reused across many ``run`` calls."""
 
     def __init__(self, world_size: int, timeout_s: float = 120.0, start_timeout_s: float = 120.0,
-                 collective_timeout_s: float | None = None):
+                 collective_timeout_s: float | None = None, device: str = "cpu"):
         """``timeout_s``: a case's deadline (``math.inf``: none, e.g. a whole training run);
         ``collective_timeout_s``: how long one collective may wait before it raises on its rank
-        (default: ``timeout_s``, at least 30 s)."""
+        (default: ``timeout_s``, at least 30 s); ``device``: ``cpu`` (gloo) or ``cuda`` (one
+        GPU per rank, NCCL)."""
         if world_size < 1:
             raise ValueError("world_size must be >= 1")
+        check_device(device, world_size)
+        self.device = device
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
@@ -159,7 +191,7 @@ class WorkerPool:
                 parent, child = ctx.Pipe()
                 p = ctx.Process(
                     target=_worker_main,
-                    args=(rank, self.world_size, init_file, child, self.collective_timeout_s or max(min(self.timeout_s, 86400.0), 30.0)),
+                    args=(rank, self.world_size, init_file, child, self.collective_timeout_s or max(min(self.timeout_s, 86400.0), 30.0), self.device),
                     daemon=True,
                     name=f"mimo-rank{rank}",
                 )

@@ -41,6 +41,7 @@ def build_run(config: MimoConfig, rank: int, index: Index | None = None, policy:
         index, _ = ensure_index(config)
     par = config.llm.parallel
     pipeline = DataPipeline(data_plan(config, index), text_spec(config), model.llm_grid, par.sequence_parallel and par.tp > 1,
-                            encoder_feeds(config), config.train.micro_batches, config.data.workers, config.data.prefetch, rank)
+                            encoder_feeds(config), config.train.micro_batches, config.data.workers, config.data.prefetch, rank,
+                            device=device)
     optimizers = build_optimizers(model.train_params(), *config.optimizer_settings())
     return Run(config, model, pipeline, optimizers, policy)

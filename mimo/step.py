@@ -79,7 +79,7 @@ def encode_and_bridge(model: MimoModel, mb: Microbatch, trace: "Trace | None" = 
                 x = part.module(mb.pixels[name])
             _note(trace, tick, "encoder_fwd", index, name, start=start)
         start = time.perf_counter()
-        y = bridge(x)
+        y = bridge(x) if x is not None else bridge(None, *_receive_as(model))
         _note(trace, tick, "bridge_fwd", index, name, start=start)
         y_leaf = None
         if bridge.is_dst:
@@ -87,6 +87,13 @@ def encode_and_bridge(model: MimoModel, mb: Microbatch, trace: "Trace | None" = 
             image_rows[placeholder] = y_leaf
         bridges[name] = (bridge, y, y_leaf)
     return bridges, image_rows
+
+
+def _receive_as(model: MimoModel) -> tuple[torch.dtype, torch.device]:
+    """What a rank without the encoder receives: its LLM stage's dtype and device (the gradient
+    it sends back must match what the encoder ranks expect)."""
+    p = next(model.stage.parameters())
+    return p.dtype, p.device
 
 
 def bridge_backward(model: MimoModel, bridges: dict, trace: "Trace | None" = None, tick: int | None = None,

@@ -39,3 +39,17 @@ def assert_close(got, want, tol: float = 1e-5, what: str = "") -> None:
     else:
         err, label = rel_err(got, want), what or "tensor"
     assert err <= tol, f"{label}: rel err {err:.3e} > {tol:.1e}"
+
+
+def rank_device(kind: str = "cpu") -> torch.device:
+    """The device this rank computes on in a verification: the CPU, or the GPU the launcher
+    bound this rank to (``torch.cuda.current_device()``). On a GPU, fp32 matrix products and
+    convolutions are made true fp32 (TF32 off), so that fp32 checks keep the CPU's tolerance."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind != "cuda":
+        raise ValueError(f"unknown device kind {kind!r} (cpu or cuda)")
+    # the legacy flags: what the project sets elsewhere (mixing them with ``fp32_precision`` raises)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch.device("cuda", torch.cuda.current_device())

@@ -1,8 +1,12 @@
-"""Shared fixtures: ``pools(N)`` gives an N-rank gloo worker pool, started once per test module."""
+"""Shared fixtures: ``pools(N)`` gives an N-rank gloo worker pool, started once per test module;
+``write_demo_config`` writes the demo config over fresh demo shards."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import yaml
 
 from mimo.launch import WorkerPool
 
@@ -20,3 +24,29 @@ def pools():
     yield get
     for pool in started.values():
         pool.close()
+
+
+@pytest.fixture(scope="session")
+def write_demo_config():
+    """``write(root, seed, edit=None)``: configs/demo.yaml over 400 fresh demo samples in two
+    shards under ``root``, 1024-token microbatches, its index prepared; ``edit(cfg)`` may change
+    the config dict first. Returns the config's path."""
+    from mimo.config import load_config
+    from mimo.data.demo import make_demo_data
+    from mimo.inputs import ensure_index
+
+    def write(root, seed: int, edit=None) -> str:
+        data = root / "data"
+        make_demo_data(str(data), train_samples=400, heldout_samples=20, shard_size=200, seed=seed)
+        with open(os.path.join(os.path.dirname(__file__), "..", "configs", "demo.yaml")) as f:
+            cfg = yaml.safe_load(f)
+        cfg["data"].update(shards=str(data / "train-{000000..000001}.tar"), tokenizer=str(data / "tokenizer"), tokens_per_microbatch=1024)
+        cfg["train"]["checkpoint"]["dir"] = str(root / "ckpt")
+        if edit is not None:
+            edit(cfg)
+        path = root / "demo.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        ensure_index(load_config(str(path)))
+        return str(path)
+
+    return write

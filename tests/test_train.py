@@ -3,13 +3,8 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import yaml
 
-from mimo.data.demo import make_demo_data
-from mimo.inputs import ensure_index
 from mimo.config import load_config
 from mimo.verify_train import compare, train_case
 
@@ -18,23 +13,13 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def demo_config(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    data = root / "data"
-    make_demo_data(str(data), train_samples=400, heldout_samples=20, shard_size=200, seed=2)
-    with open(os.path.join(os.path.dirname(__file__), "..", "configs", "demo.yaml")) as f:
-        cfg = yaml.safe_load(f)
-    cfg["data"]["shards"] = str(data / "train-{000000..000001}.tar")
-    cfg["data"]["tokenizer"] = str(data / "tokenizer")
-    cfg["data"]["tokens_per_microbatch"] = 1024
-    cfg["train"]["checkpoint"]["dir"] = str(root / "ckpt")
-    cfg["train"]["grad_bucket_mb"] = 0.05  # small buckets: several per module, launched during backward
-    # sizes that tp=3 divides too (6 attention and KV heads, 6 Mamba heads)
-    cfg["modules"]["language"]["arch"].update({"hidden": 48, "heads": 6, "kv_heads": 6, "mamba_head_dim": 16})
-    path = root / "demo.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    ensure_index(load_config(str(path)))
-    return str(path)
+def demo_config(tmp_path_factory, write_demo_config):
+    def edit(cfg):
+        cfg["train"]["grad_bucket_mb"] = 0.05  # small buckets: several per module, launched during backward
+        # sizes that tp=3 divides too (6 attention and KV heads, 6 Mamba heads)
+        cfg["modules"]["language"]["arch"].update({"hidden": 48, "heads": 6, "kv_heads": 6, "mamba_head_dim": 16})
+
+    return write_demo_config(tmp_path_factory.mktemp("train"), 2, edit)
 
 
 LAYOUTS = {
