@@ -55,7 +55,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "Naming", "NAMINGS", "LlavaArch", "LlavaWeights", "llava_arch", "llava_modules", "import_llava_state",
-    "load_llava", "export_llava_state", "export_llava_grads", "save_llava", "load_llava_", "describe_llava",
+    "load_llava", "export_llava_state", "export_llava_grads", "save_llava", "check_fits", "load_llava_", "describe_llava",
+    "import_to_checkpoint",
 ]
 
 
@@ -273,33 +274,40 @@ def save_llava(path: str, state: Mapping[str, torch.Tensor], config: Mapping) ->
 # ---------------------------------------------------------------- into a model
 
 
-def load_llava_(model, w: LlavaWeights, encoder: str | None = None) -> None:
-    """Load the weights into a built ``MimoModel`` on this rank: the tower and projector of
-    ``encoder`` (default: the only encoder) and this rank's LLM stage."""
-    names = list(model.encoders)
+def check_fits(config, w: LlavaWeights, encoder: str | None = None) -> str:
+    """MimoError unless the weights fit the ``MimoConfig``'s modules; returns the encoder that
+    takes the vision tower (default: the only encoder)."""
+    names = list(config.encoders)
     if encoder is None:
         if len(names) != 1:
-            raise MimoError(f"the model has encoders {names}; name the one the LLaVA vision tower goes into")
+            raise MimoError(f"the config has encoders {names}; name the one the LLaVA vision tower goes into")
         encoder = names[0]
-    if encoder not in model.encoders:
+    if encoder not in config.encoders:
         raise MimoError(f"no encoder module {encoder!r} (encoders: {names})")
-    enc_cfg = model.config.encoders[encoder]
+    enc_cfg, llm = config.encoders[encoder], config.llm_name
     if enc_cfg.projector.kind != "mlp2x_gelu":
         raise MimoError(f"modules.{encoder}.projector.kind is {enc_cfg.projector.kind!r}; LLaVA's projector is mlp2x_gelu")
     if enc_cfg.arch != w.arch.vision:
         raise MimoError(f"modules.{encoder}.arch {enc_cfg.arch} is not {w.where}'s vision tower {w.arch.vision}")
-    want = full_shapes(model.config.llm.arch)
+    want = full_shapes(config.llm.arch)
     for name, t in w.llm.items():
         if name not in want or tuple(t.shape) != want[name]:
             need = want.get(name, "no such parameter")
-            raise MimoError(f"{w.where}: the LLM's {name!r} has shape {tuple(t.shape)}; modules.{model.llm_name}.arch needs {need}")
+            raise MimoError(f"{w.where}: the LLM's {name!r} has shape {tuple(t.shape)}; modules.{llm}.arch needs {need}")
     for field in ("rope_theta", "rope_scaling", "norm_eps", "qk_norm", "mlp_act", "head_dim"):
-        ours, theirs = getattr(model.config.llm.arch, field), getattr(w.arch.llm, field)
+        ours, theirs = getattr(config.llm.arch, field), getattr(w.arch.llm, field)
         if ours != theirs:
-            raise MimoError(f"modules.{model.llm_name}.arch.{field} is {ours!r}, {w.where} has {theirs!r}")
+            raise MimoError(f"modules.{llm}.arch.{field} is {ours!r}, {w.where} has {theirs!r}")
     if (enc_cfg.feature_layer, enc_cfg.drop_class_token) != (w.arch.feature_layer, w.arch.drop_class_token):
         log.warning("%s: feature_layer=%r, drop_class_token=%r differ from the checkpoint's (%r, %r)", w.where,
                     enc_cfg.feature_layer, enc_cfg.drop_class_token, w.arch.feature_layer, w.arch.drop_class_token)
+    return encoder
+
+
+def load_llava_(model, w: LlavaWeights, encoder: str | None = None) -> None:
+    """Load the weights into a built ``MimoModel`` on this rank: the tower and projector of
+    ``encoder`` (default: the only encoder) and this rank's LLM stage."""
+    encoder = check_fits(model.config, w, encoder)
     module = model.encoders[encoder].module
     if module is not None:
         module.tower.load_weights_(w.vision)
@@ -324,7 +332,8 @@ def describe_llava(path: str, out: str | None = None) -> dict:
     modules["vision"]["init"] = {"hf": path}
     modules["language"]["init"] = {"hf": path}
     text = (f"# modules of the LLaVA checkpoint {path} ({w.naming.name} key names); add parallel: per module,\n"
-            f"# and the data and train sections. The projector has no init key: it starts random (as LLaVA's stage 1).\n"
+            f"# and the data and train sections. init.hf loads the tower and the LLM, not the projector (it starts random,\n"
+            f"# as in LLaVA's stage 1); for all three: mimo import-hf-llava {path} --config CONFIG --out DIR, then train.init_from: DIR\n"
             + yaml.safe_dump({"modules": modules}, sort_keys=False))
     if out is None:
         print(text, end="")
@@ -334,3 +343,33 @@ def describe_llava(path: str, out: str | None = None) -> dict:
         print(f"wrote {out}")
     return {"ok": True, "command": "import-hf-llava", "checkpoint": path, "naming": w.naming.name,
             "tensors": len(w.key_order), "modules": modules, "projector_loaded": False, "out": out}
+
+
+def _convert_rank(checkpoint: str, config_path: str, overrides: list[str], out: str) -> str:
+    """One rank of ``import_to_checkpoint``: its part of the model, loaded and saved."""
+    import torch.distributed as dist
+
+    from mimo.checkpoint import save_checkpoint
+    from mimo.config import load_config
+    from mimo.model import MimoModel
+
+    model = MimoModel(load_config(config_path, overrides), dist.get_rank())
+    load_llava_(model, load_llava(checkpoint))
+    return save_checkpoint(model, {}, 0, out, extra_meta={"imported_from": checkpoint})
+
+
+def import_to_checkpoint(checkpoint: str, config_path: str, overrides: list[str], out: str, timeout_s: float = 900.0) -> dict:
+    """The LLaVA checkpoint as a mimo checkpoint (step 0, weights only) at the config's layout,
+    written by the config's ranks on local processes: ``train.init_from`` starts a run from it,
+    projector included. Every rank reads the whole checkpoint file(s)."""
+    from mimo.checkpoint import layout_of
+    from mimo.config import load_config
+    from mimo.launch import WorkerPool
+
+    config = load_config(config_path, overrides)
+    check_fits(config, import_llava_state(load_hf_state(checkpoint, shapes_only=True), read_config_json(checkpoint),
+                                          f"checkpoint {checkpoint!r}"))  # before any process starts
+    with WorkerPool(config.world_size, timeout_s=timeout_s) as pool:
+        path = pool.run(_convert_rank, checkpoint, config_path, list(overrides), out)[0]
+    print(f"wrote {path} (layout {layout_of(config)}); start a run from it with train.init_from: {out}")
+    return {"ok": True, "command": "import-hf-llava", "checkpoint": checkpoint, "out": path, "layout": layout_of(config)}

@@ -314,7 +314,7 @@ def test_import_hf_llava_command(tmp_path, capsys):
     model = hf_model(config)
     model.save_pretrained(tmp_path / "llava")
     out = tmp_path / "modules.yaml"
-    assert main(["import-hf-llava", str(tmp_path / "llava"), "--out", str(out)]) == 0
+    assert main(["import-hf-llava", str(tmp_path / "llava"), "--yaml", str(out)]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["ok"] and result["tensors"] == len(model.state_dict()) and result["projector_loaded"] is False
     modules = yaml.safe_load(out.read_text())["modules"]
@@ -329,6 +329,57 @@ def test_import_hf_llava_command(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "'model.multi_modal_projector.linear_2.bias' has shape (47,), the config expects (48,)" in err, err
     assert main(["import-hf-llava", str(tmp_path / "nowhere")]) == 2
+
+
+def _full_params_from(config_path: str, checkpoint: str) -> dict:
+    """On a pool: a model at the config's layout loaded from a mimo checkpoint; the full
+    tensors each module's reporting rank (tp = dp = 0) holds."""
+    import torch.distributed as dist
+
+    from mimo.checkpoint import load_checkpoint
+    from mimo.config import load_config
+    from mimo.model import MimoModel
+
+    model = MimoModel(load_config(config_path), dist.get_rank())
+    load_checkpoint(model, checkpoint, rng=False)
+    full = model.full_params()  # collective over each TP group
+    grids = {name: part.grid for name, part in model.encoders.items()} | {model.llm_name: model.llm_grid}
+    return {name: t for name, t in full.items() if all(v == 0 for k, v in grids[name].coords(model.rank).items() if k != "pp")}
+
+
+def test_import_to_a_mimo_checkpoint_at_a_layout(pools, tmp_path, capsys):
+    """``--config``: the LLaVA weights become a mimo checkpoint at the config's layout (here
+    the tower data-parallel, the LLM tensor-parallel on 2 ranks), projector included."""
+    from mimo.cli import main
+
+    config = llava_config("clip-2-default-untied")
+    hf_model(config).save_pretrained(tmp_path / "llava")
+    modules = llava_modules(config)
+    modules["vision"]["parallel"] = {"tp": 1, "dp": 2}
+    modules["language"]["parallel"] = {"tp": 2, "dp": 1}
+    path = tmp_path / "mimo.yaml"
+    path.write_text(yaml.safe_dump({"world_size": 2, "modules": modules, "data": {"source": "synthetic", "max_sample_tokens": 512}}))
+    out = tmp_path / "converted"
+    assert main(["import-hf-llava", str(tmp_path / "llava"), "--config", str(path), "--out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["out"] == str(out / "step-00000000")
+    per_rank = pools(2).run(_full_params_from, str(path), result["out"])
+    got = {name: t for r in per_rank for name, t in r.items()}
+    w = load_llava(str(tmp_path / "llava"))
+    runs = {k: v for k, v in w.vision.tower.items() if not k.startswith(("blocks.2.", "norm."))}  # hidden_states[-2] of 3 blocks
+    want = {"vision": {**{f"tower.{k}": v for k, v in runs.items()}, **{f"projector.{k}": v for k, v in w.projector.tower.items()}},
+            "language": w.llm}
+    for module in want:
+        assert set(got[module]) == set(want[module]), module
+        for k, t in want[module].items():
+            assert torch.equal(got[module][k], t), (module, k)
+    # a config that does not fit fails before any process starts: exit 2 with the reason
+    bad = tmp_path / "bad.yaml"
+    modules["language"]["arch"]["norm_eps"] = 1e-3
+    bad.write_text(yaml.safe_dump({"world_size": 2, "modules": modules, "data": {"source": "synthetic", "max_sample_tokens": 512}}))
+    assert main(["import-hf-llava", str(tmp_path / "llava"), "--config", str(bad), "--out", str(tmp_path / "x")]) == 2
+    assert "arch.norm_eps is 0.001" in capsys.readouterr().err
+    assert main(["import-hf-llava", str(tmp_path / "llava"), "--config", str(path)]) == 2  # no --out
 
 
 # --------------------------------------------------------------------------- whole-model parity
