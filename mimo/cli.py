@@ -323,13 +323,23 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
 
 def import_hf_llava_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="DIR", help="a Hugging Face LlavaForConditionalGeneration directory")
-    parser.add_argument("--out", metavar="YAML", help="write the modules section there (default: print it)")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides of --config")
+    parser.add_argument("--yaml", metavar="FILE", help="without --config: write the modules section there (default: print it)")
+    parser.add_argument("--config", metavar="CONFIG", help="convert to a mimo checkpoint at this config's layout (train.init_from)")
+    parser.add_argument("--out", metavar="DIR", help="with --config: the checkpoint directory to write")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds the conversion may take")
 
 
 def run_import_hf_llava(args: argparse.Namespace) -> dict[str, Any]:
-    from mimo.hf_llava import describe_llava
+    from mimo.hf_llava import describe_llava, import_to_checkpoint
 
-    return describe_llava(args.checkpoint, args.out)
+    if args.config is None:
+        if args.overrides or args.out:
+            raise UsageError("import-hf-llava: overrides and --out need --config")
+        return describe_llava(args.checkpoint, args.yaml)
+    if args.out is None:
+        raise UsageError("import-hf-llava: --config needs --out DIR (where the mimo checkpoint goes)")
+    return import_to_checkpoint(args.checkpoint, args.config, args.overrides, args.out, args.timeout)
 
 
 COMMANDS: tuple[Command, ...] = (
