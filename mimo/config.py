@@ -53,6 +53,7 @@ class TrainConfig:
     schedule: Literal["simple", "1f1b"] = "1f1b"
     encoder_prefetch: int = 1  # microbatches whose encoder forward is done by stage 0's F(k) (1f1b)
     grad_bucket_mb: float = 25.0  # DP gradient sums run in buckets of this many MiB, overlapping backward
+    trace_steps: list[int] = field(default_factory=list)  # steps whose per-rank event traces `mimo train` writes
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self, path: str) -> list[str]:
@@ -62,6 +63,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 problems.append(f"{join_path(path, name)}: must be > 0, got {value}")
+        problems += [f"{join_path(path, 'trace_steps')}: steps are 1-based, got {s}" for s in self.trace_steps if s < 1]
         return problems
 
 

@@ -253,7 +253,7 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions, lo
     from mimo.checkpoint import latest_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint
     from mimo.metrics import Reporter, StepTimer
     from mimo.run import build_run
-    from mimo.step import train_step
+    from mimo.step import train_step, write_trace
 
     rank = dist.get_rank()
     config = load_config(config_path, overrides)
@@ -283,8 +283,11 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions, lo
             with _name_timeouts(rank, step, options.timeout_s):
                 fault.at_step(step)
                 timer.begin()
-                result = train_step(run.model, timer.pipeline, step, run.optimizers, run.policy)
+                result = train_step(run.model, timer.pipeline, step, run.optimizers, run.policy,
+                                    trace=step in config.train.trace_steps)
                 stats = timer.end(result.read_failures, stop.requested or step == options.stop_at)
+                if result.trace is not None:  # train.trace_steps: open in Perfetto or chrome://tracing
+                    write_trace(result.trace, rank, os.path.join(options.run_dir, "traces", f"step-{step:08d}-rank{rank}.json"))
                 stopped = stats["stop"] and step < config.train.steps
                 saved_at = None
                 if (ckpt.every and step % ckpt.every == 0) or step == config.train.steps or stats["stop"]:

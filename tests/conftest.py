@@ -42,6 +42,8 @@ def write_demo_config():
             cfg = yaml.safe_load(f)
         cfg["data"].update(shards=str(data / "train-{000000..000001}.tar"), tokenizer=str(data / "tokenizer"), tokens_per_microbatch=1024)
         cfg["train"]["checkpoint"]["dir"] = str(root / "ckpt")
+        if "eval" in cfg:  # the held-out split written beside the train shards
+            cfg["eval"]["shards"] = str(data / "heldout-{000000..000000}.tar")
         if edit is not None:
             edit(cfg)
         path = root / "demo.yaml"

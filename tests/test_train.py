@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from mimo.config import load_config
@@ -194,6 +196,7 @@ def _check_buckets_overlap_last_backward(events, mbs):
 @pytest.mark.parametrize("name", list(TRACED))
 def test_1f1b_trace_shows_the_schedule(pools, demo_config, name):
     from mimo.schedules.pipeline import one_f_one_b_order
+    from mimo.step import chrome_trace
 
     world, overrides, depth = TRACED[name]
     per_rank = pools(world).run(_trace_case, demo_config, overrides + ["train.schedule=1f1b"])
@@ -202,8 +205,14 @@ def test_1f1b_trace_shows_the_schedule(pools, demo_config, name):
     encoder_f, bridge_b = {}, {}
     reducing = set()  # modules whose buckets were seen reducing
     enc_f_start, stage0_b_end = {}, {}  # by the clock: encoder-only ranks' forward starts, stage 0's backward ends
-    for stage, events in per_rank:
+    for rank, (stage, events) in enumerate(per_rank):
         reducing |= _check_buckets_overlap_last_backward(events, mbs)
+        # what `mimo train` writes for train.trace_steps: every span and instant, as JSON
+        chrome = json.loads(json.dumps(chrome_trace(events, rank)))
+        spans = [c for c in chrome if c["ph"] == "X"]
+        assert len(spans) == sum("start" in e for e in events) > 0
+        assert len([c for c in chrome if c["ph"] == "i"]) == sum("start" not in e for e in events)
+        assert all(c["dur"] >= 0 and c["pid"] == rank for c in spans)
         for k in range(mbs):
             if stage is None and any(e["kind"] == "encoder_fwd" for e in events):
                 enc_f_start[k] = min(enc_f_start.get(k, float("inf")), _span(events, "encoder_fwd", k)[0])
