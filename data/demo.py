@@ -2,8 +2,11 @@
 
 Each image is a coloured shape on a dark background at one of four positions. Samples are
 captions (``txt``) or conversations (``json``) asking for the colour, shape or position, with
-one-word answers checkable by exact match; a few samples have no image (arithmetic) or two
-images ("same colour?"). Everything is generated from a seed: no network.
+short answers checkable by exact match; a few samples have no image ("say the word red") or two
+images ("what colour is the second shape?"). Each question is answerable from its inputs, and a
+tiny model learns all of them in a couple of hundred steps (``mimo demo``'s budget; harder tasks
+such as digit sums or comparing two colours stayed near chance there). Everything is generated
+from a seed: no network.
 """
 
 from __future__ import annotations
@@ -56,16 +59,15 @@ def make_sample(i: int, rng: random.Random, image_size: int) -> dict:
     """One WebDataset sample dict (``__key__`` plus its files)."""
     key = f"{i:07d}"
     kind = rng.random()
-    if kind < 0.05:  # text only
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        conv = [{"from": "human", "value": f"What is {a} plus {b}?"}, {"from": "gpt", "value": str(a + b)}]
+    if kind < 0.05:  # text only: copy a word
+        word = rng.choice([*COLOURS, *SHAPES])
+        conv = [{"from": "human", "value": f"Say the word {word}."}, {"from": "gpt", "value": word}]
         return {"__key__": key, "json": json.dumps({"conversations": conv}).encode()}
-    if kind < 0.12:  # two images
+    if kind < 0.12:  # two images: the colour of one of them
         s1, s2 = _random_shape(rng), _random_shape(rng)
-        if rng.random() < 0.5:
-            s2 = Shape(s1.colour, s2.shape, s2.position)
-        answer = "yes" if s1.colour == s2.colour else "no"
-        conv = [{"from": "human", "value": "<image>\n<image>\nAre the two shapes the same colour?"}, {"from": "gpt", "value": answer}]
+        which = rng.choice(("first", "second"))
+        answer = (s1 if which == "first" else s2).colour
+        conv = [{"from": "human", "value": f"<image>\n<image>\nWhat colour is the {which} shape?"}, {"from": "gpt", "value": answer}]
         return {"__key__": key, "0.png": draw(s1, image_size, rng), "1.png": draw(s2, image_size, rng), "json": json.dumps({"conversations": conv}).encode()}
     s = _random_shape(rng)
     image = draw(s, image_size, rng)
@@ -97,14 +99,25 @@ def make_tokenizer(path: str) -> None:
     fast.save_pretrained(path)
 
 
-def make_demo_data(out_dir: str, train_samples: int = 2000, heldout_samples: int = 200, shard_size: int = 500, image_size: int = 32, seed: int = 0) -> dict:
-    """Write ``train-NNNNNN.tar``, ``heldout-000000.tar`` and ``tokenizer/`` into ``out_dir``."""
+MANIFEST = "manifest.json"
+TRAIN_SAMPLES, HELDOUT_SAMPLES = 4000, 400  # what `mimo make-demo-data` and `mimo demo` write
+
+
+def make_demo_data(out_dir: str, train_samples: int = TRAIN_SAMPLES, heldout_samples: int = HELDOUT_SAMPLES, shard_size: int = 500, image_size: int = 32, seed: int = 0) -> dict:
+    """Write ``train-NNNNNN.tar``, ``heldout-NNNNNN.tar``, ``tokenizer/`` and, last, ``manifest.json``
+    (what was asked for and written) into ``out_dir``.
+
+    The held-out split is drawn from its own random stream (seeded apart from the train
+    stream), so its samples are new draws, never copies of train samples, and do not change
+    when the train split's size does."""
     import webdataset as wds
 
     os.makedirs(out_dir, exist_ok=True)
-    rng = random.Random(seed)
+    request = {"train_samples": train_samples, "heldout_samples": heldout_samples, "shard_size": shard_size,
+               "image_size": image_size, "seed": seed}
     written = {}
     for split, n in (("train", train_samples), ("heldout", heldout_samples)):
+        rng = random.Random(seed) if split == "train" else random.Random(f"{seed}:{split}")
         shards = max(1, -(-n // shard_size))
         for s in range(shards):
             path = os.path.join(out_dir, f"{split}-{s:06d}.tar")
@@ -116,4 +129,22 @@ def make_demo_data(out_dir: str, train_samples: int = 2000, heldout_samples: int
         written[split] = os.path.join(out_dir, f"{split}-{{000000..{shards - 1:06d}}}.tar")
     make_tokenizer(os.path.join(out_dir, "tokenizer"))
     written["tokenizer"] = os.path.join(out_dir, "tokenizer")
+    tmp = os.path.join(out_dir, MANIFEST + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"request": request, "written": written}, f, indent=1)
+    os.replace(tmp, os.path.join(out_dir, MANIFEST))  # written last: its presence means complete
     return written
+
+
+def demo_data_ready(out_dir: str, **request) -> bool:
+    """Whether ``out_dir`` holds complete demo data made with these ``make_demo_data`` arguments
+    (the defaults where not given)."""
+    import inspect
+
+    asked = {k: p.default for k, p in inspect.signature(make_demo_data).parameters.items() if k != "out_dir"}
+    asked.update(request)
+    try:
+        with open(os.path.join(out_dir, MANIFEST), encoding="utf-8") as f:
+            return json.load(f)["request"] == asked
+    except (OSError, ValueError, KeyError):
+        return False

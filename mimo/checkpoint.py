@@ -127,6 +127,16 @@ def latest_checkpoint(directory: str) -> tuple[int, str] | None:
     return found[-1] if found else None
 
 
+def resolve_checkpoint(path: str) -> str:
+    """A ``step-N`` folder as is; a folder of them: its latest complete one."""
+    if os.path.isfile(os.path.join(path, META)):
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(f"{path}: no complete checkpoint there (a step-NNNNNNNN folder with {META})")
+    return latest[1]
+
+
 def remove_leftovers(directory: str) -> list[str]:
     """Delete what crashed saves and prunes left behind; returns the removed paths."""
     removed = []

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from mimo.config import load_config
+from mimo.data.demo import HELDOUT_SAMPLES, TRAIN_SAMPLES
+from mimo.demo import DEMO_DATA_DIR  # configs/demo.yaml points here
 from mimo.errors import ConfigError, MimoError
 
 
@@ -146,13 +148,10 @@ def run_verify_llm(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------- data
 
 
-DEMO_DATA_DIR = "demo-data"  # configs/demo.yaml points here
-
-
 def make_demo_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", nargs="?", default=DEMO_DATA_DIR, help=f"output folder (default: {DEMO_DATA_DIR})")
-    parser.add_argument("--train-samples", type=int, default=4000)
-    parser.add_argument("--heldout-samples", type=int, default=400)
+    parser.add_argument("--train-samples", type=int, default=TRAIN_SAMPLES)
+    parser.add_argument("--heldout-samples", type=int, default=HELDOUT_SAMPLES)
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -342,9 +341,46 @@ def run_import_hf_llava(args: argparse.Namespace) -> dict[str, Any]:
     return import_to_checkpoint(args.checkpoint, args.config, args.overrides, args.out, args.timeout)
 
 
+# ---------------------------------------------------------------- eval, demo
+
+
+def eval_arguments(parser: argparse.ArgumentParser) -> None:
+    config_arguments(parser)
+    parser.add_argument("--checkpoint", metavar="DIR", help="a step-N checkpoint, or a folder of them: its latest (default: train.checkpoint.dir)")
+    parser.add_argument("--shards", metavar="PATTERN", help="held-out WebDataset shards (default: eval.shards)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a hung rank fails the run")
+
+
+def run_eval(args: argparse.Namespace) -> dict[str, Any]:
+    from mimo.eval import evaluate
+
+    result = evaluate(args.config, args.overrides, args.checkpoint, args.shards, args.timeout)
+    em = result["exact_match"]
+    print(f"eval {result['checkpoint']} on {result['shards']}: {result['samples']} samples, loss {result['loss']:.4f}, exact match "
+          + (f"{em:.4f} ({result['matched']}/{result['scored']})" if em is not None else "- (no question)")
+          + f"; captions {result['captions']}, read failures {result['read_failures']}")
+    return result
+
+
+def demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides of the demo config")
+    parser.add_argument("--config", metavar="PATH", help="default: configs/demo.yaml")
+    parser.add_argument("--fresh", action="store_true", help="delete the run directory first (default: resume it)")
+    parser.add_argument("--log-every", type=int, default=10, metavar="K", help="a loss line every K steps")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds a collective may wait before the run is aborted")
+
+
+def run_demo(args: argparse.Namespace) -> dict[str, Any]:
+    from mimo.demo import demo
+
+    return demo(args.config, args.overrides, args.fresh, args.log_every, args.timeout)
+
+
 COMMANDS: tuple[Command, ...] = (
+    Command("demo", "make demo data, train the demo config on 4 local processes, evaluate it", demo_arguments, run_demo),
     Command("check-config", "validate a config (and overrides) without starting anything", config_arguments, run_check_config),
     Command("train", "train a config: launch its ranks, log, checkpoint, resume", train_arguments, run_train),
+    Command("eval", "held-out loss and exact match of greedy answers, at a checkpoint's layout", eval_arguments, run_eval),
     Command("make-demo-data", "write learnable demo shards and a local tokenizer", make_demo_data_arguments, run_make_demo_data),
     Command("prepare-data", "index the shards of a config (once; train prepares a missing index itself)", prepare_data_arguments, run_prepare_data),
     Command("inspect-data", "read packed microbatches through the real pipeline and report counts", inspect_data_arguments, run_inspect_data),

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
-from mimo.data.config import DataConfig
+from mimo.data.config import DataConfig, missing_shards
 from mimo.encoders.config import EncoderModuleConfig
 from mimo.errors import ConfigError, LayoutError
 from mimo.llm.config import LLMModuleConfig
@@ -55,6 +55,9 @@ class TrainConfig:
     grad_bucket_mb: float = 25.0  # DP gradient sums run in buckets of this many MiB, overlapping backward
     trace_steps: list[int] = field(default_factory=list)  # steps whose per-rank event traces `mimo train` writes
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # weights (not optimizer state or step) of a mimo checkpoint at the same layout to start a new
+    # run from, e.g. LLaVA stage 2 from stage 1: a step-N folder, or a checkpoint folder (its latest)
+    init_from: str | None = None
 
     def validate(self, path: str) -> list[str]:
         problems = at_least(self, path, 1, "micro_batches", "steps", "encoder_prefetch")
@@ -68,11 +71,27 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    """``mimo eval`` (and the end of ``mimo demo``): the held-out split and how much of it."""
+
+    shards: str | None = None  # held-out WebDataset shards (tokenized like data.shards); None: pass --shards
+    samples: int | None = None  # the first N usable held-out samples in shard order; None: all
+    max_new_tokens: int = 16  # greedy generation stops here or at the end-of-turn token
+
+    def validate(self, path: str) -> list[str]:
+        problems = at_least(self, path, 1, "samples", "max_new_tokens")
+        if self.shards is not None:
+            problems += missing_shards(self.shards, join_path(path, "shards"))
+        return problems
+
+
+@dataclass
 class MimoConfig:
     world_size: int
     modules: dict[str, ModuleConfig]
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     # ---- views ----
     @property

@@ -125,16 +125,19 @@ def _short_failure(message: str, run_dir: str) -> str:
 def _preflight(config: MimoConfig, options: TrainOptions) -> dict | None:
     """Before any process starts: a checkpoint at another layout is an error; a run that is
     already done returns its summary."""
-    from mimo.checkpoint import check_layout, latest_checkpoint, read_meta
+    from mimo.checkpoint import check_layout, latest_checkpoint, read_meta, resolve_checkpoint
 
     latest = latest_checkpoint(os.path.abspath(config.train.checkpoint.dir))
     if latest is None:
+        if config.train.init_from:  # a new run starting from another run's weights
+            start = resolve_checkpoint(config.train.init_from)
+            check_layout(read_meta(start), config, start)
         return None
     step, path = latest
     meta = read_meta(path)
     check_layout(meta, config, path)
     changed = _changed_keys(meta.get("config", {}), _plain(config))
-    changed = [k for k in changed if not k.startswith(("train.checkpoint.", "data.workers", "data.prefetch"))]
+    changed = [k for k in changed if not k.startswith(("train.checkpoint.", "data.workers", "data.prefetch", "eval."))]
     if changed:
         log.warning("resuming from %s with a config that differs at %s: the run will not reproduce an uninterrupted one",
                     path, ", ".join(changed[:8]))
@@ -250,7 +253,7 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions, lo
     """Runs on every rank (a WorkerPool worker, or a torchrun process with its group up)."""
     import torch.distributed as dist
 
-    from mimo.checkpoint import latest_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint
+    from mimo.checkpoint import latest_checkpoint, load_checkpoint, remove_leftovers, resolve_checkpoint, save_checkpoint
     from mimo.metrics import Reporter, StepTimer
     from mimo.run import build_run
     from mimo.step import train_step, write_trace
@@ -273,6 +276,10 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions, lo
         if start:
             meta = load_checkpoint(run.model, os.path.join(ckpt_dir, f"step-{start:08d}"), run.optimizers)
             log.info("resumed from %s (step %d)", os.path.join(ckpt_dir, f"step-{start:08d}"), meta["step"])
+        elif config.train.init_from:
+            path = resolve_checkpoint(config.train.init_from)
+            load_checkpoint(run.model, path, rng=False)  # weights only: a new run, step 1, fresh optimizer
+            log.info("weights from %s (train.init_from)", path)
         if rank == 0:
             for path in remove_leftovers(ckpt_dir):
                 log.info("removed an incomplete checkpoint: %s", path)

@@ -52,7 +52,8 @@ def test_there_are_examples():
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
-def test_examples_are_valid_in_process(path):
+def test_examples_are_valid_in_process(path, demo_cwd, monkeypatch):
+    monkeypatch.chdir(demo_cwd)  # the LLaVA stage examples name the demo data
     config = load_config(path)
     assert isinstance(config, MimoConfig)
     rows = config.layout_rows()
@@ -77,8 +78,9 @@ def test_layout_rows_say_who_is_colocated():
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
-def test_examples_pass_check_config_cli(path, tmp_path):
-    proc = run_cli("check-config", str(path), cwd=tmp_path)
+def test_examples_pass_check_config_cli(path, demo_cwd, monkeypatch):
+    monkeypatch.chdir(demo_cwd)
+    proc = run_cli("check-config", str(path), cwd=demo_cwd)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     assert "module" in proc.stdout and "colocated with" in proc.stdout  # the table
@@ -444,3 +446,63 @@ def test_parallel_sizes_and_rank_syntax_are_checked():
     problems = problems_of(small_config(), ["modules.language.parallel.tp=0", "modules.vision.parallel.ranks=2:0"])
     assert "modules.language.parallel.tp: must be >= 1, got 0" in problems
     assert any(p.startswith("modules.vision.parallel.ranks: rank range '2:0'") for p in problems)
+
+
+# ---------------------------------------------------------------- every shipped config, the README
+
+
+ALL_CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def demo_cwd(tmp_path_factory) -> Path:
+    """A working directory holding what `mimo demo` writes (configs name demo-data/...), small."""
+    from mimo.data.demo import make_demo_data
+    from mimo.demo import DEMO_DATA_DIR
+
+    cwd = tmp_path_factory.mktemp("configs_cwd")
+    make_demo_data(str(cwd / DEMO_DATA_DIR), train_samples=16, heldout_samples=2, shard_size=2)
+    return cwd
+
+
+def test_the_shipped_configs_are_all_found():
+    names = {str(p.relative_to(ROOT / "configs")) for p in ALL_CONFIGS}
+    assert {"demo.yaml", "examples/llava-stage1.yaml", "examples/llava-stage2.yaml", "examples/hybrid-mamba-gdn.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_every_shipped_config_passes_check_config(path, demo_cwd):
+    proc = run_cli("check-config", str(path), cwd=demo_cwd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert last_json(proc.stdout)["ok"] is True
+
+
+def _config_fields(cls, seen=None) -> dict[str, set[str]]:
+    """Every field of every config dataclass reachable from ``cls``: class name -> field names."""
+    import dataclasses
+    import typing
+
+    seen = {} if seen is None else seen
+    if cls.__name__ in seen:
+        return seen
+    seen[cls.__name__] = {f.name for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        stack = [hints[f.name]]
+        while stack:
+            tp = stack.pop()
+            if dataclasses.is_dataclass(tp):
+                _config_fields(tp, seen)
+            stack += typing.get_args(tp)
+    return seen
+
+
+def test_readme_documents_every_config_key():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Config reference", 1)[1].split("\n## ", 1)[0]
+    fields = _config_fields(MimoConfig)
+    assert {"MimoConfig", "EncoderModuleConfig", "LLMModuleConfig", "HybridArch", "VitArch", "DataConfig", "TrainConfig",
+            "EvalConfig", "CheckpointConfig", "ParallelConfig", "RopeScaling"} <= set(fields)
+    missing = sorted(f"{cls}.{name}" for cls, names in fields.items() for name in names if f"`{name}`" not in section
+                     and f"`arch.{name}`" not in section)
+    assert not missing, f"README.md's config reference does not mention: {', '.join(missing)}"
