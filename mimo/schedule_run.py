@@ -84,7 +84,8 @@ class _StageRunner:
             h_in.requires_grad_(True)
         start = time.perf_counter()
         out = stage(batch, hidden=h_in, image_rows=image_rows if stage.is_first else None)
-        self._note(tick, "forward", k, start=start)
+        # alive: the microbatches whose activations this stage holds, this one included
+        self._note(tick, "forward", k, start=start, alive=len(self.alive) + 1)
         if self.next is not None:
             self._send(out.detach(), self.next, tick, k)
         else:

@@ -228,6 +228,9 @@ def test_1f1b_trace_shows_the_schedule(pools, demo_config, name):
                 alive += 1 if kind == "F" else -1
                 peak = max(peak, alive)
             assert peak <= stages - stage  # at most pp - stage microbatches' activations alive
+            # and what the stage really held (its stored activations, counted when each forward ends)
+            held = [e["alive"] for e in events if e["kind"] == "forward"]
+            assert max(held) == peak == min(stages - stage, mbs)
             if stage == 0:
                 stage0_f, stage0_b = _ticks(events, "forward"), _ticks(events, "backward")
             else:  # the activation arrives from stage 0
