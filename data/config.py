@@ -5,12 +5,29 @@ from __future__ import annotations
 import glob
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from mimo.schema import at_least, join_path
 
 TEMPLATES = ("plain", "vicuna", "chatml")
+
+
+@dataclass
+class SyntheticData:
+    """``data.synthetic``: the shape of the random samples of ``source: synthetic`` (mimo.data.synthetic)."""
+
+    samples_per_microbatch: int | None = None  # None: tokens_per_microbatch // max_sample_tokens (at least 1)
+    text_tokens: list[int] | None = None  # [lo, hi] text tokens per sample, uniform; None: [1, what max_sample_tokens leaves]
+    images_per_sample: int = 1
+
+    def validate(self, path: str) -> list[str]:
+        problems = at_least(self, path, 1, "samples_per_microbatch")
+        problems += at_least(self, path, 0, "images_per_sample")
+        t = self.text_tokens
+        if t is not None and (len(t) != 2 or not 1 <= t[0] <= t[1]):
+            problems.append(f"{join_path(path, 'text_tokens')}: must be [lo, hi] with 1 <= lo <= hi, got {t}")
+        return problems
 
 
 @dataclass
@@ -25,6 +42,7 @@ class DataConfig:
     shuffle: bool = True
     workers: int = 2  # background reader threads per reading rank
     prefetch: int = 2  # microbatches read ahead per reading rank
+    synthetic: SyntheticData = field(default_factory=SyntheticData)  # used by source: synthetic only
 
     def validate(self, path: str) -> list[str]:
         problems = at_least(self, path, 1, "tokens_per_microbatch", "max_sample_tokens", "workers", "prefetch")

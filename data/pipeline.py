@@ -138,6 +138,7 @@ class DataPipeline:
         workers: int = 2,
         prefetch: int = 2,
         rank: int | None = None,
+        make_reader=None,  # () -> a reader of the plan's samples (default: SampleReader over the index)
         device: torch.device | str = "cpu",  # where packs and pixels are delivered (read and routed on the CPU first)
     ):
         self.plan, self.text, self.feeds = plan, text, feeds
@@ -154,7 +155,8 @@ class DataPipeline:
         self.readers = [llm_grid.rank_at(dp=d) for d in range(self.dp)]
         self.my_dp = llm_grid.coords(self.rank)["dp"] if self.rank in llm_grid else None
         self.is_reader = self.rank in self.readers
-        self.reader = SampleReader(plan.index, text, feeds) if self.is_reader else None
+        make_reader = make_reader or (lambda: SampleReader(plan.index, text, feeds))
+        self.reader = make_reader() if self.is_reader else None
         self.pad_id = self.reader.pad_id if self.reader else 0
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="mimo-read") if self.is_reader else None
         self._pending: dict[int, list[cf.Future]] = {}

@@ -52,6 +52,7 @@ class TrainConfig:
     # schedule of mimo.schedules (1F1B per LLM stage, encoders ahead by encoder_prefetch)
     schedule: Literal["simple", "1f1b"] = "1f1b"
     encoder_prefetch: int = 1  # microbatches whose encoder forward is done by stage 0's F(k) (1f1b)
+    compile: bool = False  # torch.compile each LLM layer and vision block (fused elementwise work; GPU runs)
     grad_bucket_mb: float = 25.0  # DP gradient sums run in buckets of this many MiB, overlapping backward
     trace_steps: list[int] = field(default_factory=list)  # steps whose per-rank event traces `mimo train` writes
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -112,6 +113,28 @@ class MimoConfig:
         wd = {n: m.weight_decay if m.weight_decay is not None else self.train.weight_decay for n, m in self.modules.items()}
         return lr, wd
 
+    def synthetic_shape(self) -> tuple[int, tuple[int, int]]:
+        """``source: synthetic``: (samples per microbatch, [lo, hi] text tokens), defaults resolved."""
+        d, s = self.data, self.data.synthetic
+        prefix = s.images_per_sample * sum(e.rows_per_image for e in self.encoders.values())
+        lo, hi = s.text_tokens if s.text_tokens is not None else (1, d.max_sample_tokens - prefix)
+        return s.samples_per_microbatch or max(1, d.tokens_per_microbatch // d.max_sample_tokens), (lo, hi)
+
+    def _synthetic_problems(self) -> list[str]:
+        d, s = self.data, self.data.synthetic
+        prefix = s.images_per_sample * sum(e.rows_per_image for e in self.encoders.values())
+        samples, (lo, hi) = self.synthetic_shape()
+        if s.text_tokens is None and hi < 1:
+            return [f"data.max_sample_tokens: {d.max_sample_tokens} leaves no room for text after {prefix} image rows "
+                    f"per synthetic sample"]
+        if prefix + hi > d.max_sample_tokens:
+            return [f"data.synthetic.text_tokens: the longest sample ({prefix} image rows + {hi} text tokens) is more "
+                    f"than data.max_sample_tokens={d.max_sample_tokens}"]
+        if samples * (prefix + hi) > d.tokens_per_microbatch:
+            return [f"data.synthetic.samples_per_microbatch: {samples} samples of up to {prefix + hi} tokens may exceed "
+                    f"data.tokens_per_microbatch={d.tokens_per_microbatch}"]
+        return []
+
     def rank_range(self, name: str) -> range:
         return self.modules[name].parallel.rank_range(self.world_size)
 
@@ -158,6 +181,8 @@ class MimoConfig:
                     f"modules.{other}; each encoder needs its own"
                 )
         llms = [name for name, m in self.modules.items() if isinstance(m, LLMModuleConfig)]
+        if self.data.source == "synthetic" and not problems:
+            problems += self._synthetic_problems()
         if len(llms) == 1:
             max_len = self.modules[llms[0]].arch.max_seq_len
             if self.data.max_sample_tokens > max_len:

@@ -17,6 +17,7 @@ from mimo.data.images import CLIP_MEAN, CLIP_STD, ImageSpec
 from mimo.data.index import Index, TextSpec, prepare
 from mimo.data.pipeline import EncoderFeed
 from mimo.data.plan import DataPlan
+from mimo.data.synthetic import SyntheticEncoder, SyntheticPlan, SyntheticReader, SyntheticStream
 from mimo.encoders.config import EncoderModuleConfig
 from mimo.errors import DataError
 
@@ -24,6 +25,8 @@ log = logging.getLogger("mimo.data")
 
 
 def text_spec(config: MimoConfig) -> TextSpec:
+    if config.data.source == "synthetic":  # no tokenizer: the ids are drawn directly
+        return TextSpec("", config.data.template, tuple((e.placeholder, e.rows_per_image) for e in config.encoders.values()))
     if config.data.tokenizer is None:
         raise DataError("data.tokenizer is not set")
     return TextSpec(config.data.tokenizer, config.data.template, tuple((e.placeholder, e.rows_per_image) for e in config.encoders.values()))
@@ -58,8 +61,11 @@ def encoder_feeds(config: MimoConfig) -> list[EncoderFeed]:
     ]
 
 
-def ensure_index(config: MimoConfig, rebuild: bool = False, shards: str | None = None) -> tuple[Index, str]:
-    """The data index, prepared when missing or stale (logged)."""
+def ensure_index(config: MimoConfig, rebuild: bool = False, shards: str | None = None) -> tuple[Index | None, str]:
+    """The data index, prepared when missing or stale (logged); (None, 'synthetic') for
+    ``source: synthetic``, which needs none."""
+    if config.data.source == "synthetic" and shards is None:
+        return None, "synthetic"
     if config.data.source != "webdataset":
         raise DataError(f"data.source is {config.data.source!r}: there are no shards to index")
     index, status = prepare(shards or config.data.shards, text_spec(config), workers=config.data.workers, rebuild=rebuild)
@@ -68,9 +74,27 @@ def ensure_index(config: MimoConfig, rebuild: bool = False, shards: str | None =
     return index, status
 
 
-def data_plan(config: MimoConfig, index: Index) -> DataPlan:
+def data_plan(config: MimoConfig, index: Index | None) -> DataPlan | SyntheticPlan:
     d = config.data
+    if d.source == "synthetic":
+        return SyntheticPlan(synthetic_stream(config))
     return DataPlan(index, d.tokens_per_microbatch, d.max_sample_tokens, d.seed, d.shuffle)
+
+
+def synthetic_stream(config: MimoConfig) -> SyntheticStream:
+    encoders = [SyntheticEncoder(name, e.placeholder, e.rows_per_image, e.arch.channels, e.arch.image_size)
+                for name, e in config.encoders.items()]
+    samples, text = config.synthetic_shape()
+    return SyntheticStream(config.data.synthetic, encoders, config.llm.arch.vocab, config.data.seed, samples, text)
+
+
+def sample_reader(config: MimoConfig, plan: DataPlan | SyntheticPlan):
+    """A reader of ``plan``'s samples (what the data pipeline's reader ranks use)."""
+    if isinstance(plan, SyntheticPlan):
+        return SyntheticReader(plan.stream)
+    from mimo.data.pipeline import SampleReader
+
+    return SampleReader(plan.index, text_spec(config), encoder_feeds(config))
 
 
 def read_packs(reader, samples: list, llm_parallel, rows_per_image: dict[str, int], map_fn=map) -> list[tuple[list, PackedBatch]]:
@@ -90,12 +114,10 @@ def read_packs(reader, samples: list, llm_parallel, rows_per_image: dict[str, in
 def inspect(config: MimoConfig, batches: int) -> dict:
     """Read ``batches`` global microbatches through the real reading and packing code, in one
     process, for every LLM DP block; report counts (DESIGN §2 padding fraction)."""
-    from mimo.data.pipeline import SampleReader
-
     index, status = ensure_index(config)
     plan = data_plan(config, index)
     spec = text_spec(config)
-    reader = SampleReader(index, spec, encoder_feeds(config))
+    reader = sample_reader(config, plan)
     llm = config.llm.parallel
     failures: Counter = Counter()
     read = computed = real = image_rows = 0
@@ -114,7 +136,7 @@ def inspect(config: MimoConfig, batches: int) -> dict:
         ratios.append(max(per_rank) / mean if mean else 1.0)
     return {
         "index": status,
-        "samples_indexed": len(index.entries),
+        "samples_indexed": len(index.entries) if index is not None else None,
         "samples_read": read,
         "read_failures": dict(failures),
         "skipped": plan.skipped_counts(),

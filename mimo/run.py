@@ -14,7 +14,7 @@ import torch
 from mimo.config import MimoConfig
 from mimo.data.index import Index
 from mimo.data.pipeline import DataPipeline
-from mimo.inputs import data_plan, encoder_feeds, ensure_index, text_spec
+from mimo.inputs import data_plan, encoder_feeds, ensure_index, sample_reader, text_spec
 from mimo.model import MimoModel
 from mimo.optim import PrecisionPolicy, build_optimizers
 
@@ -40,8 +40,29 @@ def build_run(config: MimoConfig, rank: int, index: Index | None = None, policy:
     if index is None:
         index, _ = ensure_index(config)
     par = config.llm.parallel
-    pipeline = DataPipeline(data_plan(config, index), text_spec(config), model.llm_grid, par.sequence_parallel and par.tp > 1,
+    plan = data_plan(config, index)
+    pipeline = DataPipeline(plan, text_spec(config), model.llm_grid, par.sequence_parallel and par.tp > 1,
                             encoder_feeds(config), config.train.micro_batches, config.data.workers, config.data.prefetch, rank,
-                            device=device)
+                            make_reader=lambda: sample_reader(config, plan), device=device)
     optimizers = build_optimizers(model.train_params(), *config.optimizer_settings())
+    if config.train.compile:
+        compile_blocks(model)
     return Run(config, model, pipeline, optimizers, policy)
+
+
+def compile_blocks(model: MimoModel) -> int:
+    """``train.compile``: each LLM layer and each vision block through ``torch.compile``, in
+    place (compiled on first use; the weights stay the module's own). Repeated blocks share one
+    compiled graph; LLM layers are compiled for dynamic lengths, since every pack's differs.
+    Embedding, head and loss stay eager (the loss works in chunks). Returns the count."""
+    n = 0
+    if model.stage is not None:
+        for layer in model.stage.layers.values():
+            layer.compile(dynamic=True)
+            n += 1
+    for part in model.encoders.values():
+        if part.module is not None:
+            for block in part.module.tower.blocks:
+                block.compile()
+                n += 1
+    return n

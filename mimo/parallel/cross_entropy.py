@@ -13,57 +13,71 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from mimo.parallel.collectives import all_reduce, group_rank, group_size
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
 
+# rows per chunk: about 64 Mi logits (256 MiB of fp32) at a time, whatever the pack's length
+CHUNK_LOGITS = 1 << 26
+
+
+def _chunks(rows: int, cols: int):
+    step = max(1, CHUNK_LOGITS // max(cols, 1))
+    return [(s, min(rows, s + step)) for s in range(0, rows, step)]
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Works through the rows in chunks: fp32 copies of the logits exist one chunk at a time,
+    and backward recomputes the softmax from the saved logits (in their own dtype) and the
+    log-sum-exp, instead of keeping an fp32 softmax of the whole pack."""
+
     @staticmethod
     def forward(ctx, logits_TV, labels_T, weight_T, group, vocab_size):
         v_local = logits_TV.shape[-1]
         start = group_rank(group) * v_local
         n_real = max(0, min(v_local, vocab_size - start))  # real vocab columns held here
-        x_TV = logits_TV[:, :n_real].float()
+        chunks = _chunks(logits_TV.shape[0], n_real)
 
-        if n_real > 0:
-            max_T = x_TV.max(dim=-1).values
-        else:  # a shard of padding only (tiny vocab at large tp)
-            max_T = x_TV.new_full(x_TV.shape[:1], float("-inf"))
+        max_T = logits_TV.new_full(logits_TV.shape[:1], float("-inf"), dtype=torch.float32)
+        if n_real > 0:  # (a shard of padding only, tiny vocab at large tp, keeps -inf)
+            for s, e in chunks:
+                max_T[s:e] = logits_TV[s:e, :n_real].float().max(dim=-1).values
         max_T = all_reduce(max_T, group, op=dist.ReduceOp.MAX)
-        x_TV = x_TV - max_T.unsqueeze(-1)
 
         target_T = labels_T - start
         is_local_T = (target_T >= 0) & (target_T < n_real)
         idx_T = target_T.masked_fill(~is_local_T, 0)
+        picked_T, sum_exp_T = torch.zeros_like(max_T), torch.zeros_like(max_T)
         if n_real > 0:
-            picked_T = x_TV.gather(-1, idx_T.unsqueeze(-1)).squeeze(-1).masked_fill(~is_local_T, 0.0)
-        else:
-            picked_T = torch.zeros_like(max_T)
+            for s, e in chunks:
+                x_CV = logits_TV[s:e, :n_real].float() - max_T[s:e].unsqueeze(-1)
+                picked_T[s:e] = x_CV.gather(-1, idx_T[s:e].unsqueeze(-1)).squeeze(-1)
+                sum_exp_T[s:e] = x_CV.exp_().sum(dim=-1)
+            picked_T = picked_T.masked_fill(~is_local_T, 0.0)
+        sums_2T = all_reduce(torch.stack([picked_T, sum_exp_T]), group)
+        picked_T, log_sum_T = sums_2T[0], sums_2T[1].log()
+        loss_T = (log_sum_T - picked_T) * weight_T
 
-        exp_TV = x_TV.exp_()
-        sums_2T = all_reduce(torch.stack([picked_T, exp_TV.sum(dim=-1)]), group)
-        picked_T, sum_exp_T = sums_2T[0], sums_2T[1]
-        loss_T = (sum_exp_T.log() - picked_T) * weight_T
-
-        softmax_TV = exp_TV.div_(sum_exp_T.unsqueeze(-1))
-        ctx.save_for_backward(softmax_TV, idx_T, is_local_T, weight_T)
-        ctx.pad_cols, ctx.dtype = v_local - n_real, logits_TV.dtype
+        ctx.save_for_backward(logits_TV, max_T + log_sum_T, idx_T, is_local_T, weight_T)
+        ctx.n_real = n_real
         return loss_T
 
     @staticmethod
     def backward(ctx, grad_T):
-        softmax_TV, idx_T, is_local_T, weight_T = ctx.saved_tensors
+        logits_TV, lse_T, idx_T, is_local_T, weight_T = ctx.saved_tensors
+        n_real = ctx.n_real
         scale_T = grad_T.float() * weight_T
-        grad_TV = softmax_TV * scale_T.unsqueeze(-1)
-        if grad_TV.shape[-1] > 0:
-            minus_T = -(scale_T * is_local_T.to(scale_T.dtype))
-            grad_TV.scatter_add_(-1, idx_T.unsqueeze(-1), minus_T.unsqueeze(-1))
-        if ctx.pad_cols:
-            grad_TV = F.pad(grad_TV, (0, ctx.pad_cols))
-        return grad_TV.to(ctx.dtype), None, None, None, None
+        minus_T = -(scale_T * is_local_T.to(scale_T.dtype))
+        grad_TV = torch.zeros_like(logits_TV)  # padding columns keep zero gradient
+        if n_real > 0:
+            for s, e in _chunks(logits_TV.shape[0], n_real):
+                # d loss / d logits = (softmax - onehot) * scale
+                g_CV = (logits_TV[s:e, :n_real].float() - lse_T[s:e].unsqueeze(-1)).exp_().mul_(scale_T[s:e].unsqueeze(-1))
+                g_CV.scatter_add_(-1, idx_T[s:e].unsqueeze(-1), minus_T[s:e].unsqueeze(-1))
+                grad_TV[s:e, :n_real] = g_CV
+        return grad_TV, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(

@@ -1,0 +1,253 @@
+"""Single-GPU training step of "llava-1.3b" through mimo, beside the Hugging Face baseline.
+
+Trains configs/llava-1.3b.yaml (the same model and the same seeded samples as
+``../shared/bench/hf_llava_baseline.py``) through mimo's own pieces: ``build_run`` (MimoModel
+on the device in the config's precision, the synthetic data pipeline packing THD, one AdamW per
+module from ``mimo.optim``) and ``mimo.step.train_step``. Prints one JSON line: real tokens/s,
+step time (median and spread over the timed steps), model TFLOP/s counted as the baseline counts
+them (6 * N_llm * real tokens + 6 * N_vision * image tokens incl. [CLS], N_vision being the
+whole 24-block CLIP tower that the baseline counts), MFU against an 8192^3 bf16 matmul timed in
+the same process, peak memory, the precision policy, and, unless ``--no-baseline``, the
+baseline's own JSON line (run as a subprocess in the same invocation) and the ratio of real
+tokens/s.
+
+    python bench/llava_step.py [--steps 13] [--warmup 3] [--no-baseline] [--baseline PATH] [key=value ...]
+    python bench/llava_step.py --tiny --no-baseline     # a few-second CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE_CANDIDATES = (ROOT.parent / "shared/bench/hf_llava_baseline.py", ROOT / ".whl/hf_llava_baseline.py")
+# a model small enough for a CPU smoke run: same structure, same data shape rules
+TINY = [
+    "modules.vision.arch.image_size=28", "modules.vision.arch.patch=14", "modules.vision.arch.hidden=32",
+    "modules.vision.arch.layers=2", "modules.vision.arch.heads=2", "modules.vision.arch.mlp=64",
+    "modules.language.arch.pattern='*-*-'", "modules.language.arch.hidden=64", "modules.language.arch.heads=4",
+    "modules.language.arch.kv_heads=4", "modules.language.arch.ffn=128", "modules.language.arch.vocab=512",
+    "data.synthetic.text_tokens=[8,60]", "data.tokens_per_microbatch=1024", "data.max_sample_tokens=128",
+]
+
+
+def matmul_rate(device: torch.device, n: int = 8192, iters: int = 20) -> float | None:
+    """Measured bf16 matrix rate (TFLOP/s) of one n^3 product on random data, median of ``iters``."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    times = []
+    for _ in range(iters):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        a @ b
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def param_counts(config) -> tuple[int, int]:
+    """(N_llm incl. projector, N_vision of the whole tower) as the baseline counts them: the tower
+    with every block and its final norm, although mimo builds only what feature_layer needs."""
+    from mimo.encoders.vit import VisionTransformer
+    from mimo.llm.model import LLMStage
+
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    with torch.device("meta"):
+        n_llm = count(LLMStage(config.llm.arch))
+        n_vis = 0
+        for enc in config.encoders.values():
+            from mimo.encoders.projector import build_projector
+
+            n_llm += count(build_projector(enc.projector.kind, enc.arch.hidden, config.llm.arch.hidden))
+            n_vis += count(VisionTransformer(enc.arch, "post_norm"))
+    return n_llm, n_vis
+
+
+def run_baseline(path: Path, steps: int, attn: str) -> dict:
+    env = dict(os.environ, STEPS=str(steps))
+    out = subprocess.run([sys.executable, str(path), attn], env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"baseline failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def profile_steps(run, policy, steps: list[int], path: str) -> dict:
+    """torch.profiler over ``steps`` (after the timed ones): the kernel table goes to ``path``;
+    returns GPU busy time (sum of kernel times) against the wall time of those steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from mimo.step import train_step
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for step in steps:
+            train_step(run.model, run.pipeline, step, run.optimizers, policy)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=70)
+    with open(path, "w") as f:
+        f.write(table)
+    kernels = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 1e6
+    return {"profiled_steps": len(steps), "wall_s": wall, "kernel_s": kernels, "gpu_busy_fraction": kernels / wall}
+
+
+def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: list[str], profile_to: str | None = None) -> dict:
+    """Build the run once; train steps 1..steps for each variant in turn (``eager``: as built;
+    ``compile``: then ``mimo.run.compile_blocks``), timing the steps after ``warmup``."""
+    from mimo.optim import PrecisionPolicy
+    from mimo.run import build_run, compile_blocks
+    from mimo.step import train_step
+
+    torch.manual_seed(0)
+    policy = PrecisionPolicy.named(config.train.precision)
+    t0 = time.perf_counter()
+    run = build_run(config, 0, policy=policy, device=device)
+    build_s = time.perf_counter() - t0
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda *a: None)
+
+    def mark():
+        if cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(a, b):
+        return a.elapsed_time(b) / 1e3 if cuda else b - a
+
+    data_s = []  # CPU time of each step's pipeline.step (reading, packing, moving to the device)
+    step_data = run.pipeline.step
+
+    def timed_step(step):
+        t = time.perf_counter()
+        try:
+            return step_data(step)
+        finally:
+            data_s.append(time.perf_counter() - t)
+
+    run.pipeline.step = timed_step
+    out = {}
+    compiled = False
+    try:
+        for n, variant in enumerate(variants):
+            data_s.clear()
+            if variant == "compile" and not compiled:
+                compile_blocks(run.model)
+                compiled = True
+            elif variant not in ("eager", "compile") or (variant == "eager" and compiled):
+                raise SystemExit(f"unknown variant {variant!r} (eager, compile; eager before compile)")
+            if variant in out:  # the same variant again: a second measurement in this process
+                variant = f"{variant}#{n + 1}"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            losses, marks, warm = [], [], []
+            for step in range(1, steps + 1):
+                sync()
+                t = time.perf_counter()
+                if step > warmup:
+                    marks.append(mark())
+                losses.append(train_step(run.model, run.pipeline, step, run.optimizers, policy).loss)
+                if step <= warmup:
+                    sync()
+                    warm.append(time.perf_counter() - t)  # compile time shows here
+            marks.append(mark())
+            sync()
+            out[variant] = {"times": [seconds(a, b) for a, b in zip(marks[:-1], marks[1:])], "warmup_s": warm,
+                            "losses": losses, "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+                            "data_s_median": statistics.median(data_s[warmup:])}
+            if profile_to and cuda:
+                out[variant]["profile"] = profile_steps(run, policy, [steps - 1, steps], f"{profile_to}.{variant}.txt")
+    finally:
+        run.close()
+    plan = [run.pipeline.plan.step(step, config.train.micro_batches) for step in range(warmup + 1, steps + 1)]
+    tokens = sum(s.tokens for mbs in plan for samples in mbs for s in samples)
+    images = sum(s.images for mbs in plan for samples in mbs for s in samples)
+    return {"variants": out, "real_tokens": tokens, "images": images, "policy": policy, "build_s": build_s}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="config key=value overrides")
+    parser.add_argument("--config", default=str(ROOT / "configs/llava-1.3b.yaml"))
+    parser.add_argument("--steps", type=int, default=13, help="steps in all (the baseline's STEPS)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed first steps (the baseline's 3)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the Hugging Face baseline")
+    parser.add_argument("--baseline", help="path of hf_llava_baseline.py (default: ../shared/bench or .whl/)")
+    parser.add_argument("--baseline-attn", default="eager", help="the baseline's attention (its measured best: eager)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
+    parser.add_argument("--profile", metavar="PREFIX", help="profile two more steps per variant; kernel tables to PREFIX.<variant>.txt")
+    parser.add_argument("--variants", default="eager", help="comma-separated, run in turn on one model: eager, compile "
+                        "(a repeated name measures again)")
+    args = parser.parse_args(argv)
+    if args.steps <= args.warmup:
+        parser.error("--steps must exceed --warmup")
+
+    from mimo.config import load_config
+
+    # built eager; the "compile" variant compiles the same model afterwards (train.compile's work)
+    config = load_config(args.config, (TINY if args.tiny else []) + args.overrides + ["train.compile=false"])
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    baseline = None
+    if not args.no_baseline:
+        path = Path(args.baseline) if args.baseline else next((p for p in BASELINE_CANDIDATES if p.is_file()), None)
+        if path is None or not path.is_file():
+            parser.error(f"no baseline script at {args.baseline or [str(p) for p in BASELINE_CANDIDATES]}; use --baseline or --no-baseline")
+        baseline = run_baseline(path, args.steps, args.baseline_attn)  # before ours: a clean GPU for each
+    rate = matmul_rate(device)
+    got = run_mimo(config, device, args.steps, args.warmup, args.variants.split(","), args.profile)
+
+    n_llm, n_vis = param_counts(config)
+    tokens_per_image = sum(e.arch.patches_per_image + (1 if e.arch.class_token else 0) for e in config.encoders.values())
+    flops = 6 * n_llm * got["real_tokens"] + 6 * n_vis * got["images"] * tokens_per_image  # the baseline's count
+    p = got["policy"]
+    res = {
+        "bench": "llava_step", "config": os.path.relpath(args.config, ROOT), "overrides": (["--tiny"] if args.tiny else []) + args.overrides,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "params_llm": n_llm, "params_vision": n_vis,
+        "precision": {"params": str(p.params), "compute": str(p.compute), "grad_reduce": str(p.grad_reduce),
+                      "optimizer_state": str(p.optimizer_state)},
+        "build_s": got["build_s"], "matmul_tflops_measured": rate,
+        "real_tokens_per_step": got["real_tokens"] / (args.steps - args.warmup),
+        "model_tflop_per_step": flops / (args.steps - args.warmup) / 1e12,
+    }
+    if baseline is not None:
+        res["baseline"] = baseline
+        if rate:
+            res["baseline_mfu_measured_rate"] = baseline["model_tflops_per_s"] / rate
+    for name, v in got["variants"].items():
+        total = sum(v["times"])
+        tflops = flops / total / 1e12
+        r = {"timed_steps": len(v["times"]), "step_s_median": statistics.median(v["times"]), "step_s_min": min(v["times"]),
+             "step_s_max": max(v["times"]), "step_s_mean": total / len(v["times"]), "warmup_step_s": v["warmup_s"],
+             "real_tokens_per_s": got["real_tokens"] / total, "model_tflops_per_s": tflops, "mfu": tflops / rate if rate else None,
+             "peak_mem_gib": v["peak_mem_gib"], "data_s_median": v["data_s_median"], "loss_first": v["losses"][0], "loss_last": v["losses"][-1]}
+        if "profile" in v:
+            r["profile"] = v["profile"]
+        if baseline is not None:
+            r["ratio_tokens_per_s"] = r["real_tokens_per_s"] / baseline["real_tokens_per_s"]
+        res[name] = r
+    print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()
