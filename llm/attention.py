@@ -17,7 +17,6 @@ Two kernels compute the same function:
 
 from __future__ import annotations
 
-import functools
 import inspect
 from dataclasses import dataclass
 
@@ -137,17 +136,25 @@ def exact_attention(q_THD, k_THD, v_THD, ctx: SeqContext, scale: float) -> torch
     return torch.cat(out) if len(out) > 1 else out[0]
 
 
-@functools.cache
-def _varlen_attn():
+def _find_varlen_attn():
     """(varlen_attn, its parameter names) when this torch has a causal-capable one, else None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    params = set(inspect.signature(varlen_attn).parameters)
+    params = frozenset(inspect.signature(varlen_attn).parameters)
     if not {"window_size", "is_causal"} & params:
         return None
     return varlen_attn, params
+
+
+# resolved once at import, not behind functools.cache: torch.compile traces through a cached
+# function on every compile (and warns about it); a constant it simply reads
+_VARLEN_ATTN = _find_varlen_attn()
+
+
+def _varlen_attn():
+    return _VARLEN_ATTN
 
 
 def varlen_attention(q_THD, k_THD, v_THD, ctx: SeqContext, scale: float) -> torch.Tensor:
