@@ -309,3 +309,34 @@ def test_schedule_setting_is_validated(demo_config):
         load_config(demo_config, ["train.schedule=zigzag"])
     with pytest.raises(ConfigError):
         load_config(demo_config, ["train.encoder_prefetch=0"])
+
+
+def _grad_sync_case():
+    """GradSync alone on 2 ranks: buckets launch during backward, in index order, each shared
+    parameter reduced once, an unused one as zeros."""
+    import torch
+    import torch.distributed as dist
+
+    from mimo.optim import GradSync, TrainParam
+
+    rank, world = dist.get_rank(), dist.group.WORLD
+    a, b, unused = (torch.nn.Parameter(torch.zeros(n)) for n in (6, 3, 2))
+    params = [TrainParam("m", "unused", unused, world, True), TrainParam("m", "a", a, world, True),
+              TrainParam("m", "b", b, world, True), TrainParam("m", "a.again", a, world, True)]
+    sync = GradSync(params, bucket_numel=4)  # reversed order: [b], [a] (6 > 4), [unused]
+    events = []
+    sync.note = lambda kind, module, **extra: events.append((kind, extra["bucket"]))
+    sync.arm("m")
+    ((a * (rank + 1)).sum() + (b * 2 * (rank + 1)).sum()).backward()
+    during = list(events)  # what launched before backward returned
+    sync.flush("m")
+    sync.finish()
+    sync.close()
+    return during, events, a.grad.tolist(), b.grad.tolist(), unused.grad.tolist()
+
+
+def test_grad_sync_buckets_launch_during_backward_in_order(pools):
+    for during, events, a, b, unused in pools(2).run(_grad_sync_case):
+        assert during == [("bucket_reduce_start", 0), ("bucket_reduce_start", 1)]  # unused's bucket waits for flush
+        assert events == during + [("bucket_reduce_start", 2)] + [("bucket_reduce_end", i) for i in range(3)]
+        assert a == [3.0] * 6 and b == [6.0] * 3 and unused == [0.0] * 2  # summed once over the 2 ranks
