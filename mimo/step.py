@@ -115,7 +115,12 @@ def bridge_backward(model: MimoModel, bridges: dict, trace: "Trace | None" = Non
             _note(trace, tick, "encoder_bwd", index, name, start=start)
 
 
-Trace = list  # of event dicts: tick, kind, microbatch, module (and stage for LLM ops), time
+# A rank's events, in order: dicts with tick, kind, microbatch (None for buckets), module, time
+# (when it ended) and, for spans, start. Kinds: forward / backward (this rank's LLM stage; with
+# stage, and alive: microbatches whose activations it holds), send / recv (stage to stage, with
+# peer), encoder_fwd, bridge_fwd, bridge_bwd, encoder_bwd, send_wait (waiting for a
+# microbatch's bridge sends posted earlier), bucket_reduce_start / bucket_reduce_end (bucket, numel).
+Trace = list
 
 
 def _note(trace: Trace | None, tick: int | None, kind: str, microbatch: int | None, module: str, **extra) -> None:
