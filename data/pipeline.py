@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mimo.batch import PackedBatch
+from mimo.batch import PackedBatch, to_device
 from mimo.bridges.executor import Bridge
 from mimo.data.images import ImageSpec, preprocess
 from mimo.data.index import Index, TextSpec
@@ -68,6 +68,7 @@ class Microbatch:
     pack: PackedBatch | None = None  # on LLM ranks
     pixels: dict[str, torch.Tensor] = field(default_factory=dict)  # on encoder ranks: [images, C, H, W]
     read_failures: Counter = field(default_factory=Counter)  # on reader ranks
+    loss_tokens: int = 0  # of the pack (counted on the CPU, before any move to a device)
 
     @property
     def real_tokens(self) -> int:
@@ -75,9 +76,10 @@ class Microbatch:
 
     def to(self, device: torch.device | str) -> "Microbatch":
         """The pack and pixels on ``device`` (in place; returns self)."""
+        pin = torch.device(device).type == "cuda"
         if self.pack is not None:
             self.pack = self.pack.to(device)
-        self.pixels = {name: p.to(device) for name, p in self.pixels.items()}
+        self.pixels = {name: to_device(p, device, pin) for name, p in self.pixels.items()}
         return self
 
 
@@ -160,10 +162,17 @@ class DataPipeline:
         self.pad_id = self.reader.pad_id if self.reader else 0
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="mimo-read") if self.is_reader else None
         self._pending: dict[int, list[cf.Future]] = {}
+        # A rank whose microbatches need no collective (no pack broadcast, no pixel routing
+        # between ranks: e.g. world 1) prepares the next step's on a thread while this step
+        # trains; elsewhere the collectives must stay in the training thread's order.
+        rank_local = self.pack_group is None and all(g is None for g in self.pixel_groups.values())
+        self._ahead_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="mimo-step") if rank_local and prefetch > 0 else None
+        self._ahead: dict[int, cf.Future] = {}
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._ahead_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- reading (reader ranks), bounded read-ahead ----
     def _block_samples(self, k: int) -> list[PlannedSample]:
@@ -185,21 +194,40 @@ class DataPipeline:
 
     # ---- one microbatch on this rank ----
     def microbatch(self, k: int) -> Microbatch:
+        """Microbatch ``k`` on this rank, delivered on the pipeline's device."""
+        return self._deliver(self._prepare(k))
+
+    def _deliver(self, mb: Microbatch) -> Microbatch:
+        return mb if self.device.type == "cpu" else mb.to(self.device)
+
+    def _prepare(self, k: int) -> Microbatch:
+        """Microbatch ``k`` on the CPU (read, packed, pixels routed)."""
         samples = self.plan.microbatch(k)
         mb = Microbatch(samples, llm_blocks(samples, self.dp), {f.name: encoder_blocks(samples, f) for f in self.feeds})
         read = self._read_block(k) if self.is_reader else []
         mb.read_failures = Counter(r.failure for r in read if r.failure)
         if self.rank in self.llm_grid:
             mb.pack = self._pack(mb, read)
+            mb.loss_tokens = mb.pack.num_loss_tokens
         for f in self.feeds:
             pixels = self._route_pixels(mb, f, read)
             if pixels is not None:
                 mb.pixels[f.name] = pixels
-        return mb if self.device.type == "cpu" else mb.to(self.device)
+        return mb
+
+    def _prepare_step(self, step: int) -> list[Microbatch]:
+        return [self._prepare((step - 1) * self.micro_batches + i) for i in range(self.micro_batches)]
 
     def step(self, step: int) -> list[Microbatch]:
         """The microbatches of training step ``step`` (1-based)."""
-        return [self.microbatch((step - 1) * self.micro_batches + i) for i in range(self.micro_batches)]
+        if self._ahead_pool is None:
+            return [self._deliver(self._prepare((step - 1) * self.micro_batches + i)) for i in range(self.micro_batches)]
+        # every _prepare runs on the one step thread (the read-ahead state is not shared)
+        future = self._ahead.pop(step, None) or self._ahead_pool.submit(self._prepare_step, step)
+        for other in self._ahead.values():  # a jump (resume, eval): drop what was prepared
+            other.cancel()
+        self._ahead = {step + 1: self._ahead_pool.submit(self._prepare_step, step + 1)}
+        return [self._deliver(mb) for mb in future.result()]
 
     def _pack(self, mb: Microbatch, read: list[ReadSample]) -> PackedBatch:
         block = [mb.samples[i] for i in mb.llm_blocks[self.my_dp]]

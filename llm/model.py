@@ -225,7 +225,7 @@ class LLMStage(nn.Module):
 
 def count_loss_tokens(batch: PackedBatch) -> int:
     """Tokens of a pack that count in the loss (loss mask on, label >= 0)."""
-    return int(((batch.labels >= 0) & batch.loss_mask.bool()).sum())
+    return batch.num_loss_tokens
 
 
 def build_stage(arch: HybridArch, grid: ParallelGrid, rank: int | None = None, sequence_parallel: bool = False,

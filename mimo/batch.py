@@ -28,6 +28,13 @@ class PackedBatch:
     loss_mask: torch.Tensor
     image_slots: dict[str, torch.Tensor] = field(default_factory=dict)
     sample_ids: torch.Tensor | None = None
+    # host copy of the sample lengths, taken while cu_seqlens is on the CPU, so that a pack
+    # moved to a GPU answers seqlens / max_seqlen without waiting for the device
+    _host_seqlens: list[int] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self._host_seqlens is None and self.cu_seqlens.device.type == "cpu":
+            self._host_seqlens = torch.diff(self.cu_seqlens).tolist()
 
     @property
     def num_tokens(self) -> int:
@@ -39,20 +46,30 @@ class PackedBatch:
 
     @property
     def seqlens(self) -> list[int]:
+        if self._host_seqlens is not None:
+            return list(self._host_seqlens)
         return torch.diff(self.cu_seqlens).tolist()
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Positions that count in the loss (loss mask on, label >= 0)."""
+        return int(((self.labels >= 0) & self.loss_mask.bool()).sum())
 
     @property
     def max_seqlen(self) -> int:
         return max(self.seqlens, default=0)
 
     def to(self, device: torch.device | str) -> "PackedBatch":
+        """The pack on ``device``. From the CPU to a GPU the copies are asynchronous: the
+        tensors are pinned first (a copy from pageable memory would wait for the device)."""
+        pin = torch.device(device).type == "cuda"
         moved = {}
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, torch.Tensor):
-                moved[f.name] = v.to(device, non_blocking=True)
+                moved[f.name] = to_device(v, device, pin)
             elif isinstance(v, dict):
-                moved[f.name] = {k: t.to(device, non_blocking=True) for k, t in v.items()}
+                moved[f.name] = {k: to_device(t, device, pin) for k, t in v.items()}
         return replace(self, **moved)
 
     def validate(self) -> None:
@@ -75,3 +92,11 @@ class PackedBatch:
                 raise DataError(f"PackedBatch.image_slots[{key!r}] must be ascending positions inside the pack")
         if self.sample_ids is not None and self.sample_ids.numel() > self.num_samples:
             raise DataError("PackedBatch.sample_ids has more ids than samples")
+
+
+def to_device(t: torch.Tensor, device: torch.device | str, pin: bool) -> torch.Tensor:
+    """``t`` on ``device``; ``pin``: a CPU tensor goes through pinned memory so the copy is
+    asynchronous (torch's pinned-memory cache keeps the buffer until the copy is done)."""
+    if pin and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)

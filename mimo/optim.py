@@ -175,12 +175,14 @@ class GradSync:
         self._hooks.clear()
 
 
-def global_grad_norm(params: Iterable[TrainParam], world_group=None, device: torch.device | str | None = None) -> float:
-    """L2 norm of the whole model's gradient: one world-wide all-reduce of one number.
+def global_grad_norm(params: Iterable[TrainParam], world_group=None, device: torch.device | str | None = None) -> torch.Tensor:
+    """L2 norm of the whole model's gradient, as a 0-dim fp64 tensor left on the device: one
+    world-wide all-reduce of one number.
 
     Per-tensor norms in fp32 (``torch._foreach_norm``), squared and summed in fp64 on the
-    gradients' device, so the step reads one number back from the GPU instead of one per
-    tensor. ``device``: where the sum is reduced (default: the gradients' device)."""
+    gradients' device; nothing is read back to the host here (``clip_grads_`` takes the
+    tensor), so the step need not wait for the device. ``device``: where the sum is reduced
+    (default: the gradients' device)."""
     params = list(params)
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for p in params:
@@ -194,18 +196,21 @@ def global_grad_norm(params: Iterable[TrainParam], world_group=None, device: tor
         total += torch.stack(norms).double().pow(2).sum().to(dev)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total, group=world_group)
-    return math.sqrt(total.item())
+    return total.sqrt()
 
 
-def clip_grads_(params: Iterable[TrainParam], max_norm: float | None, norm: float) -> float:
-    """Scale gradients so the global norm is at most ``max_norm``; returns the factor used."""
-    if max_norm is None or norm <= max_norm or norm == 0.0:
-        return 1.0
-    scale = max_norm / (norm + 1e-6)
+def clip_grads_(params: Iterable[TrainParam], max_norm: float | None, norm: torch.Tensor) -> None:
+    """Scale gradients so the global norm is at most ``max_norm``: by
+    ``min(1, max_norm / (norm + 1e-6))``, computed where ``norm`` lives (no host read)."""
+    if max_norm is None:
+        return
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.param.grad is not None:
-            p.param.grad.mul_(scale)
-    return scale
+            by_device[p.param.grad.device].append(p.param.grad)
+    for device, grads in by_device.items():
+        torch._foreach_mul_(grads, scale.to(device=device, dtype=torch.float32))
 
 
 def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, schedule: str = "cosine", min_ratio: float = 0.1) -> float:

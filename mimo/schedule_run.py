@@ -90,7 +90,7 @@ class _StageRunner:
             self._send(out.detach(), self.next, tick, k)
         else:
             out = stage.loss(out, batch, self.num_loss_tokens)
-            self.loss += float(out.detach())
+            self.loss = self.loss + out.detach()  # read once after the step: no device sync per microbatch
         self.alive[k] = _Activation(h_in, out)
 
     def backward(self, tick: int, k: int) -> None:
@@ -111,9 +111,10 @@ class _StageRunner:
 
 
 def run_schedule(model: MimoModel, mbs: list[Microbatch], num_loss_tokens: float, schedule: str = "1f1b",
-                 prefetch: int = 1, trace: Trace | None = None, grad_sync: GradSync | None = None) -> float:
+                 prefetch: int = 1, trace: Trace | None = None, grad_sync: GradSync | None = None) -> float | torch.Tensor:
     """Forward and backward of every microbatch on the ``schedule``'s ticks; returns this
-    rank's loss sum (non-zero on last-stage ranks only). Gradients are left accumulated (and
+    rank's loss sum (non-zero on last-stage ranks only; a 0-dim tensor there, left on the
+    device for the caller to read when it suits). Gradients are left accumulated (and
     with ``grad_sync``, their DP sums launched)."""
     stages, count = model.llm_grid.shape.get("pp", 1), len(mbs)
     ticks = SCHEDULES[schedule](stages, count)

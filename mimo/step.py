@@ -24,7 +24,7 @@ import torch.distributed as dist
 from mimo.bridges.executor import Bridge
 from mimo.data.pipeline import DataPipeline, Microbatch
 from mimo.layout import dp_placement, packed_placement
-from mimo.llm.model import count_loss_tokens, sync_tied_grads
+from mimo.llm.model import sync_tied_grads
 from mimo.model import MimoModel
 from mimo.optim import GradSync, PrecisionPolicy, bucket_numel, clip_grads_, global_grad_norm, lr_at
 
@@ -166,7 +166,7 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     cfg = model.config
     mbs = pipeline.step(step)
     # the global loss-token count: each LLM DP rank's packs, summed over DP (DESIGN §2)
-    local = sum(count_loss_tokens(mb.pack) for mb in mbs) if model.stage is not None else 0
+    local = sum(mb.loss_tokens for mb in mbs) if model.stage is not None else 0  # counted on the CPU
     num_loss_tokens = _sum_over(local, model.llm_dp) if model.stage is not None else 0.0
     events: Trace | None = [] if trace else None
     from mimo.schedule_run import run_schedule  # imports this module's helpers
@@ -183,10 +183,10 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
         grad_sync.close()
     if model.stage is not None:
         sync_tied_grads(model.stage, model.llm_embedding_group)
-    norm = global_grad_norm(params)
+    norm_t = global_grad_norm(params)  # on the device: read below, after the optimizer's launches
     if on_grads is not None:
-        on_grads(model, norm)
-    clip_grads_(params, cfg.train.grad_clip, norm)
+        on_grads(model, float(norm_t))
+    clip_grads_(params, cfg.train.grad_clip, norm_t)
     lrs = {}
     for module, opt in optimizers.items():
         # each module's own base lr (AdamW keeps it in defaults), on the shared schedule
@@ -196,8 +196,9 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
         opt.step()
         opt.zero_grad(set_to_none=True)
         lrs[module] = lr
-    # the step's loss: the last stage's DP ranks hold the parts
-    loss = loss_local
+    # the step's loss: the last stage's DP ranks hold the parts; read only now, after the
+    # optimizer's kernels are queued, so that reading it does not idle the device
+    loss = loss_local = float(loss_local)
     if dist.is_initialized() and dist.get_world_size() > 1:
         t = torch.tensor([loss_local if (model.stage is not None and model.stage.is_last and model.llm_grid.coords(model.rank)["tp"] == 0) else 0.0], dtype=torch.float64)
         dist.all_reduce(t)
@@ -206,4 +207,4 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     for mb in mbs:
         for k, v in mb.read_failures.items():
             failures[k] = failures.get(k, 0) + v
-    return StepResult(loss, norm, int(num_loss_tokens), lrs, failures, events)
+    return StepResult(loss, float(norm_t), int(num_loss_tokens), lrs, failures, events)
