@@ -113,16 +113,17 @@ def request_for(config: MimoConfig, checkpoint: str | None, shards: str | None) 
 
 
 def evaluate(config_path: str, overrides: list[str], checkpoint: str | None = None, shards: str | None = None,
-             timeout_s: float = 900.0, initial_weights: bool = False) -> dict:
-    """``mimo eval``: the result dict (loss, exact_match, counts, examples). ``checkpoint``
-    defaults to ``train.checkpoint.dir``; ``initial_weights`` evaluates the untrained model."""
+             timeout_s: float = 900.0) -> dict:
+    """``mimo eval``: the result dict (loss, exact_match, counts, examples); ``checkpoint``
+    defaults to ``train.checkpoint.dir``."""
     from mimo.inputs import ensure_index
     from mimo.launch import WorkerPool
+    from mimo.train import under_torchrun
 
+    if under_torchrun():  # each torchrun process would start a whole world of its own
+        raise ConfigError("mimo eval starts its own local processes (world_size of them); run it without torchrun")
     config = load_config(config_path, overrides)
-    if checkpoint is None and not initial_weights:
-        checkpoint = config.train.checkpoint.dir
-    req = request_for(config, checkpoint, shards)
+    req = request_for(config, checkpoint or config.train.checkpoint.dir, shards)
     ensure_index(config, shards=req.shards)  # once, before any rank reads it
     with WorkerPool(config.world_size, timeout_s=timeout_s) as pool:
         results = pool.run(eval_rank, config_path, list(overrides), req)
