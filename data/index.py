@@ -26,7 +26,7 @@ from mimo.data.text import TextEncoder, load_tokenizer, turns_from_caption, turn
 from mimo.errors import DataError
 
 log = logging.getLogger("mimo.data")
-INDEX_VERSION = 2  # 2: images map to encoders by placeholder (mimo.data.text); earlier bad-sample verdicts differ
+INDEX_VERSION = 3  # 2: images map to encoders by placeholder (mimo.data.text); 3: a cut tar's last sample is "truncated"; earlier verdicts differ
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,11 @@ def _scan_one(args) -> tuple[int, list[Entry], str | None]:
         except DataError as e:
             entry.bad = str(e)
         entries.append(entry)
-    if error is not None and entries and not entries[-1].bad:
-        entries[-1].bad = error  # the sample the tar ended in may have lost files
+    if error is not None and entries:
+        # the sample the tar ended in may have lost files: that is its verdict, whatever its
+        # remaining files look like (e.g. a conversation whose image was cut off)
+        last = entries[-1]
+        last.bad = error if not last.bad else f"{error} ({last.bad})"
     return shard_id, entries, error
 
 
