@@ -309,12 +309,14 @@ def train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a collective may wait before the run is aborted")
     parser.add_argument("--stop-at", type=int, metavar="STEP", help="stop cleanly after this step (checkpointed); `mimo train` again resumes")
     parser.add_argument("--log-every", type=int, default=1, metavar="K", help="a progress line every K steps when stdout is not a terminal")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="cuda: one GPU per rank (NCCL); auto (default): cuda when there is a GPU for every rank, else cpu")
 
 
 def run_train(args: argparse.Namespace) -> dict[str, Any]:
     from mimo.train import TrainOptions, train
 
-    return train(args.config, args.overrides, TrainOptions(args.run_dir, args.timeout, args.stop_at, args.log_every))
+    return train(args.config, args.overrides, TrainOptions(args.run_dir, args.timeout, args.stop_at, args.log_every, args.device))
 
 
 # ---------------------------------------------------------------- import-hf-llava

@@ -105,6 +105,16 @@ def check_device(device: str, world_size: int) -> None:
             raise DistributedError(f"--device cuda runs one rank per GPU: {world_size} ranks need {world_size} GPUs, {have} visible")
 
 
+def resolve_device(device: str, world_size: int) -> str:
+    """``auto``: one GPU per rank when this machine has enough, else the CPU; then checked."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.device_count() >= world_size else "cpu"
+    check_device(device, world_size)
+    return device
+
+
 def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection, pg_timeout_s: float, device: str = "cpu") -> None:
     import torch
     import torch.distributed as dist

@@ -48,7 +48,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 from mimo.config import MimoConfig, load_config
@@ -66,6 +66,7 @@ class TrainOptions:
     timeout_s: float = 900.0  # how long one collective may wait
     stop_at: int | None = None  # stop cleanly (checkpointed) after this step
     log_every: int = 1  # progress lines when stdout is not a terminal
+    device: str = "auto"  # cpu | cuda (one GPU per rank) | auto (cuda when there is a GPU per rank)
 
 
 def default_run_dir(config: MimoConfig) -> str:
@@ -86,7 +87,7 @@ def train(config_path: str, overrides: list[str], options: TrainOptions) -> dict
         raise ConfigError("--timeout must be > 0 and --log-every >= 1")
     if options.stop_at is not None and not 1 <= options.stop_at <= config.train.steps:
         raise ConfigError(f"--stop-at {options.stop_at}: must be a step in 1..train.steps={config.train.steps}")
-    options = TrainOptions(os.path.abspath(options.run_dir or default_run_dir(config)), options.timeout_s, options.stop_at, options.log_every)
+    options = replace(options, run_dir=os.path.abspath(options.run_dir or default_run_dir(config)))
     if under_torchrun():
         return _train_under_torchrun(config_path, overrides, config, options)
     handler = _launcher_logging()
@@ -95,12 +96,15 @@ def train(config_path: str, overrides: list[str], options: TrainOptions) -> dict
         if done is not None:
             return done
         from mimo.inputs import ensure_index
-        from mimo.launch import WorkerPool
+        from mimo.launch import WorkerPool, resolve_device
 
+        options = replace(options, device=resolve_device(options.device, config.world_size))
         ensure_index(config)  # once, before any rank reads it
         _prepare_run_dir(config, options.run_dir, config_path, overrides)
-        log.info("training %s on %d local processes; run directory %s", config_path, config.world_size, options.run_dir)
-        with _stop_on_signals(), WorkerPool(config.world_size, timeout_s=math.inf, collective_timeout_s=options.timeout_s) as pool:
+        log.info("training %s on %d local processes (%s); run directory %s", config_path, config.world_size, options.device,
+                 options.run_dir)
+        with _stop_on_signals(), WorkerPool(config.world_size, timeout_s=math.inf, collective_timeout_s=options.timeout_s,
+                                            device=options.device) as pool:
             try:
                 results = pool.run(train_rank, config_path, list(overrides), options, True)
             except DistributedError as e:
@@ -228,10 +232,13 @@ def _train_under_torchrun(config_path: str, overrides: list[str], config: MimoCo
     done = _preflight(config, options)  # on every rank: all of them stop on a user error, before any group starts
     if done is not None:
         return done
-    if torch.cuda.is_available():
+    # torchrun places the ranks: auto means this rank's GPU when there is one
+    device = options.device if options.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    options = replace(options, device=device)
+    if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     # gloo for the CPU tensors (statistics, data), NCCL for CUDA tensors
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=options.timeout_s))
     try:
         if rank == 0:
@@ -271,7 +278,10 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions, lo
     run = None
     try:
         _groups_inherit_timeout(options.timeout_s)
-        run = build_run(config, rank)
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device()) if options.device == "cuda" else torch.device("cpu")
+        run = build_run(config, rank, device=device)
         start = _latest_step(ckpt_dir, rank)
         if start:
             meta = load_checkpoint(run.model, os.path.join(ckpt_dir, f"step-{start:08d}"), run.optimizers)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +20,12 @@ import torch
 from mimo.bridges.verify import bridge_case, summarise
 from mimo.cli import VERIFY_TRAIN_TOL
 from mimo.errors import DistributedError
-from mimo.launch import WorkerPool, check_device
+from mimo.launch import WorkerPool, check_device, resolve_device
 
 GPUS = torch.cuda.device_count()
 needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"NCCL runs one rank per GPU: needs 2 GPUs, {GPUS} visible")
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BRIDGES = [  # (src, dst, colocated) on 2 ranks
     ("tp=1,dp=2", "tp=2,dp=1", True),
@@ -42,6 +45,19 @@ def test_device_errors_come_before_any_process():
     proc = subprocess.run([sys.executable, "-m", "mimo", "verify-bridge", "--world", str(max(2, GPUS + 1)), "--src", "tp=1",
                            "--dst", "tp=1", "--non-colocated", "--device", "cuda"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "one rank per GPU" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_train_device_auto_takes_a_gpu_per_rank_or_the_cpu():
+    assert resolve_device("auto", GPUS + 1) == "cpu"  # one GPU short: the CPU, not an error
+    assert resolve_device("cpu", 4) == "cpu"
+    if GPUS:
+        assert resolve_device("auto", GPUS) == "cuda"
+    with pytest.raises(DistributedError, match=f"{GPUS + 1} ranks need {GPUS + 1} GPUs"):
+        resolve_device("cuda", GPUS + 1)
+    # mimo train says so before starting anything (no data, no run directory needed for that)
+    proc = subprocess.run([sys.executable, "-m", "mimo", "train", "configs/examples/single.yaml", "--device", "cuda"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "one rank per GPU" in proc.stderr + proc.stdout and "Traceback" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("src,dst,colocated", BRIDGES[:2] + BRIDGES[4:])
