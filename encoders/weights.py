@@ -21,7 +21,7 @@ import torch
 from mimo.encoders.config import VitArch
 from mimo.errors import MimoError
 
-__all__ = ["Rule", "ImportedWeights", "map_state", "load_state_file", "check_arch"]
+__all__ = ["Rule", "ImportedWeights", "map_state", "load_state_file", "check_arch", "replace_named"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,19 @@ class Rule:
 Resampler = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 
+def replace_named(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor] | None, what: str) -> dict[str, torch.Tensor]:
+    """``base`` with the tensors ``new`` names replaced (for export): a name ``base`` lacks or
+    a shape that differs is an error naming ``what``."""
+    out = dict(base)
+    for name, t in (new or {}).items():
+        if name not in out:
+            raise MimoError(f"export: {what} has no tensor {name!r}")
+        if tuple(t.shape) != tuple(out[name].shape):
+            raise MimoError(f"export: {what} {name!r} has shape {tuple(t.shape)}, expected {tuple(out[name].shape)}")
+        out[name] = t
+    return out
+
+
 @dataclass
 class ImportedWeights:
     """A source checkpoint mapped for one ``VitArch``: the tower's full tensors by mimo name,
@@ -67,13 +80,7 @@ class ImportedWeights:
     def export(self, tower_state: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The source state dict; ``tower_state`` (e.g. a trained tower's ``full_state()``,
         or full gradients) replaces the tensors it names, the rest are the imported ones."""
-        canon = dict(self.tower)
-        for name, t in (tower_state or {}).items():
-            if name not in canon:
-                raise MimoError(f"{self.where}: export got {name!r}, which the imported tower does not have")
-            if tuple(t.shape) != tuple(canon[name].shape):
-                raise MimoError(f"{self.where}: export got {name!r} with shape {tuple(t.shape)}, expected {tuple(canon[name].shape)}")
-            canon[name] = t
+        canon = replace_named(self.tower, tower_state, f"{self.where}: the imported tower")
         out: dict[str, torch.Tensor] = {}
         for rule in self.rules:
             for key, t in zip(rule.theirs, rule.to_theirs(canon[rule.ours].detach().cpu())):

@@ -36,7 +36,7 @@ import torch
 
 from mimo.encoders.config import VitArch
 from mimo.encoders.hf_import import FAMILIES, hf_arch, import_hf_state, import_llava_projector, load_hf_state, read_config_json
-from mimo.encoders.weights import ImportedWeights
+from mimo.encoders.weights import ImportedWeights, replace_named
 from mimo.errors import MimoError
 from mimo.llm.config import HybridArch
 from mimo.llm.hf import (
@@ -218,17 +218,6 @@ def load_llava(path: str) -> LlavaWeights:
     return import_llava_state(load_hf_state(path), read_config_json(path), f"checkpoint {path!r}")
 
 
-def _replaced(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor] | None, what: str) -> dict[str, torch.Tensor]:
-    out = dict(base)
-    for name, t in (new or {}).items():
-        if name not in out:
-            raise MimoError(f"export: {what} has no tensor {name!r}")
-        if tuple(t.shape) != tuple(out[name].shape):
-            raise MimoError(f"export: {what} {name!r} has shape {tuple(t.shape)}, expected {tuple(out[name].shape)}")
-        out[name] = t
-    return out
-
-
 def export_llava_state(w: LlavaWeights, tower: Mapping[str, torch.Tensor] | None = None,
                        projector: Mapping[str, torch.Tensor] | None = None,
                        llm: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -236,7 +225,7 @@ def export_llava_state(w: LlavaWeights, tower: Mapping[str, torch.Tensor] | None
     ``projector`` / ``llm`` (mimo names: e.g. trained full states) replace what they name."""
     out = w.vision.export(tower)
     out.update(w.projector.export(projector))
-    for key, t in export_hf_state(_replaced(w.llm, llm, "the LLM"), w.arch.llm, w.naming.llm_key).items():
+    for key, t in export_hf_state(replace_named(w.llm, llm, "the LLM"), w.arch.llm, w.naming.llm_key).items():
         if key in w.dtypes:  # a tied head is written back only if the checkpoint had it
             out[key] = t.detach().cpu().to(w.dtypes[key])
     out.update(w.llm_extras)
