@@ -221,13 +221,15 @@ class DataPipeline:
     def step(self, step: int) -> list[Microbatch]:
         """The microbatches of training step ``step`` (1-based)."""
         if self._ahead_pool is None:
-            return [self._deliver(self._prepare((step - 1) * self.micro_batches + i)) for i in range(self.micro_batches)]
-        # every _prepare runs on the one step thread (the read-ahead state is not shared)
-        future = self._ahead.pop(step, None) or self._ahead_pool.submit(self._prepare_step, step)
-        for other in self._ahead.values():  # a jump (resume, eval): drop what was prepared
-            other.cancel()
-        self._ahead = {step + 1: self._ahead_pool.submit(self._prepare_step, step + 1)}
-        return [self._deliver(mb) for mb in future.result()]
+            prepared = self._prepare_step(step)
+        else:
+            # every _prepare runs on the one step thread (the read-ahead state is not shared)
+            future = self._ahead.pop(step, None) or self._ahead_pool.submit(self._prepare_step, step)
+            for other in self._ahead.values():  # a jump (resume, eval): drop what was prepared
+                other.cancel()
+            self._ahead = {step + 1: self._ahead_pool.submit(self._prepare_step, step + 1)}
+            prepared = future.result()
+        return [self._deliver(mb) for mb in prepared]
 
     def _pack(self, mb: Microbatch, read: list[ReadSample]) -> PackedBatch:
         block = [mb.samples[i] for i in mb.llm_blocks[self.my_dp]]
