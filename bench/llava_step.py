@@ -106,9 +106,12 @@ def profile_steps(run, policy, steps: list[int], path: str) -> dict:
     return {"profiled_steps": len(steps), "wall_s": wall, "kernel_s": kernels, "gpu_busy_fraction": kernels / wall}
 
 
-def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: list[str], profile_to: str | None = None) -> dict:
+def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: list[str], profile_to: str | None = None,
+             sync_steps: bool = False) -> dict:
     """Build the run once; train steps 1..steps for each variant in turn (``eager``: as built;
-    ``compile``: then ``mimo.run.compile_blocks``), timing the steps after ``warmup``."""
+    ``compile``: then ``mimo.run.compile_blocks``), timing the steps after ``warmup``. Timed
+    steps run back to back as the baseline's do (each loss read after the last one), unless
+    ``sync_steps``: then each step's loss is read before the next step starts."""
     from mimo.optim import PrecisionPolicy
     from mimo.run import build_run, compile_blocks
     from mimo.step import train_step
@@ -156,18 +159,19 @@ def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: li
                 variant = f"{variant}#{n + 1}"
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            losses, marks, warm = [], [], []
+            results, marks, warm = [], [], []
             for step in range(1, steps + 1):
-                sync()
                 t = time.perf_counter()
                 if step > warmup:
                     marks.append(mark())
-                losses.append(train_step(run.model, run.pipeline, step, run.optimizers, policy).loss)
+                results.append(train_step(run.model, run.pipeline, step, run.optimizers, policy))
+                if step <= warmup or sync_steps:
+                    results[-1].loss  # reading the loss waits for the step
                 if step <= warmup:
-                    sync()
                     warm.append(time.perf_counter() - t)  # compile time shows here
             marks.append(mark())
             sync()
+            losses = [r.loss for r in results]  # as the baseline: no read between timed steps
             out[variant] = {"times": [seconds(a, b) for a, b in zip(marks[:-1], marks[1:])], "warmup_s": warm,
                             "losses": losses, "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
                             "data_s_median": statistics.median(data_s[warmup:])}
@@ -193,6 +197,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--baseline-attn", default="eager", help="the baseline's attention (its measured best: eager)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     parser.add_argument("--profile", metavar="PREFIX", help="profile two more steps per variant; kernel tables to PREFIX.<variant>.txt")
+    parser.add_argument("--sync-steps", action="store_true", help="read each step's loss before starting the next "
+                        "(the default reads them after the timed steps, as the baseline does)")
     parser.add_argument("--variants", default="eager", help="comma-separated, run in turn on one model: eager, compile "
                         "(a repeated name measures again)")
     args = parser.parse_args(argv)
@@ -213,7 +219,7 @@ def main(argv=None) -> dict:
             parser.error(f"no baseline script at {args.baseline or [str(p) for p in BASELINE_CANDIDATES]}; use --baseline or --no-baseline")
         baseline = run_baseline(path, args.steps, args.baseline_attn)  # before ours: a clean GPU for each
     rate = matmul_rate(device)
-    got = run_mimo(config, device, args.steps, args.warmup, args.variants.split(","), args.profile)
+    got = run_mimo(config, device, args.steps, args.warmup, args.variants.split(","), args.profile, args.sync_steps)
 
     n_llm, n_vis = param_counts(config)
     tokens_per_image = sum(e.arch.patches_per_image + (1 if e.arch.class_token else 0) for e in config.encoders.values())
@@ -224,8 +230,8 @@ def main(argv=None) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "params_llm": n_llm, "params_vision": n_vis,
         "precision": {"params": str(p.params), "compute": str(p.compute), "grad_reduce": str(p.grad_reduce),
-                      "optimizer_state": str(p.optimizer_state)},
-        "build_s": got["build_s"], "matmul_tflops_measured": rate,
+                      "optimizer_state": str(p.optimizer_state), "master_params": str(p.master_params)},
+        "build_s": got["build_s"], "matmul_tflops_measured": rate, "sync_steps": args.sync_steps,
         "real_tokens_per_step": got["real_tokens"] / (args.steps - args.warmup),
         "model_tflop_per_step": flops / (args.steps - args.warmup) / 1e12,
     }

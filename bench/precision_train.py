@@ -1,13 +1,15 @@
 """bf16 against fp32 over a whole training run (issue 13: "speed did not cost correctness").
 
-Trains the demo task scaled to one GPU — configs/demo.yaml at world 1 with a wider, deeper
-hybrid (Mamba-2 / attention) LLM and ViT, larger microbatches — twice through ``mimo train``,
-identical but for ``train.precision`` (fp32, then bf16: bf16 parameters, activations and AdamW
-state, fp32 loss and gradient reduction), and compares the losses. One JSON line: the loss at the
-last step of each run, their relative difference, the same for the mean of the last 10 steps, and
-each run's wall time.
+Trains the demo task scaled to one GPU — configs/demo.yaml (its data and its lr schedule) at
+world 1 with a wider hybrid (Mamba-2 / attention) LLM and ViT and 4x the tokens per step — through
+``mimo train``, identical but for ``train.precision`` (fp32; bf16: bf16 parameters and
+activations, fp32 master weights and AdamW state, fp32 loss and gradient reduction), and compares
+the losses. ``--fp32-seed N`` adds an fp32 run with other initial weights: how far fp32 lands from
+itself. One JSON line: each run's first and last loss, the mean of its last 10 steps and wall
+time; the relative differences at the last step, of the last-10 means and the largest over all
+steps; the two curves every tenth of the run.
 
-    python bench/precision_train.py [--steps 200] [--device auto|cpu|cuda] [--data demo-data] [key=value ...]
+    python bench/precision_train.py [--steps 200] [--device auto|cpu|cuda] [--together] [--fp32-seed N] [--data demo-data] [key=value ...]
     python bench/precision_train.py --tiny --device cpu     # a CPU smoke run (few steps, demo size)
 """
 
@@ -28,34 +30,44 @@ WORLD_1 = [
     "modules.language.parallel.tp=1", "modules.language.parallel.dp=1", "modules.language.parallel.ranks=0:1",
     "modules.language.parallel.sequence_parallel=false",
 ]
-# the demo model, scaled for one GPU (about 30M LLM parameters)
+# the demo model, scaled for one GPU (about 10M LLM parameters, 4x the tokens per step)
 SCALED = [
     "modules.vision.arch.hidden=256", "modules.vision.arch.layers=4", "modules.vision.arch.heads=4",
     "modules.vision.arch.mlp=1024",
     "modules.language.arch.hidden=512", "modules.language.arch.heads=8", "modules.language.arch.kv_heads=4",
-    "modules.language.arch.pattern='M*-M*-M*-M*-'", "modules.language.arch.mamba_head_dim=64",
-    "data.tokens_per_microbatch=8192", "train.micro_batches=2", "train.lr=1.0e-3", "train.warmup_steps=20",
+    "modules.language.arch.pattern='M*-M*-'", "modules.language.arch.mamba_head_dim=64",
+    "data.tokens_per_microbatch=8192", "train.micro_batches=2",  # lr, warmup and schedule: the demo's own
 ]
 
 
-def train(precision: str, steps: int, data: str, device: str, overrides: list[str], out: Path) -> dict:
-    run_dir = out / precision
+def start(name: str, steps: int, data: str, device: str, overrides: list[str], out: Path) -> tuple:
+    """Starts ``mimo train`` for run ``name`` (its precision, or ``fp32-seedN``: fp32 with another
+    ``train.seed``); ``finish`` waits for it and reads its losses."""
+    run_dir = out / name
+    precision, _, seed = name.partition("-seed")
     args = [
         sys.executable, "-m", "mimo", "train", str(ROOT / "configs/demo.yaml"), *WORLD_1, *overrides,
-        f"train.precision={precision}", f"train.steps={steps}", f"train.checkpoint.dir={run_dir / 'ckpt'}",
+        f"train.precision={precision}", *([f"train.seed={seed}"] if seed else []), f"train.steps={steps}", f"train.checkpoint.dir={run_dir / 'ckpt'}",
         f"train.checkpoint.every={steps}", f"data.shards={data}/train-{{000000..000007}}.tar", f"data.tokenizer={data}/tokenizer",
         f"eval.shards={data}/heldout-{{000000..000000}}.tar",
         "--run-dir", str(run_dir), "--device", device, "--log-every", "50",
     ]
-    t0 = time.perf_counter()
-    done = subprocess.run(args, capture_output=True, text=True)
+    log = open(out / f"{name}.log", "w", encoding="utf-8")
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True), log, time.perf_counter(), name, steps, run_dir
+
+
+def finish(proc, log, t0: float, name: str, steps: int, run_dir: Path) -> dict:
+    code = proc.wait()
     wall = time.perf_counter() - t0
-    if done.returncode != 0:
-        raise SystemExit(f"mimo train ({precision}) failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    log.close()
+    if code != 0:
+        with open(log.name, encoding="utf-8") as f:
+            raise SystemExit(f"mimo train ({name}) failed ({code}):\n{f.read()[-4000:]}")
     with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
         losses = {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
     last = [losses[s] for s in range(max(1, steps - 9), steps + 1)]
-    return {"loss_first": losses[1], "loss_last": losses[steps], "loss_last10_mean": sum(last) / len(last), "wall_s": wall}
+    return {"loss_first": losses[1], "loss_last": losses[steps], "loss_last10_mean": sum(last) / len(last), "wall_s": wall,
+            "losses": losses}
 
 
 def main(argv=None) -> dict:
@@ -64,6 +76,8 @@ def main(argv=None) -> dict:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--data", default="demo-data", help="demo data folder (made if missing)")
     p.add_argument("--out", default="runs/precision", help="where the two run directories go")
+    p.add_argument("--together", action="store_true", help="run fp32 and bf16 at the same time (wall times then overlap)")
+    p.add_argument("--fp32-seed", type=int, metavar="N", help="also an fp32 run with train.seed=N (fp32's own spread)")
     p.add_argument("--tiny", action="store_true", help="demo size instead of the scaled model (smoke run)")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args(argv)
@@ -73,13 +87,28 @@ def main(argv=None) -> dict:
         make_demo_data(args.data)
     overrides = ([] if args.tiny else SCALED) + args.overrides
     out = Path(args.out).resolve()
-    runs = {p_: train(p_, args.steps, os.path.abspath(args.data), args.device, overrides, out) for p_ in ("fp32", "bf16")}
+    out.mkdir(parents=True, exist_ok=True)
+    names = ["fp32", "bf16"] + ([f"fp32-seed{args.fp32_seed}"] if args.fp32_seed is not None else [])
+    if args.together:  # the runs at once (one GPU holds them; the small model leaves it idle much of the time)
+        started = [start(n, args.steps, os.path.abspath(args.data), args.device, overrides, out) for n in names]
+        runs = {s_[3]: finish(*s_) for s_ in started}
+    else:
+        runs = {n: finish(*start(n, args.steps, os.path.abspath(args.data), args.device, overrides, out)) for n in names}
+    losses = {n: r.pop("losses") for n, r in runs.items()}
     fp32, bf16 = runs["fp32"], runs["bf16"]
+    a, b = losses["fp32"], losses["bf16"]
+    every = max(1, args.steps // 10)
+    curve = {s_: [round(a[s_], 5), round(b[s_], 5)] for s_ in range(every, args.steps + 1, every)}
     result = {
         "bench": "precision_train", "steps": args.steps, "device": args.device, "overrides": overrides, **runs,
         "rel_diff_last": abs(bf16["loss_last"] - fp32["loss_last"]) / abs(fp32["loss_last"]),
         "rel_diff_last10_mean": abs(bf16["loss_last10_mean"] - fp32["loss_last10_mean"]) / abs(fp32["loss_last10_mean"]),
+        "rel_diff_max": max(abs(b[s_] - a[s_]) / abs(a[s_]) for s_ in a), "curve_fp32_bf16": curve,
     }
+    if args.fp32_seed is not None:  # the yardstick: how far fp32 lands from fp32 with other initial weights
+        c = losses[names[2]]
+        result[f"{names[2]}_rel_diff_last"] = abs(c[args.steps] - a[args.steps]) / abs(a[args.steps])
+        result[f"curve_{names[2]}"] = {s_: round(c[s_], 5) for s_ in curve}
     print(json.dumps(result))
     return result
 

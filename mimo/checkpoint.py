@@ -209,7 +209,8 @@ def _save_optimizer(opt: torch.optim.Optimizer, names: list[str], path: str) -> 
     for i, state in opt.state_dict()["state"].items():
         for key, value in state.items():
             if torch.is_tensor(value):
-                tensors[f"{names[i]}/{key}"] = value.detach().cpu().contiguous()
+                # a copy: entries may share memory (MasterWeightAdamW's group step count, buffer views)
+                tensors[f"{names[i]}/{key}"] = value.detach().to("cpu", copy=True).contiguous()
             else:
                 scalars[f"{names[i]}/{key}"] = value
     save_file(tensors, path, metadata={"optimizer": type(opt).__name__, "params": json.dumps(names), "scalars": json.dumps(scalars)})
@@ -221,6 +222,12 @@ def _load_optimizer(opt: torch.optim.Optimizer, names: list[str], path: str) -> 
     with safe_open(path, "pt") as f:
         meta = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if meta.get("optimizer", type(opt).__name__) != type(opt).__name__:
+        raise CheckpointError(
+            f"{path}: optimizer state of a {meta['optimizer']}, this run uses a {type(opt).__name__} "
+            "(train.precision changed between bf16 and bf16-pure?); resume with the precision it was written with, "
+            "or start from its weights with train.init_from"
+        )
     saved = json.loads(meta["params"])
     if saved != names:
         missing, unexpected = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))

@@ -45,7 +45,7 @@ class TrainConfig:
     lr: float = 1e-4
     weight_decay: float = 0.0
     warmup_steps: int = 0
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "bf16-pure"] = "fp32"
     grad_clip: float | None = 1.0  # max global gradient norm; None: no clipping
     seed: int = 0  # parameter initialisation and dropout
     # "simple": every microbatch forward, then every backward; "1f1b": the tick-table pipeline

@@ -33,19 +33,24 @@ class TrainParam:
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """Which dtype each thing uses (DESIGN §8)."""
+    """Which dtype each thing uses (DESIGN §8). ``master_params``: the dtype of the copy of the
+    weights that the optimizer updates (None: it updates the model's weights themselves)."""
 
     params: torch.dtype
     compute: torch.dtype
     grad_reduce: torch.dtype
     optimizer_state: torch.dtype
+    master_params: torch.dtype | None = None
 
     @classmethod
     def named(cls, name: str) -> "PrecisionPolicy":
+        f32, b16 = torch.float32, torch.bfloat16
         if name == "fp32":
-            return cls(torch.float32, torch.float32, torch.float32, torch.float32)
-        if name == "bf16":  # bf16 weights, activations and Adam state; gradients reduced in fp32
-            return cls(torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16)
+            return cls(f32, f32, f32, f32)
+        if name == "bf16":  # bf16 weights and activations; AdamW on fp32 master weights and fp32 state
+            return cls(b16, b16, f32, f32, master_params=f32)
+        if name == "bf16-pure":  # bf16 weights, activations and Adam state (no master copy)
+            return cls(b16, b16, f32, b16)
         raise ValueError(f"unknown precision {name!r}")
 
 
@@ -224,8 +229,144 @@ def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, schedu
     return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def build_optimizers(params: Iterable[TrainParam], lr: dict[str, float], weight_decay: dict[str, float]) -> dict[str, torch.optim.Optimizer]:
-    """One AdamW per module, with weight decay only on the parameters that take it."""
+@dataclass
+class _FlatGroup:
+    """One param group's optimizer tensors, each one contiguous buffer (the per-parameter state
+    entries are views into them), so that a step is a handful of kernels whatever the count of
+    parameters: gradients gathered (same dtype: torch's fast multi-tensor copy), widened to
+    fp32, one AdamW over the whole group, rounded back and scattered to the parameters."""
+
+    params: list[torch.nn.Parameter]
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+    grad_low: torch.Tensor  # the gradients as they come (the parameters' dtype)
+    grad32: torch.Tensor
+    param_low: torch.Tensor  # the rounded masters before they go to the parameters
+    grad_views: list[torch.Tensor]
+    param_views: list[torch.Tensor]
+
+
+class MasterWeightAdamW(torch.optim.Optimizer):
+    """AdamW for low-precision (bf16) parameters: the update runs on an fp32 master copy of
+    each parameter with fp32 moments, and the parameter becomes the master rounded. Updates
+    smaller than half a bf16 step of the weight (lr 1e-4 against a weight of 0.05 is one) are
+    kept in the master instead of being rounded away every step.
+
+    Per parameter state (checkpointed like AdamW's): ``master``, ``exp_avg``, ``exp_avg_sq``,
+    ``step``. The update is ``torch.optim.AdamW``'s own (its functional kernel, fused on GPU),
+    so with fp32 parameters it matches AdamW exactly. A group whose parameters all have
+    gradients and one step count is updated through contiguous buffers (``_FlatGroup``); a
+    parameter without a gradient is skipped as AdamW skips it, and its group continues per
+    tensor from then on."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, fused: bool | None = None):
+        # "fused" in every group: torch's load_state_dict then puts the step counts where the kernel wants them
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=bool(fused)))
+        self.fused = bool(fused)
+        self._flat: dict[int, _FlatGroup] = {}  # group index -> its buffers
+        self._per_tensor: set[int] = set()  # groups whose parameters' step counts differ
+
+    def _state(self, p: torch.nn.Parameter) -> dict:
+        state = self.state[p]
+        if not state:
+            state["master"] = p.detach().to(torch.float32, copy=True)
+            state["exp_avg"] = torch.zeros_like(state["master"])
+            state["exp_avg_sq"] = torch.zeros_like(state["master"])
+            # the fused kernel takes its step counts on the device, the foreach one on the CPU
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if self.fused else "cpu")
+        return state
+
+    def _flatten(self, params: list[torch.nn.Parameter]) -> _FlatGroup | None:
+        """The group's buffers, from its current state; None if the parameters' step counts
+        (or dtypes, devices) differ."""
+        states = [self._state(p) for p in params]
+        if len({float(s["step"]) for s in states}) > 1 or len({(p.dtype, p.device) for p in params}) > 1:
+            return None
+        sizes = [p.numel() for p in params]
+
+        def flat(key: str) -> torch.Tensor:
+            return torch.cat([s[key].reshape(-1) for s in states])
+
+        low = torch.empty(sum(sizes), dtype=params[0].dtype, device=params[0].device)
+        g = _FlatGroup(params, flat("master"), flat("exp_avg"), flat("exp_avg_sq"), states[0]["step"].clone(), low,
+                       torch.empty(low.shape, dtype=torch.float32, device=low.device), torch.empty_like(low), [], [])
+        for buf, views in ((g.grad_low, g.grad_views), (g.param_low, g.param_views)):
+            views.extend(v.view_as(p) for v, p in zip(buf.split(sizes), params))
+        for key, buf in (("master", g.master), ("exp_avg", g.exp_avg), ("exp_avg_sq", g.exp_avg_sq)):
+            for s, v, p in zip(states, buf.split(sizes), params):
+                s[key] = v.view_as(p)
+        for s in states:
+            s["step"] = g.step  # one count for the group while it steps as one
+        return g
+
+    def _unflatten(self, index: int) -> None:
+        """Back to per-tensor state (each entry its own tensor) for group ``index``."""
+        g = self._flat.pop(index, None)
+        if g is not None:
+            for p in g.params:
+                self.state[p] = {k: v.clone() for k, v in self.state[p].items()}
+        self._per_tensor.add(index)
+
+    def _adamw(self, group: dict, params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
+        from torch.optim.adamw import adamw
+
+        beta1, beta2 = group["betas"]
+        adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None if self.fused else True, fused=self.fused or None,
+              amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+              maximize=False)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for i, group in enumerate(self.param_groups):
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            whole = len(params) == len(group["params"])
+            if whole and i not in self._flat and i not in self._per_tensor:
+                g = self._flatten(params)
+                if g is None:
+                    self._per_tensor.add(i)
+                else:
+                    self._flat[i] = g
+            if whole and i in self._flat:
+                g = self._flat[i]
+                torch._foreach_copy_(g.grad_views, [p.grad for p in params])
+                g.grad32.copy_(g.grad_low)
+                self._adamw(group, [g.master], [g.grad32], [g.exp_avg], [g.exp_avg_sq], [g.step])
+                g.param_low.copy_(g.master)
+                torch._foreach_copy_(params, g.param_views)
+                continue
+            self._unflatten(i)  # a parameter without a gradient: AdamW leaves it (and its step count) as it is
+            states = [self._state(p) for p in params]
+            masters = [s["master"] for s in states]
+            self._adamw(group, masters, [p.grad.to(torch.float32) for p in params], [s["exp_avg"] for s in states],
+                        [s["exp_avg_sq"] for s in states], [s["step"] for s in states])
+            torch._foreach_copy_(params, masters)
+
+    def load_state_dict(self, state_dict) -> None:
+        # torch casts floating-point state to the parameter's dtype (AdamW keeps its moments in
+        # it): keep this state's fp32 tensors aside and put them back
+        kept = {i: {k: v for k, v in st.items() if k != "step" and torch.is_tensor(v)} for i, st in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        self._flat.clear()  # rebuilt from the loaded state at the next step
+        self._per_tensor.clear()
+        params = [p for g in self.param_groups for p in g["params"]]  # state_dict's indices
+        with torch.no_grad():
+            for i, tensors in kept.items():
+                p = params[i]
+                for k, v in tensors.items():
+                    self.state[p][k] = v.to(device=p.device, dtype=torch.float32, copy=True)
+                if "master" in tensors:  # the weights are the masters rounded
+                    p.copy_(self.state[p]["master"])
+
+
+def build_optimizers(params: Iterable[TrainParam], lr: dict[str, float], weight_decay: dict[str, float],
+                     policy: PrecisionPolicy | None = None) -> dict[str, torch.optim.Optimizer]:
+    """One AdamW per module, with weight decay only on the parameters that take it; on fp32
+    master weights (``MasterWeightAdamW``) when the policy keeps them."""
     by_module: dict[str, list[TrainParam]] = defaultdict(list)
     for p in params:
         if p.param.requires_grad:
@@ -236,5 +377,9 @@ def build_optimizers(params: Iterable[TrainParam], lr: dict[str, float], weight_
         no_decay = [p.param for p in infos if not p.weight_decay]
         groups = [g for g in ({"params": decay, "weight_decay": weight_decay[module]}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
         fused = all(p.param.is_cuda for p in infos)
-        optimizers[module] = torch.optim.AdamW(groups, lr=lr[module], betas=(0.9, 0.95), eps=1e-8, fused=fused or None, foreach=None if fused else True)
+        if policy is not None and policy.master_params is not None:
+            optimizers[module] = MasterWeightAdamW(groups, lr=lr[module], betas=(0.9, 0.95), eps=1e-8, fused=fused)
+        else:
+            optimizers[module] = torch.optim.AdamW(groups, lr=lr[module], betas=(0.9, 0.95), eps=1e-8, fused=fused or None,
+                                                   foreach=None if fused else True)
     return optimizers

@@ -44,7 +44,7 @@ def build_run(config: MimoConfig, rank: int, index: Index | None = None, policy:
     pipeline = DataPipeline(plan, text_spec(config), model.llm_grid, par.sequence_parallel and par.tp > 1,
                             encoder_feeds(config), config.train.micro_batches, config.data.workers, config.data.prefetch, rank,
                             make_reader=lambda: sample_reader(config, plan), device=device)
-    optimizers = build_optimizers(model.train_params(), *config.optimizer_settings())
+    optimizers = build_optimizers(model.train_params(), *config.optimizer_settings(), policy=policy)
     if config.train.compile:
         compile_blocks(model)
     return Run(config, model, pipeline, optimizers, policy)

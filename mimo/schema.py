@@ -122,7 +122,8 @@ def _describe(tp: Any) -> str:
     if tp is str:
         return "a string"
     if origin is Literal:
-        return " or ".join(repr(a) for a in get_args(tp))
+        names = [repr(a) for a in get_args(tp)]
+        return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
     if origin in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in get_args(tp))
     if tp is list or origin is list:

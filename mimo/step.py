@@ -31,12 +31,23 @@ from mimo.optim import GradSync, PrecisionPolicy, bucket_numel, clip_grads_, glo
 
 @dataclass
 class StepResult:
-    loss: float  # the step's per-token loss (global)
-    grad_norm: float  # before clipping
+    """``loss`` (the step's per-token loss, global) and ``grad_norm`` (before clipping) may be
+    handed over as device tensors: they are read (a device sync) on first access, so a caller
+    that does not look at them every step lets the host queue the next step meanwhile."""
+
+    loss: float
+    grad_norm: float
     loss_tokens: int
     lr: dict[str, float] = field(default_factory=dict)
     read_failures: dict = field(default_factory=dict)
     trace: list | None = None  # this rank's events, when asked for (train_step(trace=True))
+
+    def __getattribute__(self, name):
+        value = object.__getattribute__(self, name)
+        if name in ("loss", "grad_norm") and isinstance(value, torch.Tensor):
+            value = float(value)
+            object.__setattr__(self, name, value)
+        return value
 
 
 def _sum_over(value: float, group) -> float:
@@ -196,15 +207,17 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
         opt.step()
         opt.zero_grad(set_to_none=True)
         lrs[module] = lr
-    # the step's loss: the last stage's DP ranks hold the parts; read only now, after the
-    # optimizer's kernels are queued, so that reading it does not idle the device
-    loss = loss_local = float(loss_local)
+    # the step's loss: the last stage's DP ranks hold the parts; read only after the optimizer's
+    # kernels are queued (at world 1 only when the caller asks), so that reading it does not
+    # idle the device
+    loss = loss_local
     if dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([loss_local if (model.stage is not None and model.stage.is_last and model.llm_grid.coords(model.rank)["tp"] == 0) else 0.0], dtype=torch.float64)
+        holds = model.stage is not None and model.stage.is_last and model.llm_grid.coords(model.rank)["tp"] == 0
+        t = torch.tensor([float(loss_local) if holds else 0.0], dtype=torch.float64)
         dist.all_reduce(t)
         loss = t.item()
     failures: dict = {}
     for mb in mbs:
         for k, v in mb.read_failures.items():
             failures[k] = failures.get(k, 0) + v
-    return StepResult(loss, float(norm_t), int(num_loss_tokens), lrs, failures, events)
+    return StepResult(loss, norm_t, int(num_loss_tokens), lrs, failures, events)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from mimo.config import load_config
 from mimo.verify_train import compare, train_case
@@ -340,3 +341,14 @@ def test_grad_sync_buckets_launch_during_backward_in_order(pools):
         assert during == [("bucket_reduce_start", 0), ("bucket_reduce_start", 1)]  # unused's bucket waits for flush
         assert events == during + [("bucket_reduce_start", 2)] + [("bucket_reduce_end", i) for i in range(3)]
         assert a == [3.0] * 6 and b == [6.0] * 3 and unused == [0.0] * 2  # summed once over the 2 ranks
+
+
+def test_step_result_reads_device_values_on_first_access():
+    """train_step hands the loss and the gradient norm over as tensors (no device wait in the
+    step); they read as floats, once."""
+    from mimo.step import StepResult
+
+    r = StepResult(torch.tensor(2.5, dtype=torch.float64), torch.tensor(0.5), 7)
+    assert torch.is_tensor(object.__getattribute__(r, "loss"))
+    assert r.loss == 2.5 and type(r.loss) is float and r.grad_norm == 0.5 and type(r.grad_norm) is float
+    assert type(object.__getattribute__(r, "loss")) is float  # read once, kept

@@ -1,0 +1,114 @@
+"""MasterWeightAdamW (train.precision bf16): AdamW's update on fp32 master weights."""
+
+import copy
+
+import pytest
+import torch
+
+from mimo.checkpoint import _load_optimizer, _save_optimizer
+from mimo.errors import CheckpointError
+from mimo.optim import MasterWeightAdamW, PrecisionPolicy, TrainParam, build_optimizers
+
+
+def _params(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(7, 5), (3,), (4, 2), (6,)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def _groups(ps):
+    return [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]
+
+
+def _run(opt, ps, steps, seed=1, skip=()):
+    """``steps`` steps with seeded gradients; ``skip``: (step, param index) pairs without a gradient."""
+    g = torch.Generator().manual_seed(seed)
+    for i in range(steps):
+        for j, p in enumerate(ps):
+            grad = torch.randn(p.shape, generator=g)
+            p.grad = None if (i, j) in skip else grad.to(p.dtype)
+        opt.step()
+
+
+@pytest.mark.parametrize("skip", [(), ((2, 1), (4, 3))], ids=["every grad", "some missing"])
+def test_equals_adamw_on_fp32_parameters(skip):
+    """Whole groups go through the contiguous buffers, a missing gradient through the
+    per-tensor path: both are AdamW's update, bit for bit."""
+    a, b = _params(torch.float32), _params(torch.float32)
+    ref = torch.optim.AdamW(_groups(a), lr=1e-2, betas=(0.9, 0.95), foreach=True)
+    opt = MasterWeightAdamW(_groups(b), lr=1e-2, betas=(0.9, 0.95))
+    _run(ref, a, 6, skip=skip)
+    _run(opt, b, 6, skip=skip)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert {int(opt.state[p]["step"]) for p in b[:2]} == ({6} if not skip else {6, 5})
+    assert (0 in opt._per_tensor) == bool(skip) and (1 in opt._per_tensor) == bool(skip)
+
+
+def test_bf16_keeps_updates_that_rounding_would_lose():
+    """lr 1e-4 on weights of 1.0 moves less than half a bf16 step: bf16 AdamW never moves,
+    the master does, and the weight is the master rounded."""
+    w_pure = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    pure = torch.optim.AdamW([w_pure], lr=1e-4, weight_decay=0.0)
+    opt = MasterWeightAdamW([w], lr=1e-4, weight_decay=0.0)
+    for _ in range(100):
+        w_pure.grad = torch.ones(4, dtype=torch.bfloat16)
+        w.grad = torch.ones(4, dtype=torch.bfloat16)
+        pure.step()
+        opt.step()
+    assert torch.equal(w_pure, torch.ones(4, dtype=torch.bfloat16))
+    master = opt.state[w]["master"]
+    assert master.dtype == torch.float32 and abs(master[0].item() - (1 - 100e-4)) < 1e-5
+    assert torch.equal(w.detach(), master.to(torch.bfloat16))
+
+
+def test_state_dict_round_trip_continues_exactly(tmp_path):
+    """Saved (through the checkpoint's optimizer file) after 3 steps and loaded into a fresh
+    optimizer, 3 more steps give what 6 uninterrupted steps give; the state stays fp32."""
+    a, b = _params(torch.bfloat16), _params(torch.bfloat16)
+    whole = MasterWeightAdamW(_groups(a), lr=1e-3)
+    _run(whole, a, 6)
+    first = MasterWeightAdamW(_groups(b), lr=1e-3)
+    _run(first, b, 3)
+    names = [f"p{i}" for i in range(len(b))]
+    _save_optimizer(first, names, str(tmp_path / "opt.safetensors"))
+    c = [torch.nn.Parameter(torch.zeros_like(p)) for p in b]  # the weights come back from the masters
+    second = MasterWeightAdamW(_groups(c), lr=1e-3)
+    _load_optimizer(second, names, str(tmp_path / "opt.safetensors"))
+    assert all(second.state[p]["exp_avg"].dtype == torch.float32 for p in c)
+    for x, y in zip(b, c):
+        assert torch.equal(x, y)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):  # the gradients of steps 1-3, as _run drew them
+        for p in c:
+            torch.randn(p.shape, generator=g)
+    for _ in range(3):
+        for p in c:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        second.step()
+    for x, y in zip(a, c):
+        assert torch.equal(x, y)
+    for p, q in zip(a, c):
+        assert torch.equal(whole.state[p]["master"], second.state[q]["master"])
+
+
+def test_checkpoint_of_another_precision_is_refused(tmp_path):
+    ps = _params(torch.bfloat16)
+    pure = torch.optim.AdamW(_groups(ps), lr=1e-3)
+    _run(pure, ps, 1)
+    names = [f"p{i}" for i in range(len(ps))]
+    _save_optimizer(pure, names, str(tmp_path / "opt.safetensors"))
+    with pytest.raises(CheckpointError, match="AdamW.*MasterWeightAdamW.*precision"):
+        _load_optimizer(MasterWeightAdamW(_groups(ps), lr=1e-3), names, str(tmp_path / "opt.safetensors"))
+
+
+@pytest.mark.parametrize("name, kind", [("fp32", torch.optim.AdamW), ("bf16", MasterWeightAdamW), ("bf16-pure", torch.optim.AdamW)])
+def test_precision_picks_the_optimizer(name, kind):
+    policy = PrecisionPolicy.named(name)
+    ps = [TrainParam("m", f"p{i}", p, None, True) for i, p in enumerate(_params(policy.params))]
+    opts = build_optimizers(ps, {"m": 1e-3}, {"m": 0.1}, policy=policy)
+    assert type(opts["m"]) is kind
+    state = PrecisionPolicy.named(name).optimizer_state
+    _run(opts["m"], [p.param for p in ps], 1)
+    assert all(v.dtype == state for st in opts["m"].state.values() for k, v in st.items() if k != "step")
