@@ -91,7 +91,7 @@ def main(argv=None) -> dict:
     names = ["fp32", "bf16"] + ([f"fp32-seed{args.fp32_seed}"] if args.fp32_seed is not None else [])
     if args.together:  # the runs at once (one GPU holds them; the small model leaves it idle much of the time)
         started = [start(n, args.steps, os.path.abspath(args.data), args.device, overrides, out) for n in names]
-        runs = {s_[3]: finish(*s_) for s_ in started}
+        runs = {n: finish(*s_) for n, s_ in zip(names, started)}
     else:
         runs = {n: finish(*start(n, args.steps, os.path.abspath(args.data), args.device, overrides, out)) for n in names}
     losses = {n: r.pop("losses") for n, r in runs.items()}

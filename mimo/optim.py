@@ -275,30 +275,40 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             state["master"] = p.detach().to(torch.float32, copy=True)
             state["exp_avg"] = torch.zeros_like(state["master"])
             state["exp_avg_sq"] = torch.zeros_like(state["master"])
-            # the fused kernel takes its step counts on the device, the foreach one on the CPU
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if self.fused else "cpu")
+            state["step"] = self._new_step(p)
         return state
 
+    def _new_step(self, p: torch.nn.Parameter) -> torch.Tensor:
+        # the fused kernel takes its step counts on the device, the foreach one on the CPU
+        return torch.zeros((), dtype=torch.float32, device=p.device if self.fused else "cpu")
+
     def _flatten(self, params: list[torch.nn.Parameter]) -> _FlatGroup | None:
-        """The group's buffers, from its current state; None if the parameters' step counts
-        (or dtypes, devices) differ."""
-        states = [self._state(p) for p in params]
-        if len({float(s["step"]) for s in states}) > 1 or len({(p.dtype, p.device) for p in params}) > 1:
+        """The group's buffers, filled from its current state (a parameter without state yet:
+        its weights, zero moments), which then becomes views into them; None if the
+        parameters' step counts (or dtypes, devices) differ."""
+        states = [self.state[p] for p in params]
+        if len({float(s["step"]) if s else 0.0 for s in states}) > 1 or len({(p.dtype, p.device) for p in params}) > 1:
             return None
         sizes = [p.numel() for p in params]
-
-        def flat(key: str) -> torch.Tensor:
-            return torch.cat([s[key].reshape(-1) for s in states])
-
         low = torch.empty(sum(sizes), dtype=params[0].dtype, device=params[0].device)
-        g = _FlatGroup(params, flat("master"), flat("exp_avg"), flat("exp_avg_sq"), states[0]["step"].clone(), low,
-                       torch.empty(low.shape, dtype=torch.float32, device=low.device), torch.empty_like(low), [], [])
-        for buf, views in ((g.grad_low, g.grad_views), (g.param_low, g.param_views)):
-            views.extend(v.view_as(p) for v, p in zip(buf.split(sizes), params))
-        for key, buf in (("master", g.master), ("exp_avg", g.exp_avg), ("exp_avg_sq", g.exp_avg_sq)):
-            for s, v, p in zip(states, buf.split(sizes), params):
-                s[key] = v.view_as(p)
-        for s in states:
+        f32 = torch.zeros(low.shape, dtype=torch.float32, device=low.device)
+        step = states[0]["step"].clone() if states[0] else self._new_step(params[0])
+
+        def views(buf: torch.Tensor) -> list[torch.Tensor]:
+            return [v.view_as(p) for v, p in zip(buf.split(sizes), params)]
+
+        param_low = torch.empty_like(low)
+        g = _FlatGroup(params, f32, torch.zeros_like(f32), torch.zeros_like(f32), step, low, torch.empty_like(f32),
+                       param_low, views(low), views(param_low))
+        keys = ("master", "exp_avg", "exp_avg_sq")
+        split = {k: views(buf) for k, buf in zip(keys, (g.master, g.exp_avg, g.exp_avg_sq))}
+        for j, (p, s) in enumerate(zip(params, states)):
+            if s:
+                for k in keys:
+                    split[k][j].copy_(s[k])
+            else:
+                split["master"][j].copy_(p.detach())
+            s.update((k, split[k][j]) for k in keys)
             s["step"] = g.step  # one count for the group while it steps as one
         return g
 
