@@ -32,9 +32,9 @@ import torch.distributed as dist
 
 from mimo.bridges.executor import Bridge
 from mimo.bridges.verify import DTYPES, Sample, local_view, parse_layout, placements, resolve
-from mimo.grid import ParallelGrid
-from mimo.launch import WorkerPool
-from mimo.testing import rank_device
+from mimo.parallel.grid import ParallelGrid
+from mimo.training.launch import WorkerPool
+from mimo.core.testing import rank_device
 
 CASES = [  # (world, src, dst, colocated)
     (2, "tp=1,dp=2", "tp=2,dp=1", True),

@@ -41,7 +41,7 @@ def anchor(pattern: str, limit: int) -> tuple[int, float]:
 
 def ours(config, batches: int):
     from mimo.data.pipeline import SampleReader
-    from mimo.inputs import data_plan, encoder_feeds, ensure_index, read_packs, text_spec
+    from mimo.compose.inputs import data_plan, encoder_feeds, ensure_index, read_packs, text_spec
 
     index, _ = ensure_index(config)
     plan = data_plan(config, index)
@@ -70,7 +70,7 @@ def padded_fraction(microbatches, batch: int) -> float:
 
 
 def main() -> None:
-    from mimo.config import load_config
+    from mimo.compose.config import load_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config")

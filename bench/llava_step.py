@@ -3,7 +3,7 @@
 Trains configs/llava-1.3b.yaml (the same model and the same seeded samples as
 ``../shared/bench/hf_llava_baseline.py``) through mimo's own pieces: ``build_run`` (MimoModel
 on the device in the config's precision, the synthetic data pipeline packing THD, one AdamW per
-module from ``mimo.optim``) and ``mimo.step.train_step``. Prints one JSON line: real tokens/s,
+module from ``mimo.training.optim``) and ``mimo.training.step.train_step``. Prints one JSON line: real tokens/s,
 step time (median and spread over the timed steps), model TFLOP/s counted as the baseline counts
 them (6 * N_llm * real tokens + 6 * N_vision * image tokens incl. [CLS], N_vision being the
 whole 24-block CLIP tower that the baseline counts), MFU against an 8192^3 bf16 matmul timed in
@@ -90,7 +90,7 @@ def profile_steps(run, policy, steps: list[int], path: str) -> dict:
     returns GPU busy time (sum of kernel times) against the wall time of those steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    from mimo.step import train_step
+    from mimo.training.step import train_step
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -109,12 +109,12 @@ def profile_steps(run, policy, steps: list[int], path: str) -> dict:
 def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: list[str], profile_to: str | None = None,
              sync_steps: bool = False) -> dict:
     """Build the run once; train steps 1..steps for each variant in turn (``eager``: as built;
-    ``compile``: then ``mimo.run.compile_blocks``), timing the steps after ``warmup``. Timed
+    ``compile``: then ``mimo.training.run.compile_blocks``), timing the steps after ``warmup``. Timed
     steps run back to back as the baseline's do (each loss read after the last one), unless
     ``sync_steps``: then each step's loss is read before the next step starts."""
-    from mimo.optim import PrecisionPolicy
-    from mimo.run import build_run, compile_blocks
-    from mimo.step import train_step
+    from mimo.training.optim import PrecisionPolicy
+    from mimo.training.run import build_run, compile_blocks
+    from mimo.training.step import train_step
 
     torch.manual_seed(0)
     policy = PrecisionPolicy.named(config.train.precision)
@@ -205,7 +205,7 @@ def main(argv=None) -> dict:
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
 
-    from mimo.config import load_config
+    from mimo.compose.config import load_config
 
     # built eager; the "compile" variant compiles the same model afterwards (train.compile's work)
     config = load_config(args.config, (TINY if args.tiny else []) + args.overrides + ["train.compile=false"])

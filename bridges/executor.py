@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mimo.errors import LayoutError
+from mimo.core.errors import LayoutError
 from mimo.bridges.plan import FinishGather, Move, TransferPlan, make_plan
-from mimo.layout import Placement
+from mimo.parallel.layout import Placement
 
 
 @dataclass

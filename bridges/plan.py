@@ -22,8 +22,8 @@ import bisect
 from collections import defaultdict
 from dataclasses import dataclass
 
-from mimo.errors import LayoutError
-from mimo.layout import Placement, split_even
+from mimo.core.errors import LayoutError
+from mimo.parallel.layout import Placement, split_even
 
 
 @dataclass(frozen=True)

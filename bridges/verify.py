@@ -15,10 +15,10 @@ import torch.distributed as dist
 
 from mimo.bridges.executor import Bridge
 from mimo.bridges.plan import minimum_numel
-from mimo.errors import LayoutError
-from mimo.grid import ParallelGrid, parse_rank_range
-from mimo.layout import Placement, dp_blocks, dp_placement, packed_placement
-from mimo.testing import rank_device
+from mimo.core.errors import LayoutError
+from mimo.parallel.grid import ParallelGrid, parse_rank_range
+from mimo.parallel.layout import Placement, dp_blocks, dp_placement, packed_placement
+from mimo.core.testing import rank_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

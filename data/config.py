@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from mimo.schema import at_least, join_path
+from mimo.core.schema import at_least, join_path
 
 TEMPLATES = ("plain", "vicuna", "chatml")
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from mimo.data.config import shard_paths
 from mimo.data.shards import decode_image, image_keys, parse_text, read_files, scan_shard
 from mimo.data.text import TextEncoder, load_tokenizer, turns_from_caption, turns_from_json
-from mimo.errors import DataError
+from mimo.core.errors import DataError
 
 log = logging.getLogger("mimo.data")
 INDEX_VERSION = 3  # 2: images map to encoders by placeholder (mimo.data.text); 3: a cut tar's last sample is "truncated"; earlier verdicts differ

@@ -1,6 +1,6 @@
 """One DP rank's block of samples -> one PackedBatch (THD), padded only as SP / CP need.
 
-The padding rule is ``mimo.layout.PackLayout``'s, so the pack, the LLM and the bridges agree
+The padding rule is ``mimo.parallel.layout.PackLayout``'s, so the pack, the LLM and the bridges agree
 on where every position lives: with cp = 1 the pack is padded at its end (its own trailing
 segment) to a multiple of tp under sequence parallelism; with cp > 1 each sample is padded
 to a multiple of 2*cp (times tp with SP), the padding inside the sample's segment after its
@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-from mimo.batch import PackedBatch
-from mimo.layout import PackLayout
+from mimo.core.batch import PackedBatch
+from mimo.parallel.layout import PackLayout
 
 
 @dataclass

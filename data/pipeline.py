@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mimo.batch import PackedBatch, to_device
+from mimo.core.batch import PackedBatch, to_device
 from mimo.bridges.executor import Bridge
 from mimo.data.images import ImageSpec, preprocess
 from mimo.data.index import Index, TextSpec
@@ -33,9 +33,9 @@ from mimo.data.pack import PackItem, pack
 from mimo.data.plan import DataPlan, PlannedSample
 from mimo.data.shards import SampleLocation, decode_image, image_keys, parse_text, read_files
 from mimo.data.text import TextEncoder, load_tokenizer, turns_from_caption, turns_from_json
-from mimo.errors import DataError
-from mimo.grid import ParallelGrid, new_group
-from mimo.layout import Piece, Placement, dp_blocks, dp_placement
+from mimo.core.errors import DataError
+from mimo.parallel.grid import ParallelGrid, new_group
+from mimo.parallel.layout import Piece, Placement, dp_blocks, dp_placement
 
 log = logging.getLogger("mimo.data")
 

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from mimo.data.index import Entry, Index
-from mimo.errors import DataError
+from mimo.core.errors import DataError
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import re
 import tarfile
 from dataclasses import dataclass, field
 
-from mimo.errors import DataError
+from mimo.core.errors import DataError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 _IMAGE_KEY = re.compile(r"^(?:(\d+)\.)?(jpg|jpeg|png|webp)$")

@@ -30,7 +30,7 @@ from mimo.data.config import SyntheticData
 from mimo.data.pack import PackItem
 from mimo.data.pipeline import ReadSample
 from mimo.data.plan import PlannedSample
-from mimo.errors import DataError
+from mimo.core.errors import DataError
 
 PAD_ID = 0
 AHEAD = 3  # microbatches drawn ahead in the background (the pipeline reads up to 2 ahead)

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from mimo.errors import DataError
+from mimo.core.errors import DataError
 
 VICUNA_SYSTEM = (
     "A chat between a curious user and an artificial intelligence assistant. "

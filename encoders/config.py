@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from mimo.grid import ParallelConfig
-from mimo.schema import at_least, join_path, tp_divides
+from mimo.parallel.grid import ParallelConfig
+from mimo.core.schema import at_least, join_path, tp_divides
 
 EncoderPart = Literal["tower", "projector"]
 

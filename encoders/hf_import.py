@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from mimo.encoders.config import VitArch
 from mimo.encoders.vit import patch_bias
 from mimo.encoders.weights import ImportedWeights, Rule, check_arch, map_state
-from mimo.errors import MimoError
+from mimo.core.errors import MimoError
 
 __all__ = [
     "read_config_json", "read_hf_config", "hf_arch", "hf_rules", "load_hf_state", "import_hf_state", "import_hf",

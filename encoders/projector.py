@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mimo.encoders.tp_state import TPParam, full_state, init_tp_invariant, load_full_, shard_specs
-from mimo.errors import LayoutError, MimoError
+from mimo.core.errors import LayoutError, MimoError
 from mimo.parallel import ColumnParallelLinear, RowParallelLinear, ShardSpec, group_size
 
 __all__ = ["PROJECTORS", "build_projector", "Mlp2xGeluProjector", "LinearProjector"]

@@ -26,7 +26,7 @@ import torch
 from mimo.encoders.config import VitArch
 from mimo.encoders.vit import patch_bias
 from mimo.encoders.weights import ImportedWeights, Rule, check_arch, load_state_file, map_state
-from mimo.errors import MimoError
+from mimo.core.errors import MimoError
 
 __all__ = ["create_timm_model", "timm_arch", "timm_rules", "import_timm_state", "import_timm", "timm_features"]
 

@@ -16,7 +16,7 @@ from typing import Callable, Mapping
 import torch
 import torch.nn as nn
 
-from mimo.errors import MimoError
+from mimo.core.errors import MimoError
 from mimo.parallel import ShardSpec, TPModule, init_shard, param_seed, shard_tensor
 from mimo.parallel.params import full_tensors, param_table
 

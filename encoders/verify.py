@@ -24,9 +24,9 @@ import torch.distributed as dist
 from mimo.encoders.config import VitArch
 from mimo.encoders.tp_state import full_grads
 from mimo.encoders.vit import VisionTransformer, resolve_feature_layer
-from mimo.errors import MimoError
-from mimo.grid import ParallelGrid
-from mimo.testing import rel_err
+from mimo.core.errors import MimoError
+from mimo.parallel.grid import ParallelGrid
+from mimo.core.testing import rel_err
 
 __all__ = ["EncoderSource", "parse_feature_layer", "parse_kwargs", "describe_source", "check_request", "preflight",
            "verify_case", "summarise"]

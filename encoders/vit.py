@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from mimo.encoders.config import VitArch
 from mimo.encoders.tp_state import TPParam, full_state, init_tp_invariant, load_full_, shard_specs
-from mimo.errors import LayoutError, MimoError
+from mimo.core.errors import LayoutError, MimoError
 from mimo.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 import torch
 
 from mimo.encoders.config import VitArch
-from mimo.errors import MimoError
+from mimo.core.errors import MimoError
 
 __all__ = ["Rule", "ImportedWeights", "map_state", "load_state_file", "check_arch", "replace_named"]
 

@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch.nn as nn
 
-from mimo.errors import MimoError
+from mimo.core.errors import MimoError
 from mimo.llm.attention import build_attention
 from mimo.llm.config import HybridArch
 from mimo.llm.mlp import build_mlp

@@ -22,10 +22,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from mimo.errors import ConfigError
-from mimo.grid import ParallelConfig
+from mimo.core.errors import ConfigError
+from mimo.parallel.grid import ParallelConfig
 from mimo.llm.pattern import LayerPattern, LayerSpec, parse_pattern
-from mimo.schema import at_least, join_path, tp_divides
+from mimo.core.schema import at_least, join_path, tp_divides
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from mimo.errors import MimoError
+from mimo.core.errors import MimoError
 from mimo.llm.config import HybridArch, RopeScaling
 from mimo.llm.model import LLMStage
 

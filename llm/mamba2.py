@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mimo.errors import LayoutError
+from mimo.core.errors import LayoutError
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
 from mimo.llm.recurrence import conv1d_naive, ssd_naive

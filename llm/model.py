@@ -18,7 +18,7 @@ take the same optimizer step and stay equal.
 
 Activations: without sequence parallel, the hidden states between layers and stages are the
 whole pack ``[T, D]`` (replicated over TP); with it, this rank's contiguous ``[T/tp, D]`` block
-(the pack must already be padded to a multiple of tp, ``mimo.layout.PackLayout``).
+(the pack must already be padded to a multiple of tp, ``mimo.parallel.layout.PackLayout``).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mimo.batch import PackedBatch
-from mimo.errors import LayoutError
-from mimo.grid import ParallelGrid
-from mimo.layout import Placement, packed_placement
+from mimo.core.batch import PackedBatch
+from mimo.core.errors import LayoutError
+from mimo.parallel.grid import ParallelGrid
+from mimo.parallel.layout import Placement, packed_placement
 from mimo.llm.blocks import build_layer
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from mimo.errors import ConfigError
+from mimo.core.errors import ConfigError
 
 LAYER_KINDS: dict[str, str] = {"M": "mamba", "G": "gdn", "*": "attention", "-": "mlp", "E": "moe"}
 STAGE_BOUNDARY = "|"

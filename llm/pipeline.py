@@ -15,8 +15,8 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from mimo.batch import PackedBatch
-from mimo.grid import ParallelGrid
+from mimo.core.batch import PackedBatch
+from mimo.parallel.grid import ParallelGrid
 from mimo.llm.model import LLMStage
 
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from mimo.batch import PackedBatch
-from mimo.errors import ConfigError, MimoError
-from mimo.grid import ParallelConfig, ParallelGrid
+from mimo.core.batch import PackedBatch
+from mimo.core.errors import ConfigError, MimoError
+from mimo.parallel.grid import ParallelConfig, ParallelGrid
 from mimo.llm.config import LLMModuleConfig
 from mimo.llm.hf import HFCheckpoint, arch_from_hf_config, check_hf_tensors, export_hf_state, load_hf_checkpoint
 from mimo.llm.model import build_stage, count_loss_tokens
@@ -149,7 +149,7 @@ def check_layout(path: str, tp: int, pp: int, sequence_parallel: bool = False,
 def verify_llm(path: str, pool, *, from_checkpoint: bool, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
                samples: int = 6, max_len: int = 20, seed: int = 0, tol: float = 1e-5) -> dict[str, Any]:
     """Compare our logits at tp x pp with Hugging Face's (see module doc). ``pool``: a worker
-    pool (``mimo.launch.WorkerPool``) of at least tp*pp ranks; ranks past tp*pp idle."""
+    pool (``mimo.training.launch.WorkerPool``) of at least tp*pp ranks; ranks past tp*pp idle."""
     path, cfg = check_layout(path, tp, pp, sequence_parallel, from_checkpoint)
     arch = arch_from_hf_config(cfg)
     hf = _hf_model(path, from_checkpoint, seed)

@@ -8,7 +8,7 @@ import os
 import pytest
 import yaml
 
-from mimo.launch import WorkerPool
+from mimo.training.launch import WorkerPool
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +31,9 @@ def write_demo_config():
     """``write(root, seed, edit=None)``: configs/demo.yaml over 400 fresh demo samples in two
     shards under ``root``, 1024-token microbatches, its index prepared; ``edit(cfg)`` may change
     the config dict first. Returns the config's path."""
-    from mimo.config import load_config
+    from mimo.compose.config import load_config
     from mimo.data.demo import make_demo_data
-    from mimo.inputs import ensure_index
+    from mimo.compose.inputs import ensure_index
 
     def write(root, seed: int, edit=None) -> str:
         data = root / "data"

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mimo.batch import PackedBatch
-from mimo.errors import DataError
+from mimo.core.batch import PackedBatch
+from mimo.core.errors import DataError
 
 
 def make(lens=(3, 1, 4)):

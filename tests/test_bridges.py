@@ -10,9 +10,9 @@ import torch.distributed as dist
 from mimo.bridges.executor import Bridge
 from mimo.bridges.plan import make_plan, minimum_numel
 from mimo.bridges.verify import bridge_case, local_view, parse_layout, resolve, summarise
-from mimo.errors import LayoutError
-from mimo.grid import ParallelGrid
-from mimo.layout import Piece, Placement, dp_blocks, dp_placement
+from mimo.core.errors import LayoutError
+from mimo.parallel.grid import ParallelGrid
+from mimo.parallel.layout import Piece, Placement, dp_blocks, dp_placement
 
 # (src, dst, colocated); every case runs ragged, with zero-row samples, over 3 microbatches
 COLOCATED = [

@@ -17,12 +17,12 @@ from typing import Literal
 
 import pytest
 
-from mimo.cli import main
-from mimo.config import MimoConfig, config_from_dict, load_config
+from mimo.commands.cli import main
+from mimo.compose.config import MimoConfig, config_from_dict, load_config
 from mimo.data.config import expand_braces
-from mimo.errors import ConfigError
+from mimo.core.errors import ConfigError
 from mimo.llm.pattern import LAYER_COST, LayerSpec, balanced_split, parse_pattern
-from mimo.schema import apply_overrides, convert, from_dict, load_yaml
+from mimo.core.schema import apply_overrides, convert, from_dict, load_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "configs" / "examples").glob("*.yaml"))
@@ -91,7 +91,7 @@ def test_examples_pass_check_config_cli(path, demo_cwd, monkeypatch):
 
 def test_check_config_does_not_import_torch(tmp_path):
     code = (
-        "import sys; from mimo.cli import main; "
+        "import sys; from mimo.commands.cli import main; "
         f"rc = main(['check-config', {str(EXAMPLES[0])!r}]); "
         "assert rc == 0; assert 'torch' not in sys.modules, 'check-config imported torch'"
     )
@@ -458,7 +458,7 @@ ALL_CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 def demo_cwd(tmp_path_factory) -> Path:
     """A working directory holding what `mimo demo` writes (configs name demo-data/...), small."""
     from mimo.data.demo import make_demo_data
-    from mimo.demo import DEMO_DATA_DIR
+    from mimo.commands.demo import DEMO_DATA_DIR
 
     cwd = tmp_path_factory.mktemp("configs_cwd")
     make_demo_data(str(cwd / DEMO_DATA_DIR), train_samples=16, heldout_samples=2, shard_size=2)

@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mimo.batch import PackedBatch
+from mimo.core.batch import PackedBatch
 from mimo.data.demo import make_demo_data
 from mimo.data.images import ImageSpec
 from mimo.data.index import TextSpec, index_path, load_index, prepare
 from mimo.data.pack import PackItem, pack
 from mimo.data.plan import DataPlan
-from mimo.errors import DataError
-from mimo.layout import PackLayout
+from mimo.core.errors import DataError
+from mimo.parallel.layout import PackLayout
 
 ROWS = 16  # rows per image of the test encoder
 TEMPLATE = "chatml"
@@ -193,7 +193,7 @@ def _deliver(root, pattern, llm_shape, llm_offset, enc_shape, enc_offset, steps,
     a one-process read of the samples its encoder block names."""
     from mimo.data.index import prepare
     from mimo.data.pipeline import DataPipeline, EncoderFeed, SampleReader, encoder_blocks
-    from mimo.grid import ParallelGrid
+    from mimo.parallel.grid import ParallelGrid
 
     spec = _spec(root)
     index, _ = prepare(pattern, spec, workers=1)

@@ -21,8 +21,8 @@ from mimo.encoders.projector import build_projector
 from mimo.encoders.tp_state import full_grads
 from mimo.encoders.verify import EncoderSource, summarise, verify_case
 from mimo.encoders.vit import VisionTransformer
-from mimo.grid import ParallelConfig, ParallelGrid
-from mimo.testing import rel_err
+from mimo.parallel.grid import ParallelConfig, ParallelGrid
+from mimo.core.testing import rel_err
 
 WORLD = 4
 TOL = 1e-5

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mimo.cli import main
+from mimo.commands.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMM_KW = "depth=2,embed_dim=48,num_heads=6,img_size=32,patch_size=8"

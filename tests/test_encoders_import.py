@@ -20,7 +20,7 @@ from mimo.encoders.projector import PROJECTORS, build_projector
 from mimo.encoders.timm_import import create_timm_model, import_timm, import_timm_state, timm_arch
 from mimo.encoders.vit import VisionTransformer, resolve_feature_layer
 from mimo.encoders.weights import load_state_file
-from mimo.errors import MimoError
+from mimo.core.errors import MimoError
 
 SMALL = {"depth": 3, "embed_dim": 96, "num_heads": 12, "img_size": 32, "patch_size": 8}
 HF_SMALL = {"hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 3, "num_attention_heads": 12,

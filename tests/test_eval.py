@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from mimo.data.demo import make_demo_data
-from mimo.eval import EvalRequest, cut_at, eval_rank, exact_match, last_answer, normalise, subset_blocks
+from mimo.commands.eval import EvalRequest, cut_at, eval_rank, exact_match, last_answer, normalise, subset_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 HELDOUT = "heldout-{000000..000000}.tar"
@@ -80,11 +80,11 @@ def reference_rank(config_path: str, overrides: list[str], req: EvalRequest, sam
     """One process: each sample alone, the whole model, argmax at the last position, repeated."""
     import torch.distributed as dist
 
-    from mimo.config import load_config
+    from mimo.compose.config import load_config
     from mimo.data.pack import PackItem, pack
     from mimo.data.pipeline import SampleReader
-    from mimo.inputs import encoder_feeds, ensure_index, text_spec
-    from mimo.model import MimoModel
+    from mimo.compose.inputs import encoder_feeds, ensure_index, text_spec
+    from mimo.compose.model import MimoModel
 
     config = load_config(config_path, overrides)
     model = MimoModel(config, dist.get_rank())
@@ -129,10 +129,10 @@ def stops_some_not_all(generated, token: int) -> bool:
 
 @pytest.mark.parametrize("layout", [[], NON_COLOCATED_PP], ids=["colocated-tp2-dp2-sp", "noncolocated-pp2"])
 def test_generation_through_the_layout_matches_one_process_argmax(pools, data, tmp_path, layout):
-    from mimo.config import load_config
-    from mimo.eval import end_marker
+    from mimo.compose.config import load_config
+    from mimo.commands.eval import end_marker
     from mimo.data.text import load_tokenizer
-    from mimo.inputs import ensure_index
+    from mimo.compose.inputs import ensure_index
 
     config_path = write_config(tmp_path, data)
     varied = ["modules.language.arch.init_std=0.5"]  # an untrained model whose answers depend on the input

@@ -23,7 +23,7 @@ from mimo.llm.context import SeqContext
 from mimo.llm.pattern import LayerSpec
 from mimo.parallel import cross_entropy as ce
 from mimo.parallel import vocab_parallel_cross_entropy
-from mimo.testing import rel_err
+from mimo.core.testing import rel_err
 
 BF16_TOL = 2e-2
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU fast paths need CUDA (this machine has none)")

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mimo.errors import LayoutError
-from mimo.grid import ParallelConfig, ParallelGrid, parse_rank_range
+from mimo.core.errors import LayoutError
+from mimo.parallel.grid import ParallelConfig, ParallelGrid, parse_rank_range
 
 MEGATRON_ORDER = ("tp", "cp", "ep", "dp", "pp")
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 import yaml
 
-from mimo.errors import MimoError
-from mimo.hf_llava import (
+from mimo.core.errors import MimoError
+from mimo.commands.hf_llava import (
     NAMINGS,
     export_llava_grads,
     export_llava_state,
@@ -32,7 +32,7 @@ from mimo.hf_llava import (
     load_llava,
     save_llava,
 )
-from mimo.testing import rel_err
+from mimo.core.testing import rel_err
 
 TOL = 1e-5
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<image>"]
@@ -292,7 +292,7 @@ def test_config_builder():
     assert (old_arch.llm.hidden, old_arch.llm.pattern.count("*"), old_arch.llm.vocab) == (4096, 32, 32064)
     assert old_arch.vision.patches_per_image == 576
     # the modules section validates as a mimo config
-    from mimo.config import config_from_dict
+    from mimo.compose.config import config_from_dict
 
     cfg = config_from_dict({"world_size": 1, "modules": llava_modules(config), "data": {"source": "synthetic", "max_sample_tokens": 512}})
     assert cfg.encoders["vision"].rows_per_image == 16 and cfg.llm.arch == arch.llm
@@ -307,8 +307,8 @@ def test_config_builder():
 
 
 def test_import_hf_llava_command(tmp_path, capsys):
-    from mimo.cli import main
-    from mimo.config import config_from_dict
+    from mimo.commands.cli import main
+    from mimo.compose.config import config_from_dict
 
     config = llava_config("clip-2-default-untied")
     model = hf_model(config)
@@ -336,9 +336,9 @@ def _full_params_from(config_path: str, checkpoint: str) -> dict:
     tensors each module's reporting rank (tp = dp = 0) holds."""
     import torch.distributed as dist
 
-    from mimo.checkpoint import load_checkpoint
-    from mimo.config import load_config
-    from mimo.model import MimoModel
+    from mimo.training.checkpoint import load_checkpoint
+    from mimo.compose.config import load_config
+    from mimo.compose.model import MimoModel
 
     model = MimoModel(load_config(config_path), dist.get_rank())
     load_checkpoint(model, checkpoint, rng=False)
@@ -350,7 +350,7 @@ def _full_params_from(config_path: str, checkpoint: str) -> dict:
 def test_import_to_a_mimo_checkpoint_at_a_layout(pools, tmp_path, capsys):
     """``--config``: the LLaVA weights become a mimo checkpoint at the config's layout (here
     the tower data-parallel, the LLM tensor-parallel on 2 ranks), projector included."""
-    from mimo.cli import main
+    from mimo.commands.cli import main
 
     config = llava_config("clip-2-default-untied")
     hf_model(config).save_pretrained(tmp_path / "llava")
@@ -464,9 +464,9 @@ def hf_processor(tokenizer_dir: str, config: dict):
 
 def _choose_microbatches(config_path: str, samples: int, micro_batches: int) -> int:
     """A tokens_per_microbatch whose first step holds every sample exactly once."""
-    from mimo.config import load_config
+    from mimo.compose.config import load_config
     from mimo.data.plan import DataPlan
-    from mimo.inputs import ensure_index
+    from mimo.compose.inputs import ensure_index
 
     config = load_config(config_path)
     index, _ = ensure_index(config)
@@ -510,11 +510,11 @@ def _mimo_step(config_path: str, checkpoint: str) -> dict:
     imported LLaVA weights; loss, loss tokens, the step's samples, every gradient before clipping."""
     import torch.distributed as dist
 
-    from mimo.config import load_config
-    from mimo.hf_llava import load_llava_
-    from mimo.optim import PrecisionPolicy
-    from mimo.run import build_run
-    from mimo.step import train_step
+    from mimo.compose.config import load_config
+    from mimo.commands.hf_llava import load_llava_
+    from mimo.training.optim import PrecisionPolicy
+    from mimo.training.run import build_run
+    from mimo.training.step import train_step
 
     config = load_config(config_path)
     run = build_run(config, dist.get_rank(), policy=PrecisionPolicy.named("fp32"))
@@ -530,9 +530,9 @@ def _load_error(config_path: str, checkpoint: str, overrides: list[str]) -> str:
     """On a one-rank pool: the message of loading the checkpoint into a model that does not fit."""
     import torch.distributed as dist
 
-    from mimo.config import load_config
-    from mimo.hf_llava import load_llava_
-    from mimo.model import MimoModel
+    from mimo.compose.config import load_config
+    from mimo.commands.hf_llava import load_llava_
+    from mimo.compose.model import MimoModel
 
     model = MimoModel(load_config(config_path, overrides), dist.get_rank())
     try:
@@ -566,7 +566,7 @@ def _hf_batch(setup):
 def test_whole_model_parity_with_hugging_face(pools, parity_setup):
     from transformers import LlavaForConditionalGeneration
 
-    from mimo.config import load_config
+    from mimo.compose.config import load_config
 
     setup = parity_setup
     ckpt = str(setup["root"] / "llava")
@@ -633,9 +633,9 @@ def test_parity_would_catch_scatter_and_normalisation_bugs(parity_setup):
 
 def test_pixels_match_the_hugging_face_processor(parity_setup):
     """mimo's image preprocessing gives the processor's pixel values (CLIP mean / std)."""
-    from mimo.config import load_config
+    from mimo.compose.config import load_config
     from mimo.data.images import preprocess
-    from mimo.inputs import image_spec
+    from mimo.compose.inputs import image_spec
 
     setup = parity_setup
     spec = image_spec(load_config(setup["mimo_config"]).encoders["vision"])

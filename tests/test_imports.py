@@ -1,4 +1,5 @@
-"""Import direction (DESIGN §1): base -> encoders/llm/bridges -> data/schedules -> composition.
+"""Import direction (DESIGN §1): base (mimo/core, mimo/parallel) -> encoders/llm/bridges ->
+data/schedules -> mimo/compose -> mimo/training -> mimo/commands, read from the folders.
 
 Parses every module's imports (including those inside functions) and checks that none
 reaches "up", and that nothing anywhere imports a top-level folder by its bare name.
@@ -13,8 +14,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"mimo": "mimo", "encoders": "mimo.encoders", "llm": "mimo.llm", "bridges": "mimo.bridges", "data": "mimo.data", "schedules": "mimo.schedules"}
-BASE = {"mimo.grid", "mimo.layout", "mimo.errors", "mimo.batch", "mimo.parallel", "mimo.schema", "mimo.testing"}
-# what each part may import of the project (besides itself)
+# The parts are folders, lowest first; each may import the parts listed for it (and itself).
+# The base is mimo/core and mimo/parallel; the composition is mimo/compose -> mimo/training ->
+# mimo/commands. Only the top-level package files (mimo/__init__, __main__) sit above all.
+BASE = ("mimo.core", "mimo.parallel")
 ALLOWED = {
     "base": {"base"},
     "mimo.encoders": {"base"},
@@ -22,8 +25,15 @@ ALLOWED = {
     "mimo.bridges": {"base"},
     "mimo.data": {"base", "mimo.bridges"},
     "mimo.schedules": {"base", "mimo.bridges"},
-    "composition": {"base", "mimo.encoders", "mimo.llm", "mimo.bridges", "mimo.data", "mimo.schedules", "composition"},
+    "mimo.compose": {"base", "mimo.encoders", "mimo.llm", "mimo.bridges", "mimo.data", "mimo.schedules"},
+    "mimo.training": {"base", "mimo.encoders", "mimo.llm", "mimo.bridges", "mimo.data", "mimo.schedules", "mimo.compose"},
+    "mimo.commands": {"base", "mimo.encoders", "mimo.llm", "mimo.bridges", "mimo.data", "mimo.schedules", "mimo.compose",
+                      "mimo.training"},
+    "top": set(ALL := ("base", "mimo.encoders", "mimo.llm", "mimo.bridges", "mimo.data", "mimo.schedules",
+                        "mimo.compose", "mimo.training", "mimo.commands")),
 }
+PARTS = ("mimo.encoders", "mimo.llm", "mimo.bridges", "mimo.data", "mimo.schedules", "mimo.compose", "mimo.training",
+         "mimo.commands")
 
 
 def module_name(path: Path) -> str:
@@ -36,15 +46,20 @@ def module_name(path: Path) -> str:
 
 
 def part_of(module: str) -> str:
-    if module == "mimo":
-        return "composition"
     for b in BASE:
         if module == b or module.startswith(b + "."):
             return "base"
-    for sub in ("mimo.encoders", "mimo.llm", "mimo.bridges", "mimo.data", "mimo.schedules"):
+    for sub in PARTS:
         if module == sub or module.startswith(sub + "."):
             return sub
-    return "composition"
+    return "top"
+
+
+def test_every_module_lives_in_a_part_folder():
+    """A new file directly under mimo/ would escape the direction check: only the package's
+    own entry files may sit there."""
+    loose = sorted(p.name for p in (ROOT / "mimo").glob("*.py") if p.name not in {"__init__.py", "__main__.py"})
+    assert not loose, f"modules directly under mimo/ (put them into a part folder): {loose}"
 
 
 def project_files():
@@ -93,8 +108,10 @@ def test_no_bare_imports_of_top_level_folders():
 
 
 def test_the_checker_catches_violations(tmp_path):
-    tree = ast.parse("import mimo.config\nfrom mimo.llm import x\nfrom . import y\n")
+    tree = ast.parse("import mimo.compose.config\nfrom mimo.llm import x\nfrom . import y\n")
     names = list(imported_names(tree))
-    assert [(n, lvl) for _, n, lvl in names] == [("mimo.config", 0), ("mimo.llm", 0), ("", 1)]
-    assert part_of("mimo.config") == "composition" and "composition" not in ALLOWED["base"]
+    assert [(n, lvl) for _, n, lvl in names] == [("mimo.compose.config", 0), ("mimo.llm", 0), ("", 1)]
+    assert part_of("mimo.compose.config") == "mimo.compose" and "mimo.compose" not in ALLOWED["base"]
+    assert part_of("mimo.parallel.grid") == "base" and part_of("mimo.core.errors") == "base"
+    assert "mimo.commands" not in ALLOWED["mimo.training"] and "mimo.training" not in ALLOWED["mimo.compose"]
     assert part_of("mimo.llm.pattern") == "mimo.llm" and "mimo.llm" not in ALLOWED["mimo.encoders"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mimo.errors import DistributedError
+from mimo.core.errors import DistributedError
 
 
 def _allreduce_rank():

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from mimo.errors import LayoutError
-from mimo.grid import ParallelGrid
-from mimo.layout import Piece, Placement, cp_chunks, cp_owner, dp_blocks, dp_placement, split_columns, split_even
+from mimo.core.errors import LayoutError
+from mimo.parallel.grid import ParallelGrid
+from mimo.parallel.layout import Piece, Placement, cp_chunks, cp_owner, dp_blocks, dp_placement, split_columns, split_even
 
 
 def brute_force_best_max(costs, dp):

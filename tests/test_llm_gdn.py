@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mimo.batch import PackedBatch
-from mimo.grid import ParallelGrid
+from mimo.core.batch import PackedBatch
+from mimo.parallel.grid import ParallelGrid
 from mimo.llm.blocks import build_layer
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
@@ -28,7 +28,7 @@ from mimo.llm.pipeline import run_pipeline
 from mimo.llm.recurrence import gated_delta_naive
 from mimo.llm.ssm import kernel, segments
 from mimo.parallel import group_rank, param_seed
-from mimo.testing import rel_err
+from mimo.core.testing import rel_err
 
 TOL = 1e-5
 SEQLENS = [5, 1, 12, 1, 9, 2, 8]  # 38 tokens: boundaries inside chunks of 8, length-1 samples

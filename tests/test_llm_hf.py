@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from mimo.errors import MimoError
+from mimo.core.errors import MimoError
 from mimo.llm.config import HybridArch
 from mimo.llm.hf import (
     HFCheckpoint,

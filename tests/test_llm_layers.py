@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mimo.errors import MimoError
+from mimo.core.errors import MimoError
 from mimo.llm.attention import exact_attention, packed_attention, varlen_attention
 from mimo.llm.blocks import build_layer, layer_builder
 from mimo.llm.config import HybridArch, RopeScaling
@@ -15,7 +15,7 @@ from mimo.llm.model import LLMStage, count_loss_tokens
 from mimo.llm.pattern import LayerSpec
 from mimo.llm.rope import RopeConfig, inv_freq
 from mimo.llm.verify import pack_samples
-from mimo.testing import assert_close, rel_err
+from mimo.core.testing import assert_close, rel_err
 
 TOL = 1e-5
 LENS = [5, 1, 9, 3, 12]  # ragged, with a sample of length 1
@@ -299,9 +299,9 @@ def test_tied_single_stage_head_reads_the_embedding():
 
 
 def test_arch_fields_from_yaml_dicts():
-    from mimo.errors import ConfigError
+    from mimo.core.errors import ConfigError
     from mimo.llm.config import LLMModuleConfig
-    from mimo.schema import from_dict
+    from mimo.core.schema import from_dict
 
     arch = {"pattern": "*-*-", "hidden": 32, "heads": 4, "vocab": 50}
     c = from_dict(LLMModuleConfig, {"kind": "hybrid", "arch": {**arch, "attention_bias": True, "o_bias": False,

@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mimo.grid import ParallelGrid
+from mimo.parallel.grid import ParallelGrid
 from mimo.llm.config import HybridArch
 from mimo.llm.model import LLMStage, build_stage, count_loss_tokens, embedding_group, sync_tied_grads
 from mimo.llm.pipeline import run_pipeline
 from mimo.llm.verify import pack_samples
-from mimo.testing import assert_close
+from mimo.core.testing import assert_close
 
 TOL = 1e-5
 WORLD = 8

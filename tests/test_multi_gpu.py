@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from mimo.bridges.verify import bridge_case, summarise
-from mimo.cli import VERIFY_TRAIN_TOL
-from mimo.errors import DistributedError
-from mimo.launch import WorkerPool, check_device, resolve_device
+from mimo.commands.cli import VERIFY_TRAIN_TOL
+from mimo.core.errors import DistributedError
+from mimo.training.launch import WorkerPool, check_device, resolve_device
 
 GPUS = torch.cuda.device_count()
 needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"NCCL runs one rank per GPU: needs 2 GPUs, {GPUS} visible")
@@ -124,7 +124,7 @@ def demo_config(tmp_path_factory, write_demo_config):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(TRAIN_LAYOUTS))
 def test_train_over_nccl(gpu_pools, demo_config, name, precision, references={}):
-    from mimo.verify_train import compare, train_case
+    from mimo.commands.verify_train import compare, train_case
 
     overrides = TRAIN_LAYOUTS[name]
     # the reference sees only the model/data overrides (one process, fp32, one GPU)

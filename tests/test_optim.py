@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 
-from mimo.checkpoint import _load_optimizer, _save_optimizer
-from mimo.errors import CheckpointError
-from mimo.optim import MasterWeightAdamW, PrecisionPolicy, TrainParam, build_optimizers
+from mimo.training.checkpoint import _load_optimizer, _save_optimizer
+from mimo.core.errors import CheckpointError
+from mimo.training.optim import MasterWeightAdamW, PrecisionPolicy, TrainParam, build_optimizers
 
 
 def _params(dtype, seed=0):

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mimo.errors import LayoutError
-from mimo.grid import ParallelGrid
+from mimo.core.errors import LayoutError
+from mimo.parallel.grid import ParallelGrid
 from mimo.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -40,7 +40,7 @@ from mimo.parallel import (
     split_along,
     vocab_parallel_cross_entropy,
 )
-from mimo.testing import rel_err
+from mimo.core.testing import rel_err
 
 TOL = 1e-5
 WORLD = 4

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mimo.config import load_config
-from mimo.errors import ConfigError
-from mimo.inputs import data_plan, sample_reader
+from mimo.compose.config import load_config
+from mimo.core.errors import ConfigError
+from mimo.compose.inputs import data_plan, sample_reader
 from mimo.data.pack import pack
 from mimo.llm.model import count_loss_tokens
 
@@ -78,8 +78,8 @@ def test_synthetic_config_errors_name_the_key(override, message):
 
 
 def test_one_cpu_training_step_on_synthetic_data():
-    from mimo.run import build_run
-    from mimo.step import train_step
+    from mimo.training.run import build_run
+    from mimo.training.step import train_step
 
     config = load_config(LLAVA, SMALL)
     run = build_run(config, 0)

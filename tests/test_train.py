@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from mimo.config import load_config
-from mimo.verify_train import compare, train_case
+from mimo.compose.config import load_config
+from mimo.commands.verify_train import compare, train_case
 
 STEPS = 2
 TOL = 1e-5
@@ -92,7 +92,7 @@ def _averaging_train_case(config, overrides, steps, reference):
     (the simple schedule's and the overlapped one's) finishes in GradSync.finish."""
     import torch.distributed as dist
 
-    from mimo.optim import GradSync
+    from mimo.training.optim import GradSync
 
     summed = GradSync.finish
 
@@ -120,7 +120,7 @@ def test_a_wrong_gradient_scale_fails_verification(pools, demo_config, schedule)
 
 
 def test_per_module_learning_rates_and_schedule(demo_config):
-    from mimo.optim import lr_at
+    from mimo.training.optim import lr_at
 
     config = load_config(demo_config, ["modules.vision.lr=0.01", "modules.language.weight_decay=0.1"])
     lr, wd = config.optimizer_settings()
@@ -137,9 +137,9 @@ def _trace_case(config_path, overrides):
     """One traced training step; returns this rank's LLM stage (or None) and its events."""
     import torch.distributed as dist
 
-    from mimo.optim import PrecisionPolicy
-    from mimo.run import build_run
-    from mimo.step import train_step
+    from mimo.training.optim import PrecisionPolicy
+    from mimo.training.run import build_run
+    from mimo.training.step import train_step
 
     config = load_config(config_path, overrides)
     run = build_run(config, dist.get_rank(), policy=PrecisionPolicy.named("fp32"))
@@ -197,7 +197,7 @@ def _check_buckets_overlap_last_backward(events, mbs):
 @pytest.mark.parametrize("name", list(TRACED))
 def test_1f1b_trace_shows_the_schedule(pools, demo_config, name):
     from mimo.schedules.pipeline import one_f_one_b_order
-    from mimo.step import chrome_trace
+    from mimo.training.step import chrome_trace
 
     world, overrides, depth = TRACED[name]
     per_rank = pools(world).run(_trace_case, demo_config, overrides + ["train.schedule=1f1b"])
@@ -264,7 +264,7 @@ def _slow_llm_trace_case(config_path, overrides, delay_s):
     rank that waited for the LLM would visibly lag behind it."""
     import time
 
-    from mimo.schedule_run import _StageRunner
+    from mimo.training.schedule_run import _StageRunner
 
     forward = _StageRunner.forward
 
@@ -302,7 +302,7 @@ def test_frozen_encoder_prefetch_runs_ahead_of_a_slow_llm(pools, demo_config):
 
 
 def test_schedule_setting_is_validated(demo_config):
-    from mimo.errors import ConfigError
+    from mimo.core.errors import ConfigError
 
     assert load_config(demo_config).train.schedule == "1f1b"
     assert load_config(demo_config, ["train.schedule=1f1b"]).train.schedule == "1f1b"
@@ -318,7 +318,7 @@ def _grad_sync_case():
     import torch
     import torch.distributed as dist
 
-    from mimo.optim import GradSync, TrainParam
+    from mimo.training.optim import GradSync, TrainParam
 
     rank, world = dist.get_rank(), dist.group.WORLD
     a, b, unused = (torch.nn.Parameter(torch.zeros(n)) for n in (6, 3, 2))
@@ -346,7 +346,7 @@ def test_grad_sync_buckets_launch_during_backward_in_order(pools):
 def test_step_result_reads_device_values_on_first_access():
     """train_step hands the loss and the gradient norm over as tensors (no device wait in the
     step); they read as floats, once."""
-    from mimo.step import StepResult
+    from mimo.training.step import StepResult
 
     r = StepResult(torch.tensor(2.5, dtype=torch.float64), torch.tensor(0.5), 7)
     assert torch.is_tensor(object.__getattribute__(r, "loss"))

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mimo.checkpoint import complete_checkpoints, describe_layout, latest_checkpoint, prune, remove_leftovers
-from mimo.config import load_config
+from mimo.training.checkpoint import complete_checkpoints, describe_layout, latest_checkpoint, prune, remove_leftovers
+from mimo.compose.config import load_config
 from mimo.data.demo import make_demo_data
-from mimo.inputs import ensure_index
-from mimo.train import FAULT_ENV, _short_failure
+from mimo.compose.inputs import ensure_index
+from mimo.training.train import FAULT_ENV, _short_failure
 
 STEPS = 4
 NON_COLOCATED = [  # vision on ranks 0:2 (dp 2), the LLM on ranks 2:4 as two pipeline stages

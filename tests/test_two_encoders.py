@@ -12,11 +12,11 @@ import pytest
 import torch
 import yaml
 
-from mimo.config import load_config
+from mimo.compose.config import load_config
 from mimo.data.text import TextEncoder, Turn, image_files, load_tokenizer
-from mimo.errors import DataError
-from mimo.inputs import data_plan, encoder_feeds, ensure_index, text_spec
-from mimo.verify_train import compare, train_case
+from mimo.core.errors import DataError
+from mimo.compose.inputs import data_plan, encoder_feeds, ensure_index, text_spec
+from mimo.commands.verify_train import compare, train_case
 
 CONFIG = os.path.join(os.path.dirname(__file__), "configs", "two_encoders.yaml")
 TOL = 1e-5
@@ -132,9 +132,9 @@ def test_a_mismatch_is_listed_as_a_bad_sample(tmp_path, config_path):
 def _trace_case(config_path, overrides):
     import torch.distributed as dist
 
-    from mimo.optim import PrecisionPolicy
-    from mimo.run import build_run
-    from mimo.step import train_step
+    from mimo.training.optim import PrecisionPolicy
+    from mimo.training.run import build_run
+    from mimo.training.step import train_step
 
     config = load_config(config_path, overrides)
     run = build_run(config, dist.get_rank(), policy=PrecisionPolicy.named("fp32"))

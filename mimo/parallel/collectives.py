@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mimo.errors import LayoutError
+from mimo.core.errors import LayoutError
 
 __all__ = [
     "group_size",

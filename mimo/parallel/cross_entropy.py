@@ -40,10 +40,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         n_real = max(0, min(v_local, vocab_size - start))  # real vocab columns held here
         chunks = _chunks(logits_TV.shape[0], n_real)
 
-        max_T = logits_TV.new_full(logits_TV.shape[:1], float("-inf"), dtype=torch.float32)
+        wide = torch.promote_types(logits_TV.dtype, torch.float32)  # fp32 at least (fp64 references stay fp64)
+        max_T = logits_TV.new_full(logits_TV.shape[:1], float("-inf"), dtype=wide)
         if n_real > 0:  # (a shard of padding only, tiny vocab at large tp, keeps -inf)
             for s, e in chunks:
-                max_T[s:e] = logits_TV[s:e, :n_real].float().max(dim=-1).values
+                max_T[s:e] = logits_TV[s:e, :n_real].to(wide).max(dim=-1).values
         max_T = all_reduce(max_T, group, op=dist.ReduceOp.MAX)
 
         target_T = labels_T - start
@@ -52,7 +53,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         picked_T, sum_exp_T = torch.zeros_like(max_T), torch.zeros_like(max_T)
         if n_real > 0:
             for s, e in chunks:
-                x_CV = logits_TV[s:e, :n_real].float() - max_T[s:e].unsqueeze(-1)
+                x_CV = logits_TV[s:e, :n_real].to(wide) - max_T[s:e].unsqueeze(-1)
                 picked_T[s:e] = x_CV.gather(-1, idx_T[s:e].unsqueeze(-1)).squeeze(-1)
                 sum_exp_T[s:e] = x_CV.exp_().sum(dim=-1)
             picked_T = picked_T.masked_fill(~is_local_T, 0.0)
@@ -68,13 +69,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_T):
         logits_TV, lse_T, idx_T, is_local_T, weight_T = ctx.saved_tensors
         n_real = ctx.n_real
-        scale_T = grad_T.float() * weight_T
+        scale_T = grad_T.to(lse_T.dtype) * weight_T
         minus_T = -(scale_T * is_local_T.to(scale_T.dtype))
         grad_TV = torch.zeros_like(logits_TV)  # padding columns keep zero gradient
         if n_real > 0:
             for s, e in _chunks(logits_TV.shape[0], n_real):
                 # d loss / d logits = (softmax - onehot) * scale
-                g_CV = (logits_TV[s:e, :n_real].float() - lse_T[s:e].unsqueeze(-1)).exp_().mul_(scale_T[s:e].unsqueeze(-1))
+                g_CV = (logits_TV[s:e, :n_real].to(lse_T.dtype) - lse_T[s:e].unsqueeze(-1)).exp_().mul_(scale_T[s:e].unsqueeze(-1))
                 g_CV.scatter_add_(-1, idx_T[s:e].unsqueeze(-1), minus_T[s:e].unsqueeze(-1))
                 grad_TV[s:e, :n_real] = g_CV
         return grad_TV, None, None, None, None

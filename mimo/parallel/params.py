@@ -27,8 +27,21 @@ from typing import Callable, Mapping
 import torch
 import torch.nn as nn
 
-from mimo.errors import LayoutError
+from mimo.core.errors import LayoutError
 from mimo.parallel import ShardSpec, gather_shard, group_rank, group_size, init_full, param_seed, shard_tensor
+
+
+@dataclass
+class TrainParam:
+    """A local trainable parameter: its module, layout-independent name, the group its
+    gradient is summed over, and whether this rank's copy counts in the global norm."""
+
+    module: str
+    name: str
+    param: nn.Parameter
+    dp_group: object | None  # gradients are summed over it; None: one rank
+    counts_in_norm: bool
+    weight_decay: bool = True
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mimo.errors import LayoutError
+from mimo.core.errors import LayoutError
 from mimo.parallel.collectives import all_gather_along
 
 __all__ = ["ShardSpec", "pad_to_multiple", "shard_tensor", "gather_shard"]

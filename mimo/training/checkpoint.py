@@ -43,12 +43,12 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_model, save_file, save_model
 
-from mimo.config import MimoConfig
-from mimo.errors import CheckpointError
-from mimo.grid import ParallelGrid
-from mimo.model import MimoModel
+from mimo.compose.config import MimoConfig
+from mimo.core.errors import CheckpointError
+from mimo.parallel.grid import ParallelGrid
+from mimo.compose.model import MimoModel
 
-log = logging.getLogger("mimo.checkpoint")
+log = logging.getLogger("mimo.training.checkpoint")
 
 FORMAT = 1
 META = "meta.json"

@@ -11,15 +11,15 @@ import logging
 import os
 from collections import Counter
 
-from mimo.batch import PackedBatch
-from mimo.config import MimoConfig
+from mimo.core.batch import PackedBatch
+from mimo.compose.config import MimoConfig
 from mimo.data.images import CLIP_MEAN, CLIP_STD, ImageSpec
 from mimo.data.index import Index, TextSpec, prepare
 from mimo.data.pipeline import EncoderFeed
 from mimo.data.plan import DataPlan
 from mimo.data.synthetic import SyntheticEncoder, SyntheticPlan, SyntheticReader, SyntheticStream
 from mimo.encoders.config import EncoderModuleConfig
-from mimo.errors import DataError
+from mimo.core.errors import DataError
 
 log = logging.getLogger("mimo.data")
 

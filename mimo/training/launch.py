@@ -35,7 +35,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
-from mimo.errors import DistributedError
+from mimo.core.errors import DistributedError
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mimo.optim import lr_at
+from mimo.training.optim import lr_at
 
-log = logging.getLogger("mimo.train")
+log = logging.getLogger("mimo.training.train")
 
 
 class _TimedPipeline:

@@ -14,8 +14,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from mimo.config import MimoConfig, load_config
-from mimo.testing import rel_err
+from mimo.compose.config import MimoConfig, load_config
+from mimo.core.testing import rel_err
 
 
 def one_process(config: MimoConfig) -> MimoConfig:
@@ -38,10 +38,10 @@ def train_case(config_path: str, overrides: list[str], steps: int, reference: bo
     """Runs on every rank of a worker pool: ``steps`` training steps, recording what to compare.
     ``device``: ``cuda`` runs on the rank's GPU (TF32 off); ``precision``: the layout run's
     (bf16 takes the GPU fast paths); the reference always runs fp32."""
-    from mimo.optim import PrecisionPolicy
-    from mimo.run import build_run
-    from mimo.step import train_step
-    from mimo.testing import rank_device
+    from mimo.training.optim import PrecisionPolicy
+    from mimo.training.run import build_run
+    from mimo.training.step import train_step
+    from mimo.core.testing import rank_device
 
     config = load_config(config_path, overrides)
     if reference:

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from mimo.errors import LayoutError
+from mimo.core.errors import LayoutError
 
 Dims = tuple[str, ...]
 
@@ -191,7 +191,7 @@ class ParallelConfig:
         return ParallelGrid({"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}, r.start)
 
     def validate(self, path: str) -> list[str]:
-        """Config problems of this section alone (mimo.schema calls it; the fit of the rank
+        """Config problems of this section alone (mimo.core.schema calls it; the fit of the rank
         range into the world is checked where the world size is known)."""
         key = (lambda name: f"{path}.{name}" if path else name)
         problems = [

@@ -2,7 +2,7 @@
 
 Launching. Without torchrun, ``train`` validates the config, prepares a missing data index
 (once, here), and starts ``world_size`` local processes over gloo through
-``mimo.launch.WorkerPool`` — the same machinery as the verify commands: an exception on any
+``mimo.training.launch.WorkerPool`` — the same machinery as the verify commands: an exception on any
 rank, or a rank dying, ends every rank and reports that rank's message. Under ``torchrun``
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR set) this process is one rank: rank 0 prepares the
 index and the run directory, and torchrun tears the job down if a rank fails. Either way a
@@ -51,10 +51,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
-from mimo.config import MimoConfig, load_config
-from mimo.errors import ConfigError, DistributedError
+from mimo.compose.config import MimoConfig, load_config
+from mimo.core.errors import ConfigError, DistributedError
 
-log = logging.getLogger("mimo.train")
+log = logging.getLogger("mimo.training.train")
 
 FAULT_ENV = "MIMO_TRAIN_FAULT"
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -95,8 +95,8 @@ def train(config_path: str, overrides: list[str], options: TrainOptions) -> dict
         done = _preflight(config, options)
         if done is not None:
             return done
-        from mimo.inputs import ensure_index
-        from mimo.launch import WorkerPool, resolve_device
+        from mimo.compose.inputs import ensure_index
+        from mimo.training.launch import WorkerPool, resolve_device
 
         options = replace(options, device=resolve_device(options.device, config.world_size))
         ensure_index(config)  # once, before any rank reads it
@@ -122,14 +122,14 @@ def _short_failure(message: str, run_dir: str) -> str:
         return message
     head, rank, trace = m.groups()
     last = [line for line in trace.strip().splitlines() if line.strip()][-1]
-    last = re.sub(r"^[\w.]+\.(\w+: )", r"\1", last)  # mimo.errors.DistributedError: -> DistributedError:
+    last = re.sub(r"^[\w.]+\.(\w+: )", r"\1", last)  # mimo.core.errors.DistributedError: -> DistributedError:
     return f"{head}: {last} (traceback in {os.path.join(run_dir, 'logs', f'rank{rank}.log')})"
 
 
 def _preflight(config: MimoConfig, options: TrainOptions) -> dict | None:
     """Before any process starts: a checkpoint at another layout is an error; a run that is
     already done returns its summary."""
-    from mimo.checkpoint import check_layout, latest_checkpoint, read_meta, resolve_checkpoint
+    from mimo.training.checkpoint import check_layout, latest_checkpoint, read_meta, resolve_checkpoint
 
     latest = latest_checkpoint(os.path.abspath(config.train.checkpoint.dir))
     if latest is None:
@@ -167,7 +167,7 @@ def _changed_keys(a, b, prefix: str = "") -> list[str]:
 
 
 def _last_loss(run_dir: str, step: int) -> float | None:
-    from mimo.metrics import read_metrics
+    from mimo.training.metrics import read_metrics
 
     for rec in read_metrics(os.path.join(run_dir, "metrics.jsonl")):
         if rec.get("step") == step:
@@ -242,7 +242,7 @@ def _train_under_torchrun(config_path: str, overrides: list[str], config: MimoCo
     dist.init_process_group(backend, timeout=timedelta(seconds=options.timeout_s))
     try:
         if rank == 0:
-            from mimo.inputs import ensure_index
+            from mimo.compose.inputs import ensure_index
 
             ensure_index(config)
             _prepare_run_dir(config, options.run_dir, config_path, overrides)
@@ -260,10 +260,10 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions, lo
     """Runs on every rank (a WorkerPool worker, or a torchrun process with its group up)."""
     import torch.distributed as dist
 
-    from mimo.checkpoint import latest_checkpoint, load_checkpoint, remove_leftovers, resolve_checkpoint, save_checkpoint
-    from mimo.metrics import Reporter, StepTimer
-    from mimo.run import build_run
-    from mimo.step import train_step, write_trace
+    from mimo.training.checkpoint import latest_checkpoint, load_checkpoint, remove_leftovers, resolve_checkpoint, save_checkpoint
+    from mimo.training.metrics import Reporter, StepTimer
+    from mimo.training.run import build_run
+    from mimo.training.step import train_step, write_trace
 
     rank = dist.get_rank()
     config = load_config(config_path, overrides)
@@ -354,7 +354,7 @@ def _latest_step(ckpt_dir: str, rank: int) -> int:
     import torch
     import torch.distributed as dist
 
-    from mimo.checkpoint import latest_checkpoint
+    from mimo.training.checkpoint import latest_checkpoint
 
     latest = latest_checkpoint(ckpt_dir) if rank == 0 else None
     t = torch.tensor([latest[0] if latest else 0], dtype=torch.int64)

@@ -37,7 +37,7 @@ import torch
 from mimo.encoders.config import VitArch
 from mimo.encoders.hf_import import FAMILIES, hf_arch, import_hf_state, import_llava_projector, load_hf_state, read_config_json
 from mimo.encoders.weights import ImportedWeights, replace_named
-from mimo.errors import MimoError
+from mimo.core.errors import MimoError
 from mimo.llm.config import HybridArch
 from mimo.llm.hf import (
     LLAVA_LM,
@@ -338,9 +338,9 @@ def _convert_rank(checkpoint: str, config_path: str, overrides: list[str], out: 
     """One rank of ``import_to_checkpoint``: its part of the model, loaded and saved."""
     import torch.distributed as dist
 
-    from mimo.checkpoint import save_checkpoint
-    from mimo.config import load_config
-    from mimo.model import MimoModel
+    from mimo.training.checkpoint import save_checkpoint
+    from mimo.compose.config import load_config
+    from mimo.compose.model import MimoModel
 
     model = MimoModel(load_config(config_path, overrides), dist.get_rank())
     load_llava_(model, load_llava(checkpoint))
@@ -351,9 +351,9 @@ def import_to_checkpoint(checkpoint: str, config_path: str, overrides: list[str]
     """The LLaVA checkpoint as a mimo checkpoint (step 0, weights only) at the config's layout,
     written by the config's ranks on local processes: ``train.init_from`` starts a run from it,
     projector included. Every rank reads the whole checkpoint file(s)."""
-    from mimo.checkpoint import layout_of
-    from mimo.config import load_config
-    from mimo.launch import WorkerPool
+    from mimo.training.checkpoint import layout_of
+    from mimo.compose.config import load_config
+    from mimo.training.launch import WorkerPool
 
     config = load_config(config_path, overrides)
     check_fits(config, import_llava_state(load_hf_state(checkpoint, shapes_only=True), read_config_json(checkpoint),

@@ -34,10 +34,10 @@ import torch.distributed as dist
 
 from mimo.data.pipeline import Microbatch
 from mimo.llm.pipeline import pp_neighbour
-from mimo.model import MimoModel
-from mimo.optim import GradSync
+from mimo.compose.model import MimoModel
+from mimo.training.optim import GradSync
 from mimo.schedules.pipeline import SCHEDULES, encoder_ticks, tick_of
-from mimo.step import Trace, _note, bridge_backward, encode_and_bridge
+from mimo.training.step import Trace, _note, bridge_backward, encode_and_bridge
 
 
 @dataclass

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from mimo.errors import DataError
+from mimo.core.errors import DataError
 
 
 @dataclass

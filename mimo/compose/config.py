@@ -1,7 +1,7 @@
 """The whole run's config: YAML -> overrides -> dataclasses -> every problem, before any process.
 
 Each component owns its section's dataclass (``mimo.encoders.config``, ``mimo.llm.config``,
-``mimo.grid.ParallelConfig``); this module adds the data and train sections and the checks
+``mimo.parallel.grid.ParallelConfig``); this module adds the data and train sections and the checks
 that span modules: rank ranges against the world and against each other, placeholders,
 data sizes against the LLM. Relative paths in the config are relative to the working
 directory of the process (as every command resolves them).
@@ -19,9 +19,9 @@ from typing import Any, Iterable, Literal
 
 from mimo.data.config import DataConfig
 from mimo.encoders.config import EncoderModuleConfig
-from mimo.errors import ConfigError, LayoutError
+from mimo.core.errors import ConfigError, LayoutError
 from mimo.llm.config import LLMModuleConfig
-from mimo.schema import apply_overrides, at_least, convert, join_path, load_yaml, validate_tree
+from mimo.core.schema import apply_overrides, at_least, convert, join_path, load_yaml, validate_tree
 
 ModuleConfig = EncoderModuleConfig | LLMModuleConfig
 

@@ -3,7 +3,7 @@
 The launcher resolves the checkpoint (a ``step-N`` folder, or a folder of them: its latest),
 checks its layout against the config before any process starts, indexes the held-out shards
 (``eval.shards`` or ``--shards``) and runs ``eval_rank`` on ``world_size`` local processes.
-Every rank builds the model exactly as training does (``mimo.model``), loads its shards, and
+Every rank builds the model exactly as training does (``mimo.compose.model``), loads its shards, and
 walks the same global microbatches: the first ``eval.samples`` usable held-out samples in
 shard order, grouped by ``data.tokens_per_microbatch``, delivered by the training data
 pipeline (each sample read once, packs to LLM ranks, pixels to encoder ranks).
@@ -33,10 +33,10 @@ import os
 import re
 from dataclasses import dataclass
 
-from mimo.config import MimoConfig, load_config
-from mimo.errors import ConfigError
+from mimo.compose.config import MimoConfig, load_config
+from mimo.core.errors import ConfigError
 
-log = logging.getLogger("mimo.eval")
+log = logging.getLogger("mimo.commands.eval")
 
 EXAMPLES = 5  # generated answers shown per scoring rank
 
@@ -93,7 +93,7 @@ def end_marker(config: MimoConfig, tokenizer) -> tuple[str, int | None]:
 
 def request_for(config: MimoConfig, checkpoint: str | None, shards: str | None) -> EvalRequest:
     """Check everything a user can get wrong, before any process starts."""
-    from mimo.checkpoint import check_layout, read_meta, resolve_checkpoint
+    from mimo.training.checkpoint import check_layout, read_meta, resolve_checkpoint
     from mimo.data.config import missing_shards
     from mimo.data.text import load_tokenizer
 
@@ -116,9 +116,9 @@ def evaluate(config_path: str, overrides: list[str], checkpoint: str | None = No
              timeout_s: float = 900.0) -> dict:
     """``mimo eval``: the result dict (loss, exact_match, counts, examples); ``checkpoint``
     defaults to ``train.checkpoint.dir``."""
-    from mimo.inputs import ensure_index
-    from mimo.launch import WorkerPool
-    from mimo.train import under_torchrun
+    from mimo.compose.inputs import ensure_index
+    from mimo.training.launch import WorkerPool
+    from mimo.training.train import under_torchrun
 
     if under_torchrun():  # each torchrun process would start a whole world of its own
         raise ConfigError("mimo eval starts its own local processes (world_size of them); run it without torchrun")
@@ -186,11 +186,11 @@ def eval_rank(config_path: str, overrides: list[str], req: EvalRequest) -> dict:
     import torch
     import torch.distributed as dist
 
-    from mimo.checkpoint import load_checkpoint
+    from mimo.training.checkpoint import load_checkpoint
     from mimo.data.pipeline import DataPipeline
     from mimo.data.plan import DataPlan
-    from mimo.inputs import encoder_feeds, ensure_index, text_spec
-    from mimo.model import MimoModel
+    from mimo.compose.inputs import encoder_feeds, ensure_index, text_spec
+    from mimo.compose.model import MimoModel
 
     rank = dist.get_rank()
     config = load_config(config_path, overrides)
@@ -251,7 +251,7 @@ def _loss(model, mb) -> tuple[float, float]:
     """This rank's share of the loss sum and loss-token count (last stage, TP rank 0 only, so
     the world sum counts each token once)."""
     from mimo.llm.model import count_loss_tokens
-    from mimo.step import encode_and_bridge
+    from mimo.training.step import encode_and_bridge
 
     _, image_rows = encode_and_bridge(model, mb)
     logits = _stage_forward(model, mb.pack, image_rows)
@@ -337,7 +337,7 @@ class _Scorer:
         from mimo.data.pipeline import Microbatch
         from mimo.data.plan import PlannedSample
         from mimo.parallel import gather_along
-        from mimo.step import encode_and_bridge
+        from mimo.training.step import encode_and_bridge
 
         model, cfg = self.model, self.model.config
         keep = set(active)

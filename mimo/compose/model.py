@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from mimo.config import MimoConfig
+from mimo.compose.config import MimoConfig
 from mimo.encoders.model import VisionEncoder
-from mimo.grid import ParallelGrid, new_group
+from mimo.parallel.grid import ParallelGrid, new_group
 from mimo.llm.model import LLMStage, build_stage, embedding_group
 from mimo.parallel.params import param_table
-from mimo.optim import TrainParam
+from mimo.parallel.params import TrainParam
 from mimo.parallel import group_rank, param_seed
 
 

@@ -1,6 +1,6 @@
 """One training step: the microbatches on a tick table of ``mimo.schedules`` (``train.schedule``:
 ``1f1b``, the default, or ``simple`` — every microbatch forward, then every one backward), run
-by ``mimo.schedule_run`` on every rank; then the optimizer part, the same for both.
+by ``mimo.training.schedule_run`` on every rank; then the optimizer part, the same for both.
 
 Per microbatch and rank, in a fixed order (every collective is entered by all its ranks at the
 same point): the data pipeline delivers this rank's pack (LLM ranks) and pixels (encoder
@@ -23,10 +23,10 @@ import torch.distributed as dist
 
 from mimo.bridges.executor import Bridge
 from mimo.data.pipeline import DataPipeline, Microbatch
-from mimo.layout import dp_placement, packed_placement
+from mimo.parallel.layout import dp_placement, packed_placement
 from mimo.llm.model import sync_tied_grads
-from mimo.model import MimoModel
-from mimo.optim import GradSync, PrecisionPolicy, bucket_numel, clip_grads_, global_grad_norm, lr_at
+from mimo.compose.model import MimoModel
+from mimo.training.optim import GradSync, PrecisionPolicy, bucket_numel, clip_grads_, global_grad_norm, lr_at
 
 
 @dataclass
@@ -173,14 +173,14 @@ def write_trace(events: Trace, rank: int, path: str) -> None:
 def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: dict, policy: PrecisionPolicy | None = None,
                on_grads=None, trace: bool = False) -> StepResult:
     """One step; ``on_grads(model, grad_norm)`` (optional) sees the gradients before clipping.
-    ``trace``: record this rank's events (see mimo.schedule_run)."""
+    ``trace``: record this rank's events (see mimo.training.schedule_run)."""
     cfg = model.config
     mbs = pipeline.step(step)
     # the global loss-token count: each LLM DP rank's packs, summed over DP (DESIGN §2)
     local = sum(mb.loss_tokens for mb in mbs) if model.stage is not None else 0  # counted on the CPU
     num_loss_tokens = _sum_over(local, model.llm_dp) if model.stage is not None else 0.0
     events: Trace | None = [] if trace else None
-    from mimo.schedule_run import run_schedule  # imports this module's helpers
+    from mimo.training.schedule_run import run_schedule  # imports this module's helpers
 
     # one tick loop runs both schedules; each module's DP sums start bucket by bucket during
     # its last backward on this rank (the tied-embedding sum below commutes with them)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, Sequence
 
-from mimo.errors import LayoutError
-from mimo.grid import ParallelGrid
+from mimo.core.errors import LayoutError
+from mimo.parallel.grid import ParallelGrid
 
 
 # ---------------------------------------------------------------------------

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from mimo.config import MimoConfig
+from mimo.compose.config import MimoConfig
 from mimo.data.index import Index
 from mimo.data.pipeline import DataPipeline
-from mimo.inputs import data_plan, encoder_feeds, ensure_index, sample_reader, text_spec
-from mimo.model import MimoModel
-from mimo.optim import PrecisionPolicy, build_optimizers
+from mimo.compose.inputs import data_plan, encoder_feeds, ensure_index, sample_reader, text_spec
+from mimo.compose.model import MimoModel
+from mimo.training.optim import PrecisionPolicy, build_optimizers
 
 
 @dataclass

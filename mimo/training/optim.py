@@ -20,15 +20,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-
-@dataclass
-class TrainParam:
-    module: str
-    name: str
-    param: torch.nn.Parameter
-    dp_group: object | None  # gradients are summed over it; None: one rank
-    counts_in_norm: bool
-    weight_decay: bool = True
+from mimo.parallel.params import TrainParam
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from mimo.config import load_config
+from mimo.compose.config import load_config
 from mimo.data.demo import HELDOUT_SAMPLES, TRAIN_SAMPLES
-from mimo.demo import DEMO_DATA_DIR  # configs/demo.yaml points here
-from mimo.errors import ConfigError, MimoError
+from mimo.commands.demo import DEMO_DATA_DIR  # configs/demo.yaml points here
+from mimo.core.errors import ConfigError, MimoError
 
 
 class UsageError(MimoError):
@@ -96,7 +96,7 @@ def device_argument(parser: argparse.ArgumentParser) -> None:
 
 def run_verify_bridge(args: argparse.Namespace) -> dict[str, Any]:
     from mimo.bridges.verify import bridge_case, parse_layout, resolve, summarise
-    from mimo.launch import WorkerPool
+    from mimo.training.launch import WorkerPool
 
     if args.world < 1 or args.hidden < 1 or args.microbatches < 1:
         raise UsageError("--world, --hidden and --microbatches must be >= 1")
@@ -128,7 +128,7 @@ def verify_llm_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_verify_llm(args: argparse.Namespace) -> dict[str, Any]:
-    from mimo.launch import WorkerPool
+    from mimo.training.launch import WorkerPool
     from mimo.llm.verify import check_layout, verify_llm
 
     if args.tp < 1 or args.pp < 1 or args.samples < 1 or args.max_len < 1:
@@ -172,7 +172,7 @@ def prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_prepare_data(args: argparse.Namespace) -> dict[str, Any]:
     from mimo.data.index import index_path
-    from mimo.inputs import data_plan, ensure_index
+    from mimo.compose.inputs import data_plan, ensure_index
 
     config = load_config(args.config, args.overrides)
     index, status = ensure_index(config, rebuild=args.rebuild)
@@ -198,7 +198,7 @@ def inspect_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_inspect_data(args: argparse.Namespace) -> dict[str, Any]:
-    from mimo.inputs import inspect
+    from mimo.compose.inputs import inspect
 
     if args.batches < 1:
         raise UsageError("--batches must be >= 1")
@@ -234,7 +234,7 @@ def verify_encoder_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_verify_encoder(args: argparse.Namespace) -> dict[str, Any]:
     from mimo.encoders.verify import EncoderSource, check_request, describe_source, parse_feature_layer, parse_kwargs, preflight, summarise, verify_case
-    from mimo.launch import WorkerPool
+    from mimo.training.launch import WorkerPool
 
     if args.timm is not None:
         source = EncoderSource("timm", args.timm, parse_kwargs(args.timm_kwargs), args.weights)
@@ -273,14 +273,14 @@ def verify_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # bf16: weights, activations and Adam state rounded to 8 bits of mantissa, against fp32 (DESIGN §3);
-# gradients and parameters then compared per module (see mimo.verify_train.compare)
+# gradients and parameters then compared per module (see mimo.commands.verify_train.compare)
 VERIFY_TRAIN_TOL = {"fp32": 1e-5, "bf16": 5e-2}
 
 
 def run_verify_train(args: argparse.Namespace) -> dict[str, Any]:
-    from mimo.inputs import ensure_index
-    from mimo.launch import WorkerPool
-    from mimo.verify_train import compare, train_case
+    from mimo.compose.inputs import ensure_index
+    from mimo.training.launch import WorkerPool
+    from mimo.commands.verify_train import compare, train_case
 
     if args.steps < 1:
         raise UsageError("--steps must be >= 1")
@@ -314,7 +314,7 @@ def train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace) -> dict[str, Any]:
-    from mimo.train import TrainOptions, train
+    from mimo.training.train import TrainOptions, train
 
     return train(args.config, args.overrides, TrainOptions(args.run_dir, args.timeout, args.stop_at, args.log_every, args.device))
 
@@ -332,7 +332,7 @@ def import_hf_llava_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_import_hf_llava(args: argparse.Namespace) -> dict[str, Any]:
-    from mimo.hf_llava import describe_llava, import_to_checkpoint
+    from mimo.commands.hf_llava import describe_llava, import_to_checkpoint
 
     if args.config is None:
         if args.overrides or args.out:
@@ -354,7 +354,7 @@ def eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> dict[str, Any]:
-    from mimo.eval import evaluate
+    from mimo.commands.eval import evaluate
 
     result = evaluate(args.config, args.overrides, args.checkpoint, args.shards, args.timeout)
     em = result["exact_match"]
@@ -373,7 +373,7 @@ def demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
-    from mimo.demo import demo
+    from mimo.commands.demo import demo
 
     return demo(args.config, args.overrides, args.fresh, args.log_every, args.timeout)
 

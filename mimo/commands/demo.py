@@ -20,7 +20,7 @@ import shutil
 import time
 from pathlib import Path
 
-from mimo.errors import ConfigError
+from mimo.core.errors import ConfigError
 
 DEMO_CONFIG = os.path.join("configs", "demo.yaml")
 DEMO_DATA_DIR = "demo-data"  # configs/demo.yaml points here
@@ -36,11 +36,11 @@ def find_demo_config() -> str:
 
 def demo(config_path: str | None, overrides: list[str], fresh: bool = False, log_every: int = 10,
          timeout_s: float = 900.0) -> dict:
-    from mimo.config import load_config
+    from mimo.compose.config import load_config
     from mimo.data.demo import demo_data_ready, make_demo_data
-    from mimo.eval import evaluate
-    from mimo.metrics import read_metrics
-    from mimo.train import TrainOptions, default_run_dir, train
+    from mimo.commands.eval import evaluate
+    from mimo.training.metrics import read_metrics
+    from mimo.training.train import TrainOptions, default_run_dir, train
 
     t0 = time.perf_counter()
     config_path = config_path or find_demo_config()

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Literal, Union, get_args, get_origin, get_type
 
 import yaml
 
-from mimo.errors import ConfigError
+from mimo.core.errors import ConfigError
 
 _NoneType = type(None)
 
@@ -282,7 +282,7 @@ def _scalar_ok(tp: Any, value: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if tp is str:
         return isinstance(value, str)
-    raise TypeError(f"mimo.schema does not support the type hint {tp!r}")
+    raise TypeError(f"mimo.core.schema does not support the type hint {tp!r}")
 
 
 def _wrong_type(tp: Any, value: Any, path: str, problems: list[str]) -> None:
