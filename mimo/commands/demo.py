@@ -28,7 +28,7 @@ DEMO_DATA_DIR = "demo-data"  # configs/demo.yaml points here
 
 def find_demo_config() -> str:
     """``configs/demo.yaml`` of the working directory, else of the source tree mimo runs from."""
-    for path in (DEMO_CONFIG, str(Path(__file__).resolve().parents[1] / DEMO_CONFIG)):
+    for path in (DEMO_CONFIG, str(Path(__file__).resolve().parents[2] / DEMO_CONFIG)):
         if os.path.isfile(path):
             return path
     raise ConfigError(f"{DEMO_CONFIG}: not found here or in the mimo source tree; pass --config PATH")
