@@ -34,7 +34,7 @@ from mimo.data.plan import DataPlan, PlannedSample
 from mimo.data.shards import SampleLocation, decode_image, image_keys, parse_text, read_files
 from mimo.data.text import TextEncoder, load_tokenizer, turns_from_caption, turns_from_json
 from mimo.core.errors import DataError
-from mimo.parallel.grid import ParallelGrid, new_group
+from mimo.parallel.grid import ParallelGrid
 from mimo.parallel.layout import Piece, Placement, dp_blocks, dp_placement
 
 log = logging.getLogger("mimo.data")
@@ -150,9 +150,11 @@ class DataPipeline:
         self.rank = dist.get_rank() if rank is None else rank
         self.tp, self.cp, self.dp = (llm_grid.shape.get(d, 1) for d in ("tp", "cp", "dp"))
         self.rows_per_image = dict(text.rows_per_image)
-        # groups: created on every rank in the same order
+        # groups: asked for on every rank in the same order, from the run's registry (the LLM
+        # grid's), so a pixel route over the same ranks as a bridge shares its communicator
         self.pack_group = llm_grid.group(("tp", "cp", "pp"))
-        self.pixel_groups = {f.name: new_group(set(llm_grid.ranks) | set(f.grid.ranks)) for f in feeds}
+        self.pixel_groups = {f.name: llm_grid.registry.group(set(llm_grid.ranks) | set(f.grid.ranks), self.rank)
+                             for f in feeds}
         self.encoder_tp = {f.name: f.grid.group("tp") for f in feeds}
         self.readers = [llm_grid.rank_at(dp=d) for d in range(self.dp)]
         self.my_dp = llm_grid.coords(self.rank)["dp"] if self.rank in llm_grid else None

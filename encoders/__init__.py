@@ -7,8 +7,8 @@ light for ``check-config``):
 * ``vit``          -- ``VisionTransformer``: the TP (optionally sequence-parallel) tower
 * ``projector``    -- ``build_projector`` / ``PROJECTORS``: ``mlp2x_gelu``, ``linear``
 * ``model``        -- ``VisionEncoder``: tower + projector from a config, freezing, ``load_pretrained``
-* ``weights``      -- mapping rules, ``ImportedWeights`` (import -> export is exact)
+* ``weights``      -- mapping rules, ``ImportedWeights`` (import -> export is exact), lazy safetensors reads
 * ``timm_import``  -- timm ViT / CLIP / SigLIP towers; ``hf_import`` -- HF CLIP / SigLIP checkpoints
-* ``tp_state``     -- full-tensor init / load / gather over TP layers and plain parameters
+* ``tp_state``     -- by placement: TP-invariant init, loading local slices, gathering full tensors
 * ``verify``       -- ``mimo verify-encoder``: parity with the original model on N ranks
 """

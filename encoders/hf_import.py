@@ -14,7 +14,7 @@ Mapping (HF, under the prefix -> mimo):
     embeddings.position_embedding.weight [L, D]-> pos_embed [L, D]            (interpolated if the grid differs)
     pre_layrnorm.*                             -> norm_pre.*                  (CLIP)
     encoder.layers.i.layer_norm1/2.*           -> blocks.i.norm1/2.*
-    encoder.layers.i.self_attn.{q,k,v}_proj.W  -> blocks.i.attn.qkv.W [3, ...] (stacked)
+    encoder.layers.i.self_attn.{q,k,v}_proj.W  -> blocks.i.attn.qkv.W [3D, ...] (q | k | v)
     encoder.layers.i.self_attn.out_proj.*      -> blocks.i.attn.proj.*
     encoder.layers.i.mlp.fc1/fc2.*             -> blocks.i.mlp.fc1/fc2.*
     post_layernorm.*                           -> norm.*
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from mimo.encoders.config import VitArch
 from mimo.encoders.vit import patch_bias
-from mimo.encoders.weights import ImportedWeights, Rule, check_arch, map_state
+from mimo.encoders.weights import ImportedWeights, LazyTensor, Rule, check_arch, lazy_safetensors, map_state
 from mimo.core.errors import MimoError
 
 __all__ = [
@@ -114,9 +114,10 @@ def hf_rules(arch: VitArch, prefix: str = "") -> list[Rule]:
     def same(ours, theirs, *shape, optional=False):
         return Rule(ours, (prefix + theirs,), tuple(shape), tuple(shape), optional)
 
-    def qkv(i, what, *shape):
+    def qkv(i, what, *shape):  # q | k | v concatenated along dim 0
         a = f"{prefix}encoder.layers.{i}.self_attn."
-        return Rule(f"blocks.{i}.attn.qkv.{what}", tuple(f"{a}{x}_proj.{what}" for x in "qkv"), (3, *shape), tuple(shape))
+        return Rule(f"blocks.{i}.attn.qkv.{what}", tuple(f"{a}{x}_proj.{what}" for x in "qkv"),
+                    (3 * shape[0], *shape[1:]), tuple(shape))
 
     rules = [same("patch_embed.weight", "embeddings.patch_embedding.weight", D, C, p, p)]
     if patch_bias(arch):
@@ -213,19 +214,17 @@ def import_hf_state(state: Mapping[str, torch.Tensor], arch: VitArch, family: st
 
 
 def _shapes_only(file: str) -> dict[str, torch.Tensor]:
-    """The file's tensors as meta tensors: shapes from the header, nothing read."""
-    from safetensors import safe_open
-
-    with safe_open(file, framework="pt") as f:
-        return {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
+    """The file's tensors as meta tensors: shapes and dtypes from the header, nothing read."""
+    return {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for k, t in lazy_safetensors(file).items()}
 
 
-def load_hf_state(path: str, shapes_only: bool = False) -> dict[str, torch.Tensor]:
+def load_hf_state(path: str, shapes_only: bool = False, lazy: bool = False) -> dict[str, "torch.Tensor | LazyTensor"]:
     """The tensors of ``model.safetensors`` or of every shard its index lists (``shapes_only``:
-    meta tensors from the headers, for checking a checkpoint before any process starts)."""
+    meta tensors from the headers, for checking a checkpoint before any process starts;
+    ``lazy``: ``LazyTensor``s, read region by region when loaded)."""
     from safetensors.torch import load_file
 
-    load = _shapes_only if shapes_only else load_file
+    load = _shapes_only if shapes_only else lazy_safetensors if lazy else load_file
     single = os.path.join(path, "model.safetensors")
     index = os.path.join(path, "model.safetensors.index.json")
     try:
@@ -250,7 +249,8 @@ def import_hf(path: str, arch: VitArch | None = None) -> ImportedWeights:
     family, vision, whole = read_hf_config(path)
     source_arch = hf_arch(family, vision)
     arch = source_arch if arch is None else arch
-    weights = import_hf_state(load_hf_state(path), arch, family, f"checkpoint {path!r}", whole)
+    # the files stay where they are: each rank reads its own slices when the tower loads them
+    weights = import_hf_state(load_hf_state(path, lazy=True), arch, family, f"checkpoint {path!r}", whole)
     check_arch(arch, source_arch, f"checkpoint {path!r}")
     return weights
 

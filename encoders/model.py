@@ -1,7 +1,8 @@
 """An encoder module as the config describes it: tower + projector, weights, freezing.
 
-``VisionEncoder(cfg, llm_hidden, group)`` maps pixels ``[N, C, S, S]`` to LLM-sized rows
-``[N * cfg.rows_per_image, llm_hidden]``, replicated over the TP group. Freezing follows
+``VisionEncoder(cfg, llm_hidden, ctx)`` maps pixels ``[N, C, S, S]`` to LLM-sized rows
+``[N * cfg.rows_per_image, llm_hidden]``, replicated over the TP group of ``ctx`` (the
+module's ``ParallelContext``: TP group, sequence parallel, the gradient group). Freezing follows
 DESIGN §2: a frozen part has ``requires_grad=False``; a frozen tower (nothing trainable
 upstream of it: its input is pixels) runs without autograd state.
 """
@@ -11,17 +12,20 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from mimo.core.errors import LayoutError
 from mimo.encoders.config import EncoderModuleConfig, VitInit
 from mimo.encoders.projector import build_projector
 from mimo.encoders.vit import VisionTransformer
 from mimo.encoders.weights import ImportedWeights
-from mimo.parallel import param_seed
+from mimo.parallel.context import ParallelContext
+from mimo.parallel.init import param_seed
 
 __all__ = ["VisionEncoder", "load_pretrained"]
 
 
 def load_pretrained(init: VitInit, arch) -> ImportedWeights | None:
-    """The checkpoint ``init`` names, mapped onto ``arch``; None for random initialisation."""
+    """The checkpoint ``init`` names, mapped onto ``arch`` (a safetensors file is left in place
+    and read slice by slice when loaded); None for random initialisation."""
     if init.hf is not None:
         from mimo.encoders.hf_import import import_hf
 
@@ -34,14 +38,16 @@ def load_pretrained(init: VitInit, arch) -> ImportedWeights | None:
 
 
 class VisionEncoder(nn.Module):
-    def __init__(self, cfg: EncoderModuleConfig, llm_hidden: int, group=None, *, device=None, dtype=None):
+    def __init__(self, cfg: EncoderModuleConfig, llm_hidden: int, ctx: ParallelContext | None = None, *, device=None,
+                 dtype=None):
         super().__init__()
+        self.ctx = ctx = ParallelContext.for_tp() if ctx is None else ctx
+        if ctx.tp_size != cfg.parallel.tp:
+            raise LayoutError(f"the encoder's config says tp={cfg.parallel.tp}, but its parallel context has tp={ctx.tp_size}")
         self.cfg = cfg
-        self.tower = VisionTransformer(
-            cfg.arch, cfg.feature_layer, drop_class_token=cfg.drop_class_token, group=group,
-            sequence_parallel=cfg.parallel.sequence_parallel, device=device, dtype=dtype,
-        )
-        self.projector = build_projector(cfg.projector.kind, cfg.arch.hidden, llm_hidden, group, device=device, dtype=dtype)
+        self.tower = VisionTransformer(cfg.arch, cfg.feature_layer, drop_class_token=cfg.drop_class_token, ctx=ctx,
+                                       device=device, dtype=dtype)
+        self.projector = build_projector(cfg.projector.kind, cfg.arch.hidden, llm_hidden, ctx, device=device, dtype=dtype)
         self.tower_frozen = "tower" in cfg.freeze
         for part in cfg.freeze:
             getattr(self, part).requires_grad_(False)

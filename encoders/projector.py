@@ -1,9 +1,10 @@
 """Projectors: vision features ``[rows, D_vision]`` -> LLM embeddings ``[rows, D_llm]``, TP-aware.
 
-Input and output are replicated over the TP group (the tower's output is). Parameter names
+Input and output are replicated over the TP group (the tower's output is), so the projector's
+layers never run sequence parallel, whatever the encoder's context says. Parameter names
 follow Hugging Face LLaVA's ``multi_modal_projector`` (``linear_1``, ``linear_2``).
 
-Adding a projector: write an ``nn.Module`` taking ``(in_dim, out_dim, group, *, device,
+Adding a projector: write an ``nn.Module`` taking ``(in_dim, out_dim, ctx, *, device,
 dtype)``, register it in ``PROJECTORS`` and add its name to ``ProjectorConfig.kind``.
 """
 
@@ -16,18 +17,23 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mimo.encoders.tp_state import TPParam, full_state, init_tp_invariant, load_full_, shard_specs
 from mimo.core.errors import LayoutError, MimoError
-from mimo.parallel import ColumnParallelLinear, RowParallelLinear, ShardSpec, group_size
+from mimo.encoders.tp_state import full_state, init_tp_invariant, load_full_
+from mimo.parallel.context import ParallelContext
+from mimo.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mimo.parallel.params import ParamInfo
 
 __all__ = ["PROJECTORS", "build_projector", "Mlp2xGeluProjector", "LinearProjector"]
 
 
 class _Projector(nn.Module):
-    """Full-tensor weight helpers shared by the projectors (see ``encoders.tp_state``)."""
+    """The context and the full-tensor weight helpers shared by the projectors (see ``encoders.tp_state``)."""
 
-    def shard_specs(self) -> dict[str, ShardSpec]:
-        return shard_specs(self)
+    def __init__(self, out_dim: int, ctx: ParallelContext | None, what: str):
+        super().__init__()
+        self.ctx = ctx = ParallelContext.for_tp() if ctx is None else ctx
+        if out_dim % ctx.tp_size:
+            raise LayoutError(f"tp={ctx.tp_size} does not divide the projector's {what} {out_dim}")
 
     def init_weights(self, seed: int) -> None:
         """TP-invariant, ``nn.Linear``'s default distribution (what LLaVA trains from)."""
@@ -43,12 +49,12 @@ class _Projector(nn.Module):
 class Mlp2xGeluProjector(_Projector):
     """LLaVA-1.5: Linear(D_vision, D_llm) -> GELU -> Linear(D_llm, D_llm); column then row parallel."""
 
-    def __init__(self, in_dim: int, out_dim: int, group=None, *, device=None, dtype=None):
-        super().__init__()
-        if out_dim % group_size(group):
-            raise LayoutError(f"tp={group_size(group)} does not divide the projector's hidden size {out_dim}")
-        self.linear_1 = ColumnParallelLinear(in_dim, out_dim, True, group, device=device, dtype=dtype)
-        self.linear_2 = RowParallelLinear(out_dim, out_dim, True, group, input_is_parallel=True, device=device, dtype=dtype)
+    def __init__(self, in_dim: int, out_dim: int, ctx: ParallelContext | None = None, *, device=None, dtype=None):
+        super().__init__(out_dim, ctx, "hidden size")
+        dd = {"device": device, "dtype": dtype}
+        self.linear_1 = ColumnParallelLinear(in_dim, out_dim, True, self.ctx, sequence_parallel=False, **dd)
+        self.linear_2 = RowParallelLinear(out_dim, out_dim, True, self.ctx, input_is_parallel=True,
+                                          sequence_parallel=False, **dd)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return self.linear_2(F.gelu(self.linear_1(x_TD)))
@@ -57,11 +63,10 @@ class Mlp2xGeluProjector(_Projector):
 class LinearProjector(_Projector):
     """One Linear(D_vision, D_llm), column parallel, gathered to a replicated output."""
 
-    def __init__(self, in_dim: int, out_dim: int, group=None, *, device=None, dtype=None):
-        super().__init__()
-        if out_dim % group_size(group):
-            raise LayoutError(f"tp={group_size(group)} does not divide the projector's output size {out_dim}")
-        self.linear = ColumnParallelLinear(in_dim, out_dim, True, group, gather_output=True, device=device, dtype=dtype)
+    def __init__(self, in_dim: int, out_dim: int, ctx: ParallelContext | None = None, *, device=None, dtype=None):
+        super().__init__(out_dim, ctx, "output size")
+        self.linear = ColumnParallelLinear(in_dim, out_dim, True, self.ctx, gather_output=True, sequence_parallel=False,
+                                           device=device, dtype=dtype)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return self.linear(x_TD)
@@ -73,17 +78,18 @@ PROJECTORS: dict[str, Callable[..., _Projector]] = {
 }
 
 
-def build_projector(kind: str, in_dim: int, out_dim: int, group=None, *, device=None, dtype=None) -> _Projector:
-    """``out_dim`` is the LLM's hidden size."""
+def build_projector(kind: str, in_dim: int, out_dim: int, ctx: ParallelContext | None = None, *, device=None,
+                    dtype=None) -> _Projector:
+    """``out_dim`` is the LLM's hidden size; ``ctx`` the encoder's parallel context (None: one process)."""
     try:
         cls = PROJECTORS[kind]
     except KeyError:
         raise MimoError(f"unknown projector kind {kind!r}; known: {', '.join(sorted(PROJECTORS))}") from None
-    return cls(in_dim, out_dim, group, device=device, dtype=dtype)
+    return cls(in_dim, out_dim, ctx, device=device, dtype=dtype)
 
 
-def _linear_default_init(p: TPParam):
+def _linear_default_init(name: str, info: ParamInfo):
     """``nn.Linear.reset_parameters``: weight and bias uniform(+-1/sqrt(fan_in))."""
-    fan_in = p.owner.in_features
+    fan_in = info.module.in_features
     bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
     return lambda t, g: nn.init.uniform_(t, -bound, bound, generator=g)

@@ -7,8 +7,7 @@ Mapping (timm -> mimo):
     pos_embed [1, L, D]                 -> pos_embed [L, D]               (resampled if the grid differs)
     norm_pre.*                          -> norm_pre.*                     (CLIP)
     blocks.i.norm1/norm2.*              -> blocks.i.norm1/norm2.*
-    blocks.i.attn.qkv.weight [3D, D]    -> blocks.i.attn.qkv.weight [3, D, D]   (q | k | v)
-    blocks.i.attn.qkv.bias [3D]         -> blocks.i.attn.qkv.bias [3, D]
+    blocks.i.attn.qkv.* [3D, ...]       -> same names and shapes        (q | k | v, fused as mimo stores it)
     blocks.i.attn.proj.*, mlp.fc1.*, mlp.fc2.*  -> same names
     norm.*                              -> norm.*                         (the post_norm features)
     head.*, attn_pool.*, fc_norm.*      -> extras, exported unchanged     (CLIP projection, SigLIP MAP head)
@@ -128,8 +127,7 @@ def timm_rules(arch: VitArch) -> list[Rule]:
         b = f"blocks.{i}."
         rules += [
             same(b + "norm1.weight", D), same(b + "norm1.bias", D),
-            Rule(b + "attn.qkv.weight", (b + "attn.qkv.weight",), (3, D, D), (3 * D, D)),
-            Rule(b + "attn.qkv.bias", (b + "attn.qkv.bias",), (3, D), (3 * D,)),
+            same(b + "attn.qkv.weight", 3 * D, D), same(b + "attn.qkv.bias", 3 * D),
             same(b + "attn.proj.weight", D, D), same(b + "attn.proj.bias", D),
             same(b + "norm2.weight", D), same(b + "norm2.bias", D),
             same(b + "mlp.fc1.weight", F, D), same(b + "mlp.fc1.bias", F),
@@ -188,7 +186,7 @@ def import_timm(name: str, arch: VitArch, path: str | None = None, **kwargs) -> 
     ``NAME`` describes."""
     source_arch = timm_arch(create_timm_model(name, device="meta", **kwargs))
     if path is not None:
-        state = load_state_file(path)
+        state = load_state_file(path, lazy=True)  # a safetensors file is read slice by slice on load
         where = f"checkpoint {path!r}"
     else:
         state = create_timm_model(name, pretrained=True, **kwargs).state_dict()

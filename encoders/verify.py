@@ -7,11 +7,18 @@ and compares the features on the same random images with the original's own forw
 (timm ``forward_features`` / ``forward_intermediates``, HF ``hidden_states``). Optionally the
 weight gradients of a random linear loss are compared too, gathered to full tensors and
 mapped back to the original's parameter names. Error = ||a - b|| / ||b||, the worst reported.
+
+The verdict is the yardstick of ``mimo.core.testing`` (DESIGN §9): the original runs in fp64
+too (a copy of it, ``.double()``), and our fp32 tower must be within ``max(tol, k * e1)`` of
+it, where ``e1`` is the *original's own fp32 run* against its fp64 run: the rounding floor of
+the computation itself, measured on every rank beside the reference, without a second mimo run.
+``max_rel_err`` stays our error against the fp32 original.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import hashlib
 import os
@@ -25,8 +32,9 @@ from mimo.encoders.config import VitArch
 from mimo.encoders.tp_state import full_grads
 from mimo.encoders.vit import VisionTransformer, resolve_feature_layer
 from mimo.core.errors import MimoError
+from mimo.parallel.context import ParallelContext
 from mimo.parallel.grid import ParallelGrid
-from mimo.core.testing import rel_err
+from mimo.core.testing import Yardstick, rel_err
 
 __all__ = ["EncoderSource", "parse_feature_layer", "parse_kwargs", "describe_source", "check_request", "preflight",
            "verify_case", "summarise"]
@@ -161,7 +169,8 @@ def _import(family: str, state, arch: VitArch, where: str):
 
 
 def _reference(source, family, model, state, arch_src: VitArch, arch: VitArch):
-    """A function pixels -> [N, L, D] computing the original's features at ``arch.image_size``."""
+    """(model, features): ``features(model, pixels, layer) -> [N, L, D]`` computes the
+    original's features at ``arch.image_size`` (the model may be a copy in another dtype)."""
     if family == "timm":
         from mimo.encoders.timm_import import create_timm_model, timm_features
 
@@ -174,11 +183,11 @@ def _reference(source, family, model, state, arch_src: VitArch, arch: VitArch):
             model = create_timm_model(source.name, **{**source.kwargs, "img_size": arch.image_size})
             model.load_state_dict(checkpoint_filter_fn(dict(state), model))
             model.eval()
-        return model, lambda px, fl: timm_features(model, px, fl)
+        return model, timm_features
     from mimo.encoders.hf_import import hf_features
 
     interpolate = arch.image_size != arch_src.image_size
-    return model, lambda px, fl: hf_features(model, family, px, fl, interpolate)
+    return model, lambda m, px, fl: hf_features(m, family, px, fl, interpolate)
 
 
 def _checksum(state) -> bytes:
@@ -213,7 +222,9 @@ def verify_case(
 ) -> dict | None:
     """Run on every rank of the world (ranks >= tp sit out and return None).
 
-    Returns ``{"errors": {name: rel_err}, "rows": rows of the last case, "resampled": bool}``.
+    Returns ``{"errors": {name: rel_err against the fp32 original}, "measures": the yardstick's
+    (``Measure.as_dict()``: against the fp64 original), "rows": rows of the last case,
+    "resampled": bool}``.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     grid = ParallelGrid({"tp": tp})
@@ -224,9 +235,11 @@ def verify_case(
     arch = check_request(arch_src, tp, feature_layers[0], image_size)
     model, state, where = _build_original(source, family, seed)
     _check_same_in_group(state, group)
+    ctx = ParallelContext.for_tp(group, sequence_parallel)
     weights = _import(family, state, arch, where)
-    ref_model, reference = _reference(source, family, model, state, arch_src, arch)
-    ref_params = dict(ref_model.named_parameters())
+    ref_model, features = _reference(source, family, model, state, arch_src, arch)
+    ref64_model = copy.deepcopy(ref_model).double()
+    ref_params, ref64_params = dict(ref_model.named_parameters()), dict(ref64_model.named_parameters())
     prefix = weights.meta.get("prefix", "")
 
     def ref_name(key: str) -> str | None:
@@ -239,50 +252,63 @@ def verify_case(
     gen = torch.Generator().manual_seed(seed + 1)
     pixels = torch.randn(n_images, arch.channels, arch.image_size, arch.image_size, generator=gen)
     errors: dict[str, float] = {}
+    ys = Yardstick(TOL_FP32)
     rows = 0
     for fl in feature_layers:
-        tower = VisionTransformer(arch, fl, drop_class_token=drop_class_token, group=group,
-                                  sequence_parallel=sequence_parallel)
+        tower = VisionTransformer(arch, fl, drop_class_token=drop_class_token, ctx=ctx)
         tower.load_weights_(weights)
         with torch.set_grad_enabled(grads):
             ours_TD = tower(pixels)
-            ref_NLD = reference(pixels, fl)
-            if tower.drop_class_token:
-                ref_NLD = ref_NLD[:, 1:]
-            ref_TD = ref_NLD.reshape(-1, arch.hidden)
+            ref_TD, ref64_TD = (
+                (f_NLD[:, 1:] if tower.drop_class_token else f_NLD).reshape(-1, arch.hidden)
+                for f_NLD in (features(ref_model, pixels, fl), features(ref64_model, pixels.double(), fl))
+            )
         rows = ours_TD.shape[0]
         errors[f"features[{fl}]"] = rel_err(ours_TD, ref_TD)
+        ys.check(f"features[{fl}]", ours_TD, ref_TD, ref64_TD)
         if not grads:
             continue
         dY = torch.randn(ref_TD.shape, generator=gen)
         ref_model.zero_grad(set_to_none=True)
+        ref64_model.zero_grad(set_to_none=True)
         (ours_TD * dY).sum().backward()
         (ref_TD * dY).sum().backward()
+        (ref64_TD * dY.double()).sum().backward()
         ours = full_grads(tower)
         for rule in weights.rules:
             if rule.ours not in ours or (rule.ours == "pos_embed" and weights.resampled and family != "timm"):
                 continue  # HF interpolates inside its forward: its gradient is w.r.t. the old grid
             # compared as mimo tensors: HF's k_proj.bias alone has a zero gradient in exact
             # arithmetic (softmax ignores a shift shared by all keys), only rounding noise
-            want = []
+            want, want64 = [], []
             for key in rule.theirs:
                 name = ref_name(key)
                 if name is None:
                     raise MimoError(f"no parameter of the original matches {key!r}")
-                p = ref_params[name]
-                want.append(p.grad if p.grad is not None else torch.zeros_like(p))
-            errors[f"grad[{fl}] {rule.ours}"] = rel_err(ours[rule.ours], rule.to_ours(want))
-    return {"errors": errors, "rows": rows, "resampled": bool(weights.resampled)}
+                for params, out in ((ref_params, want), (ref64_params, want64)):
+                    p = params[name]
+                    out.append(p.grad if p.grad is not None else torch.zeros_like(p))
+            key = f"grad[{fl}] {rule.ours}"
+            errors[key] = rel_err(ours[rule.ours], rule.to_ours(want))
+            ys.check(key, ours[rule.ours], rule.to_ours(want), rule.to_ours(want64))
+    return {"errors": errors, "measures": [m.as_dict() for m in ys.measures], "rows": rows,
+            "resampled": bool(weights.resampled)}
 
 
 def summarise(results: list[dict | None], tol: float = TOL_FP32) -> dict:
+    """Over the ranks: the worst error against the fp32 original (``max_rel_err``, ``worst``),
+    the yardstick's verdict (``ok``) and its tightest tensors (``yardstick``)."""
     worst, worst_key = 0.0, ""
+    ys = Yardstick(tol)
     for rank, r in enumerate(results):
         if not r:
             continue
         for key, err in r["errors"].items():
             if err > worst or not worst_key:
                 worst, worst_key = err, f"rank {rank}: {key}"
+        ys.extend(r["measures"], prefix=f"rank {rank}: ")
     first = next(r for r in results if r)
     return {"max_rel_err": worst, "worst": worst_key, "rows": first["rows"], "tol": tol,
-            "ok": bool(worst <= tol)}
+            "max_rel_err_vs_fp64": max((m.err for m in ys.measures), default=0.0),
+            "reference_rel_err_vs_fp64": max((m.e1 for m in ys.measures), default=0.0),
+            "yardstick": ys.summary(5), "ok": ys.ok and bool(ys.measures)}

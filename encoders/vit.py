@@ -1,21 +1,23 @@
 """Tensor-parallel Vision Transformer (ViT / CLIP / SigLIP towers), timm-like.
 
-TP splits attention heads (one fused QKV column-parallel matmul, row-parallel output
-projection) and the MLP's hidden units (column then row parallel), Megatron style. With
-``sequence_parallel`` the residual stream between those regions holds this rank's block of
-rows instead of a replicated copy (all-gather in, reduce-scatter out).
+TP splits attention heads (one fused q|k|v column-parallel GEMM, row-parallel output
+projection) and the MLP's hidden units (column then row parallel), Megatron style. With the
+context's ``sequence_parallel`` the residual stream between those regions holds this rank's
+block of rows instead of a replicated copy (all-gather in, reduce-scatter out).
 
 Images never attend to each other: the rows of a batch are viewed as ``[N, L, ...]`` for
 attention, bidirectional within each image. The tower's output is ``[N * rows, D]``
 (images concatenated), replicated over the TP group.
 
-Parameter names and full shapes are mimo's own, layout-independent (``blocks.3.attn.qkv.weight``
-is ``[3, D, D]``: q, k, v rows by head); ``encoders.timm_import`` / ``encoders.hf_import`` map
-them to and from the timm / Hugging Face layouts.
+Every module takes the tower's ``ParallelContext``; every matrix product (the patch
+embedding included) goes through ``mimo.parallel.gemm.linear``. Parameter names and full
+shapes are mimo's own, layout-independent (``blocks.3.attn.qkv.weight`` is ``[3D, D]``:
+q | k | v, each part split over TP on its own); ``encoders.timm_import`` /
+``encoders.hf_import`` map them to and from the timm / Hugging Face layouts.
 
-Shape suffixes: N images, L tokens per image (patches + [CLS]), T rows (N*L, padded to a
-multiple of tp under sequence parallel), D hidden, H heads (this rank's), K head dim,
-F MLP hidden, C channels.
+Shape suffixes: N images, L tokens per image (patches + [CLS]), P patches, T rows (N*L,
+padded to a multiple of tp under sequence parallel), D hidden, H heads (this rank's), K head
+dim, F MLP hidden, C channels, J pixels of a patch (C*p*p).
 """
 
 from __future__ import annotations
@@ -24,20 +26,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mimo.encoders.config import VitArch
-from mimo.encoders.tp_state import TPParam, full_state, init_tp_invariant, load_full_, shard_specs
 from mimo.core.errors import LayoutError, MimoError
-from mimo.parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    ShardSpec,
-    TPModule,
-    copy_to_group,
-    gather_along,
-    gather_seq,
-    group_size,
-    scatter_along,
-)
+from mimo.encoders.config import VitArch
+from mimo.encoders.tp_state import full_state, init_tp_invariant, load_full_
+from mimo.parallel import gemm
+from mimo.parallel.collectives import copy_to_group, gather_along, scatter_along
+from mimo.parallel.context import ParallelContext
+from mimo.parallel.layers import ColumnParallelLinear, FusedColumnParallelLinear, RowParallelLinear
+from mimo.parallel.params import ParamInfo
+from mimo.parallel.placement import Placement, replicated
 
 __all__ = ["VisionTransformer", "resolve_feature_layer", "patch_bias"]
 
@@ -76,20 +73,29 @@ _ACTS = {
 }
 
 
+def _context(ctx: ParallelContext | None) -> ParallelContext:
+    return ParallelContext.for_tp() if ctx is None else ctx
+
+
 class LayerNorm(nn.Module):
     """LayerNorm whose replicated parameters stay correct under sequence parallel.
 
-    With SP each rank normalises only its rows, so its weight/bias gradients are partial;
-    ``copy_to_group`` all-reduces them in backward (complete on every rank, DESIGN §2).
+    With SP each rank normalises only its rows, so its weight/bias gradients are partial sums
+    over TP: the placements say so (``partial=("tp",)``), and ``copy_to_group`` all-reduces
+    them in backward (complete on every rank, DESIGN §2).
     """
 
-    def __init__(self, dim: int, eps: float, group=None, sequence_parallel: bool = False, *, device=None, dtype=None):
+    def __init__(self, dim: int, eps: float, ctx: ParallelContext | None = None, *, device=None, dtype=None):
         super().__init__()
+        self.ctx = ctx = _context(ctx)
         self.dim, self.eps = dim, eps
-        self.group = group
-        self.sequence_parallel = sequence_parallel and group_size(group) > 1
+        self.group, self.sequence_parallel = ctx.tp, ctx.sequence_parallel
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
+
+    def placements(self) -> dict[str, Placement]:
+        partial = ("tp",) if self.sequence_parallel else ()
+        return {"weight": replicated((self.dim,), partial), "bias": replicated((self.dim,), partial)}
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
@@ -102,65 +108,42 @@ class LayerNorm(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """Non-overlapping patches -> D, a strided conv (weight ``[D, C, p, p]`` as timm and HF store it)."""
+    """Non-overlapping patches -> D. A strided conv with kernel = stride = patch is a GEMM over
+    the unfolded patches: the weight is stored ``[D, C, p, p]`` as timm and HF store it, and
+    multiplied as its ``[D, C*p*p]`` view (replicated over TP)."""
 
     def __init__(self, channels: int, dim: int, patch: int, bias: bool, *, device=None, dtype=None):
         super().__init__()
-        self.patch = patch
+        self.patch, self.dim = patch, dim
         self.weight = nn.Parameter(torch.empty(dim, channels, patch, patch, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(dim, device=device, dtype=dtype)) if bias else None
+        self.recipe = gemm.DEFAULT_RECIPE
 
     def forward(self, pixels_NCHW: torch.Tensor) -> torch.Tensor:
-        x_NDhw = F.conv2d(pixels_NCHW, self.weight, self.bias, stride=self.patch)
-        return x_NDhw.flatten(2).transpose(1, 2)  # [N, P, D], patches in row-major order
-
-
-class QKVParallelLinear(TPModule):
-    """Fused q/k/v projection, column-parallel over heads.
-
-    Full weight ``[3, D, D]`` (q, k, v; rows by head), sharded along dim 1, so rank r holds
-    heads ``[r*H/tp, (r+1)*H/tp)`` of all three and one matmul computes them. (A plain
-    column split of timm's ``[3D, D]`` would hand rank 0 all of q instead.)
-    """
-
-    def __init__(self, dim: int, bias: bool = True, group=None, sequence_parallel: bool = False, *, device=None, dtype=None):
-        super().__init__(group)
-        self.dim, self.sequence_parallel = dim, sequence_parallel
-        self._specs = {"weight": ShardSpec((3, dim, dim), dim=1)}
-        if bias:
-            self._specs["bias"] = ShardSpec((3, dim), dim=1)
-        self.weight = self._new_param(self._specs["weight"], device, dtype)
-        self.bias = self._new_param(self._specs["bias"], device, dtype) if bias else None
-
-    def shard_specs(self) -> dict[str, ShardSpec]:
-        return self._specs
-
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        x_TD = gather_seq(x_TD, self.group) if self.sequence_parallel else copy_to_group(x_TD, self.group)
-        w = self.weight.flatten(0, 1)  # [3 * D/tp, D]
-        b = None if self.bias is None else self.bias.flatten()
-        return F.linear(x_TD, w, b)  # [T, 3 * D/tp]: q | k | v of this rank's heads
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}, tp={self.tp_size}, sequence_parallel={self.sequence_parallel}"
+        N, C, H, W = pixels_NCHW.shape
+        p = self.patch
+        gh, gw = H // p, W // p
+        # [N, C, gh, p, gw, p] -> [N, gh, gw, C, p, p]: one row per patch (row-major, as the
+        # conv's output flattens), its pixels in the weight's (C, p, p) order
+        x_NPJ = pixels_NCHW.reshape(N, C, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(N, gh * gw, C * p * p)
+        return gemm.linear(x_NPJ, self.weight.flatten(1), self.bias, self.recipe)  # [N, P, D]
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int, group=None, sequence_parallel: bool = False, *, device=None, dtype=None):
+    def __init__(self, dim: int, heads: int, ctx: ParallelContext | None = None, *, device=None, dtype=None):
         super().__init__()
-        tp = group_size(group)
-        self.heads_local, self.head_dim = heads // tp, dim // heads
-        self.qkv = QKVParallelLinear(dim, True, group, sequence_parallel, device=device, dtype=dtype)
-        self.proj = RowParallelLinear(dim, dim, True, group, input_is_parallel=True, sequence_parallel=sequence_parallel,
-                                      device=device, dtype=dtype)
+        ctx = _context(ctx)
+        self.heads_local, self.head_dim = heads // ctx.tp_size, dim // heads
+        # q | k | v stored fused, each split over TP by heads: one GEMM, no weight concatenation
+        self.qkv = FusedColumnParallelLinear(dim, {"q": dim, "k": dim, "v": dim}, True, ctx, device=device, dtype=dtype)
+        self.proj = RowParallelLinear(dim, dim, True, ctx, input_is_parallel=True, device=device, dtype=dtype)
 
     def forward(self, x_TD: torch.Tensor, n_images: int, tokens: int) -> torch.Tensor:
         H, K = self.heads_local, self.head_dim
-        qkv_TX = self.qkv(x_TD)  # all T rows (gathered under SP)
-        T, real = qkv_TX.shape[0], n_images * tokens
+        q_TX, k_TX, v_TX = self.qkv(x_TD)  # all T rows (gathered under SP), this rank's heads
+        T, real = q_TX.shape[0], n_images * tokens
         # one attention per image: [N, L] rows; padding rows (SP) take no part
-        qkv_NL3HK = qkv_TX[:real].view(n_images, tokens, 3, H, K)
-        q_NHLK, k_NHLK, v_NHLK = qkv_NL3HK.permute(2, 0, 3, 1, 4).unbind(0)
+        q_NHLK, k_NHLK, v_NHLK = (t_TX[:real].view(n_images, tokens, H, K).transpose(1, 2) for t_TX in (q_TX, k_TX, v_TX))
         o_NHLK = F.scaled_dot_product_attention(q_NHLK, k_NHLK, v_NHLK)
         o_TX = o_NHLK.transpose(1, 2).reshape(real, H * K)
         if T > real:
@@ -169,12 +152,11 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str, group=None, sequence_parallel: bool = False, *, device=None, dtype=None):
+    def __init__(self, dim: int, hidden: int, act: str, ctx: ParallelContext | None = None, *, device=None, dtype=None):
         super().__init__()
         self.act = _ACTS[act]
-        self.fc1 = ColumnParallelLinear(dim, hidden, True, group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
-        self.fc2 = RowParallelLinear(hidden, dim, True, group, input_is_parallel=True, sequence_parallel=sequence_parallel,
-                                     device=device, dtype=dtype)
+        self.fc1 = ColumnParallelLinear(dim, hidden, True, ctx, device=device, dtype=dtype)
+        self.fc2 = RowParallelLinear(hidden, dim, True, ctx, input_is_parallel=True, device=device, dtype=dtype)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x_TD)))
@@ -183,13 +165,14 @@ class Mlp(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
 
-    def __init__(self, arch: VitArch, group=None, sequence_parallel: bool = False, *, device=None, dtype=None):
+    def __init__(self, arch: VitArch, ctx: ParallelContext | None = None, *, device=None, dtype=None):
         super().__init__()
+        ctx = _context(ctx)
         dd = {"device": device, "dtype": dtype}
-        self.norm1 = LayerNorm(arch.hidden, arch.norm_eps, group, sequence_parallel, **dd)
-        self.attn = Attention(arch.hidden, arch.heads, group, sequence_parallel, **dd)
-        self.norm2 = LayerNorm(arch.hidden, arch.norm_eps, group, sequence_parallel, **dd)
-        self.mlp = Mlp(arch.hidden, arch.mlp, arch.act, group, sequence_parallel, **dd)
+        self.norm1 = LayerNorm(arch.hidden, arch.norm_eps, ctx, **dd)
+        self.attn = Attention(arch.hidden, arch.heads, ctx, **dd)
+        self.norm2 = LayerNorm(arch.hidden, arch.norm_eps, ctx, **dd)
+        self.mlp = Mlp(arch.hidden, arch.mlp, arch.act, ctx, **dd)
 
     def forward(self, x_TD: torch.Tensor, n_images: int, tokens: int) -> torch.Tensor:
         x_TD = x_TD + self.attn(self.norm1(x_TD), n_images, tokens)
@@ -201,7 +184,8 @@ class VisionTransformer(nn.Module):
 
     Only the blocks ``feature_layer`` needs are built (and the final norm only for
     ``post_norm``); weights of the rest stay with the imported checkpoint
-    (``ImportedWeights``), so export still writes them.
+    (``ImportedWeights``), so export still writes them. ``ctx``: the tower's parallel
+    context (its TP group and whether SP is on); None: one process.
     """
 
     def __init__(
@@ -210,21 +194,20 @@ class VisionTransformer(nn.Module):
         feature_layer: int | str = -2,
         *,
         drop_class_token: bool = True,
-        group=None,
-        sequence_parallel: bool = False,
+        ctx: ParallelContext | None = None,
         device=None,
         dtype=None,
     ):
         super().__init__()
-        tp = group_size(group)
+        self.ctx = ctx = _context(ctx)
+        tp = ctx.tp_size
         for name in ("heads", "mlp"):
             if getattr(arch, name) % tp:
                 raise LayoutError(f"tp={tp} does not divide the tower's {name} ({getattr(arch, name)})")
         if arch.image_size % arch.patch:
             raise LayoutError(f"image_size {arch.image_size} is not divisible by patch {arch.patch}")
         self.arch, self.feature_layer = arch, feature_layer
-        self.group, self.tp_size = group, tp
-        self.sequence_parallel = sequence_parallel and tp > 1
+        self.group, self.tp_size, self.sequence_parallel = ctx.tp, tp, ctx.sequence_parallel
         self.num_blocks, self.post_norm = resolve_feature_layer(arch.layers, feature_layer)
         self.num_prefix = 1 if arch.class_token else 0
         self.grid = arch.image_size // arch.patch
@@ -233,28 +216,25 @@ class VisionTransformer(nn.Module):
         self.rows_per_image = self.tokens_per_image - (1 if self.drop_class_token else 0)
 
         dd = {"device": device, "dtype": dtype}
-        sp = self.sequence_parallel
         D = arch.hidden
         self.patch_embed = PatchEmbed(arch.channels, D, arch.patch, patch_bias(arch), **dd)
         self.cls_token = nn.Parameter(torch.empty(D, **dd)) if arch.class_token else None
         self.pos_embed = nn.Parameter(torch.empty(self.tokens_per_image, D, **dd))
-        self.norm_pre = LayerNorm(D, arch.norm_eps, group, sp, **dd) if arch.pre_norm else None
-        self.blocks = nn.ModuleList(Block(arch, group, sp, **dd) for _ in range(self.num_blocks))
-        self.norm = LayerNorm(D, arch.norm_eps, group, sp, **dd) if self.post_norm else None
+        self.norm_pre = LayerNorm(D, arch.norm_eps, ctx, **dd) if arch.pre_norm else None
+        self.blocks = nn.ModuleList(Block(arch, ctx, **dd) for _ in range(self.num_blocks))
+        self.norm = LayerNorm(D, arch.norm_eps, ctx, **dd) if self.post_norm else None
 
     # ---- weights ----
-    def shard_specs(self) -> dict[str, ShardSpec]:
-        return shard_specs(self)
-
     def init_weights(self, seed: int) -> None:
-        """TP-invariant: every parameter drawn at full shape from ``param_seed(seed, name)``."""
+        """TP-invariant: every parameter's local shard of the full tensor ``param_seed(seed, name)`` draws."""
         init_tp_invariant(self, seed, _vit_init_fn)
 
     def load_full_(self, state, what: str = "tower weights") -> None:
         load_full_(self, state, what)
 
     def load_weights_(self, weights) -> None:
-        """Load this rank's slices from ``ImportedWeights`` (timm / Hugging Face import)."""
+        """Load this rank's slices from ``ImportedWeights`` (timm / Hugging Face import; a
+        checkpoint still in its file is read only where this rank's slices lie)."""
         if weights.arch != self.arch:
             raise MimoError(f"{weights.where}: imported for {weights.arch}, but the tower is {self.arch}")
         load_full_(self, weights.tower, weights.where)
@@ -303,14 +283,14 @@ class VisionTransformer(nn.Module):
                 f"rows_per_image={self.rows_per_image}, tp={self.tp_size}, sequence_parallel={self.sequence_parallel}")
 
 
-def _vit_init_fn(p: TPParam):
+def _vit_init_fn(name: str, info: ParamInfo):
     """timm's ViT scheme: trunc-normal(0.02) weights and position embeddings, zero biases,
     unit LayerNorms, a near-zero [CLS] (normal 1e-6)."""
-    if isinstance(p.owner, LayerNorm):
-        value = 1.0 if p.name.endswith("weight") else 0.0
+    if isinstance(info.module, LayerNorm):
+        value = 1.0 if name.endswith("weight") else 0.0
         return lambda t, g: t.fill_(value)
-    if p.name.endswith("bias"):
+    if name.endswith("bias"):
         return lambda t, g: t.zero_()
-    if p.name == "cls_token":
+    if name == "cls_token":
         return lambda t, g: t.normal_(0.0, 1e-6, generator=g)
     return lambda t, g: nn.init.trunc_normal_(t, std=0.02, a=-0.04, b=0.04, generator=g)

@@ -1,12 +1,18 @@
 """Explicit name / layout mapping between a source checkpoint (timm, Hugging Face) and the tower.
 
 A ``Rule`` maps one mimo tensor to one or more source tensors: the same tensor, a reshape
-(timm's ``[3D, D]`` fused qkv <-> mimo's ``[3, D, D]``; ``[1, L, D]`` <-> ``[L, D]``), or a
-stack (Hugging Face's separate q/k/v <-> ``[3, D, D]``). Import checks every source tensor
-against the shapes the configured ``VitArch`` implies and reports the first that does not fit,
-naming it and both shapes; export inverts each rule and casts back to the source dtype, so
-import -> export reproduces the source state dict exactly. Source tensors the tower never uses
-(classifier / projection / pooling heads, a text tower) travel in ``extras``, unchanged.
+(``[1, L, D]`` <-> ``[L, D]``), or a concatenation along dim 0 (Hugging Face's separate
+q / k / v <-> mimo's fused ``[3D, D]``). Import checks every source tensor against the shapes
+the configured ``VitArch`` implies and reports the first that does not fit, naming it and both
+shapes; export inverts each rule and casts back to the source dtype, so import -> export
+reproduces the source state dict exactly. Source tensors the tower never uses (classifier /
+projection / pooling heads, a text tower) travel in ``extras``, unchanged.
+
+A safetensors checkpoint need not be read at import: ``lazy_safetensors`` lists its tensors
+as ``LazyTensor`` (shape and dtype from the header), and a rule over them gives a
+``MappedTensor``; indexing either (``t[index]``, a tuple of slices, as a placement's regions
+come) reads only that region, so each rank loads only its own slices
+(``tp_state.load_full_``). ``materialize`` reads a whole tensor (export, resampling).
 """
 
 from __future__ import annotations
@@ -21,26 +27,112 @@ import torch
 from mimo.encoders.config import VitArch
 from mimo.core.errors import MimoError
 
-__all__ = ["Rule", "ImportedWeights", "map_state", "load_state_file", "check_arch", "replace_named"]
+__all__ = ["Rule", "ImportedWeights", "LazyTensor", "MappedTensor", "lazy_safetensors", "materialize", "map_state",
+           "load_state_file", "check_arch", "replace_named"]
+
+Index = tuple[slice, ...]  # explicit start / stop on every dim
+
+
+class LazyTensor:
+    """A tensor of a safetensors file, not read yet: ``shape`` and ``dtype`` from the header;
+    ``[index]`` reads only that region (the file is opened per read: no handle outlives it)."""
+
+    def __init__(self, path: str, key: str, shape: tuple[int, ...], dtype: torch.dtype):
+        self.path, self.key, self.shape, self.dtype = path, key, tuple(shape), dtype
+
+    def __getitem__(self, index: Index) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.path, framework="pt") as f:
+            return f.get_slice(self.key)[tuple(index)]
+
+    def full(self) -> torch.Tensor:
+        return self[tuple(slice(0, n) for n in self.shape)]
+
+    def __repr__(self) -> str:
+        return f"LazyTensor({self.path!r}, {self.key!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+def lazy_safetensors(path: str) -> dict[str, LazyTensor]:
+    """Every tensor of a safetensors file, unread (the header only), in the file's key order."""
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(path, framework="pt") as f:
+        for key in f.keys():
+            sl = f.get_slice(key)
+            shape = tuple(sl.get_shape())
+            # the dtype as torch names it, from an empty read (no element is read)
+            dtype = (sl[(slice(0, 0),)] if shape else sl[()]).dtype
+            out[key] = LazyTensor(path, key, shape, dtype)
+    return out
+
+
+def materialize(t) -> torch.Tensor:
+    """The whole tensor of a tensor, ``LazyTensor`` or ``MappedTensor``."""
+    return t if isinstance(t, torch.Tensor) else t.full()
 
 
 @dataclass(frozen=True)
 class Rule:
     ours: str  # mimo name
-    theirs: tuple[str, ...]  # source key(s); several are stacked along a new dim 0
+    theirs: tuple[str, ...]  # source key(s); several are concatenated along dim 0
     our_shape: tuple[int, ...]
     their_shape: tuple[int, ...]  # of each source tensor
     optional: bool = False  # absent in some checkpoints (a final norm); the tower asks if it needs it
 
     def to_ours(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         if len(self.theirs) > 1:
-            return torch.stack(tensors)
+            return torch.cat(tensors, 0)
         return tensors[0].reshape(self.our_shape)
 
     def to_theirs(self, t: torch.Tensor) -> list[torch.Tensor]:
         if len(self.theirs) > 1:
-            return [x.clone() for x in t.unbind(0)]
+            return [x.clone() for x in t.split(self.their_shape[0], 0)]
         return [t.reshape(self.their_shape).clone()]
+
+    def read(self, sources: list, index: Index) -> torch.Tensor:
+        """``to_ours(sources)[index]``, reading from each source (a tensor or a ``LazyTensor``)
+        only the region behind ``index``: rows of the parts it covers, or through a reshape
+        that only drops leading 1-dims. Any other reshape reads its source whole."""
+        if len(self.theirs) > 1:
+            lo, hi = index[0].start, index[0].stop
+            pieces, offset = [], 0
+            for src in sources:
+                a, b = max(lo, offset), min(hi, offset + src.shape[0])
+                if b > a:
+                    pieces.append(src[(slice(a - offset, b - offset), *index[1:])])
+                offset += src.shape[0]
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
+        (src,) = sources
+        lead = len(self.their_shape) - len(self.our_shape)
+        if lead >= 0 and self.their_shape[lead:] == self.our_shape and set(self.their_shape[:lead]) <= {1}:
+            region = src[(slice(0, 1),) * lead + tuple(index)]
+            return region.reshape(region.shape[lead:])
+        return self.to_ours([materialize(src)])[tuple(index)]
+
+
+@dataclass(frozen=True)
+class MappedTensor:
+    """A mimo tensor that ``rule`` makes of source tensors still in their file: ``[index]``
+    reads only the source regions behind it (``Rule.read``), ``full()`` all of them."""
+
+    rule: Rule
+    sources: tuple
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.rule.our_shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.sources[0].dtype
+
+    def __getitem__(self, index: Index) -> torch.Tensor:
+        return self.rule.read(list(self.sources), index)
+
+    def full(self) -> torch.Tensor:
+        return self.rule.to_ours([materialize(s) for s in self.sources])
 
 
 # Resampler for a source tensor whose shape differs only by resolution (position embeddings):
@@ -69,8 +161,10 @@ class ImportedWeights:
     source: str  # "timm", "hf-clip", "hf-siglip"
     where: str  # the checkpoint, for messages
     arch: VitArch  # the configured architecture the tensors were mapped (and resampled) for
-    tower: dict[str, torch.Tensor]  # every block the checkpoint has, not only those a tower computes
-    extras: dict[str, torch.Tensor]  # source tensors the tower never uses, by source key
+    # every block the checkpoint has, not only those a tower computes: tensors, or
+    # ``MappedTensor`` / ``LazyTensor`` where the source is a safetensors file left in place
+    tower: dict[str, torch.Tensor | MappedTensor]
+    extras: dict[str, torch.Tensor | LazyTensor]  # source tensors the tower never uses, by source key
     rules: tuple[Rule, ...]  # the rules that matched (optional ones may be absent)
     key_order: tuple[str, ...]  # the source's key order
     dtypes: dict[str, torch.dtype]  # source dtype per source key
@@ -83,9 +177,9 @@ class ImportedWeights:
         canon = replace_named(self.tower, tower_state, f"{self.where}: the imported tower")
         out: dict[str, torch.Tensor] = {}
         for rule in self.rules:
-            for key, t in zip(rule.theirs, rule.to_theirs(canon[rule.ours].detach().cpu())):
+            for key, t in zip(rule.theirs, rule.to_theirs(materialize(canon[rule.ours]).detach().cpu())):
                 out[key] = t.to(self.dtypes[key])
-        out.update(self.extras)
+        out.update({key: materialize(t) for key, t in self.extras.items()})
         ordered = {k: out.pop(k) for k in self.key_order if k in out}
         ordered.update(out)
         return ordered
@@ -101,7 +195,7 @@ class ImportedWeights:
 
 
 def map_state(
-    state: Mapping[str, torch.Tensor],
+    state: Mapping[str, "torch.Tensor | LazyTensor"],
     rules: list[Rule],
     *,
     source: str,
@@ -114,7 +208,8 @@ def map_state(
     """Apply ``rules`` to a source state dict.
 
     ``unmapped(key)`` decides each source key no rule claims: None keeps it as an extra, a
-    string is the problem to report. Problems are collected in rule order (embeddings, then
+    string is the problem to report. Sources left in their file (``LazyTensor``) stay there:
+    their rules give ``MappedTensor`` (only a resampled tensor is read, whole). Problems are collected in rule order (embeddings, then
     block by block); the first three are reported, with a count of the rest.
     """
     resamplers = resamplers or {}
@@ -135,7 +230,7 @@ def map_state(
                 continue
             t = state[key]
             if tuple(t.shape) != rule.their_shape:
-                fixed = resamplers[rule.ours](t) if rule.ours in resamplers else None
+                fixed = resamplers[rule.ours](materialize(t)) if rule.ours in resamplers else None
                 if fixed is None:
                     problems.append(f"tensor {key!r} has shape {tuple(t.shape)}, the config expects {rule.their_shape}")
                     continue
@@ -143,7 +238,8 @@ def map_state(
                 t = fixed
             tensors.append(t)
         if len(tensors) == len(rule.theirs):
-            tower[rule.ours] = rule.to_ours(tensors)
+            in_memory = all(isinstance(t, torch.Tensor) for t in tensors)
+            tower[rule.ours] = rule.to_ours(tensors) if in_memory else MappedTensor(rule, tuple(tensors))
             matched.append(rule)
     extras = {}
     for key in state:
@@ -173,15 +269,16 @@ def map_state(
     )
 
 
-def load_state_file(path: str) -> dict[str, torch.Tensor]:
-    """A state dict from ``.safetensors`` or a torch file (``state_dict`` / ``model`` wrappers unwrapped)."""
+def load_state_file(path: str, lazy: bool = False) -> dict[str, "torch.Tensor | LazyTensor"]:
+    """A state dict from ``.safetensors`` or a torch file (``state_dict`` / ``model`` wrappers
+    unwrapped); ``lazy``: a safetensors file's tensors unread (``LazyTensor``)."""
     if not os.path.isfile(path):
         raise MimoError(f"checkpoint {path!r} not found")
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
 
         try:
-            return load_file(path)
+            return lazy_safetensors(path) if lazy else load_file(path)
         except Exception as e:  # a truncated or foreign file
             raise MimoError(f"checkpoint {path!r} is not a readable safetensors file: {e}") from None
     try:

@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from mimo.core.errors import LayoutError
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
-from mimo.llm.linear import FusedColumnParallelLinear
 from mimo.llm.norm import RMSNorm
-from mimo.parallel.params import init_params_, param_table
 from mimo.llm.rope import RopeConfig, apply_rope, inv_freq, rope_tables
-from mimo.parallel import RowParallelLinear, group_size
+from mimo.parallel.context import ParallelContext
+from mimo.parallel.layers import FusedColumnParallelLinear, RowParallelLinear
+from mimo.parallel.params import init_params_, param_table
 
 
 @dataclass(frozen=True)
@@ -56,27 +56,28 @@ class AttentionConfig:
 
 
 class Attention(nn.Module):
-    """``forward(h_TD, ctx) -> h_TD``: ``h + o_proj(attn(norm(h)))`` (see module doc)."""
+    """``forward(h_TD, seq) -> h_TD``: ``h + o_proj(attn(norm(h)))`` (see module doc)."""
 
-    def __init__(self, cfg: AttentionConfig, tp_group=None, sequence_parallel: bool = False, impl: str = "auto"):
+    def __init__(self, cfg: AttentionConfig, ctx: ParallelContext | None = None, impl: str = "auto"):
         super().__init__()
-        tp = group_size(tp_group)
+        self.ctx = ctx = ParallelContext.for_tp() if ctx is None else ctx
+        tp = ctx.tp_size
         if cfg.heads % cfg.kv_heads or cfg.kv_heads % tp:
             raise LayoutError(f"tp={tp} must divide kv_heads={cfg.kv_heads}, which must divide heads={cfg.heads}")
         self.cfg, self.impl = cfg, impl
         self.heads_local, self.kv_heads_local = cfg.heads // tp, cfg.kv_heads // tp
-        sp = sequence_parallel and tp > 1
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, grad_group=tp_group if sp else None)
+        # under SP each rank normalises its own tokens: the norm weight's gradient is partial
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, ctx, partial=ctx.sequence_parallel)
         hd = cfg.head_dim
+        # q | k | v stored as one weight [(heads + 2 kv_heads) * hd, hidden], each part split over TP
         self.qkv = FusedColumnParallelLinear(
             cfg.hidden, {"q": cfg.heads * hd, "k": cfg.kv_heads * hd, "v": cfg.kv_heads * hd},
-            bias=cfg.qkv_bias, group=tp_group, sequence_parallel=sp,
+            bias=cfg.qkv_bias, ctx=ctx,
         )
-        if cfg.qk_norm:  # one weight shared by all heads, which are split over TP: all-reduce its grad
-            self.q_norm = RMSNorm(hd, cfg.norm_eps, grad_group=tp_group)
-            self.k_norm = RMSNorm(hd, cfg.norm_eps, grad_group=tp_group)
-        self.o_proj = RowParallelLinear(cfg.heads * hd, cfg.hidden, bias=cfg.o_bias, group=tp_group,
-                                        input_is_parallel=True, sequence_parallel=sp)
+        if cfg.qk_norm:  # one weight shared by all heads, which are split over TP: a partial gradient
+            self.q_norm = RMSNorm(hd, cfg.norm_eps, ctx, partial=True)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps, ctx, partial=True)
+        self.o_proj = RowParallelLinear(cfg.heads * hd, cfg.hidden, bias=cfg.o_bias, ctx=ctx, input_is_parallel=True)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # not a buffer: .to(bf16) must not round it
 
     def init_weights(self, seed: int, std: float, out_std: float | None = None) -> None:
@@ -89,7 +90,7 @@ class Attention(nn.Module):
             self._inv_freq[device] = inv_freq(self.cfg.rope).to(device)
         return self._inv_freq[device]
 
-    def forward(self, h_TD: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+    def forward(self, h_TD: torch.Tensor, seq: SeqContext) -> torch.Tensor:
         x_TD = self.norm(h_TD)
         q_TF, k_TF, v_TF = self.qkv(x_TD)  # the full local sequence (gathered under SP)
         t, hd = q_TF.shape[0], self.cfg.head_dim
@@ -98,9 +99,9 @@ class Attention(nn.Module):
         v_THD = v_TF.view(t, self.kv_heads_local, hd)
         if self.cfg.qk_norm:
             q_THD, k_THD = self.q_norm(q_THD), self.k_norm(k_THD)
-        cos_TD, sin_TD = rope_tables(ctx.positions, self.inv_freq(ctx.positions.device))
+        cos_TD, sin_TD = rope_tables(seq.positions, self.inv_freq(seq.positions.device))
         q_THD, k_THD = apply_rope(q_THD, cos_TD, sin_TD), apply_rope(k_THD, cos_TD, sin_TD)
-        o_THD = packed_attention(q_THD, k_THD, v_THD, ctx, scale=hd ** -0.5, impl=self.impl)
+        o_THD = packed_attention(q_THD, k_THD, v_THD, seq, scale=hd ** -0.5, impl=self.impl)
         return h_TD + self.o_proj(o_THD.reshape(t, self.heads_local * hd))
 
 
@@ -179,5 +180,5 @@ def varlen_attention(q_THD, k_THD, v_THD, ctx: SeqContext, scale: float) -> torc
     return fn(q_THD, k_THD, v_THD, cu, cu, ctx.max_seqlen, ctx.max_seqlen, **kwargs)
 
 
-def build_attention(arch: HybridArch, spec, tp_group, sequence_parallel: bool) -> Attention:
-    return Attention(AttentionConfig.from_arch(arch), tp_group, sequence_parallel)
+def build_attention(arch: HybridArch, spec, ctx: ParallelContext | None = None) -> Attention:
+    return Attention(AttentionConfig.from_arch(arch), ctx)

@@ -3,27 +3,32 @@ know layer types.
 
 **Builder signature** (shared by every kind)::
 
-    build(arch: HybridArch, spec: LayerSpec, tp_group, sequence_parallel: bool) -> nn.Module
+    build(arch: HybridArch, spec: LayerSpec, ctx: ParallelContext) -> nn.Module
 
-``tp_group`` is the module's TP process group (``None`` for tp = 1); ``spec.index`` is the
-layer's global index (layout-independent). The builder builds on CPU in fp32; the stage moves
-the result to its device and dtype. ``register_layer(kind, build)`` installs a builder; kinds
-listed in ``PROVIDERS`` are looked up on first use as ``module.function`` (imported lazily,
-so ``mimo.llm.mamba2`` / ``mimo.llm.gdn`` plug in without this file importing them at load).
+``ctx`` is the LLM's ``ParallelContext`` (its TP group, whether sequence parallelism is on,
+resolved once; the expert view for MoE); ``spec.index`` is the layer's global index
+(layout-independent). The builder builds on CPU in fp32; the stage moves the result to its
+device and dtype. ``register_layer(kind, build)`` installs a builder; kinds listed in
+``PROVIDERS`` are looked up on first use as ``module.function`` (imported lazily, so
+``mimo.llm.mamba2`` / ``mimo.llm.gdn`` plug in without this file importing them at load).
 
 **Layer contract**
 
-* ``forward(h_TD, ctx: SeqContext) -> h_TD``, including its own pre-norm and residual add.
+* ``forward(h_TD, seq: SeqContext) -> h_TD``, including its own pre-norm and residual add.
   Without sequence parallel ``h_TD`` is the whole local pack ``[T, D]``, replicated over TP;
-  with it, this rank's contiguous ``[T/tp, D]`` block: gather before mixing tokens (e.g.
-  ``ColumnParallelLinear(sequence_parallel=True)``), reduce-scatter at the end
-  (``RowParallelLinear(sequence_parallel=True)``). ``ctx`` describes the full local pack.
-* Every sequence-mixing op honours ``ctx.cu_seqlens``: nothing crosses a sample boundary
+  with it (``ctx.sequence_parallel``), this rank's contiguous ``[T/tp, D]`` block: gather
+  before mixing tokens (e.g. ``ColumnParallelLinear``), reduce-scatter at the end
+  (``RowParallelLinear``). ``seq`` describes the full local pack.
+* Every sequence-mixing op honours ``seq.cu_seqlens``: nothing crosses a sample boundary
   (padding is its own trailing segment).
-* Parameters: sharded ones live in modules with ``shard_specs()`` (``TPModule``); all others
-  are replicated over TP and must hold complete gradients on every TP rank after backward —
-  a replicated weight applied to TP-split activations (norm weights under sequence parallel,
-  QK-norm over split heads) goes through ``copy_to_group`` (see ``mimo.llm.norm.RMSNorm``).
+* Parameters: every sharded one is declared by its module's ``placements()``
+  (``mimo.parallel.placement``); all others are replicated over TP. A replicated weight
+  applied to TP-split activations (norm weights under sequence parallel, QK-norm over split
+  heads, replicated Mamba-2 B/C) has a gradient that is a partial sum over TP: its placement
+  says ``partial=("tp",)``, and it goes through ``copy_to_group`` so that it holds the
+  complete gradient on every TP rank after backward (see ``mimo.llm.norm.RMSNorm``).
+* Every matrix product with a weight goes through ``mimo.parallel.gemm.linear``; fused
+  projections are stored fused (no weight concatenated in a forward).
 * ``init_weights(seed, std, out_std=None)``: TP-invariant random init from the layer's seed
   (the stage passes ``param_seed(base_seed, "layers.<index>")``); ``out_std`` is for
   projections writing into the residual stream. ``mimo.parallel.params.init_params_`` does it
@@ -42,8 +47,9 @@ from mimo.llm.attention import build_attention
 from mimo.llm.config import HybridArch
 from mimo.llm.mlp import build_mlp
 from mimo.llm.pattern import LAYER_KINDS, LayerSpec
+from mimo.parallel.context import ParallelContext
 
-LayerBuilder = Callable[[HybridArch, LayerSpec, object, bool], nn.Module]
+LayerBuilder = Callable[[HybridArch, LayerSpec, ParallelContext], nn.Module]
 
 _REGISTRY: dict[str, LayerBuilder] = {}
 
@@ -63,7 +69,7 @@ def register_layer(kind: str, build: LayerBuilder) -> None:
     _REGISTRY[kind] = build
 
 
-def _moe_not_supported(arch: HybridArch, spec: LayerSpec, tp_group, sequence_parallel: bool) -> nn.Module:
+def _moe_not_supported(arch: HybridArch, spec: LayerSpec, ctx: ParallelContext) -> nn.Module:
     raise MimoError(f"MoE layers ('E', layer {spec.index}) are not supported yet")
 
 
@@ -83,8 +89,9 @@ def layer_builder(kind: str) -> LayerBuilder:
     return _REGISTRY[kind]
 
 
-def build_layer(arch: HybridArch, spec: LayerSpec, tp_group=None, sequence_parallel: bool = False) -> nn.Module:
-    return layer_builder(spec.kind)(arch, spec, tp_group, sequence_parallel)
+def build_layer(arch: HybridArch, spec: LayerSpec, ctx: ParallelContext | None = None) -> nn.Module:
+    """Layer ``spec`` on ``ctx`` (default: one process, ``ParallelContext.for_tp()``)."""
+    return layer_builder(spec.kind)(arch, spec, ParallelContext.for_tp() if ctx is None else ctx)
 
 
 register_layer("attention", build_attention)

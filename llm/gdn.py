@@ -12,7 +12,8 @@ As flash-linear-attention's ``GatedDeltaNet`` / Qwen3-Next's ``linear_attn``:
 There may be more value heads than query/key heads (a multiple, like GQA): value head j
 reads q/k head ``j // (v_heads / heads)``. TP splits q/k heads and value heads alike, so a
 rank's value heads read only its own q/k heads. The output norm's weight ([v_head_dim]) is
-shared by all heads, hence replicated over TP with its gradient all-reduced.
+shared by all heads, hence replicated over TP with a partial gradient (all-reduced). The six
+projections are one stored weight and the three convolutions another (one GEMM, one conv).
 
 ``gated_delta_chunked`` is the chunked (WY) form with segment masks for sample boundaries
 inside a chunk: within-chunk work is batched matrix algebra over all chunks and heads (one
@@ -29,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from mimo.core.errors import LayoutError
@@ -37,7 +37,11 @@ from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
 from mimo.llm.recurrence import conv1d_naive, gated_delta_naive
 from mimo.llm.ssm import PreNormResidual, causal_conv1d, find_kernel, init_constant, init_conv, init_dt_bias, init_uniform_log, segments, segsum
-from mimo.parallel import RowParallelLinear, ShardSpec, TPModule, copy_to_group, gather_seq, group_size
+from mimo.parallel import gemm
+from mimo.parallel.collectives import copy_to_group, gather_seq
+from mimo.parallel.context import ParallelContext
+from mimo.parallel.layers import RowParallelLinear, TPModule
+from mimo.parallel.placement import Placement, replicated, sharded
 
 __all__ = ["GDNConfig", "gated_delta_chunked", "l2norm", "GatedDeltaNetMixer", "GatedDeltaNet", "build_gdn"]
 
@@ -139,42 +143,36 @@ class GatedDeltaNetMixer(TPModule):
     """The Gated DeltaNet mixer on normed input, projections ... out_proj (no pre-norm, no residual).
 
     Parameters (full shapes; dq = heads * head_dim, dv = v_heads * v_head_dim):
-    ``in_{q,k}_weight`` [dq, D], ``in_{v,z}_weight`` [dv, D], ``in_{b,a}_weight`` [v_heads, D];
-    ``conv_{q,k,v}_weight`` [., K] (no bias, as fla / Qwen3-Next); ``dt_bias``, ``A_log``
-    [v_heads]; ``norm_weight`` [v_head_dim] (replicated); ``out_proj.weight`` [D, dv].
+    ``in_proj_weight`` [2dq + 2dv + 2v_heads, D], the q | k | v | z | b | a projections fused
+    (each part split over TP by heads); ``conv_weight`` [2dq + dv, K], the q | k | v convs
+    fused likewise (no bias, as fla / Qwen3-Next); ``dt_bias``, ``A_log`` [v_heads];
+    ``norm_weight`` [v_head_dim] (replicated, a partial gradient); ``out_proj.weight`` [D, dv].
     """
 
-    def __init__(self, cfg: GDNConfig, group=None, sequence_parallel: bool = False, impl: str = "auto"):
-        super().__init__(group)
+    def __init__(self, cfg: GDNConfig, ctx: ParallelContext | None = None, impl: str = "auto"):
+        super().__init__(ctx)
         tp = self.tp_size
         if cfg.heads % tp or cfg.v_heads % tp or cfg.v_heads % cfg.heads:
             raise LayoutError(f"Gated DeltaNet: tp={tp} must divide heads={cfg.heads} and v_heads={cfg.v_heads}, "
                               f"and heads must divide v_heads")
         self.cfg, self.impl = cfg, impl
-        self.sequence_parallel = sequence_parallel and tp > 1
         self.heads_local, self.v_heads_local = cfg.heads // tp, cfg.v_heads // tp
         dq, dv, k = cfg.heads * cfg.head_dim, cfg.v_heads * cfg.v_head_dim, cfg.conv_kernel
-        self._specs = {
-            "in_q_weight": ShardSpec((dq, cfg.hidden), 0),
-            "in_k_weight": ShardSpec((dq, cfg.hidden), 0),
-            "in_v_weight": ShardSpec((dv, cfg.hidden), 0),
-            "in_z_weight": ShardSpec((dv, cfg.hidden), 0),
-            "in_b_weight": ShardSpec((cfg.v_heads, cfg.hidden), 0),
-            "in_a_weight": ShardSpec((cfg.v_heads, cfg.hidden), 0),
-            "conv_q_weight": ShardSpec((dq, k), 0),
-            "conv_k_weight": ShardSpec((dq, k), 0),
-            "conv_v_weight": ShardSpec((dv, k), 0),
-            "dt_bias": ShardSpec((cfg.v_heads,), 0),
-            "A_log": ShardSpec((cfg.v_heads,), 0),
-            "norm_weight": ShardSpec((cfg.v_head_dim,), None),
+        in_parts = (dq, dq, dv, dv, cfg.v_heads, cfg.v_heads)
+        self._placements = {
+            "in_proj_weight": sharded((sum(in_parts), cfg.hidden), 0, parts=in_parts),
+            "conv_weight": sharded((2 * dq + dv, k), 0, parts=(dq, dq, dv)),
+            "dt_bias": sharded((cfg.v_heads,), 0),
+            "A_log": sharded((cfg.v_heads,), 0),
+            # one weight for every head, and the heads are split over TP: a partial gradient
+            "norm_weight": replicated((cfg.v_head_dim,), partial=("tp",) if tp > 1 else ()),
         }
-        for name, spec in self._specs.items():
-            self.register_parameter(name, self._new_param(spec, None, None))
-        self.out_proj = RowParallelLinear(dv, cfg.hidden, bias=False, group=group, input_is_parallel=True,
-                                          sequence_parallel=self.sequence_parallel)
+        for name, placement in self._placements.items():
+            self.register_parameter(name, self._new_param(placement, None, None))
+        self.out_proj = RowParallelLinear(dv, cfg.hidden, bias=False, ctx=self.ctx, input_is_parallel=True)
 
-    def shard_specs(self) -> dict[str, ShardSpec]:
-        return self._specs
+    def placements(self) -> dict[str, Placement]:
+        return self._placements
 
     def param_init(self, name: str):
         """Init rules for ``mimo.parallel.params`` (as fla); None: N(0, std) projections."""
@@ -183,17 +181,17 @@ class GatedDeltaNetMixer(TPModule):
         return {"dt_bias": init_dt_bias(), "A_log": init_uniform_log(0.0, 16.0),
                 "norm_weight": init_constant(1.0)}.get(name)
 
-    def forward(self, x_TD: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, seq: SeqContext) -> torch.Tensor:
         cfg = self.cfg
         x_TD = gather_seq(x_TD, self.group) if self.sequence_parallel else copy_to_group(x_TD, self.group)
         t, hl, vhl = x_TD.shape[0], self.heads_local, self.v_heads_local
         dql, dvl = hl * cfg.head_dim, vhl * cfg.v_head_dim
-        w = torch.cat([self.in_q_weight, self.in_k_weight, self.in_v_weight, self.in_z_weight, self.in_b_weight, self.in_a_weight])
-        qkv_TC, z_TC, b_TH, a_TH = F.linear(x_TD, w).split([2 * dql + dvl, dvl, vhl, vhl], dim=-1)
+        # this rank's q | k | v | z | b | a rows are adjacent in the fused weight, as are its q | k | v conv rows
+        qkv_TC, z_TC, b_TH, a_TH = gemm.linear(x_TD, self.in_proj_weight, None, self.recipe).split(
+            [2 * dql + dvl, dvl, vhl, vhl], dim=-1)
 
-        seg_T, offset_T = segments(ctx.cu_seqlens, t)
-        conv_w = torch.cat([self.conv_q_weight, self.conv_k_weight, self.conv_v_weight])
-        qkv_TC = self._conv(qkv_TC, conv_w, seg_T, offset_T, ctx)
+        seg_T, offset_T = segments(seq.cu_seqlens, t)
+        qkv_TC = self._conv(qkv_TC, self.conv_weight, seg_T, offset_T, seq)
         q_TC, k_TC, v_TC = qkv_TC.split([dql, dql, dvl], dim=-1)
 
         cdt = torch.promote_types(x_TD.dtype, torch.float32)  # the recurrence and norms run in fp32 at least
@@ -204,26 +202,26 @@ class GatedDeltaNetMixer(TPModule):
         g_TH = -torch.exp(self.A_log.to(cdt)) * F.softplus(a_TH.to(cdt) + self.dt_bias.to(cdt))
         if vhl != hl:  # value head j reads q/k head j // (v_heads / heads)
             q_THK, k_THK = (x.repeat_interleave(vhl // hl, dim=1) for x in (q_THK, k_THK))
-        o_THV = self._rule(q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, ctx, x_TD).to(cdt)
+        o_THV = self._rule(q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, seq, x_TD).to(cdt)
 
         # per-head RMSNorm, weight, then gate (fla / Qwen3-Next order: norm before gate)
         o_THV = o_THV * torch.rsqrt(o_THV.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
-        o_THV = o_THV * copy_to_group(self.norm_weight, self.group).to(cdt)  # shared by heads split over TP
+        o_THV = o_THV * copy_to_group(self.norm_weight, self.group).to(cdt)  # shared by heads split over TP: a partial grad
         o_THV = o_THV * F.silu(z_TC.to(cdt)).reshape(t, vhl, cfg.v_head_dim)
         return self.out_proj(o_THV.reshape(t, dvl).to(x_TD.dtype))
 
-    def _conv(self, x_TC, w_CK, seg_T, offset_T, ctx):
+    def _conv(self, x_TC, w_CK, seg_T, offset_T, seq):
         if self.impl == "naive":
-            return F.silu(conv1d_naive(x_TC, w_CK, None, ctx.cu_seqlens))
+            return F.silu(conv1d_naive(x_TC, w_CK, None, seq.cu_seqlens))
         fn = find_kernel("conv", self.impl, x_TC)
         if fn is not None:  # channel-last [1, C, T] view; seq_idx restarts the conv per sample
             y = fn(x_TC.unsqueeze(0).transpose(1, 2), w_CK, None, seq_idx=seg_T.to(torch.int32).unsqueeze(0), activation="silu")
             return y.transpose(1, 2).squeeze(0)
         return F.silu(causal_conv1d(x_TC, w_CK, None, offset_T))
 
-    def _rule(self, q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, ctx, x_TD):
+    def _rule(self, q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, seq, x_TD):
         if self.impl == "naive":
-            return gated_delta_naive(q_THK, k_THK, v_THV, g_TH, beta_TH, ctx.cu_seqlens)
+            return gated_delta_naive(q_THK, k_THK, v_THV, g_TH, beta_TH, seq.cu_seqlens)
         fn = find_kernel("gated_delta", self.impl, x_TD)
         if fn is None and self.impl == "kernel":
             raise RuntimeError("Gated DeltaNet impl='kernel' needs the flash-linear-attention (fla) package (and CUDA)")
@@ -231,7 +229,7 @@ class GatedDeltaNetMixer(TPModule):
             dt = x_TD.dtype
             o, _ = fn(q_THK.to(dt).unsqueeze(0), k_THK.to(dt).unsqueeze(0), v_THV.to(dt).unsqueeze(0),
                       g_TH.unsqueeze(0), beta_TH.to(dt).unsqueeze(0), scale=1.0,
-                      cu_seqlens=ctx.cu_seqlens.to(device=q_THK.device, dtype=torch.long))
+                      cu_seqlens=seq.cu_seqlens.to(device=q_THK.device, dtype=torch.long))
             return o.squeeze(0)
         return gated_delta_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, self.cfg.chunk)
 
@@ -243,14 +241,14 @@ class GatedDeltaNetMixer(TPModule):
 
 
 class GatedDeltaNet(PreNormResidual):
-    """``forward(h_TD, ctx) -> h_TD``: ``h + mixer(norm(h))`` (``[T/tp, D]`` blocks under SP)."""
+    """``forward(h_TD, seq) -> h_TD``: ``h + mixer(norm(h))`` (``[T/tp, D]`` blocks under SP)."""
 
-    def __init__(self, cfg: GDNConfig, tp_group=None, sequence_parallel: bool = False, impl: str = "auto"):
-        sp = sequence_parallel and group_size(tp_group) > 1
-        super().__init__(cfg.hidden, cfg.norm_eps, GatedDeltaNetMixer(cfg, tp_group, sp, impl), tp_group, sp)
+    def __init__(self, cfg: GDNConfig, ctx: ParallelContext | None = None, impl: str = "auto"):
+        ctx = ParallelContext.for_tp() if ctx is None else ctx
+        super().__init__(cfg.hidden, cfg.norm_eps, GatedDeltaNetMixer(cfg, ctx, impl), ctx)
 
 
-def build_gdn(arch: HybridArch, spec, tp_group=None, sequence_parallel: bool = False) -> GatedDeltaNet:
+def build_gdn(arch: HybridArch, spec, ctx: ParallelContext | None = None) -> GatedDeltaNet:
     """Builder of the ``"gdn"`` layer kind (``mimo.llm.blocks.PROVIDERS`` names it)."""
-    return GatedDeltaNet(GDNConfig.from_arch(arch), tp_group, sequence_parallel)
+    return GatedDeltaNet(GDNConfig.from_arch(arch), ctx)
 

@@ -3,9 +3,11 @@
 A Hugging Face decoder layer ``j`` is two of our layers: attention ``2j`` (with
 ``input_layernorm``) and MLP ``2j+1`` (with ``post_attention_layernorm``), so these models are
 the pattern ``"*-" * num_hidden_layers`` (with ``|`` anywhere between layers for explicit
-stages). ``HF_NAMES`` is the whole name mapping; shapes are the same on both sides (HF's
-``[out, in]`` linear convention), only the vocab padding for TP differs and it is never
-exported (``full_state`` is unpadded).
+stages). ``HF_NAMES`` is the whole name mapping. Our fused weights are Hugging Face's separate
+ones concatenated along dim 0 (q | k | v projections: ``qkv.weight``; gate | up:
+``up_proj.weight``); otherwise shapes are the same on both sides (HF's ``[out, in]`` linear
+convention), only the vocab padding for TP differs and it is never exported (``full_state``
+is unpadded).
 
 Model-specific flags, as Hugging Face defines them:
 
@@ -13,9 +15,11 @@ Model-specific flags, as Hugging Face defines them:
     qwen2  q, k, v biases always, no o_proj bias
     qwen3  attention_bias -> q, k, v and o_proj biases; QK-norm always
 
-Checkpoints are read lazily with safetensors (each rank reads only the tensors its stage
-needs, whole, and keeps its TP slice). Every name and shape is checked first, on every rank
-alike, so a misfit checkpoint fails with one ``MimoError`` naming the first bad tensor.
+Checkpoints are read lazily with safetensors: each rank reads only its own slice of each
+tensor its stage needs (``get_slice``, through the parameter's placement:
+``mimo.parallel.placement.read_local``; a fused weight part by part). Every name and shape is
+checked first, on every rank alike, so a misfit checkpoint fails with one ``MimoError``
+naming the first bad tensor.
 ``transformers`` is imported only by the functions that build Hugging Face objects.
 """
 
@@ -31,35 +35,38 @@ import torch
 from mimo.core.errors import MimoError
 from mimo.llm.config import HybridArch, RopeScaling
 from mimo.llm.model import LLMStage
+from mimo.parallel.placement import Placement, read_local
 
 log = logging.getLogger(__name__)
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
-# (our name, Hugging Face name, present when) — {a}: our attention layer, {m}: our MLP layer,
-# {j}: the Hugging Face decoder layer
-HF_NAMES: tuple[tuple[str, str, Callable[[HybridArch], bool]], ...] = (  # in HF's state_dict order
-    ("embed.weight", "model.embed_tokens.weight", lambda a: True),
-    ("layers.{a}.qkv.q_weight", "model.layers.{j}.self_attn.q_proj.weight", lambda a: True),
-    ("layers.{a}.qkv.q_bias", "model.layers.{j}.self_attn.q_proj.bias", lambda a: a.qkv_bias),
-    ("layers.{a}.qkv.k_weight", "model.layers.{j}.self_attn.k_proj.weight", lambda a: True),
-    ("layers.{a}.qkv.k_bias", "model.layers.{j}.self_attn.k_proj.bias", lambda a: a.qkv_bias),
-    ("layers.{a}.qkv.v_weight", "model.layers.{j}.self_attn.v_proj.weight", lambda a: True),
-    ("layers.{a}.qkv.v_bias", "model.layers.{j}.self_attn.v_proj.bias", lambda a: a.qkv_bias),
-    ("layers.{a}.o_proj.weight", "model.layers.{j}.self_attn.o_proj.weight", lambda a: True),
-    ("layers.{a}.o_proj.bias", "model.layers.{j}.self_attn.o_proj.bias", lambda a: a.o_bias),
-    ("layers.{a}.q_norm.weight", "model.layers.{j}.self_attn.q_norm.weight", lambda a: a.qk_norm),
-    ("layers.{a}.k_norm.weight", "model.layers.{j}.self_attn.k_norm.weight", lambda a: a.qk_norm),
-    ("layers.{m}.up_proj.gate_weight", "model.layers.{j}.mlp.gate_proj.weight", lambda a: True),
-    ("layers.{m}.up_proj.gate_bias", "model.layers.{j}.mlp.gate_proj.bias", lambda a: a.mlp_bias),
-    ("layers.{m}.up_proj.up_weight", "model.layers.{j}.mlp.up_proj.weight", lambda a: True),
-    ("layers.{m}.up_proj.up_bias", "model.layers.{j}.mlp.up_proj.bias", lambda a: a.mlp_bias),
-    ("layers.{m}.down_proj.weight", "model.layers.{j}.mlp.down_proj.weight", lambda a: True),
-    ("layers.{m}.down_proj.bias", "model.layers.{j}.mlp.down_proj.bias", lambda a: a.mlp_bias),
-    ("layers.{a}.norm.weight", "model.layers.{j}.input_layernorm.weight", lambda a: True),
-    ("layers.{m}.norm.weight", "model.layers.{j}.post_attention_layernorm.weight", lambda a: True),
-    ("norm.weight", "model.norm.weight", lambda a: True),
-    ("head.weight", "lm_head.weight", lambda a: not a.tie_embeddings),
+# (our name, which part of it, Hugging Face name, present when), in HF's state_dict order —
+# {a}: our attention layer, {m}: our MLP layer, {j}: the Hugging Face decoder layer. A fused
+# weight of ours is its parts (0, 1, ...) concatenated along dim 0.
+_always = lambda a: True  # noqa: E731
+HF_NAMES: tuple[tuple[str, int, str, Callable[[HybridArch], bool]], ...] = (
+    ("embed.weight", 0, "model.embed_tokens.weight", _always),
+    ("layers.{a}.qkv.weight", 0, "model.layers.{j}.self_attn.q_proj.weight", _always),
+    ("layers.{a}.qkv.bias", 0, "model.layers.{j}.self_attn.q_proj.bias", lambda a: a.qkv_bias),
+    ("layers.{a}.qkv.weight", 1, "model.layers.{j}.self_attn.k_proj.weight", _always),
+    ("layers.{a}.qkv.bias", 1, "model.layers.{j}.self_attn.k_proj.bias", lambda a: a.qkv_bias),
+    ("layers.{a}.qkv.weight", 2, "model.layers.{j}.self_attn.v_proj.weight", _always),
+    ("layers.{a}.qkv.bias", 2, "model.layers.{j}.self_attn.v_proj.bias", lambda a: a.qkv_bias),
+    ("layers.{a}.o_proj.weight", 0, "model.layers.{j}.self_attn.o_proj.weight", _always),
+    ("layers.{a}.o_proj.bias", 0, "model.layers.{j}.self_attn.o_proj.bias", lambda a: a.o_bias),
+    ("layers.{a}.q_norm.weight", 0, "model.layers.{j}.self_attn.q_norm.weight", lambda a: a.qk_norm),
+    ("layers.{a}.k_norm.weight", 0, "model.layers.{j}.self_attn.k_norm.weight", lambda a: a.qk_norm),
+    ("layers.{m}.up_proj.weight", 0, "model.layers.{j}.mlp.gate_proj.weight", _always),
+    ("layers.{m}.up_proj.bias", 0, "model.layers.{j}.mlp.gate_proj.bias", lambda a: a.mlp_bias),
+    ("layers.{m}.up_proj.weight", 1, "model.layers.{j}.mlp.up_proj.weight", _always),
+    ("layers.{m}.up_proj.bias", 1, "model.layers.{j}.mlp.up_proj.bias", lambda a: a.mlp_bias),
+    ("layers.{m}.down_proj.weight", 0, "model.layers.{j}.mlp.down_proj.weight", _always),
+    ("layers.{m}.down_proj.bias", 0, "model.layers.{j}.mlp.down_proj.bias", lambda a: a.mlp_bias),
+    ("layers.{a}.norm.weight", 0, "model.layers.{j}.input_layernorm.weight", _always),
+    ("layers.{m}.norm.weight", 0, "model.layers.{j}.post_attention_layernorm.weight", _always),
+    ("norm.weight", 0, "model.norm.weight", _always),
+    ("head.weight", 0, "lm_head.weight", lambda a: not a.tie_embeddings),
 )
 TIED_HEAD = "lm_head.weight"  # in HF's state_dict() of a tied model, the embedding again
 IGNORED = (".rotary_emb.inv_freq",)  # buffers some older checkpoints carry
@@ -89,18 +96,27 @@ def _same(name: str) -> str:
     return name
 
 
-def hf_name_map(arch: HybridArch, rename: Rename = _same) -> dict[str, str]:
-    """Our canonical parameter name -> Hugging Face name, for every parameter of ``arch``
-    (``rename``: where the causal LM sits inside a larger checkpoint)."""
+def hf_tensor_map(arch: HybridArch, rename: Rename = _same) -> dict[str, tuple[str, int]]:
+    """Every Hugging Face tensor of ``arch`` -> (our canonical parameter name, which part of it),
+    in Hugging Face's own order (``rename``: where the causal LM sits inside a larger checkpoint)."""
     out = {}
     for j in range(hf_decoder_layers(arch)):
-        for ours, theirs, present in HF_NAMES:
+        for ours, part, theirs, present in HF_NAMES:
             if present(arch) and ("{" in ours or j == 0):
-                out[ours.format(a=2 * j, m=2 * j + 1)] = theirs.format(j=j)
+                out[theirs.format(j=j)] = (ours.format(a=2 * j, m=2 * j + 1), part)
     # keep HF's own order: embedding, layers, final norm, head
-    first = {"embed.weight": out.pop("embed.weight")}
-    last = {k: out.pop(k) for k in ("norm.weight", "head.weight") if k in out}
-    return {k: rename(v) for k, v in {**first, **out, **last}.items()}
+    first = {"model.embed_tokens.weight": out.pop("model.embed_tokens.weight")}
+    last = {k: out.pop(k) for k in ("model.norm.weight", "lm_head.weight") if k in out}
+    return {rename(k): v for k, v in {**first, **out, **last}.items()}
+
+
+def hf_name_map(arch: HybridArch, rename: Rename = _same) -> dict[str, tuple[str, ...]]:
+    """Our canonical parameter name -> the Hugging Face tensors it is made of, in part order
+    (one, or the parts a fused weight concatenates along dim 0), for every parameter of ``arch``."""
+    parts: dict[str, dict[int, str]] = {}
+    for theirs, (ours, part) in hf_tensor_map(arch, rename).items():
+        parts.setdefault(ours, {})[part] = theirs
+    return {ours: tuple(by_part[i] for i in sorted(by_part)) for ours, by_part in parts.items()}
 
 
 def _rope_from_hf(cfg: Mapping) -> tuple[float, RopeScaling | None]:
@@ -240,28 +256,61 @@ class HFCheckpoint:
     def get(self, name: str) -> torch.Tensor:
         return self._handles[self._file_of[name]].get_tensor(name)
 
+    def slice(self, name: str):
+        """The tensor, lazily: index it with a tuple of slices to read only that part."""
+        return self._handles[self._file_of[name]].get_slice(name)
 
-def full_shapes(arch: HybridArch) -> dict[str, tuple[int, ...]]:
-    """Full shape of every parameter of the one-stage model (built on the meta device)."""
+
+def full_placements(arch: HybridArch) -> dict[str, Placement]:
+    """The placement (full shape, fused parts) of every parameter of the one-stage model, by
+    canonical name (built on the meta device: nothing is allocated)."""
     with torch.device("meta"):
         stage = LLMStage(arch)
-    return {name: tuple(info.spec.full_shape) for name, info in stage.param_table().items()}
+    return {name: info.placement for name, info in stage.param_table().items()}
+
+
+def full_shapes(arch: HybridArch) -> dict[str, tuple[int, ...]]:
+    """Full shape of every parameter of the one-stage model."""
+    return {name: pl.full_shape for name, pl in full_placements(arch).items()}
+
+
+def _part_sizes(name: str, placement: Placement, n: int) -> tuple[int, ...]:
+    """Sizes along dim 0 of the ``n`` Hugging Face tensors that make our parameter ``name``."""
+    if n == 1:
+        return (placement.full_shape[0],)
+    if len(placement.parts) != n or {d for _, d in placement.shards} != {0}:
+        raise MimoError(f"internal: {name!r} ({placement}) is not {n} parts fused along dim 0")
+    return placement.parts
+
+
+def _expected_hf_tensors(arch: HybridArch, rename: Rename) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every Hugging Face tensor -> (what it is of ours, for messages; the shape it must have)."""
+    placements, names = full_placements(arch), hf_name_map(arch, rename)
+    out = {}
+    for theirs, (ours, part) in hf_tensor_map(arch, rename).items():
+        pl, n = placements[ours], len(names[ours])
+        sizes = _part_sizes(ours, pl, n)
+        what = repr(ours)
+        if n > 1:
+            lo = sum(sizes[:part])
+            what += f" (rows {lo}:{lo + sizes[part]}, part {part + 1} of {n})"
+        out[theirs] = (what, (sizes[part], *pl.full_shape[1:]))
+    return out
 
 
 def check_hf_tensors(arch: HybridArch, shapes: Mapping[str, tuple[int, ...]], source: str, rename: Rename = _same) -> None:
     """MimoError naming the first missing, misfit or unexpected tensor of a checkpoint."""
-    names = hf_name_map(arch, rename)
     tied_head = rename(TIED_HEAD)
-    want = full_shapes(arch)
-    for ours, theirs in names.items():
+    want = _expected_hf_tensors(arch, rename)
+    for theirs, (ours, need) in want.items():
         if theirs not in shapes:
-            raise MimoError(f"{source}: no tensor {theirs!r} (the model's {ours!r}, shape {want[ours]})")
-        if tuple(shapes[theirs]) != want[ours]:
+            raise MimoError(f"{source}: no tensor {theirs!r} (the model's {ours}, shape {need})")
+        if tuple(shapes[theirs]) != need:
             raise MimoError(
-                f"{source}: tensor {theirs!r} has shape {tuple(shapes[theirs])}, but the model's {ours!r} "
-                f"needs {want[ours]}"
+                f"{source}: tensor {theirs!r} has shape {tuple(shapes[theirs])}, but the model's {ours} "
+                f"needs {need}"
             )
-    used = set(names.values()) | ({tied_head} if arch.tie_embeddings else set())
+    used = set(want) | ({tied_head} if arch.tie_embeddings else set())
     natural = lambda n: [int(p) if p.isdigit() else p for p in n.split(".")]  # noqa: E731  layer 2 before 10
     extra = sorted((n for n in shapes if n not in used and not n.endswith(IGNORED)), key=natural)
     if extra:
@@ -271,12 +320,46 @@ def check_hf_tensors(arch: HybridArch, shapes: Mapping[str, tuple[int, ...]], so
         )
 
 
-def import_hf_state_(stage: LLMStage, get: Callable[[str], torch.Tensor],
+def _concat_reader(sources: list, sizes: tuple[int, ...]) -> Callable[[tuple[slice, ...]], torch.Tensor]:
+    """``read(index)`` of the concatenation of ``sources`` along dim 0 (each indexable by a tuple
+    of slices: a tensor, or a safetensors slice), reading from each only the rows ``index`` covers."""
+    if len(sources) == 1:
+        return lambda index: sources[0][index]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def read(index: tuple[slice, ...]) -> torch.Tensor:
+        rows, rest = index[0], tuple(index[1:])
+        pieces = []
+        for src, start, size in zip(sources, starts, sizes):
+            lo, hi = max(rows.start, start), min(rows.stop, start + size)
+            if hi > lo:
+                pieces.append(src[(slice(lo - start, hi - start), *rest)])
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # load time, not a forward
+
+    return read
+
+
+def import_hf_state_(stage: LLMStage, get: Callable[[str], object],
                      shapes: Mapping[str, tuple[int, ...]], source: str = "checkpoint", rename: Rename = _same) -> None:
-    """Load Hugging Face tensors (by name: ``get``, ``shapes``) into this rank's stage."""
+    """Load Hugging Face tensors into this rank's stage: ``get(name)`` is indexable by a tuple
+    of slices (a full tensor, or a safetensors ``get_slice``: then only this rank's slices are
+    read), ``shapes`` gives every tensor's shape."""
     check_hf_tensors(stage.arch, shapes, source, rename)
     names = hf_name_map(stage.arch, rename)
-    stage.load_full_({ours: get(names[ours]) for ours in stage.param_table()})
+    for ours, info in stage.param_table().items():
+        theirs = names[ours]
+        sizes = tuple(shapes[t][0] for t in theirs)
+        read = _concat_reader([get(t) for t in theirs], sizes)
+        local = read_local(read, info.placement, info.sizes, info.coords, info.param.dtype, info.param.device)
+        with torch.no_grad():
+            info.param.copy_(local)
+
+
+def from_hf_state(state: Mapping[str, torch.Tensor], arch: HybridArch, rename: Rename = _same) -> dict[str, torch.Tensor]:
+    """Our full canonical state from a Hugging Face state dict (fused weights concatenated);
+    check it first with ``check_hf_tensors``."""
+    return {ours: state[theirs[0]] if len(theirs) == 1 else torch.cat([state[t] for t in theirs])
+            for ours, theirs in hf_name_map(arch, rename).items()}
 
 
 # Where the causal LM sits inside a LLaVA checkpoint: (what replaces its "model.", its head key),
@@ -334,17 +417,19 @@ def load_hf_checkpoint(stage: LLMStage, path: str) -> None:
             log.warning("%s: arch.%s=%r differs from the checkpoint's config.json (%r)",
                         path, field, getattr(stage.arch, field), getattr(theirs, field))
     shapes = {name: ckpt.shape(name) for name in keys}
-    import_hf_state_(stage, ckpt.get, shapes, path, rename)
+    import_hf_state_(stage, ckpt.slice, shapes, path, rename)
 
 
 def export_hf_state(full_state: Mapping[str, torch.Tensor], arch: HybridArch, rename: Rename = _same) -> dict[str, torch.Tensor]:
     """Hugging Face state dict (as ``model.state_dict()`` has it) from our full canonical state
     (all stages merged; vocab padding is already stripped by ``full_state``)."""
+    placements, names = full_placements(arch), hf_name_map(arch, rename)
     out = {}
-    for ours, theirs in hf_name_map(arch, rename).items():
+    for theirs, (ours, part) in hf_tensor_map(arch, rename).items():
         if ours not in full_state:
             raise MimoError(f"export: the state has no {ours!r} (merge the full state of every stage)")
-        out[theirs] = full_state[ours]
+        t = full_state[ours]
+        out[theirs] = t if len(names[ours]) == 1 else t.split(_part_sizes(ours, placements[ours], len(names[ours])))[part]
     if arch.tie_embeddings:
         out[rename(TIED_HEAD)] = full_state["embed.weight"]
     return out

@@ -1,16 +1,19 @@
 """Mamba-2 layer (``M``) over packed sequences, tensor-parallel over heads.
 
-    h -> RMSNorm -> in_proj -> [z | x B C | dt]
-         x B C -> causal depthwise conv (reset per sample) -> SiLU
+    h -> RMSNorm -> in_proj -> [z | x | dt],  in_bc -> [B | C]     (Mamba-2's in_proj, in two weights)
+         x, B C -> causal depthwise conv (reset per sample) -> SiLU
          y = SSD(x, softplus(dt + dt_bias), A = -exp(A_log), B, C) + D x      (state reset per sample)
          y = RMSNorm_grouped(y * SiLU(z)) -> out_proj -> + h
 
 Tensor parallelism splits the heads (z, x, dt, A_log, D, dt_bias, norm and out_proj columns).
 B and C belong to ``groups`` groups of heads: when tp divides the groups they are split with
-their heads; otherwise every rank computes all groups (replicated weights whose gradient is
-all-reduced) and each head reads its own group's B and C. The gated norm normalises over
-groups of d_inner/groups channels as Mamba-2 does; when a group spans TP ranks its mean square
-is summed over the group's ranks, so every TP size computes the one-process function.
+their heads; otherwise every rank computes all groups (replicated weights whose gradient is a
+partial sum over TP, all-reduced) and each head reads its own group's B and C. That choice
+depends on tp while a parameter's name and full shape must not, so B | C always has weights
+of its own (``in_bc_weight``, ``conv_bc_*``): two GEMMs and two convolutions over the same
+input, no weight concatenated. The gated norm normalises over groups of d_inner/groups
+channels as Mamba-2 does; when a group spans TP ranks its mean square is summed over the
+group's ranks, so every TP size computes the one-process function.
 
 The chunked SSD (``ssd_chunked``) handles sample boundaries inside a chunk with segment masks
 (as mamba_ssm's ``seq_idx``): within a chunk a token only sees tokens of its own sample, and
@@ -26,7 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from mimo.core.errors import LayoutError
@@ -34,7 +36,11 @@ from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
 from mimo.llm.recurrence import conv1d_naive, ssd_naive
 from mimo.llm.ssm import PreNormResidual, causal_conv1d, find_kernel, init_constant, init_conv, init_dt_bias, init_uniform_log, segments, segsum
-from mimo.parallel import RowParallelLinear, ShardSpec, TPModule, copy_to_group, gather_seq, group_size, reduce_from_group
+from mimo.parallel import gemm
+from mimo.parallel.collectives import copy_to_group, gather_seq, reduce_from_group
+from mimo.parallel.context import ParallelContext
+from mimo.parallel.layers import RowParallelLinear, TPModule
+from mimo.parallel.placement import Placement, replicated, sharded
 
 __all__ = ["Mamba2Config", "ssd_chunked", "Mamba2Mixer", "Mamba2", "build_mamba2"]
 
@@ -115,55 +121,55 @@ def ssd_chunked(
 class Mamba2Mixer(TPModule):
     """The Mamba-2 mixer on normed input, in_proj ... out_proj (no pre-norm, no residual).
 
-    Parameters (full shapes; d = heads * head_dim, bc = groups * state): ``in_{z,x}_weight``
-    [d, D], ``in_{B,C}_weight`` [bc, D], ``in_dt_weight`` [heads, D] (Mamba-2's in_proj, row
-    blocks z | x | B | C | dt); ``conv_{x,B,C}_weight`` [., K] and ``conv_{x,B,C}_bias`` (its
-    conv1d over x B C); ``dt_bias``, ``A_log``, ``D`` [heads]; ``norm_weight`` [d];
-    ``out_proj.weight`` [D, d].
+    Parameters (full shapes; d = heads * head_dim, bc = groups * state): ``in_proj_weight``
+    [2d + heads, D] (Mamba-2's in_proj rows z | x | dt, each part split over TP by heads) and
+    ``in_bc_weight`` [2bc, D] (its rows B | C); ``conv_x_weight`` [d, K], ``conv_x_bias`` [d],
+    ``conv_bc_weight`` [2bc, K], ``conv_bc_bias`` [2bc] (its conv1d over x | B | C);
+    ``dt_bias``, ``A_log``, ``D`` [heads]; ``norm_weight`` [d]; ``out_proj.weight`` [D, d].
+    The B | C parameters are split over TP (parts B, C) when tp divides the groups, else
+    replicated with a partial gradient.
     """
 
-    def __init__(self, cfg: Mamba2Config, group=None, sequence_parallel: bool = False, impl: str = "auto"):
-        super().__init__(group)
+    def __init__(self, cfg: Mamba2Config, ctx: ParallelContext | None = None, impl: str = "auto"):
+        super().__init__(ctx)
         tp = self.tp_size
         if cfg.heads % tp or cfg.heads % cfg.groups:
             raise LayoutError(f"Mamba-2: heads={cfg.heads} must be divisible by tp={tp} and by groups={cfg.groups}")
         self.cfg, self.impl = cfg, impl
-        self.sequence_parallel = sequence_parallel and tp > 1
         d_inner, bc = cfg.heads * cfg.head_dim, cfg.groups * cfg.state
         self.heads_local = cfg.heads // tp
         self.d_local = self.heads_local * cfg.head_dim
         self.bc_sharded = cfg.groups % tp == 0  # B, C split with their heads; else replicated
         self.bc_local = (bc // tp) if self.bc_sharded else bc
-        bc_dim = 0 if self.bc_sharded else None
         # global index of the group each local head belongs to (reads B, C of; norms with)
         first_head = self.tp_rank * self.heads_local
         head_group = (torch.arange(self.heads_local) + first_head) // (cfg.heads // cfg.groups)
         self.register_buffer("head_group", head_group, persistent=False)
         k = cfg.conv_kernel
-        self._specs = {
-            "in_z_weight": ShardSpec((d_inner, cfg.hidden), 0),
-            "in_x_weight": ShardSpec((d_inner, cfg.hidden), 0),
-            "in_B_weight": ShardSpec((bc, cfg.hidden), bc_dim),
-            "in_C_weight": ShardSpec((bc, cfg.hidden), bc_dim),
-            "in_dt_weight": ShardSpec((cfg.heads, cfg.hidden), 0),
-            "conv_x_weight": ShardSpec((d_inner, k), 0),
-            "conv_B_weight": ShardSpec((bc, k), bc_dim),
-            "conv_C_weight": ShardSpec((bc, k), bc_dim),
-            "conv_x_bias": ShardSpec((d_inner,), 0),
-            "conv_B_bias": ShardSpec((bc,), bc_dim),
-            "conv_C_bias": ShardSpec((bc,), bc_dim),
-            "dt_bias": ShardSpec((cfg.heads,), 0),
-            "A_log": ShardSpec((cfg.heads,), 0),
-            "D": ShardSpec((cfg.heads,), 0),
-            "norm_weight": ShardSpec((d_inner,), 0),
-        }
-        for name, spec in self._specs.items():
-            self.register_parameter(name, self._new_param(spec, None, None))
-        self.out_proj = RowParallelLinear(d_inner, cfg.hidden, bias=False, group=group, input_is_parallel=True,
-                                          sequence_parallel=self.sequence_parallel)
 
-    def shard_specs(self) -> dict[str, ShardSpec]:
-        return self._specs
+        def bc_placement(shape) -> Placement:
+            if self.bc_sharded:
+                return sharded(shape, 0, parts=(bc, bc))
+            return replicated(shape, partial=("tp",))  # each rank's heads read all of B, C: partial grads
+
+        self._placements = {
+            "in_proj_weight": sharded((2 * d_inner + cfg.heads, cfg.hidden), 0, parts=(d_inner, d_inner, cfg.heads)),
+            "in_bc_weight": bc_placement((2 * bc, cfg.hidden)),
+            "conv_x_weight": sharded((d_inner, k), 0),
+            "conv_x_bias": sharded((d_inner,), 0),
+            "conv_bc_weight": bc_placement((2 * bc, k)),
+            "conv_bc_bias": bc_placement((2 * bc,)),
+            "dt_bias": sharded((cfg.heads,), 0),
+            "A_log": sharded((cfg.heads,), 0),
+            "D": sharded((cfg.heads,), 0),
+            "norm_weight": sharded((d_inner,), 0),
+        }
+        for name, placement in self._placements.items():
+            self.register_parameter(name, self._new_param(placement, None, None))
+        self.out_proj = RowParallelLinear(d_inner, cfg.hidden, bias=False, ctx=self.ctx, input_is_parallel=True)
+
+    def placements(self) -> dict[str, Placement]:
+        return self._placements
 
     def param_init(self, name: str):
         """Init rules for ``mimo.parallel.params`` (as mamba_ssm); None: N(0, std) projections."""
@@ -176,18 +182,17 @@ class Mamba2Mixer(TPModule):
         # replicated B/C weights feed only this rank's heads: all-reduce their (partial) grads
         return p if self.bc_sharded else copy_to_group(p, self.group)
 
-    def forward(self, x_TD: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, seq: SeqContext) -> torch.Tensor:
         cfg, rep = self.cfg, self._rep
         x_TD = gather_seq(x_TD, self.group) if self.sequence_parallel else copy_to_group(x_TD, self.group)
         t, dl, bcl, hl = x_TD.shape[0], self.d_local, self.bc_local, self.heads_local
-        w = torch.cat([self.in_z_weight, self.in_x_weight, rep(self.in_B_weight), rep(self.in_C_weight), self.in_dt_weight])
-        z_TC, xbc_TC, dt_TH = F.linear(x_TD, w).split([dl, dl + 2 * bcl, hl], dim=-1)
+        z_TC, x_TC, dt_TH = gemm.linear(x_TD, self.in_proj_weight, None, self.recipe).split([dl, dl, hl], dim=-1)
+        bc_TC = gemm.linear(x_TD, rep(self.in_bc_weight), None, self.recipe)
 
-        seg_T, offset_T = segments(ctx.cu_seqlens, t)
-        conv_w = torch.cat([self.conv_x_weight, rep(self.conv_B_weight), rep(self.conv_C_weight)])
-        conv_b = torch.cat([self.conv_x_bias, rep(self.conv_B_bias), rep(self.conv_C_bias)])
-        xbc_TC = self._conv(xbc_TC, conv_w, conv_b, seg_T, offset_T, ctx)
-        x_TC, B_TC, C_TC = xbc_TC.split([dl, bcl, bcl], dim=-1)
+        seg_T, offset_T = segments(seq.cu_seqlens, t)
+        x_TC = self._conv(x_TC, self.conv_x_weight, self.conv_x_bias, seg_T, offset_T, seq)
+        bc_TC = self._conv(bc_TC, rep(self.conv_bc_weight), rep(self.conv_bc_bias), seg_T, offset_T, seq)
+        B_TC, C_TC = bc_TC.split([bcl, bcl], dim=-1)
 
         cdt = torch.promote_types(x_TD.dtype, torch.float32)  # the scan and norms run in fp32 at least
         x_THP = x_TC.reshape(t, hl, cfg.head_dim)
@@ -196,24 +201,24 @@ class Mamba2Mixer(TPModule):
             B_TGN, C_TGN = B_TGN[:, self.head_group], C_TGN[:, self.head_group]
         dt_TH = F.softplus(dt_TH.to(cdt) + self.dt_bias.to(cdt))
         A_H = -torch.exp(self.A_log.to(cdt))
-        y_THP = self._scan(x_THP, dt_TH, A_H, B_TGN, C_TGN, seg_T, ctx, cdt)
+        y_THP = self._scan(x_THP, dt_TH, A_H, B_TGN, C_TGN, seg_T, seq, cdt)
         y_THP = y_THP + x_THP.to(cdt) * self.D.to(cdt)[:, None]
 
         y_TC = self._gated_norm(y_THP, z_TC.to(cdt)).to(x_TD.dtype)
         return self.out_proj(y_TC)
 
-    def _conv(self, xbc_TC, w_CK, b_C, seg_T, offset_T, ctx):
+    def _conv(self, x_TC, w_CK, b_C, seg_T, offset_T, seq):
         if self.impl == "naive":
-            return F.silu(conv1d_naive(xbc_TC, w_CK, b_C, ctx.cu_seqlens))
-        fn = find_kernel("conv", self.impl, xbc_TC)
+            return F.silu(conv1d_naive(x_TC, w_CK, b_C, seq.cu_seqlens))
+        fn = find_kernel("conv", self.impl, x_TC)
         if fn is not None:  # channel-last [1, C, T] view; seq_idx restarts the conv per sample
-            y = fn(xbc_TC.unsqueeze(0).transpose(1, 2), w_CK, b_C, seq_idx=seg_T.to(torch.int32).unsqueeze(0), activation="silu")
+            y = fn(x_TC.unsqueeze(0).transpose(1, 2), w_CK, b_C, seq_idx=seg_T.to(torch.int32).unsqueeze(0), activation="silu")
             return y.transpose(1, 2).squeeze(0)
-        return F.silu(causal_conv1d(xbc_TC, w_CK, b_C, offset_T))
+        return F.silu(causal_conv1d(x_TC, w_CK, b_C, offset_T))
 
-    def _scan(self, x_THP, dt_TH, A_H, B_TGN, C_TGN, seg_T, ctx, cdt):
+    def _scan(self, x_THP, dt_TH, A_H, B_TGN, C_TGN, seg_T, seq, cdt):
         if self.impl == "naive":
-            return ssd_naive(x_THP.to(cdt), dt_TH, A_H, B_TGN.to(cdt), C_TGN.to(cdt), ctx.cu_seqlens)
+            return ssd_naive(x_THP.to(cdt), dt_TH, A_H, B_TGN.to(cdt), C_TGN.to(cdt), seq.cu_seqlens)
         fn = find_kernel("ssd", self.impl, x_THP)
         if fn is None and self.impl == "kernel":
             raise RuntimeError("Mamba-2 impl='kernel' needs the mamba_ssm package (and CUDA)")
@@ -247,14 +252,14 @@ class Mamba2Mixer(TPModule):
 
 
 class Mamba2(PreNormResidual):
-    """``forward(h_TD, ctx) -> h_TD``: ``h + mixer(norm(h))`` (``[T/tp, D]`` blocks under SP)."""
+    """``forward(h_TD, seq) -> h_TD``: ``h + mixer(norm(h))`` (``[T/tp, D]`` blocks under SP)."""
 
-    def __init__(self, cfg: Mamba2Config, tp_group=None, sequence_parallel: bool = False, impl: str = "auto"):
-        sp = sequence_parallel and group_size(tp_group) > 1
-        super().__init__(cfg.hidden, cfg.norm_eps, Mamba2Mixer(cfg, tp_group, sp, impl), tp_group, sp)
+    def __init__(self, cfg: Mamba2Config, ctx: ParallelContext | None = None, impl: str = "auto"):
+        ctx = ParallelContext.for_tp() if ctx is None else ctx
+        super().__init__(cfg.hidden, cfg.norm_eps, Mamba2Mixer(cfg, ctx, impl), ctx)
 
 
-def build_mamba2(arch: HybridArch, spec, tp_group=None, sequence_parallel: bool = False) -> Mamba2:
+def build_mamba2(arch: HybridArch, spec, ctx: ParallelContext | None = None) -> Mamba2:
     """Builder of the ``"mamba"`` layer kind (``mimo.llm.blocks.PROVIDERS`` names it)."""
-    return Mamba2(Mamba2Config.from_arch(arch), tp_group, sequence_parallel)
+    return Mamba2(Mamba2Config.from_arch(arch), ctx)
 

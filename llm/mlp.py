@@ -3,7 +3,9 @@
 ``swiglu``: ``down(silu(gate(x)) * up(x))`` (Llama, Qwen; gate and up in one GEMM);
 ``relu2``: ``down(relu(up(x))^2)`` (Nemotron-H); ``gelu``: ``down(gelu(up(x)))`` (erf form).
 The inner size ``ffn`` is split over TP; with sequence parallel the up projection gathers the
-sequence and the down projection reduce-scatters it.
+sequence and the down projection reduce-scatters it. Gate and up are one stored weight
+``up_proj.weight`` ``[2 * ffn, hidden]`` (gate rows first, then up: each part split over TP on
+its own), so one GEMM computes both.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import torch.nn.functional as F
 
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
-from mimo.llm.linear import FusedColumnParallelLinear
 from mimo.llm.norm import RMSNorm
+from mimo.parallel.context import ParallelContext
+from mimo.parallel.layers import FusedColumnParallelLinear, RowParallelLinear
 from mimo.parallel.params import init_params_, param_table
-from mimo.parallel import RowParallelLinear, group_size
 
 ACTIVATIONS = ("swiglu", "relu2", "gelu")
 
@@ -38,25 +40,25 @@ class MLPConfig:
 
 
 class MLP(nn.Module):
-    """``forward(h_TD, ctx) -> h_TD``: ``h + down(act(up(norm(h))))``."""
+    """``forward(h_TD, seq) -> h_TD``: ``h + down(act(up(norm(h))))``."""
 
-    def __init__(self, cfg: MLPConfig, tp_group=None, sequence_parallel: bool = False):
+    def __init__(self, cfg: MLPConfig, ctx: ParallelContext | None = None):
         super().__init__()
         if cfg.act not in ACTIVATIONS:
             raise ValueError(f"unknown MLP activation {cfg.act!r}; one of {ACTIVATIONS}")
         self.cfg = cfg
-        sp = sequence_parallel and group_size(tp_group) > 1
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, grad_group=tp_group if sp else None)
+        self.ctx = ctx = ParallelContext.for_tp() if ctx is None else ctx
+        # under SP each rank normalises its own tokens: the norm weight's gradient is partial
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, ctx, partial=ctx.sequence_parallel)
         parts = {"gate": cfg.ffn, "up": cfg.ffn} if cfg.act == "swiglu" else {"up": cfg.ffn}
-        self.up_proj = FusedColumnParallelLinear(cfg.hidden, parts, bias=cfg.bias, group=tp_group, sequence_parallel=sp)
-        self.down_proj = RowParallelLinear(cfg.ffn, cfg.hidden, bias=cfg.bias, group=tp_group,
-                                           input_is_parallel=True, sequence_parallel=sp)
+        self.up_proj = FusedColumnParallelLinear(cfg.hidden, parts, bias=cfg.bias, ctx=ctx)
+        self.down_proj = RowParallelLinear(cfg.ffn, cfg.hidden, bias=cfg.bias, ctx=ctx, input_is_parallel=True)
 
     def init_weights(self, seed: int, std: float, out_std: float | None = None) -> None:
         """TP-invariant: each parameter from ``param_seed(seed, its name in this layer)``."""
         init_params_(param_table(self), seed, std, {"down_proj.weight": std if out_std is None else out_std})
 
-    def forward(self, h_TD: torch.Tensor, ctx: SeqContext) -> torch.Tensor:
+    def forward(self, h_TD: torch.Tensor, seq: SeqContext) -> torch.Tensor:
         x_TD = self.norm(h_TD)
         if self.cfg.act == "swiglu":
             gate_TF, up_TF = self.up_proj(x_TD)
@@ -67,5 +69,5 @@ class MLP(nn.Module):
         return h_TD + self.down_proj(a_TF)
 
 
-def build_mlp(arch: HybridArch, spec, tp_group, sequence_parallel: bool) -> MLP:
-    return MLP(MLPConfig.from_arch(arch), tp_group, sequence_parallel)
+def build_mlp(arch: HybridArch, spec, ctx: ParallelContext | None = None) -> MLP:
+    return MLP(MLPConfig.from_arch(arch), ctx)

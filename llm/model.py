@@ -10,6 +10,10 @@ Parameter names are layout-independent: ``embed.weight``, ``layers.<global index
 ``norm.weight``, ``head.weight``. Random init draws every tensor from
 ``param_seed(seed, <its name>)``, so a model built at any TP / PP holds the same full weights.
 
+A stage is built on the LLM's ``ParallelContext`` (``mimo.parallel.context``): its pipeline
+coordinate is the stage index, its TP group and sequence parallelism go to every layer.
+``LLMStage(arch)`` alone is the one-process model (the reference of every layout).
+
 Tied embeddings: with one stage the head reads the embedding's weight. With several, the last
 stage holds a copy (``head.weight``, whose canonical name is ``embed.weight``, initialised and
 loaded identically); after backward ``sync_tied_grads`` all-reduces the two copies' gradients
@@ -27,57 +31,51 @@ import math
 from typing import Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from mimo.core.batch import PackedBatch
 from mimo.core.errors import LayoutError
-from mimo.parallel.grid import ParallelGrid
-from mimo.parallel.layout import Placement, packed_placement
 from mimo.llm.blocks import build_layer
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
 from mimo.llm.norm import RMSNorm
+from mimo.parallel import gemm
+from mimo.parallel.collectives import all_reduce, copy_to_group, gather_along, gather_seq
+from mimo.parallel.context import ParallelContext
+from mimo.parallel.cross_entropy import vocab_parallel_cross_entropy
+from mimo.parallel.grid import ParallelGrid
+from mimo.parallel.init import param_seed
+from mimo.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from mimo.parallel.layout import Placement, packed_placement
 from mimo.parallel.params import ParamInfo, full_tensors, load_full_, param_table
-from mimo.parallel import (
-    ColumnParallelLinear,
-    VocabParallelEmbedding,
-    all_reduce,
-    copy_to_group,
-    gather_along,
-    gather_seq,
-    group_rank,
-    group_size,
-    param_seed,
-    vocab_parallel_cross_entropy,
-)
 
 
 class LLMStage(nn.Module):
-    """Stage ``stage`` of ``num_stages`` of the LLM described by ``arch`` (see module doc)."""
+    """This rank's stage of the LLM described by ``arch``, on ``ctx`` (default: the one-process
+    model, ``ParallelContext.for_tp()``); see module doc."""
 
-    def __init__(self, arch: HybridArch, stage: int = 0, num_stages: int = 1, tp_group=None,
-                 sequence_parallel: bool = False, *, device=None, dtype=None):
+    def __init__(self, arch: HybridArch, ctx: ParallelContext | None = None, *, device=None, dtype=None):
         super().__init__()
-        if not 0 <= stage < num_stages:
-            raise LayoutError(f"stage {stage} outside 0..{num_stages - 1}")
+        self.ctx = ctx = ParallelContext.for_tp() if ctx is None else ctx
+        if not ctx.member:
+            raise LayoutError(f"rank {ctx.rank} is not in the LLM's grid {ctx.grid!r}: it has no stage")
+        stage, num_stages = ctx.pp_rank, ctx.pp_size
         self.arch, self.stage, self.num_stages = arch, stage, num_stages
         pattern = arch.layer_pattern()
         # one stage runs every layer, '|' or not: the one-process reference of any pattern
         self.specs = pattern.layers if num_stages == 1 else pattern.stages(num_stages)[stage]
-        self.tp_group, self.tp_size, self.tp_rank = tp_group, group_size(tp_group), group_rank(tp_group)
-        self.sequence_parallel = sp = bool(sequence_parallel) and self.tp_size > 1
+        self.tp_group, self.tp_size, self.tp_rank = ctx.tp, ctx.tp_size, ctx.tp_rank
+        self.sequence_parallel = ctx.sequence_parallel
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.tied = arch.tie_embeddings
         if self.is_first:
-            self.embed = VocabParallelEmbedding(arch.vocab, arch.hidden, tp_group, sp)
-        self.layers = nn.ModuleDict({str(s.index): build_layer(arch, s, tp_group, sp) for s in self.specs})
+            self.embed = VocabParallelEmbedding(arch.vocab, arch.hidden, ctx)
+        self.layers = nn.ModuleDict({str(s.index): build_layer(arch, s, ctx) for s in self.specs})
         if self.is_last:
-            self.norm = RMSNorm(arch.hidden, arch.norm_eps, tp_group if sp else None)
+            # under SP each rank normalises its own tokens: the norm weight's gradient is partial
+            self.norm = RMSNorm(arch.hidden, arch.norm_eps, ctx, partial=ctx.sequence_parallel)
             if not (self.tied and self.is_first):  # one stage, tied: the head reads embed.weight
-                self.head = ColumnParallelLinear(arch.hidden, arch.vocab, bias=False, group=tp_group,
-                                                 sequence_parallel=sp, pad_out_features=True)
+                self.head = ColumnParallelLinear(arch.hidden, arch.vocab, bias=False, ctx=ctx, pad_out_features=True)
         if device is not None or dtype is not None:
             self.to(device=device, dtype=dtype)
 
@@ -194,9 +192,9 @@ class LLMStage(nn.Module):
             if image_rows:
                 raise ValueError("only the first stage takes image rows")
             h_TD = hidden
-        ctx = self.context(batch)
+        seq = self.context(batch)
         for layer in self.layers.values():
-            h_TD = layer(h_TD, ctx)
+            h_TD = layer(h_TD, seq)
         if not self.is_last:
             return h_TD
         return self.logits(self.norm(h_TD))
@@ -206,7 +204,7 @@ class LLMStage(nn.Module):
             return self.head(x_TD)
         # tied, single stage: the embedding's (vocab-padded, TP-split) weight is the head
         x_TD = gather_seq(x_TD, self.tp_group) if self.sequence_parallel else copy_to_group(x_TD, self.tp_group)
-        return F.linear(x_TD, self.embed.weight)
+        return gemm.linear(x_TD, self.embed.weight, None, self.embed.recipe)
 
     def token_losses(self, logits_TV: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """fp32 per-token losses ``[T]`` (0 where the loss mask is off or the label < 0)."""
@@ -228,40 +226,27 @@ def count_loss_tokens(batch: PackedBatch) -> int:
     return batch.num_loss_tokens
 
 
-def build_stage(arch: HybridArch, grid: ParallelGrid, rank: int | None = None, sequence_parallel: bool = False,
-                *, device=None, dtype=None) -> LLMStage:
-    """The stage this rank runs on an LLM grid (dims tp, cp, dp, pp). Creates the grid's TP
-    groups: call it on every rank of the world (ranks outside the grid get None)."""
-    tp_group = grid.group("tp")
-    rank = dist.get_rank() if rank is None else rank
-    if rank not in grid:
+def build_stage(arch: HybridArch, ctx: ParallelContext, *, device=None, dtype=None) -> LLMStage | None:
+    """The stage this rank runs on the LLM's context (grid dims tp, cp, dp, pp), or None on a
+    rank outside the grid. Local: the context already holds its groups."""
+    if not ctx.member:
         return None
-    pp = grid.shape.get("pp", 1)
-    return LLMStage(arch, grid.coord(rank, "pp") if pp > 1 else 0, pp, tp_group, sequence_parallel,
-                    device=device, dtype=dtype)
+    return LLMStage(arch, ctx, device=device, dtype=dtype)
 
 
-def embedding_group(grid: ParallelGrid, rank: int | None = None):
+def embedding_group(ctx: ParallelContext):
     """The group of the first and last pipeline stage ranks that share this rank's TP/CP/DP
     coordinates (tied embeddings), or None where there is nothing to sync.
 
-    Collective over the world: every rank calls it at the same point (it creates all such
-    groups in a fixed order). For pp = 2 it is the grid's PP group. Keep the result; do not
-    call it per step.
+    From the context's group registry: collective over the world the first time (every rank
+    calls it at the same point; all such groups are requested in a fixed order). For pp = 2
+    each pair is a PP group, and the registry hands out that very communicator. Keep the
+    result; do not call it per step.
     """
-    pp = grid.shape.get("pp", 1)
-    if pp == 1:
+    if ctx.pp_size == 1:
         return None
-    if pp == 2:
-        return grid.group("pp", rank)
-    rank = dist.get_rank() if rank is None else rank
-    mine = None
-    for ranks in grid.partition("pp"):  # ordered by first rank: the same order on every rank
-        pair = [ranks[0], ranks[-1]]
-        group = dist.new_group(pair)
-        if rank in pair:
-            mine = group
-    return mine
+    pairs = [[ranks[0], ranks[-1]] for ranks in ctx.grid.partition("pp")]  # ordered by first rank
+    return ctx.registry.partition(pairs, ctx.rank)
 
 
 def sync_tied_grads(stage: LLMStage, group) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from mimo.llm.norm import RMSNorm
+from mimo.parallel.context import ParallelContext
 from mimo.parallel.params import init_params_, param_table
 
 __all__ = [
@@ -69,7 +70,7 @@ def segsum(a: torch.Tensor) -> torch.Tensor:
     return a_ij.cumsum(-2)
 
 
-# ---- initialisers (full shape; sliced per TP rank by init_shard) ----
+# ---- initialisers (full shape; each rank keeps its slice: mimo.parallel.init.init_local) ----
 def init_dt_bias(dt_min: float = 1e-3, dt_max: float = 0.1, dt_floor: float = 1e-4):
     """Mamba-2's dt bias: softplus(bias) log-uniform in [dt_min, dt_max]."""
 
@@ -195,12 +196,15 @@ def find_kernel(name: str, impl: str, x: torch.Tensor):
 
 
 class PreNormResidual(torch.nn.Module):
-    """A recurrent layer: ``forward(h_TD, ctx) -> h + mixer(norm(h))`` (``[T/tp, D]`` blocks
-    under sequence parallelism). Mamba-2 and Gated DeltaNet differ only in their mixer."""
+    """A recurrent layer: ``forward(h_TD, seq) -> h + mixer(norm(h))`` (``[T/tp, D]`` blocks
+    under sequence parallelism). Mamba-2 and Gated DeltaNet differ only in their mixer, which
+    is built on the same context ``ctx``."""
 
-    def __init__(self, hidden: int, eps: float, mixer: torch.nn.Module, tp_group=None, sequence_parallel: bool = False):
+    def __init__(self, hidden: int, eps: float, mixer: torch.nn.Module, ctx: ParallelContext):
         super().__init__()
-        self.norm = RMSNorm(hidden, eps, grad_group=tp_group if sequence_parallel else None)
+        self.ctx = ctx
+        # under SP each rank normalises its own tokens: the norm weight's gradient is partial
+        self.norm = RMSNorm(hidden, eps, ctx, partial=ctx.sequence_parallel)
         self.mixer = mixer
 
     def init_weights(self, seed: int, std: float, out_std: float | None = None) -> None:
@@ -208,5 +212,5 @@ class PreNormResidual(torch.nn.Module):
         projections N(0, std) (``out_proj``: ``out_std``), the rest by the mixer's ``param_init``."""
         init_params_(param_table(self), seed, std, {"mixer.out_proj.weight": std if out_std is None else out_std})
 
-    def forward(self, h_TD: torch.Tensor, ctx) -> torch.Tensor:
-        return h_TD + self.mixer(self.norm(h_TD), ctx)
+    def forward(self, h_TD: torch.Tensor, seq) -> torch.Tensor:
+        return h_TD + self.mixer(self.norm(h_TD), seq)

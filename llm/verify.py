@@ -8,10 +8,17 @@ through the pipeline and return the logits (full vocab) and their stages' full w
 report the largest per-sample ``‖ours − hf‖ / ‖hf‖`` of the logits, the loss against the
 Hugging Face per-token loss, and whether exporting our weights gives back the Hugging Face
 state dict bit for bit.
+
+The verdict is the yardstick of ``mimo.core.testing`` (DESIGN §9): the Hugging Face model also
+runs in fp64 (a ``.double()`` copy), and our fp32 logits and loss must be within
+``max(tol, k * e1)`` of it, where ``e1`` is the *Hugging Face fp32 run's* error against its fp64
+run: the rounding floor of the same function in fp32, measured in this process, with no second
+mimo run. ``max_rel_err`` and ``loss_rel_err`` stay our errors against the fp32 original.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import tempfile
@@ -21,6 +28,8 @@ import torch
 
 from mimo.core.batch import PackedBatch
 from mimo.core.errors import ConfigError, MimoError
+from mimo.core.testing import Yardstick, rel_err
+from mimo.parallel.context import ParallelContext
 from mimo.parallel.grid import ParallelConfig, ParallelGrid
 from mimo.llm.config import LLMModuleConfig
 from mimo.llm.hf import HFCheckpoint, arch_from_hf_config, check_hf_tensors, export_hf_state, load_hf_checkpoint
@@ -66,7 +75,8 @@ def verify_llm_worker(path: str, tp: int, pp: int, sequence_parallel: bool, batc
 
     arch = arch_from_hf_config(HFCheckpoint(path).config)
     grid = ParallelGrid({"tp": tp, "cp": 1, "dp": 1, "pp": pp})
-    stage = build_stage(arch, grid, sequence_parallel=sequence_parallel)
+    ctx = ParallelContext(grid, dist.get_rank(), grid.registry, sequence_parallel=sequence_parallel)
+    stage = build_stage(arch, ctx)
     if stage is None:  # a pool larger than the layout
         return None
     load_hf_checkpoint(stage, path)
@@ -122,14 +132,6 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
             p.copy_(0.2 * noise)
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """‖a − b‖ / ‖b‖ in float64 (DESIGN §3)."""
-    a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()
-    den = torch.linalg.vector_norm(b64).item()
-    num = torch.linalg.vector_norm(a64 - b64).item()
-    return (0.0 if num == 0.0 else float("inf")) if den == 0.0 else num / den
-
-
 def check_layout(path: str, tp: int, pp: int, sequence_parallel: bool = False,
                  from_checkpoint: bool = False) -> tuple[str, dict]:
     """(directory, config.json) if ``path`` holds a supported model that fits tp x pp (and, for
@@ -157,10 +159,15 @@ def verify_llm(path: str, pool, *, from_checkpoint: bool, tp: int = 1, pp: int =
     gen = torch.Generator().manual_seed(seed + 2)
     toks = random_samples(arch.vocab, samples, min(max_len, arch.max_seq_len), gen)
     batch = pack_samples(toks, tp if sequence_parallel else 1)
+    hf64 = copy.deepcopy(hf).double()
     with torch.no_grad():
-        ref = [hf(input_ids=t[None]).logits[0].float() for t in toks]
-    ref_loss = sum(torch.nn.functional.cross_entropy(r[:-1], t[1:], reduction="sum") for r, t in zip(ref, toks) if t.numel() > 1)
-    ref_loss = float(ref_loss) / max(1, count_loss_tokens(batch))
+        ref, ref64 = ([m(input_ids=t[None]).logits[0] for t in toks] for m in (hf, hf64))
+
+    def per_token_loss(logits: list[torch.Tensor]) -> float:
+        total = sum(torch.nn.functional.cross_entropy(r[:-1], t[1:], reduction="sum") for r, t in zip(logits, toks) if t.numel() > 1)
+        return float(total) / max(1, count_loss_tokens(batch))
+
+    ref_loss, ref64_loss = per_token_loss(ref), per_token_loss(ref64)
 
     with tempfile.TemporaryDirectory(prefix="mimo-verify-llm-") as tmp:
         weights = path
@@ -175,6 +182,9 @@ def verify_llm(path: str, pool, *, from_checkpoint: bool, tp: int = 1, pp: int =
     cu = batch.cu_seqlens.tolist()
     errs = [rel_err(logits[cu[i] : cu[i + 1]], ref[i]) for i in range(len(toks))]
     worst = max(range(len(errs)), key=errs.__getitem__)
+    ys = Yardstick(tol)
+    for i in range(len(toks)):
+        ys.check(f"logits of sample {i}", logits[cu[i] : cu[i + 1]], ref[i], ref64[i])
 
     state = {}
     for r in results:
@@ -185,7 +195,8 @@ def verify_llm(path: str, pool, *, from_checkpoint: bool, tp: int = 1, pp: int =
 
     max_err = max(errs)
     loss_err = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
-    ok = max_err <= tol and loss_err <= tol and not mismatched
+    ys.check("loss", loss, ref_loss, ref64_loss)
+    ok = ys.ok and not mismatched
     return {
         "command": "verify-llm",
         "model_type": cfg.get("model_type"),
@@ -198,5 +209,8 @@ def verify_llm(path: str, pool, *, from_checkpoint: bool, tp: int = 1, pp: int =
         **({"export_mismatch": mismatched[:5]} if mismatched else {}),
         "tol": tol,
         "max_rel_err": max_err,
+        "max_rel_err_vs_fp64": max(m.err for m in ys.measures),
+        "hf_fp32_rel_err_vs_fp64": max(m.e1 for m in ys.measures),
+        "yardstick": ys.summary(5),
         "ok": ok,
     }

@@ -77,12 +77,14 @@ def test_llava_stage2_starts_from_stage1_weights(tmp_path):
     assert two.returncode == 0, two.stderr[-3000:]
     assert "weights from" in two.stderr
     s1, s2 = tmp_path / "runs" / "llava-stage1" / "ckpt", tmp_path / "runs" / "llava-stage2" / "ckpt"
-    tower1, tower2 = shard(s1, 2, "vision-tp0-pp0.model.safetensors"), shard(s2, 1, "vision-tp0-pp0.model.safetensors")
+    # the tower is data-parallel: rank 0 owns (and writes) all of it
+    tower1, tower2 = shard(s1, 2, "vision-rank00000.model.safetensors"), shard(s2, 1, "vision-rank00000.model.safetensors")
     tower_keys = [k for k in tower1 if not k.startswith("projector.")]
     assert tower_keys and all((tower1[k] == tower2[k]).all() for k in tower_keys)
     # stage 1 trained only the projector: its LLM shards are still the initial ones, its optimizer
     # state covers the projector alone
-    assert not os.path.exists(s1 / "step-00000002" / "language-tp0-pp0.optim.safetensors")
+    assert os.path.exists(s1 / "step-00000002" / "language-rank00000.model.safetensors")
+    assert not os.path.exists(s1 / "step-00000002" / "language-rank00000.optim.safetensors")
     # at another layout, stage 2 refuses stage 1's weights before any process starts
     wrong = mimo("train", stage2, *TWO_RANKS, "modules.language.parallel.tp=1", "modules.language.parallel.dp=2",
                  "modules.language.parallel.sequence_parallel=false", f"train.checkpoint.dir={tmp_path / 'other'}", cwd=tmp_path)

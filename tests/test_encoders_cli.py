@@ -55,7 +55,7 @@ def test_verify_encoder_timm_clip():
                              "--tp", "2", "--feature-layer", "-2")
     assert code == 0, err
     result = last_json(out)
-    assert result["ok"] and result["max_rel_err"] <= 1e-5 and result["rows"] == 2 * 16
+    assert result["ok"] and not result["yardstick"]["failed"] and result["rows"] == 2 * 16
     assert "ok" in out.splitlines()[-2]
 
 

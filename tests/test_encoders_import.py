@@ -19,7 +19,7 @@ from mimo.encoders.hf_import import hf_arch, import_hf, import_hf_state, load_hf
 from mimo.encoders.projector import PROJECTORS, build_projector
 from mimo.encoders.timm_import import create_timm_model, import_timm, import_timm_state, timm_arch
 from mimo.encoders.vit import VisionTransformer, resolve_feature_layer
-from mimo.encoders.weights import load_state_file
+from mimo.encoders.weights import LazyTensor, MappedTensor, Rule, lazy_safetensors, load_state_file
 from mimo.core.errors import MimoError
 
 SMALL = {"depth": 3, "embed_dim": 96, "num_heads": 12, "img_size": 32, "patch_size": 8}
@@ -252,3 +252,61 @@ def test_rows_per_image_and_projector_registry():
     assert build_projector("mlp2x_gelu", 96, 24)(torch.zeros(5, 96)).shape == (5, 24)
     with pytest.raises(MimoError, match="unknown projector kind 'mlp3x'"):
         build_projector("mlp3x", 96, 24)
+
+
+# --------------------------------------------------------------------------- reading only what a rank needs
+
+
+def test_rules_read_only_the_regions_they_need(tmp_path, monkeypatch):
+    """``Rule.read`` over tensors still in their safetensors file gives ``to_ours(...)[index]``,
+    reading the rows of the q | k | v parts the index covers, and through a reshape that drops
+    leading 1-dims only the region itself; any other reshape reads its source whole."""
+    gen = torch.Generator().manual_seed(0)
+    D = 5
+    state = {"q": torch.randn(D, 3, generator=gen), "k": torch.randn(D, 3, generator=gen), "v": torch.randn(D, 3, generator=gen),
+             "cls": torch.randn(1, 1, 4, generator=gen), "odd": torch.randn(6, 4, generator=gen).to(torch.bfloat16)}
+    path = str(tmp_path / "w.safetensors")
+    save_file(state, path)
+    lazy = lazy_safetensors(path)
+    assert {k: (t.shape, t.dtype) for k, t in lazy.items()} == {k: (tuple(t.shape), t.dtype) for k, t in state.items()}
+    read = []
+    lazy_read = LazyTensor.__getitem__
+
+    def counting(t, index):
+        out = lazy_read(t, index)
+        read.append(out.numel())
+        return out
+
+    monkeypatch.setattr(LazyTensor, "__getitem__", counting)
+    cases = [
+        (Rule("qkv", ("q", "k", "v"), (3 * D, 3), (D, 3)), [(slice(6, 8), slice(1, 3)), (slice(3, 12), slice(0, 3)),
+                                                             (slice(0, 15), slice(2, 3))]),
+        (Rule("cls", ("cls",), (4,), (1, 1, 4)), [(slice(1, 3),), (slice(0, 4),)]),
+        (Rule("odd", ("odd",), (4, 6), (6, 4)), [(slice(1, 2), slice(0, 6))]),
+    ]
+    for rule, indexes in cases:
+        full = rule.to_ours([state[k] for k in rule.theirs])
+        for index in indexes:
+            read.clear()
+            got = rule.read([lazy[k] for k in rule.theirs], index)
+            assert got.dtype == full.dtype and torch.equal(got, full[index]), (rule.ours, index)
+            assert sum(read) == (24 if rule.ours == "odd" else full[index].numel()), (rule.ours, index, read)
+        mapped = MappedTensor(rule, tuple(lazy[k] for k in rule.theirs))
+        assert mapped.shape == tuple(full.shape) and torch.equal(mapped.full(), full)
+
+
+def test_lazy_import_loads_what_the_in_memory_one_does(hf_models, tmp_path):
+    """``import_hf`` leaves the safetensors file in place (``MappedTensor``s); the tower loads
+    the same weights from it as from the state dict read whole."""
+    hf_models["clip"].save_pretrained(tmp_path)
+    arch = hf_arch("clip", HF_SMALL)
+    lazy, eager = import_hf(str(tmp_path)), import_hf_state(load_hf_state(str(tmp_path)), arch, "clip")
+    assert isinstance(lazy.tower["blocks.0.attn.qkv.weight"], MappedTensor)
+    assert isinstance(eager.tower["blocks.0.attn.qkv.weight"], torch.Tensor)
+    towers = []
+    for weights in (lazy, eager):
+        tower = VisionTransformer(arch, "post_norm")
+        tower.load_weights_(weights)
+        towers.append(tower.full_state())
+    assert list(towers[0]) == list(towers[1]) and all(torch.equal(towers[0][k], towers[1][k]) for k in towers[1])
+    assert_same_state(lazy.export(), eager.export())

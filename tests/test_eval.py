@@ -192,3 +192,6 @@ def test_eval_command_on_a_trained_checkpoint(data, tmp_path):
     assert none.returncode == 2 and "no complete checkpoint" in last_json(none)["errors"][0]
     missing = mimo("eval", config, *two, "--shards", str(tmp_path / "nope-{0..1}.tar"), cwd=tmp_path)
     assert missing.returncode == 2 and "--shards: no file matches" in last_json(missing)["errors"][0]
+    if torch.cuda.device_count() < 2:  # one GPU per rank, as mimo train: a clear error without them
+        gpus = mimo("eval", config, *two, "--device", "cuda", cwd=tmp_path)
+        assert gpus.returncode == 2 and "one rank per GPU" in last_json(gpus)["errors"][0]

@@ -129,6 +129,8 @@ def test_compiled_vision_block_matches_exact():
     arch = VitArch(image_size=224, patch=14, hidden=256, layers=2, heads=4, mlp=1024, pre_norm=True, act="quick_gelu")
     ref = Block(arch)
     _randomize_(ref, seed=5)
+    with torch.no_grad():  # the fused q|k|v bias is 1-d, but a bias: no norm-like offset of 1
+        ref.attn.qkv.bias.sub_(1.0)
     ref = ref.cuda()
     eager = Block(arch).cuda().bfloat16()
     eager.load_state_dict({k: v.bfloat16() for k, v in ref.state_dict().items()})

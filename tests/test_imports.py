@@ -115,3 +115,68 @@ def test_the_checker_catches_violations(tmp_path):
     assert part_of("mimo.parallel.grid") == "base" and part_of("mimo.core.errors") == "base"
     assert "mimo.commands" not in ALLOWED["mimo.training"] and "mimo.training" not in ALLOWED["mimo.compose"]
     assert part_of("mimo.llm.pattern") == "mimo.llm" and "mimo.llm" not in ALLOWED["mimo.encoders"]
+
+
+def import_graph(files: dict[str, str]) -> dict[str, set[str]]:
+    """module -> the project modules it imports (at the top or inside functions), from
+    ``{module name: source}``; ``from a import b`` counts ``a.b`` when that is a module."""
+    graph = {m: set() for m in files}
+    for me, source in files.items():
+        tree = ast.parse(source)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in targets:
+                while name and name not in files:  # mimo.x.y.attr -> the module mimo.x.y
+                    name = name.rpartition(".")[0]
+                if name and name != me:
+                    graph[me].add(name)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    """Modules that import each other (even lazily, inside a function) are one module split
+    in two: a cycle means the split is wrong."""
+    files = {module_name(p): p.read_text() for p in project_files()}
+    assert not cycles(import_graph(files))
+
+
+def test_the_cycle_checker_finds_a_lazy_cycle():
+    files = {"mimo.a": "import mimo.b\n", "mimo.b": "def f():\n    from mimo.a import g\n", "mimo.c": "from mimo.a import x\n"}
+    assert cycles(import_graph(files)) == [["mimo.a", "mimo.b"]]
+    assert cycles(import_graph({**files, "mimo.b": "x = 1\n"})) == []

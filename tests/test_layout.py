@@ -54,10 +54,28 @@ def test_dp_blocks_edge_cases():
         dp_blocks([1], 0)
 
 
-def test_dp_blocks_is_deterministic_and_layout_only_dependent_on_costs():
-    costs = [random.Random(7).randint(1, 500) for _ in range(300)]
-    assert dp_blocks(costs, 4) == dp_blocks(list(costs), 4)
-    check_blocks(costs, 4, dp_blocks(costs, 4))
+def min_max_partition(costs, dp):
+    """The smallest possible largest block, by dynamic programming over prefixes (independent
+    of dp_blocks' binary search): best[j][i] = best largest block of costs[:i] in j blocks."""
+    prefix = [0, *itertools.accumulate(costs)]
+    n, inf = len(costs), float("inf")
+    best = [[0] + [inf] * n] + [[inf] * (n + 1) for _ in range(dp)]
+    for j in range(1, dp + 1):
+        for i in range(n + 1):
+            best[j][i] = min(max(best[j - 1][m], prefix[i] - prefix[m]) for m in range(i + 1))
+    return best[dp][n]
+
+
+@pytest.mark.parametrize("dp", [3, 4, 7])
+def test_dp_blocks_are_optimal_on_long_inputs(dp):
+    """300 samples (too many for the brute force above): the largest block is the optimum, and
+    the answer depends only on the cost values (not on the sequence type holding them)."""
+    rng = random.Random(7 + dp)
+    costs = [rng.randint(1, 500) for _ in range(300)]
+    blocks = dp_blocks(costs, dp)
+    check_blocks(costs, dp, blocks)
+    assert max(sum(costs[i] for i in b) for b in blocks) == min_max_partition(costs, dp)
+    assert dp_blocks(tuple(costs), dp) == blocks and dp_blocks([float(c) for c in costs], dp) == blocks
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3])

@@ -224,7 +224,8 @@ def test_other_mlp_activations_pack_exactly(act):
     ctx = SeqContext.from_seqlens(LENS)
     h = torch.randn(sum(LENS), arch.hidden, generator=torch.Generator().manual_seed(13))
     x = layer.norm(h)
-    up = torch.nn.functional.linear(x, layer.up_proj.up_weight, layer.up_proj.up_bias)
+    assert layer.up_proj.weight.shape == (arch.ffn, arch.hidden)  # one part: no gate
+    up = torch.nn.functional.linear(x, layer.up_proj.weight, layer.up_proj.bias)
     a = torch.relu(up) ** 2 if act == "relu2" else torch.nn.functional.gelu(up)
     want = h + torch.nn.functional.linear(a, layer.down_proj.weight, layer.down_proj.bias)
     assert_close(layer(h, ctx), want, TOL)
@@ -309,3 +310,51 @@ def test_arch_fields_from_yaml_dicts():
     assert (c.arch.qkv_bias, c.arch.o_bias, c.arch.mlp_act, c.arch.rope_scaling.factor) == (True, False, "gelu", 8.0)
     with pytest.raises(ConfigError, match="arch.rope_scaling.factor: must be > 0"):
         from_dict(LLMModuleConfig, {"kind": "hybrid", "arch": {**arch, "rope_scaling": {"type": "linear", "factor": 0}}})
+
+
+# ---------------------------------------------------------------- the GEMM seam
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_every_matrix_product_goes_through_the_gemm_seam(monkeypatch, tied):
+    """A stage of every layer kind, forward and backward: each projection weight (and the
+    head, tied or not) is multiplied in ``mimo.parallel.gemm.linear``, once per use, and
+    ``F.linear`` is never called outside it."""
+    import torch.nn.functional as F
+
+    from mimo.parallel import gemm
+
+    arch = small_arch(pattern="*-M-G-", tie_embeddings=tied, mamba_head_dim=8, mamba_state=8, mamba_chunk=8,
+                      gdn_heads=2, gdn_v_heads=4, gdn_chunk=8)
+    m = model(arch, seed=22)
+    batch = pack_samples(samples(torch.Generator().manual_seed(23), arch.vocab))
+    want = m(batch).detach()
+
+    real_linear, inside, seen = F.linear, [False], []
+
+    def seam(x, w, b=None, recipe=gemm.DEFAULT_RECIPE):
+        seen.append(w)
+        inside[0] = True
+        try:
+            return real_linear(x, w, b)
+        finally:
+            inside[0] = False
+
+    def guarded(*args, **kwargs):
+        assert inside[0], "F.linear called outside mimo.parallel.gemm.linear"
+        return real_linear(*args, **kwargs)
+
+    monkeypatch.setattr(gemm, "linear", seam)
+    monkeypatch.setattr(F, "linear", guarded)
+    logits = m(batch)
+    m.loss(logits, batch, count_loss_tokens(batch)).backward()
+    assert torch.equal(logits.detach(), want)
+    # every weight that multiplies activations: 2-d, not a depthwise conv [C, K], not a lookup table
+    weights = {n: p for n, p in m.named_parameters() if p.dim() == 2 and "conv" not in n and n != "embed.weight"}
+    if tied:
+        weights["embed.weight"] = m.embed.weight
+    # attention: qkv, o; MLP: up, down; Mamba-2: z|x|dt, B|C, out; GDN: in, out; the head
+    assert len(weights) == 2 + 2 * 3 + 3 + 2 + 1
+    assert len(seen) == len(weights)
+    assert {id(w) for w in seen} == {id(w) for w in weights.values()}, sorted(
+        n for n, w in weights.items() if all(w is not s for s in seen))

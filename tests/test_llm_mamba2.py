@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from mimo.core.batch import PackedBatch
+from mimo.parallel.context import ParallelContext
 from mimo.parallel.grid import ParallelGrid
 from mimo.llm.blocks import build_layer
 from mimo.llm.config import HybridArch
@@ -27,7 +28,7 @@ from mimo.llm.pattern import LayerSpec
 from mimo.llm.pipeline import run_pipeline
 from mimo.llm.recurrence import conv1d_naive, ssd_naive
 from mimo.llm.ssm import causal_conv1d, find_kernel, kernel, segments
-from mimo.parallel import group_rank, param_seed
+from mimo.parallel import param_seed
 from mimo.core.testing import rel_err
 
 TOL = 1e-5
@@ -206,8 +207,14 @@ def _grid() -> ParallelGrid:
     return _GRIDS.setdefault("tp2pp2", ParallelGrid({"tp": 2, "pp": 2}))
 
 
-def _tp_group(tp: int):
-    return None if tp == 1 else _grid().group("tp")
+def _ctx(tp: int = 2, sp: bool = False) -> ParallelContext:
+    """This rank's context: on the tp=2 x pp=2 grid, or of one process (tp = 1)."""
+    import torch.distributed as dist
+
+    if tp == 1:
+        return ParallelContext.for_tp()
+    grid = _grid()
+    return ParallelContext(grid, dist.get_rank(), grid.registry, sequence_parallel=sp)
 
 
 def _tp_case(groups: int, seed: int) -> dict[str, float]:
@@ -230,9 +237,9 @@ def _tp_case(groups: int, seed: int) -> dict[str, float]:
 
     errs = {}
     for tp, sp in ((1, False), (2, False), (2, True)):
-        group = _tp_group(tp)
-        rank = group_rank(group)
-        layer = Mamba2(cfg, group, sp)
+        pctx = _ctx(tp, sp)
+        rank = pctx.tp_rank
+        layer = Mamba2(cfg, pctx)
         table = param_table(layer)
         layer.init_weights(seed, std=0.3)
         init_full = full_tensors(table)  # the init does not depend on tp
@@ -301,7 +308,7 @@ def _pattern_step_case(sp: bool, seed: int) -> tuple[dict[str, float], int]:
     want_loss, want_grads, want_after = _step(ref, run_ref)
 
     grid = _grid()
-    stage = build_stage(arch, grid, sequence_parallel=sp)
+    stage = build_stage(arch, _ctx(2, sp))
     stage.init_weights(seed)
     loss, grads, after = _step(stage, lambda: run_pipeline(stage, grid, batch, num_loss_tokens=n_loss, backward=True).loss)
     errs = {}

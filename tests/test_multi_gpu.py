@@ -125,15 +125,17 @@ def demo_config(tmp_path_factory, write_demo_config):
 @pytest.mark.parametrize("name", list(TRAIN_LAYOUTS))
 def test_train_over_nccl(gpu_pools, demo_config, name, precision, references={}):
     from mimo.commands.verify_train import compare, train_case
+    from mimo.commands.verify_train import references as one_process
 
     overrides = TRAIN_LAYOUTS[name]
-    # the reference sees only the model/data overrides (one process, fp32, one GPU)
+    # the reference sees only the model/data overrides (one process, fp32 and fp64, one GPU)
     key = tuple(o for o in overrides if o.startswith("train."))
     if key not in references:
-        references[key] = gpu_pools(1).run(train_case, demo_config, list(key), STEPS, True, "cuda")
+        references[key] = one_process(gpu_pools(1), demo_config, list(key), STEPS, "cuda")
     layout = gpu_pools(2).run(train_case, demo_config, overrides, STEPS, False, "cuda", precision)
     tol = VERIFY_TRAIN_TOL[precision]
-    report = compare(layout, references[key], tol, per_module=precision == "bf16")
+    ref32, ref64 = references[key]
+    report = compare(layout, ref32, tol, per_module=precision == "bf16", fp64=ref64)
     _result(check="verify-train", layout=name, precision=precision, tol=tol,
             **{k: v for k, v in report.items() if k.startswith("max_") or k in ("ok", "worst", "losses", "reference_losses")})
     assert report["ok"], report

@@ -19,28 +19,25 @@ from mimo.parallel.grid import ParallelGrid
 from mimo.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
-    ShardSpec,
     VocabParallelEmbedding,
     all_gather_along,
     copy_to_group,
-    dropout,
-    dropout_streams,
     gather_along,
     gather_seq,
-    gather_shard,
     init_full,
-    init_shard,
     pad_to_multiple,
     param_seed,
     reduce_from_group,
     reduce_scatter_along,
     reduce_scatter_seq,
     scatter_along,
-    shard_tensor,
     split_along,
     vocab_parallel_cross_entropy,
 )
 from mimo.core.testing import rel_err
+from mimo.parallel.context import ParallelContext
+from mimo.parallel.init import SMALL, init_local
+from mimo.parallel.placement import Placement, gather_full, shard_full, sharded
 
 TOL = 1e-5
 WORLD = 4
@@ -195,7 +192,7 @@ def _column_case(tp: int, seed: int):
                 Yr = F.linear(Xr, Wr, br if bias else None)
                 Yr.backward(dY)
 
-                layer = ColumnParallelLinear(D, Fo, bias, group, gather_output=gather_output, sequence_parallel=sp)
+                layer = ColumnParallelLinear(D, Fo, bias, ParallelContext.for_tp(group), gather_output=gather_output, sequence_parallel=sp)
                 layer.load_full_({"weight": W, "bias": b} if bias else {"weight": W})
                 x = _leaf(X.chunk(tp, 0)[r] if sp else X)
                 y = layer(x)
@@ -206,10 +203,10 @@ def _column_case(tp: int, seed: int):
                 errs[f"{tag}:out"] = rel_err(y, want_y)
                 y.backward(dy)
                 errs[f"{tag}:dx"] = rel_err(x.grad, Xr.grad.chunk(tp, 0)[r] if sp else Xr.grad)
-                specs = layer.shard_specs()
-                errs[f"{tag}:dW"] = rel_err(gather_shard(layer.weight.grad, specs["weight"], group), Wr.grad)
+                pls = layer.placements()
+                errs[f"{tag}:dW"] = rel_err(gather_full(layer.weight.grad, pls["weight"], layer.ctx.dense), Wr.grad)
                 if bias:
-                    errs[f"{tag}:db"] = rel_err(gather_shard(layer.bias.grad, specs["bias"], group), br.grad)
+                    errs[f"{tag}:db"] = rel_err(gather_full(layer.bias.grad, pls["bias"], layer.ctx.dense), br.grad)
     return errs
 
 
@@ -231,7 +228,7 @@ def _row_case(tp: int, seed: int):
                 Yr = F.linear(Xr, Wr, br if bias else None)
                 Yr.backward(dY)
 
-                layer = RowParallelLinear(Di, Do, bias, group, input_is_parallel=input_is_parallel, sequence_parallel=sp)
+                layer = RowParallelLinear(Di, Do, bias, ParallelContext.for_tp(group), input_is_parallel=input_is_parallel, sequence_parallel=sp)
                 layer.load_full_({"weight": W, "bias": b} if bias else {"weight": W})
                 x = _leaf(X.chunk(tp, -1)[r] if input_is_parallel else X)
                 y = layer(x)
@@ -239,7 +236,7 @@ def _row_case(tp: int, seed: int):
                 errs[f"{tag}:out"] = rel_err(y, want_y)
                 y.backward(dy)
                 errs[f"{tag}:dx"] = rel_err(x.grad, Xr.grad.chunk(tp, -1)[r] if input_is_parallel else Xr.grad)
-                errs[f"{tag}:dW"] = rel_err(gather_shard(layer.weight.grad, layer.shard_specs()["weight"], group), Wr.grad)
+                errs[f"{tag}:dW"] = rel_err(gather_full(layer.weight.grad, layer.placements()["weight"], layer.ctx.dense), Wr.grad)
                 if bias:  # replicated: the complete gradient on every rank
                     errs[f"{tag}:db"] = rel_err(layer.bias.grad, br.grad)
     return errs
@@ -262,13 +259,13 @@ def _embedding_case(tp: int, seed: int):
         Yr = F.embedding(tokens, Wr)
         Yr.backward(dY)
 
-        layer = VocabParallelEmbedding(VOCAB, D, group, sequence_parallel=sp)
+        layer = VocabParallelEmbedding(VOCAB, D, ParallelContext.for_tp(group), sequence_parallel=sp)
         layer.load_full_({"weight": W})
         y = layer(tokens)
         want_y, dy = (Yr.chunk(tp, 0)[r], dY.chunk(tp, 0)[r]) if sp else (Yr, dY)
         errs[f"sp={sp}:out"] = rel_err(y, want_y)
         y.backward(dy)
-        errs[f"sp={sp}:dW"] = rel_err(gather_shard(layer.weight.grad, layer.shard_specs()["weight"], group), Wr.grad)
+        errs[f"sp={sp}:dW"] = rel_err(gather_full(layer.weight.grad, layer.placements()["weight"], layer.ctx.dense), Wr.grad)
         # padding rows: zero weights, never read, so zero gradient
         n_real = layer.vocab_end - layer.vocab_start
         pad_grad = layer.weight.grad[max(n_real, 0):]
@@ -329,19 +326,19 @@ def _lm_case(tp: int, seed: int):
         loss_r = F.cross_entropy(F.linear(torch.tanh(F.embedding(tokens, Er)), Hr), labels, reduction="none") * mask
         loss_r.sum().backward()
 
-        emb = VocabParallelEmbedding(VOCAB, D, group, sequence_parallel=sp)
-        head = ColumnParallelLinear(D, VOCAB, False, group, sequence_parallel=sp, pad_out_features=True)
+        emb = VocabParallelEmbedding(VOCAB, D, ParallelContext.for_tp(group), sequence_parallel=sp)
+        head = ColumnParallelLinear(D, VOCAB, False, ParallelContext.for_tp(group), sequence_parallel=sp, pad_out_features=True)
         emb.load_full_({"weight": E})
         head.load_full_({"weight": H})
         logits = head(torch.tanh(emb(tokens)))
         loss = vocab_parallel_cross_entropy(logits, labels, group, VOCAB, mask)
         errs[f"sp={sp}:loss"] = rel_err(loss, loss_r)
         loss.sum().backward()
-        errs[f"sp={sp}:dE"] = rel_err(gather_shard(emb.weight.grad, emb.shard_specs()["weight"], group), Er.grad)
-        errs[f"sp={sp}:dH"] = rel_err(gather_shard(head.weight.grad, head.shard_specs()["weight"], group), Hr.grad)
+        errs[f"sp={sp}:dE"] = rel_err(gather_full(emb.weight.grad, emb.placements()["weight"], emb.ctx.dense), Er.grad)
+        errs[f"sp={sp}:dH"] = rel_err(gather_full(head.weight.grad, head.placements()["weight"], head.ctx.dense), Hr.grad)
 
         # a padded head with gather_output returns exactly the real vocab columns
-        full_head = ColumnParallelLinear(D, VOCAB, True, group, gather_output=True, pad_out_features=True)
+        full_head = ColumnParallelLinear(D, VOCAB, True, ParallelContext.for_tp(group), gather_output=True, pad_out_features=True)
         b = torch.randn(VOCAB, generator=g)
         full_head.load_full_({"weight": H, "bias": b})
         h = torch.randn(T, D, generator=g)
@@ -350,11 +347,12 @@ def _lm_case(tp: int, seed: int):
 
 
 def _make_layers(group):
+    ctx = ParallelContext.for_tp(group)
     return {
-        "column": ColumnParallelLinear(8, 12, True, group),
-        "row": RowParallelLinear(12, 8, True, group),
-        "embedding": VocabParallelEmbedding(VOCAB, 8, group),
-        "head": ColumnParallelLinear(8, VOCAB, True, group, pad_out_features=True),
+        "column": ColumnParallelLinear(8, 12, True, ctx),
+        "row": RowParallelLinear(12, 8, True, ctx),
+        "embedding": VocabParallelEmbedding(VOCAB, 8, ctx),
+        "head": ColumnParallelLinear(8, VOCAB, True, ctx, pad_out_features=True),
     }
 
 
@@ -369,9 +367,9 @@ def _init_case(tp: int, seed: int):
         layer_seed = param_seed(seed, name)
         layer.init_weights(layer_seed, std=0.02, bias_std=0.01)
         one.init_weights(layer_seed, std=0.02, bias_std=0.01)
-        for pname, spec in layer.shard_specs().items():
+        for pname, placement in layer.placements().items():
             local = getattr(layer, pname).detach()
-            want = shard_tensor(getattr(one, pname).detach(), spec, r, tp)
+            want = shard_full(getattr(one, pname).detach(), placement, {"tp": tp}, {"tp": r})
             out[f"{name}.{pname}:slice"] = torch.equal(local, want)
         full = layer.full_state()
         for pname, t in full.items():
@@ -388,63 +386,72 @@ def test_param_seed_is_stable_and_distinct():
 
 
 def test_init_full_recipe_and_padded_slices():
-    spec = ShardSpec((VOCAB, 6), dim=0, padded=pad_to_multiple(VOCAB, 4))
-    full = init_full(spec.full_shape, 7, std=0.5)
+    pl = sharded((VOCAB, 6), 0, pad=True)
+    full = init_full(pl.full_shape, 7, std=0.5)
     want = torch.empty(VOCAB, 6).normal_(0.0, 0.5, generator=torch.Generator().manual_seed(7))
-    assert torch.equal(full, want)
-    shards = [init_shard(spec, 7, r, 4, std=0.5) for r in range(4)]
+    assert torch.equal(full, want)  # a small tensor: one generator, drawn whole
+    shards = [init_local(pl, {"tp": 4}, {"tp": r}, 7, std=0.5) for r in range(4)]
     assert all(s.shape == (10, 6) for s in shards)
     cat = torch.cat(shards)
     assert torch.equal(cat[:VOCAB], full) and torch.equal(cat[VOCAB:], torch.zeros(3, 6))
     # sharding along dim 1, no padding; and a custom init function
-    spec1 = ShardSpec((4, 6), dim=1)
+    pl1 = sharded((4, 6), 1)
     fn = lambda t, gen: t.uniform_(-1, 1, generator=gen)  # noqa: E731
     full1 = init_full((4, 6), 3, init_fn=fn)
-    assert torch.equal(torch.cat([init_shard(spec1, 3, r, 3, init_fn=fn) for r in range(3)], 1), full1)
+    assert torch.equal(torch.cat([init_local(pl1, {"tp": 3}, {"tp": r}, 3, init_fn=fn) for r in range(3)], 1), full1)
     with pytest.raises(LayoutError, match="does not divide"):
-        spec1.local_shape(4)
+        pl1.local_shape({"tp": 4})
 
 
-def test_dropout_streams():
-    a0, a1 = dropout_streams(5, 0), dropout_streams(5, 1)
-    draw = lambda gen: torch.rand(64, generator=gen)  # noqa: E731
-    assert torch.equal(draw(a0.replicated), draw(a1.replicated))  # same on every TP rank
-    assert not torch.equal(draw(a0.sharded), draw(a1.sharded))  # different per TP rank
-    assert not torch.equal(draw(a0.sharded), draw(a0.replicated))
-    assert torch.equal(draw(dropout_streams(5, 0).sharded), draw(dropout_streams(5, 0).sharded))
-    assert not torch.equal(draw(dropout_streams(6, 0).sharded), draw(dropout_streams(5, 0).sharded))
-    # state save / restore replays the same masks
-    s = dropout_streams(5, 0)
-    state = s.state_dict()
-    first = draw(s.sharded)
-    s.load_state_dict(state)
-    assert torch.equal(draw(s.sharded), first)
+@pytest.mark.parametrize("placement,sizes", [
+    (sharded((300, 3500), 0, pad=True), {"tp": 7}),       # ragged rows, padded
+    (sharded((300, 3500), 1), {"tp": 5}),                 # columns
+    (Placement((300, 3500), (("tp", 0), ("gtp", 0))), {"tp": 2, "gtp": 3}),  # a further split (GTP)
+    (Placement((6, 50, 3500), (("ep", 0), ("etp", 1))), {"ep": 3, "etp": 2}),  # experts: two axes
+    (sharded((300, 3500), 0, parts=(120, 60, 120)), {"tp": 3}),  # fused q|k|v
+])
+def test_large_init_draws_local_tiles_only(placement, sizes, monkeypatch):
+    """A large tensor is drawn tile by tile: every layout's shards join into the one-process
+    tensor, and a shard draws only the tiles it touches (time and memory O(its shard))."""
+    import itertools
+
+    import mimo.parallel.init as init_mod
+
+    assert torch.Size(placement.full_shape).numel() > SMALL
+    full = init_full(placement.full_shape, 5, std=0.02)
+    assert abs(full.std().item() - 0.02) < 1e-3 and abs(full.mean().item()) < 1e-3
+    drawn = []
+    real = init_mod.param_seed
+    monkeypatch.setattr(init_mod, "param_seed", lambda s, name: (drawn.append(name), real(s, name))[1])
+    axes = list(sizes)
+    tile = init_mod._tile_shape(placement.full_shape)
+    local_shape = placement.local_shape(sizes)
+    # a shard's extent along a dim overlaps at most ceil(extent / tile) + 1 tiles (per fused part)
+    bound = 1
+    for d, (n, t) in enumerate(zip(local_shape, tile)):
+        parts = len(placement.parts) if placement.parts and d == placement.shards[0][1] else 1
+        bound *= parts * (-(-n // (t * parts)) + 1) if parts > 1 else -(-n // t) + 1
+    seen = set()
+    for combo in itertools.product(*(range(sizes[a]) for a in axes)):
+        coords = dict(zip(axes, combo))
+        drawn.clear()
+        local = init_local(placement, sizes, coords, 5, std=0.02)
+        assert torch.equal(local, shard_full(full, placement, sizes, coords))
+        assert len(drawn) <= bound, (coords, len(drawn), bound)
+        seen.update(drawn)
+    n_tiles = torch.Size([-(-n // t) for n, t in zip(placement.full_shape, tile)]).numel()
+    assert len(seen) == n_tiles  # together the shards drew every tile
 
 
-def test_dropout():
-    x = torch.randn(4000, generator=torch.Generator().manual_seed(0)) + 3.0
-    gen = lambda: dropout_streams(1, 0).sharded  # noqa: E731
-    assert dropout(x, 0.3, gen(), training=False) is x
-    assert dropout(x, 0.0, gen()) is x
-    y = dropout(x, 0.25, gen())
-    assert torch.equal(y, dropout(x, 0.25, gen()))  # the mask comes from the generator only
-    kept = y != 0
-    assert 0.7 < kept.float().mean() < 0.8
-    assert torch.allclose(y[kept], x[kept] / 0.75)
-    xl = _leaf(x)
-    dropout(xl, 0.25, gen()).sum().backward()
-    assert torch.allclose(xl.grad, kept.float() / 0.75)
-    with pytest.raises(ValueError):
-        dropout(x, 1.0, gen())
-
-
-def test_shard_and_gather_without_group():
-    spec = ShardSpec((VOCAB, 3), dim=0)
+def test_placement_gather_and_errors_without_group():
+    pl = sharded((VOCAB, 3), 0)
     full = torch.randn(VOCAB, 3)
-    assert torch.equal(shard_tensor(full, spec, 0, 1), full)
-    assert torch.equal(gather_shard(full, spec, None), full)
+    ctx = ParallelContext.for_tp()
+    assert torch.equal(shard_full(full, pl, {"tp": 1}, {"tp": 0}), full)
+    assert torch.equal(gather_full(full, pl, ctx.dense), full)
     with pytest.raises(LayoutError, match="shape"):
-        shard_tensor(torch.randn(3, 3), spec, 0, 1)
+        shard_full(torch.randn(3, 3), pl, {"tp": 1}, {"tp": 0})
+    assert Placement.from_record(pl.record({"tp": 1}, {"tp": 0})) == pl
 
 
 @pytest.mark.parametrize("case", ["column", "row", "embedding", "cross_entropy", "lm"])

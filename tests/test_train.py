@@ -1,5 +1,6 @@
 """Training steps on every layout of the assembly issue equal the one-process reference
-(loss, every gathered gradient before clipping, grad norm, parameters after the steps)."""
+(loss, every gathered gradient before clipping, grad norm, parameters after the steps), under
+the yardstick (mimo.core.testing: the reference in fp32 and fp64, tol 1e-5)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from mimo.compose.config import load_config
-from mimo.commands.verify_train import compare, train_case
+from mimo.commands.verify_train import compare, references, train_case
 
 STEPS = 2
 TOL = 1e-5
@@ -43,11 +44,12 @@ LAYOUTS = {
 
 
 def _reference(pools, config, overrides, cache={}):
-    """The one-process run on the simple schedule (the schedule must not change the numbers)."""
+    """The one-process run on the simple schedule (the schedule must not change the numbers),
+    in fp32 and fp64."""
     overrides = [o for o in overrides if not o.startswith(("train.schedule", "train.encoder_prefetch"))] + ["train.schedule=simple"]
     key = (config, tuple(o for o in overrides if "parallel" not in o and not o.startswith("world_size")))
     if key not in cache:
-        cache[key] = pools(1).run(train_case, config, overrides, STEPS, True)
+        cache[key] = references(pools(1), config, overrides, STEPS)
     return cache[key]
 
 
@@ -81,7 +83,8 @@ def test_layout_equals_one_process_reference(pools, demo_config, name, schedule)
     world, overrides = {**LAYOUTS, **SCHEDULED_LAYOUTS}[name]
     overrides = overrides + [f"train.schedule={schedule}"]
     layout = pools(world).run(train_case, demo_config, overrides, STEPS, False)
-    report = compare(layout, _reference(pools, demo_config, overrides), TOL)
+    ref32, ref64 = _reference(pools, demo_config, overrides)
+    report = compare(layout, ref32, TOL, fp64=ref64)
     assert report["ok"], report
     assert report["losses"][0] > 0
 
@@ -114,7 +117,8 @@ def _averaging_train_case(config, overrides, steps, reference):
 def test_a_wrong_gradient_scale_fails_verification(pools, demo_config, schedule):
     overrides = LAYOUTS["colocated enc tp2 dp2, llm tp1 dp4"][1] + [f"train.schedule={schedule}"]
     layout = pools(4).run(_averaging_train_case, demo_config, overrides, STEPS, False)
-    report = compare(layout, _reference(pools, demo_config, overrides), TOL)
+    ref32, ref64 = _reference(pools, demo_config, overrides)
+    report = compare(layout, ref32, TOL, fp64=ref64)
     assert not report["ok"]
     assert report["max_grads_rel_err"] > 0.5  # a factor of 4 on every DP-summed gradient
 
@@ -197,7 +201,7 @@ def _check_buckets_overlap_last_backward(events, mbs):
 @pytest.mark.parametrize("name", list(TRACED))
 def test_1f1b_trace_shows_the_schedule(pools, demo_config, name):
     from mimo.schedules.pipeline import one_f_one_b_order
-    from mimo.training.step import chrome_trace
+    from mimo.training.trace import chrome_trace
 
     world, overrides, depth = TRACED[name]
     per_rank = pools(world).run(_trace_case, demo_config, overrides + ["train.schedule=1f1b"])
@@ -264,19 +268,19 @@ def _slow_llm_trace_case(config_path, overrides, delay_s):
     rank that waited for the LLM would visibly lag behind it."""
     import time
 
-    from mimo.training.schedule_run import _StageRunner
+    from mimo.llm.pipeline import StageRunner
 
-    forward = _StageRunner.forward
+    forward = StageRunner.forward
 
     def slow(self, *args, **kwargs):
         time.sleep(delay_s)
         return forward(self, *args, **kwargs)
 
-    _StageRunner.forward = slow
+    StageRunner.forward = slow
     try:
         return _trace_case(config_path, overrides)
     finally:  # the pool's processes run later cases too
-        _StageRunner.forward = forward
+        StageRunner.forward = forward
 
 
 def test_frozen_encoder_prefetch_runs_ahead_of_a_slow_llm(pools, demo_config):
@@ -352,3 +356,74 @@ def test_step_result_reads_device_values_on_first_access():
     assert torch.is_tensor(object.__getattribute__(r, "loss"))
     assert r.loss == 2.5 and type(r.loss) is float and r.grad_norm == 0.5 and type(r.grad_norm) is float
     assert type(object.__getattribute__(r, "loss")) is float  # read once, kept
+
+
+def test_grad_norm_term_lives_on_the_given_device_even_without_parameters(monkeypatch):
+    """The old hang: a rank where nothing trains (a frozen module on its own ranks) built its
+    norm term on the CPU, so under ``cpu:gloo,cuda:nccl`` its all-reduce went to gloo while
+    every other rank's went to NCCL. The term handed to the all-reduce must be on the device
+    the caller names, parameters or not ("meta" stands in for a GPU on this CPU machine)."""
+    import torch.distributed as dist
+
+    from mimo.training.optim import TrainParam, global_grad_norm
+
+    reduced = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: reduced.append(t))
+    norm = global_grad_norm([], torch.device("meta"))
+    assert [t.device.type for t in reduced] == ["meta"] and norm.device.type == "meta"
+    # with gradients: their norm (counted ones only), against a plain computation
+    a, b, c = (torch.nn.Parameter(torch.zeros(n)) for n in (5, 3, 4))
+    for p in (a, b, c):
+        p.grad = torch.randn(p.shape, dtype=torch.float32)
+    norm = global_grad_norm([TrainParam("m", "a", a, None, True), TrainParam("m", "b", b, None, True),
+                             TrainParam("m", "c", c, None, False)], "cpu")
+    assert reduced[-1] is not reduced[0] and reduced[-1].device.type == "cpu"
+    assert float(norm) == pytest.approx(float(torch.cat([a.grad, b.grad]).double().norm()), rel=1e-6)
+
+
+# the vision encoder frozen, alone on rank 0 (no trainable parameter there); the LLM on rank 1
+FROZEN_ENCODER_ALONE = ["world_size=2", "modules.vision.parallel.dp=1", "modules.vision.parallel.ranks=0:1",
+                        "modules.vision.freeze=[tower,projector]", "modules.language.parallel.tp=1",
+                        "modules.language.parallel.dp=1", "modules.language.parallel.ranks=1:2",
+                        "modules.language.parallel.sequence_parallel=false"]
+
+
+def _frozen_rank_step_case(config_path, overrides):
+    """One training step; records what train_step hands the global norm (the device it names
+    and how many parameters) and this rank's sum of squared gradients, computed plainly."""
+    import torch.distributed as dist
+
+    import mimo.training.step as step_module
+    from mimo.training.run import build_run
+
+    run = build_run(load_config(config_path, overrides), dist.get_rank())
+    seen, norm = {}, step_module.global_grad_norm
+
+    def spy(params, device, world_group=None):
+        params = list(params)
+        out = norm(params, device, world_group)
+        seen.update(params=len(params), device=str(device), reduced_on=str(out.device))
+        return out
+
+    def own(model, grad_norm):
+        seen["own_sq"] = sum(float(p.param.grad.double().pow(2).sum()) for p in model.train_params()
+                             if p.counts_in_norm and p.param.grad is not None)
+
+    step_module.global_grad_norm = spy
+    try:
+        result = step_module.train_step(run.model, run.pipeline, 1, run.optimizers, run.policy, on_grads=own)
+    finally:  # the pool's processes run later cases too
+        step_module.global_grad_norm = norm
+        run.close()
+    return {**seen, "model_device": str(run.model.device), "grad_norm": result.grad_norm, "loss": result.loss}
+
+
+def test_a_rank_where_nothing_trains_joins_the_norm_on_its_device(pools, demo_config):
+    frozen, llm = pools(2).run(_frozen_rank_step_case, demo_config, FROZEN_ENCODER_ALONE)
+    assert frozen["params"] == 0 and llm["params"] > 0  # the old hang's condition
+    for r in (frozen, llm):
+        assert r["device"] == r["model_device"] == r["reduced_on"]  # named by the step, not taken from parameters
+    assert frozen["own_sq"] == 0.0 and llm["own_sq"] > 0 and llm["loss"] > 0
+    assert frozen["grad_norm"] == llm["grad_norm"] == pytest.approx(llm["own_sq"] ** 0.5, rel=1e-6)

@@ -16,7 +16,7 @@ from mimo.compose.config import load_config
 from mimo.data.text import TextEncoder, Turn, image_files, load_tokenizer
 from mimo.core.errors import DataError
 from mimo.compose.inputs import data_plan, encoder_feeds, ensure_index, text_spec
-from mimo.commands.verify_train import compare, train_case
+from mimo.commands.verify_train import compare, references, train_case
 
 CONFIG = os.path.join(os.path.dirname(__file__), "configs", "two_encoders.yaml")
 TOL = 1e-5
@@ -148,8 +148,8 @@ def _trace_case(config_path, overrides):
                          ids=["both trained, prefetch 2", "sketch tower frozen, vision dp4, prefetch 1"])
 def test_two_encoders_equal_one_process_reference(pools, config_path, overrides):
     layout = pools(6).run(train_case, config_path, overrides, 2, False)
-    reference = pools(1).run(train_case, config_path, overrides, 2, True)
-    report = compare(layout, reference, TOL)
+    reference, fp64 = references(pools(1), config_path, overrides, 2)
+    report = compare(layout, reference, TOL, fp64=fp64)
     assert report["ok"], report
     assert set(reference[0]["steps"][0]["grads"]) == {"vision", "sketch", "language"}
     assert reference[0]["steps"][0]["grads"]["sketch"]  # the sketch tower's gradients are compared too
@@ -174,3 +174,4 @@ def test_two_encoders_trace(pools, config_path):
         f_start = {e["microbatch"]: e["start"] for e in events if e["kind"] == "encoder_fwd"}
         for k in range(mbs - 1):
             assert f_start[k + 1] < b_end[k]
+

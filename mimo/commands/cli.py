@@ -140,7 +140,8 @@ def run_verify_llm(args: argparse.Namespace) -> dict[str, Any]:
                             sequence_parallel=args.sequence_parallel, samples=args.samples, max_len=args.max_len,
                             seed=args.seed, tol=args.tol)
     print(f"verify-llm {report['model_type']} tp={args.tp} pp={args.pp}: max_rel_err={report['max_rel_err']:.2e} "
-          f"loss_rel_err={report['loss_rel_err']:.2e} export_exact={report['export_exact']} -> "
+          f"loss_rel_err={report['loss_rel_err']:.2e} (vs fp64 {report['max_rel_err_vs_fp64']:.2e}, HF fp32 vs fp64 "
+          f"{report['hf_fp32_rel_err_vs_fp64']:.2e}) export_exact={report['export_exact']} -> "
           + ("ok" if report["ok"] else "MISMATCH"))
     return report
 
@@ -253,7 +254,8 @@ def run_verify_encoder(args: argparse.Namespace) -> dict[str, Any]:
                            args.grads, args.sequence_parallel, not args.keep_class_token)
     report = summarise(results)
     print(f"verify-encoder {source.label()} tp={args.tp} feature_layer={feature_layer} image_size={arch.image_size}: "
-          f"max_rel_err={report['max_rel_err']:.3e} ({report['worst']}) " + ("ok" if report["ok"] else "MISMATCH"))
+          f"max_rel_err={report['max_rel_err']:.3e} ({report['worst']}; vs fp64 {report['max_rel_err_vs_fp64']:.2e}, "
+          f"original fp32 vs fp64 {report['reference_rel_err_vs_fp64']:.2e}) " + ("ok" if report["ok"] else "MISMATCH"))
     return {"command": "verify-encoder", "source": source.label(), "tp": args.tp, "feature_layer": feature_layer,
             "image_size": arch.image_size, **report}
 
@@ -265,7 +267,7 @@ def verify_train_arguments(parser: argparse.ArgumentParser) -> None:
     config_arguments(parser)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                        help="the layout run's precision (bf16: GPU fast paths); the reference runs fp32")
+                        help="the layout run's precision (bf16: GPU fast paths); the reference runs fp32 and fp64")
     parser.add_argument("--tol", type=float, help=f"largest allowed ||a-b||/||b|| (default {VERIFY_TRAIN_TOL['fp32']:g} fp32, "
                         f"{VERIFY_TRAIN_TOL['bf16']:g} bf16)")
     device_argument(parser)
@@ -279,24 +281,19 @@ VERIFY_TRAIN_TOL = {"fp32": 1e-5, "bf16": 5e-2}
 
 def run_verify_train(args: argparse.Namespace) -> dict[str, Any]:
     from mimo.compose.inputs import ensure_index
-    from mimo.training.launch import WorkerPool
-    from mimo.commands.verify_train import compare, train_case
+    from mimo.commands.verify_train import report_lines, verify_train
 
     if args.steps < 1:
         raise UsageError("--steps must be >= 1")
     config = load_config(args.config, args.overrides)
     ensure_index(config)  # once, here, before any rank reads it
     tol = VERIFY_TRAIN_TOL[args.precision] if args.tol is None else args.tol
-    with WorkerPool(config.world_size, timeout_s=args.timeout, device=args.device) as pool:
-        layout = pool.run(train_case, args.config, args.overrides, args.steps, False, args.device, args.precision)
-    with WorkerPool(1, timeout_s=args.timeout, device=args.device) as pool:  # the reference: one process, fp32, same device kind
-        reference = pool.run(train_case, args.config, args.overrides, args.steps, True, args.device)
-    report = compare(layout, reference, tol, per_module=args.precision == "bf16")
+    # the reference: one process, fp32 and fp64, the same device kind
+    report = verify_train(args.config, args.overrides, args.steps, args.device, args.precision, tol, args.timeout)
     print(f"verify-train {args.config} {' '.join(args.overrides)} ({args.device}, {args.precision}, tol {tol:g}): "
           + ("ok" if report["ok"] else "MISMATCH"))
     print(format_layout(config.layout_rows()))
-    for key in ("loss", "grad_norm", "grads", "params"):
-        print(f"  max {key} rel err {report[f'max_{key}_rel_err']:.2e} ({report['worst'].get(key, '-')})")
+    print("\n".join(report_lines(report)))
     return {"command": "verify-train", "device": args.device, "precision": args.precision, "tol": tol, **report}
 
 
@@ -309,6 +306,11 @@ def train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a collective may wait before the run is aborted")
     parser.add_argument("--stop-at", type=int, metavar="STEP", help="stop cleanly after this step (checkpointed); `mimo train` again resumes")
     parser.add_argument("--log-every", type=int, default=1, metavar="K", help="a progress line every K steps when stdout is not a terminal")
+    run_device_argument(parser)
+
+
+def run_device_argument(parser: argparse.ArgumentParser) -> None:
+    """``mimo train`` and ``mimo eval``: where the ranks run, picked by default."""
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="cuda: one GPU per rank (NCCL); auto (default): cuda when there is a GPU for every rank, else cpu")
 
@@ -351,12 +353,13 @@ def eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", metavar="DIR", help="a step-N checkpoint, or a folder of them: its latest (default: train.checkpoint.dir)")
     parser.add_argument("--shards", metavar="PATTERN", help="held-out WebDataset shards (default: eval.shards)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a hung rank fails the run")
+    run_device_argument(parser)
 
 
 def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     from mimo.commands.eval import evaluate
 
-    result = evaluate(args.config, args.overrides, args.checkpoint, args.shards, args.timeout)
+    result = evaluate(args.config, args.overrides, args.checkpoint, args.shards, args.timeout, args.device)
     em = result["exact_match"]
     print(f"eval {result['checkpoint']} on {result['shards']}: {result['samples']} samples, loss {result['loss']:.4f}, exact match "
           + (f"{em:.4f} ({result['matched']}/{result['scored']})" if em is not None else "- (no question)")

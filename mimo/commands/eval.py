@@ -3,13 +3,15 @@
 The launcher resolves the checkpoint (a ``step-N`` folder, or a folder of them: its latest),
 checks its layout against the config before any process starts, indexes the held-out shards
 (``eval.shards`` or ``--shards``) and runs ``eval_rank`` on ``world_size`` local processes.
-Every rank builds the model exactly as training does (``mimo.compose.model``), loads its shards, and
-walks the same global microbatches: the first ``eval.samples`` usable held-out samples in
-shard order, grouped by ``data.tokens_per_microbatch``, delivered by the training data
-pipeline (each sample read once, packs to LLM ranks, pixels to encoder ranks).
+Every rank builds the model exactly as training does (``mimo.compose.model``; on its own GPU
+with ``--device cuda``, as ``mimo train``), loads its shards, and walks the same global
+microbatches: the first ``eval.samples`` usable held-out samples in shard order, grouped by
+``data.tokens_per_microbatch``, delivered by the training data pipeline (each sample read
+once, packs to LLM ranks, pixels to encoder ranks).
 
 Loss: the training loss — token losses on the assistant tokens, summed over every sample and
-divided by their count — computed by the same encoder + bridge + LLM stage forward.
+divided by their count — computed by the same encoder + bridge + LLM stage forward
+(``mimo.training.schedule_run.forward_only``: training's runners, without autograd).
 
 Generation: greedy, without a KV cache. A sample's prompt is everything before its *last*
 assistant answer; each round runs the whole distributed forward (encoders, bridges, every LLM
@@ -29,8 +31,6 @@ counted as ``captions``. Samples that fail to read are counted as ``read_failure
 from __future__ import annotations
 
 import logging
-import os
-import re
 from dataclasses import dataclass
 
 from mimo.compose.config import MimoConfig, load_config
@@ -113,20 +113,22 @@ def request_for(config: MimoConfig, checkpoint: str | None, shards: str | None) 
 
 
 def evaluate(config_path: str, overrides: list[str], checkpoint: str | None = None, shards: str | None = None,
-             timeout_s: float = 900.0) -> dict:
+             timeout_s: float = 900.0, device: str = "auto") -> dict:
     """``mimo eval``: the result dict (loss, exact_match, counts, examples); ``checkpoint``
-    defaults to ``train.checkpoint.dir``."""
+    defaults to ``train.checkpoint.dir``; ``device`` as for ``mimo train`` (``cuda``: one GPU
+    per rank; ``auto``: cuda when there is a GPU for every rank, else cpu)."""
     from mimo.compose.inputs import ensure_index
-    from mimo.training.launch import WorkerPool
+    from mimo.training.launch import WorkerPool, resolve_device
     from mimo.training.train import under_torchrun
 
     if under_torchrun():  # each torchrun process would start a whole world of its own
         raise ConfigError("mimo eval starts its own local processes (world_size of them); run it without torchrun")
     config = load_config(config_path, overrides)
     req = request_for(config, checkpoint or config.train.checkpoint.dir, shards)
+    device = resolve_device(device, config.world_size)
     ensure_index(config, shards=req.shards)  # once, before any rank reads it
-    with WorkerPool(config.world_size, timeout_s=timeout_s) as pool:
-        results = pool.run(eval_rank, config_path, list(overrides), req)
+    with WorkerPool(config.world_size, timeout_s=timeout_s, device=device) as pool:
+        results = pool.run(eval_rank, config_path, list(overrides), req, device)
     return summarise(results, req)
 
 
@@ -181,34 +183,37 @@ def eval_batches(plan, samples: int | None) -> list[list]:
     return out
 
 
-def eval_rank(config_path: str, overrides: list[str], req: EvalRequest) -> dict:
-    """Runs on every rank of the world (a WorkerPool worker with its group up)."""
+def eval_rank(config_path: str, overrides: list[str], req: EvalRequest, device: str = "cpu") -> dict:
+    """Runs on every rank of the world (a WorkerPool worker with its group up, started for
+    ``device``: ``cpu`` or ``cuda``, the rank's GPU)."""
     import torch
     import torch.distributed as dist
 
-    from mimo.training.checkpoint import load_checkpoint
-    from mimo.data.pipeline import DataPipeline
-    from mimo.data.plan import DataPlan
-    from mimo.compose.inputs import encoder_feeds, ensure_index, text_spec
+    from mimo.compose.inputs import ensure_index
     from mimo.compose.model import MimoModel
+    from mimo.data.plan import DataPlan
+    from mimo.training.checkpoint import load_checkpoint
+    from mimo.training.launch import rank_compute_device
+    from mimo.training.run import data_pipeline
+    from mimo.training.schedule_run import stage_runner
 
     rank = dist.get_rank()
     config = load_config(config_path, overrides)
-    model = MimoModel(config, rank)
+    model = MimoModel(config, rank, device=rank_compute_device(device))
     meta = load_checkpoint(model, req.checkpoint, rng=False) if req.checkpoint else {"step": 0}
     index, _ = ensure_index(config, shards=req.shards)
-    d, par = config.data, config.llm.parallel
+    d = config.data
     plan = DataPlan(index, d.tokens_per_microbatch, d.max_sample_tokens, d.seed, shuffle=False)
     batches = eval_batches(plan, req.samples)
-    pipeline = DataPipeline(_Batches(index, batches), text_spec(config), model.llm_grid, par.sequence_parallel and par.tp > 1,
-                            encoder_feeds(config), 1, d.workers, d.prefetch, rank)
-    scorer = _Scorer(model, pipeline, req)
+    pipeline = data_pipeline(config, model, _Batches(index, batches), 1)  # training's, on these microbatches
+    runner = stage_runner(model)  # this rank's LLM stage, as training runs it (None without one)
+    scorer = _Scorer(model, pipeline, runner, req)
     loss_sum = loss_tokens = 0.0
     try:
         with torch.no_grad():
             for k in range(len(batches)):
                 mb = pipeline.microbatch(k)
-                part_sum, part_tokens = _loss(model, mb)
+                part_sum, part_tokens = _loss(model, runner, mb)
                 loss_sum, loss_tokens = loss_sum + part_sum, loss_tokens + part_tokens
                 scorer.generate(mb)
     finally:
@@ -222,39 +227,13 @@ def eval_rank(config_path: str, overrides: list[str], req: EvalRequest) -> dict:
     }
 
 
-def _stage_forward(model, pack, image_rows: dict):
-    """This rank's LLM stage on ``pack`` (hidden states from the previous stage, sent on to the
-    next); the last stage's vocab-parallel logits, else None. Stages run in order: each
-    receive waits for a send posted by a stage that has already run."""
-    import torch
-    import torch.distributed as dist
-
-    from mimo.llm.pipeline import pp_neighbour
-
-    stage = model.stage
-    if stage is None:
-        return None
-    prev, nxt = pp_neighbour(model.llm_grid, model.rank, -1), pp_neighbour(model.llm_grid, model.rank, +1)
-    hidden = None
-    if prev is not None:
-        p = next(stage.parameters())
-        hidden = torch.empty(stage.local_len(pack), model.config.llm.arch.hidden, dtype=p.dtype)
-        dist.recv(hidden, src=prev)
-    out = stage(pack, hidden=hidden, image_rows=image_rows if stage.is_first else None)
-    if nxt is not None:
-        dist.send(out.contiguous(), dst=nxt)
-        return None
-    return out
-
-
-def _loss(model, mb) -> tuple[float, float]:
+def _loss(model, runner, mb) -> tuple[float, float]:
     """This rank's share of the loss sum and loss-token count (last stage, TP rank 0 only, so
     the world sum counts each token once)."""
     from mimo.llm.model import count_loss_tokens
-    from mimo.training.step import encode_and_bridge
+    from mimo.training.schedule_run import forward_only
 
-    _, image_rows = encode_and_bridge(model, mb)
-    logits = _stage_forward(model, mb.pack, image_rows)
+    logits = forward_only(model, mb, runner)
     if logits is None:
         return 0.0, 0.0
     losses = model.stage.token_losses(logits, mb.pack)  # a collective over TP
@@ -266,8 +245,8 @@ def _loss(model, mb) -> tuple[float, float]:
 class _Scorer:
     """Greedy generation over the distributed model and exact-match scoring (module doc)."""
 
-    def __init__(self, model, pipeline, req: EvalRequest):
-        self.model, self.pipeline, self.req = model, pipeline, req
+    def __init__(self, model, pipeline, runner, req: EvalRequest):
+        self.model, self.pipeline, self.runner, self.req = model, pipeline, runner, req
         grid, rank = model.llm_grid, model.rank
         c = grid.coords(rank) if rank in grid else None
         self.dp = c["dp"] if c is not None else None
@@ -337,7 +316,7 @@ class _Scorer:
         from mimo.data.pipeline import Microbatch
         from mimo.data.plan import PlannedSample
         from mimo.parallel import gather_along
-        from mimo.training.step import encode_and_bridge
+        from mimo.training.schedule_run import forward_only
 
         model, cfg = self.model, self.model.config
         keep = set(active)
@@ -361,13 +340,12 @@ class _Scorer:
             items = [_item(mb.samples[i], tokens[i][: int(prompt[i])] + generated[i]) for i in order]
             rows = {e.placeholder: e.rows_per_image for e in cfg.encoders.values()}
             batch = pack(items, rows, par.tp, par.cp, par.sequence_parallel and par.tp > 1, self.pipeline.pad_id)
-        round_mb = Microbatch(samples, llm_blocks, enc_blocks, batch, pixels)
-        _, image_rows = encode_and_bridge(model, round_mb)
-        logits = _stage_forward(model, batch, image_rows) if batch is not None else None
+            batch = batch.to(model.device)  # packed on the CPU; the pixels are on the device already
+        logits = forward_only(model, Microbatch(samples, llm_blocks, enc_blocks, batch, pixels), self.runner)
         if logits is None:
             return None
         cu = batch.cu_seqlens.tolist()
-        last = torch.tensor([cu[j] + lengths[i] - 1 for j, i in enumerate(order)], dtype=torch.int64)
+        last = torch.tensor([cu[j] + lengths[i] - 1 for j, i in enumerate(order)], dtype=torch.int64, device=logits.device)
         full = gather_along(logits.index_select(0, last), -1, model.stage.tp_group)[:, : cfg.llm.arch.vocab]
         if not self.is_last_tp0:
             return None

@@ -44,8 +44,9 @@ from mimo.llm.hf import (
     arch_from_hf_config,
     check_hf_tensors,
     export_hf_state,
+    from_hf_state,
     full_shapes,
-    hf_name_map,
+    hf_tensor_map,
     llava_lm_key,
     llava_text_config,
     normalised_llava_config,
@@ -203,9 +204,8 @@ def import_llava_state(state: Mapping[str, torch.Tensor], config: Mapping, where
     projector = import_llava_projector(parts["projector"], arch.vision, arch.llm.hidden, naming.projector, where)
     llm_state = parts["llm"]
     check_hf_tensors(arch.llm, {k: tuple(t.shape) for k, t in llm_state.items()}, where, naming.llm_key)
-    names = hf_name_map(arch.llm, naming.llm_key)
-    llm = {ours: llm_state[theirs] for ours, theirs in names.items()}
-    used = set(names.values()) | {naming.head}  # a tied head follows the embedding on export
+    llm = from_hf_state(llm_state, arch.llm, naming.llm_key)
+    used = set(hf_tensor_map(arch.llm, naming.llm_key)) | {naming.head}  # a tied head follows the embedding on export
     return LlavaWeights(
         where, naming, arch, dict(config), vision, projector, llm,
         llm_extras={k: t for k, t in llm_state.items() if k not in used},

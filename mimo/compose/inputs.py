@@ -10,6 +10,7 @@ import json
 import logging
 import os
 from collections import Counter
+from typing import Mapping
 
 from mimo.core.batch import PackedBatch
 from mimo.compose.config import MimoConfig
@@ -20,6 +21,7 @@ from mimo.data.plan import DataPlan
 from mimo.data.synthetic import SyntheticEncoder, SyntheticPlan, SyntheticReader, SyntheticStream
 from mimo.encoders.config import EncoderModuleConfig
 from mimo.core.errors import DataError
+from mimo.parallel.grid import ParallelGrid
 
 log = logging.getLogger("mimo.data")
 
@@ -54,9 +56,13 @@ def image_spec(enc: EncoderModuleConfig) -> ImageSpec:
     return ImageSpec(enc.arch.image_size, tuple(mean), tuple(std), enc.arch.channels)
 
 
-def encoder_feeds(config: MimoConfig) -> list[EncoderFeed]:
+def encoder_feeds(config: MimoConfig, grids: Mapping[str, ParallelGrid] | None = None) -> list[EncoderFeed]:
+    """What the data pipeline feeds each encoder. ``grids``: the model's encoder grids (so the
+    pipeline's groups come from the run's one registry); without them (readers, tools that
+    create no groups) each grid is laid out from the config."""
     return [
-        EncoderFeed(name, enc.placeholder, enc.rows_per_image, image_spec(enc), enc.parallel.grid(config.world_size))
+        EncoderFeed(name, enc.placeholder, enc.rows_per_image, image_spec(enc),
+                    grids[name] if grids is not None else enc.parallel.grid(config.world_size))
         for name, enc in config.encoders.items()
     ]
 

@@ -17,10 +17,12 @@ _EXPORTS = {
         "reduce_from_group", "reduce_scatter_along", "reduce_scatter_seq", "scatter_along", "split_along",
     ),
     "mimo.parallel.cross_entropy": ("vocab_parallel_cross_entropy",),
-    "mimo.parallel.init": ("init_full", "init_shard", "param_seed"),
+    "mimo.parallel.init": ("init_full", "init_local", "param_seed"),
     "mimo.parallel.layers": ("ColumnParallelLinear", "RowParallelLinear", "TPModule", "VocabParallelEmbedding"),
-    "mimo.parallel.random": ("DropoutStreams", "dropout", "dropout_streams"),
-    "mimo.parallel.sharding": ("ShardSpec", "gather_shard", "pad_to_multiple", "shard_tensor"),
+    "mimo.parallel.placement": ("Placement", "gather_full", "pad_to_multiple", "read_local", "replicated", "shard_full",
+                                "sharded"),
+    "mimo.parallel.context": ("ParallelContext",),
+    "mimo.parallel.grid": ("GroupRegistry", "ParallelGrid"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

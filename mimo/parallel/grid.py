@@ -3,12 +3,13 @@
 Dims are listed fastest-varying first, so ``{"tp": 2, "cp": 1, "dp": 2, "pp": 2}`` numbers
 ranks in Megatron's tp-cp-ep-dp-pp order: rank = offset + tp + 2*cp + 2*dp + 4*pp.
 
-Process groups are created on first use and cached on the grid. ``torch.distributed``
-names a new group by a counter that every rank advances, so the *first* ``group(dims)`` call
-for a given dims tuple is collective over the whole world: every rank (members of the grid
-or not) calls it at the same point, and it creates every group of that partition in rank
-order. Later calls are local cache look-ups. A group of one rank is never created: ``None``
-stands for it, and the collectives in ``mimo.parallel`` treat ``None`` as "no communication".
+Process groups come from a ``GroupRegistry``, one per run, shared by every grid and view of
+the run: each distinct rank set gets exactly one communicator. ``torch.distributed`` names a
+new group by a counter that every rank advances, so the *first* request for a rank set is
+collective over the whole world: every rank (members of the grid or not) asks at the same
+point, and ``group(dims)`` creates every group of that partition in rank order. Later
+requests are local look-ups. A group of one rank is never created: ``None`` stands for it, and
+the collectives in ``mimo.parallel`` treat ``None`` as "no communication".
 """
 
 from __future__ import annotations
@@ -26,10 +27,47 @@ def _as_dims(dims: str | Iterable[str]) -> Dims:
     return (dims,) if isinstance(dims, str) else tuple(dims)
 
 
+class GroupRegistry:
+    """Hands out one process group per distinct rank set (see module doc).
+
+    ``created`` lists the rank sets in creation order (tests count communicators with it).
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[int, ...], object] = {}
+        self.created: list[tuple[int, ...]] = []
+
+    def partition(self, groups: Iterable[Sequence[int]], rank: int | None = None):
+        """Create every not-yet-created rank set of ``groups`` (in the order given) and return
+        the group holding ``rank`` (None where none does, or it has one rank). Collective over
+        the world the first time a rank set appears: every rank calls it at the same point."""
+        import torch.distributed as dist
+
+        groups = [tuple(sorted(set(g))) for g in groups]
+        for key in groups:
+            if len(key) > 1 and key not in self._groups:
+                if not dist.is_initialized():
+                    raise LayoutError(f"a process group over ranks {list(key)} needs torch.distributed initialised")
+                if key[-1] >= dist.get_world_size():
+                    raise LayoutError(f"ranks {list(key)} do not fit in world size {dist.get_world_size()}")
+                self._groups[key] = dist.new_group(list(key))
+                self.created.append(key)
+        rank = dist.get_rank() if rank is None else rank
+        for key in groups:
+            if rank in key:
+                return self._groups.get(key)  # None for a one-rank set
+        return None
+
+    def group(self, ranks: Iterable[int], rank: int | None = None):
+        """The group over one rank set (e.g. a bridge over source ∪ destination): collective
+        like ``partition``; None on ranks outside it and for one rank."""
+        return self.partition([list(ranks)], rank)
+
+
 class ParallelGrid:
     """Ranks ``offset .. offset+size-1`` arranged on named dims (first dim fastest)."""
 
-    def __init__(self, shape: dict[str, int], offset: int = 0, *, _group_cache: dict | None = None):
+    def __init__(self, shape: dict[str, int], offset: int = 0, *, registry: "GroupRegistry | None" = None):
         if not shape:
             raise LayoutError("a grid needs at least one dim")
         for name, n in shape.items():
@@ -46,10 +84,10 @@ class ParallelGrid:
             strides[name] = s
             s *= shape[name]
         self._strides = strides
-        # Keyed by the member ranks of a group, so views over the same ranks (the expert
-        # view) hand out the very same group objects, e.g. for PP.
-        self._groups: dict[tuple[int, ...], object] = {} if _group_cache is None else _group_cache
-        self._created: set[Dims] = set()
+        # the run's registry: views over the same ranks (the expert view) and other grids over
+        # the same rank sets hand out the very same group objects, e.g. for PP
+        self.registry = GroupRegistry() if registry is None else registry
+        self._partitions: dict[Dims, list[list[int]]] = {}
 
     def __repr__(self) -> str:
         dims = ", ".join(f"{d}={n}" for d, n in self.shape.items())
@@ -134,7 +172,7 @@ class ParallelGrid:
                 f"of a pipeline stage"
             )
         shape = {"etp": etp, "ep": ep, "edp": per_stage // (etp * ep), "pp": pp}
-        return ParallelGrid(shape, self.offset, _group_cache=self._groups)
+        return ParallelGrid(shape, self.offset, registry=self.registry)
 
     # ---- process groups ----
     def group(self, dims: str | Iterable[str], rank: int | None = None):
@@ -150,18 +188,12 @@ class ParallelGrid:
             return None
         if not dist.is_initialized():
             raise LayoutError(f"group over {dims_t} of {self!r} needs torch.distributed initialised")
-        if dims_t not in self._created:
-            if self.offset + self.size > dist.get_world_size():
-                raise LayoutError(f"{self!r} does not fit in world size {dist.get_world_size()}")
-            for ranks in self.partition(dims_t):
-                key = tuple(ranks)
-                if key not in self._groups:
-                    self._groups[key] = dist.new_group(ranks)
-            self._created.add(dims_t)
+        if self.offset + self.size > dist.get_world_size():
+            raise LayoutError(f"{self!r} does not fit in world size {dist.get_world_size()}")
         rank = dist.get_rank() if rank is None else rank
-        if rank not in self:
-            return None
-        return self._groups[tuple(self.group_ranks(dims_t, rank))]
+        if dims_t not in self._partitions:
+            self._partitions[dims_t] = self.partition(dims_t)
+        return self.registry.partition(self._partitions[dims_t], rank)
 
 
 @dataclass
@@ -186,9 +218,10 @@ class ParallelConfig:
             return range(0, world_size)
         return parse_rank_range(self.ranks)
 
-    def grid(self, world_size: int) -> ParallelGrid:
+    def grid(self, world_size: int, registry: GroupRegistry | None = None) -> ParallelGrid:
+        """The module's grid; ``registry``: the run's (its groups), else a private one."""
         r = self.rank_range(world_size)
-        return ParallelGrid({"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}, r.start)
+        return ParallelGrid({"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}, r.start, registry=registry)
 
     def validate(self, path: str) -> list[str]:
         """Config problems of this section alone (mimo.core.schema calls it; the fit of the rank
@@ -221,19 +254,3 @@ def parse_rank_range(text: str) -> range:
     if r.start < 0 or len(r) < 1:
         raise LayoutError(f"rank range {text!r} is empty or negative")
     return r
-
-
-
-def new_group(ranks) -> object | None:
-    """A process group over an arbitrary rank set (e.g. a bridge over source ∪ destination).
-
-    Collective over the world, like a grid's first ``group`` call: every rank calls it at the
-    same point. Returns the group on member ranks; None on the others and for one rank.
-    """
-    import torch.distributed as dist
-
-    ranks = sorted(set(ranks))
-    if len(ranks) <= 1:
-        return None
-    group = dist.new_group(ranks)
-    return group if dist.get_rank() in ranks else None

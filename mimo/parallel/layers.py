@@ -1,4 +1,4 @@
-"""Tensor-parallel layers: column / row parallel linear and vocab-parallel embedding.
+"""Tensor-parallel layers: column / row parallel linear (plain and fused) and vocab-parallel embedding.
 
 Weights are shaped as ``torch.nn.Linear`` ([out, in]). Activations are token-major ``[T, D]``
 (packed THD sequences; leading dims other than the last are allowed without sequence
@@ -7,9 +7,11 @@ contiguous token block ``[T/tp, D]``: ColumnParallelLinear all-gathers it on the
 RowParallelLinear and VocabParallelEmbedding reduce-scatter on the way out, so T must be a
 multiple of tp (the packer pads to that).
 
-Every layer describes its parameters with ``shard_specs()`` (sharded dim, full unpadded
-shape), initialises TP-invariantly with ``init_weights(seed, std)``, and converts to and from
-full tensors with ``full_state()`` (collective) and ``load_full_(state)`` (local).
+Every layer takes its module's ``ParallelContext`` (the TP group and whether SP is on come
+from it), describes its parameters with ``placements()`` (``mimo.parallel.placement``),
+initialises layout-independently with ``init_weights(seed, std)`` (drawing only its shard),
+converts to and from full tensors with ``full_state()`` (collective) and ``load_full_(state)``
+(local), and multiplies through ``mimo.parallel.gemm.linear``.
 """
 
 from __future__ import annotations
@@ -18,60 +20,68 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mimo.parallel import gemm
 from mimo.parallel.collectives import (
     copy_to_group,
     gather_along,
     gather_seq,
-    group_rank,
-    group_size,
     reduce_from_group,
     reduce_scatter_seq,
     scatter_along,
 )
-from mimo.parallel.init import init_shard, param_seed
-from mimo.parallel.sharding import ShardSpec, gather_shard, pad_to_multiple, shard_tensor
+from mimo.parallel.context import ParallelContext
+from mimo.parallel.init import init_local, param_seed
+from mimo.parallel.placement import Placement, gather_full, replicated, shard_full, sharded
 
-__all__ = ["TPModule", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
+__all__ = ["TPModule", "ColumnParallelLinear", "FusedColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
 
 
 class TPModule(nn.Module):
-    """Base of the TP layers: group bookkeeping and full <-> shard conversion."""
+    """Base of the TP layers: the context, placements, and full <-> shard conversion."""
 
-    def __init__(self, group):
+    def __init__(self, ctx: ParallelContext | None, sequence_parallel: bool | None = None):
         super().__init__()
-        self.group = group
-        self.tp_size = group_size(group)
-        self.tp_rank = group_rank(group)
+        self.ctx = ctx = ParallelContext.for_tp() if ctx is None else ctx
+        self.group, self.tp_size, self.tp_rank = ctx.tp, ctx.tp_size, ctx.tp_rank
+        # SP as the module's context resolved it, unless this layer is told otherwise
+        self.sequence_parallel = ctx.sequence_parallel if sequence_parallel is None else (
+            bool(sequence_parallel) and self.tp_size > 1)
+        self.recipe = gemm.DEFAULT_RECIPE
 
-    def shard_specs(self) -> dict[str, ShardSpec]:
+    def placements(self) -> dict[str, Placement]:
         raise NotImplementedError
 
-    def _new_param(self, spec: ShardSpec, device, dtype) -> nn.Parameter:
-        return nn.Parameter(torch.empty(spec.local_shape(self.tp_size), device=device, dtype=dtype))
+    def _sizes_coords(self, placement: Placement):
+        view = self.ctx.view(placement.axes)
+        return {a: view.size(a) for a in placement.axes}, {a: view.coord(a) for a in placement.axes}
+
+    def _new_param(self, placement: Placement, device, dtype) -> nn.Parameter:
+        sizes, _ = self._sizes_coords(placement)
+        return nn.Parameter(torch.empty(placement.local_shape(sizes), device=device, dtype=dtype))
 
     @torch.no_grad()
     def init_weights(self, seed: int, std: float, bias_std: float = 0.0) -> None:
-        """Weight ~ N(0, std), bias ~ N(0, bias_std) (zero by default), at full shape.
+        """Weights ~ N(0, std), biases ~ N(0, bias_std) (zero by default), this rank's shard only.
 
         ``seed`` is this layer's seed (``param_seed(base, "layers.3.mlp.fc1")``); each
-        parameter derives its own from it, so any TP gives the one-process weights.
+        parameter derives its own from it, so any layout gives the one-process weights.
         """
-        for name, spec in self.shard_specs().items():
-            s = std if name == "weight" else bias_std
-            local = init_shard(spec, param_seed(seed, name), self.tp_rank, self.tp_size, std=s)
+        for name, placement in self.placements().items():
+            s = bias_std if name == "bias" or name.endswith("_bias") else std
+            local = init_local(placement, *self._sizes_coords(placement), param_seed(seed, name), std=s)
             getattr(self, name).copy_(local)
 
     @torch.no_grad()
     def load_full_(self, state: dict[str, torch.Tensor]) -> None:
         """Copy this rank's slices of full (unpadded) tensors into the parameters."""
-        for name, spec in self.shard_specs().items():
-            getattr(self, name).copy_(shard_tensor(state[name].detach().cpu(), spec, self.tp_rank, self.tp_size))
+        for name, placement in self.placements().items():
+            getattr(self, name).copy_(shard_full(state[name].detach().cpu(), placement, *self._sizes_coords(placement)))
 
     @torch.no_grad()
     def full_state(self) -> dict[str, torch.Tensor]:
         """Collective over the TP group: the full, unpadded parameters on every rank."""
-        return {name: gather_shard(getattr(self, name).detach(), spec, self.group).clone()
-                for name, spec in self.shard_specs().items()}
+        return {name: gather_full(getattr(self, name).detach(), placement, self.ctx.view(placement.axes)).clone()
+                for name, placement in self.placements().items()}
 
 
 class ColumnParallelLinear(TPModule):
@@ -83,39 +93,24 @@ class ColumnParallelLinear(TPModule):
     padded columns must be ignored downstream, as vocab_parallel_cross_entropy does).
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        group=None,
-        gather_output: bool = False,
-        sequence_parallel: bool = False,
-        *,
-        pad_out_features: bool = False,
-        device=None,
-        dtype=None,
-    ):
-        super().__init__(group)
-        self.in_features, self.out_features = in_features, out_features
-        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        padded = pad_to_multiple(out_features, self.tp_size) if pad_out_features else None
-        self._specs = {"weight": ShardSpec((out_features, in_features), dim=0, padded=padded)}
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, ctx: ParallelContext | None = None,
+                 gather_output: bool = False, sequence_parallel: bool | None = None, *, pad_out_features: bool = False,
+                 device=None, dtype=None):
+        super().__init__(ctx, sequence_parallel)
+        self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
+        self._placements = {"weight": sharded((out_features, in_features), 0, pad=pad_out_features)}
         if bias:
-            self._specs["bias"] = ShardSpec((out_features,), dim=0, padded=padded)
-        self.weight = self._new_param(self._specs["weight"], device, dtype)
-        self.bias = self._new_param(self._specs["bias"], device, dtype) if bias else None
-        self.padded_out_features = self._specs["weight"].padded_size
+            self._placements["bias"] = sharded((out_features,), 0, pad=pad_out_features)
+        self.weight = self._new_param(self._placements["weight"], device, dtype)
+        self.bias = self._new_param(self._placements["bias"], device, dtype) if bias else None
+        self.padded_out_features = self.weight.shape[0] * self.tp_size
 
-    def shard_specs(self) -> dict[str, ShardSpec]:
-        return self._specs
+    def placements(self) -> dict[str, Placement]:
+        return self._placements
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x_TD = gather_seq(x_TD, self.group)
-        else:
-            x_TD = copy_to_group(x_TD, self.group)
-        y_TF = F.linear(x_TD, self.weight, self.bias)
+        x_TD = gather_seq(x_TD, self.group) if self.sequence_parallel else copy_to_group(x_TD, self.group)
+        y_TF = gemm.linear(x_TD, self.weight, self.bias, self.recipe)
         if self.gather_output:
             y_TF = gather_along(y_TF, -1, self.group)
             if self.padded_out_features != self.out_features:
@@ -128,42 +123,66 @@ class ColumnParallelLinear(TPModule):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
+class FusedColumnParallelLinear(TPModule):
+    """Several column-parallel projections (q | k | v, gate | up) stored as one fused weight.
+
+    ``weight`` is ``[sum(parts), in]`` in full; each part is split over TP on its own, so rank
+    r holds rows ``[r*n/tp, (r+1)*n/tp)`` of every part, in part order (a ``parts`` placement),
+    and one GEMM over the stored weight computes them all: no concatenation in the forward, and
+    the SP input is gathered once. Returns this rank's ``[T, n_part/tp]`` per part.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False, ctx: ParallelContext | None = None,
+                 sequence_parallel: bool | None = None, *, device=None, dtype=None):
+        super().__init__(ctx, sequence_parallel)
+        self.in_features, self.parts, self.has_bias = in_features, dict(parts), bias
+        sizes = tuple(self.parts.values())
+        self._placements = {"weight": sharded((sum(sizes), in_features), 0, parts=sizes)}
+        if bias:
+            self._placements["bias"] = sharded((sum(sizes),), 0, parts=sizes)
+        self.weight = self._new_param(self._placements["weight"], device, dtype)
+        self.bias = self._new_param(self._placements["bias"], device, dtype) if bias else None
+        self.local_sizes = [n // self.tp_size for n in sizes]
+
+    def placements(self) -> dict[str, Placement]:
+        return self._placements
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x_TD = gather_seq(x_TD, self.group) if self.sequence_parallel else copy_to_group(x_TD, self.group)
+        y_TF = gemm.linear(x_TD, self.weight, self.bias, self.recipe)
+        return tuple(y_TF.split(self.local_sizes, dim=-1))
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, parts={self.parts}, tp={self.tp_size}, bias={self.has_bias}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
 class RowParallelLinear(TPModule):
     """y = x W^T + b with W's columns (input features) split over TP.
 
     Input: this rank's ``[T, D/tp]`` (``input_is_parallel``), or replicated ``[T, D]``.
     Output: replicated ``[T, F]`` (all-reduce), or with SP this rank's ``[T/tp, F]``
-    (reduce-scatter). The bias is replicated and added once, after the reduction.
+    (reduce-scatter). The bias is replicated and added once, after the reduction; under SP
+    each rank adds it to its own tokens only, so its gradient is a partial sum over TP.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        group=None,
-        input_is_parallel: bool = True,
-        sequence_parallel: bool = False,
-        *,
-        device=None,
-        dtype=None,
-    ):
-        super().__init__(group)
-        self.in_features, self.out_features = in_features, out_features
-        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self._specs = {"weight": ShardSpec((out_features, in_features), dim=1)}
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, ctx: ParallelContext | None = None,
+                 input_is_parallel: bool = True, sequence_parallel: bool | None = None, *, device=None, dtype=None):
+        super().__init__(ctx, sequence_parallel)
+        self.in_features, self.out_features, self.input_is_parallel = in_features, out_features, input_is_parallel
+        self._placements = {"weight": sharded((out_features, in_features), 1)}
         if bias:
-            self._specs["bias"] = ShardSpec((out_features,), dim=None)
-        self.weight = self._new_param(self._specs["weight"], device, dtype)
-        self.bias = self._new_param(self._specs["bias"], device, dtype) if bias else None
+            self._placements["bias"] = replicated((out_features,), partial=("tp",) if self.sequence_parallel else ())
+        self.weight = self._new_param(self._placements["weight"], device, dtype)
+        self.bias = self._new_param(self._placements["bias"], device, dtype) if bias else None
 
-    def shard_specs(self) -> dict[str, ShardSpec]:
-        return self._specs
+    def placements(self) -> dict[str, Placement]:
+        return self._placements
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x_TD = scatter_along(x_TD, -1, self.group)
-        partial_TF = F.linear(x_TD, self.weight)
+        partial_TF = gemm.linear(x_TD, self.weight, None, self.recipe)
         if self.sequence_parallel:
             y_TF = reduce_scatter_seq(partial_TF, self.group)
             if self.bias is not None:
@@ -190,21 +209,20 @@ class VocabParallelEmbedding(TPModule):
     device sync; at tp > 1 an id outside it embeds to zero).
     """
 
-    def __init__(self, vocab_size: int, dim: int, group=None, sequence_parallel: bool = False,
-                 *, device=None, dtype=None):
-        super().__init__(group)
-        self.vocab_size, self.dim, self.sequence_parallel = vocab_size, dim, sequence_parallel
-        padded = pad_to_multiple(vocab_size, self.tp_size)
-        self._specs = {"weight": ShardSpec((vocab_size, dim), dim=0, padded=padded)}
-        self.weight = self._new_param(self._specs["weight"], device, dtype)
-        self.padded_vocab_size = padded
+    def __init__(self, vocab_size: int, dim: int, ctx: ParallelContext | None = None,
+                 sequence_parallel: bool | None = None, *, device=None, dtype=None):
+        super().__init__(ctx, sequence_parallel)
+        self.vocab_size, self.dim = vocab_size, dim
+        self._placements = {"weight": sharded((vocab_size, dim), 0, pad=True)}
+        self.weight = self._new_param(self._placements["weight"], device, dtype)
+        self.padded_vocab_size = padded = self.weight.shape[0] * self.tp_size
         per_rank = padded // self.tp_size
         # rows [start, end) of the real vocab live here; padding rows are never looked up
         self.vocab_start = self.tp_rank * per_rank
         self.vocab_end = min(self.vocab_start + per_rank, vocab_size)
 
-    def shard_specs(self) -> dict[str, ShardSpec]:
-        return self._specs
+    def placements(self) -> dict[str, Placement]:
+        return self._placements
 
     def forward(self, tokens_T: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

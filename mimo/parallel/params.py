@@ -1,17 +1,18 @@
-"""Full (layout-independent) view of a module's parameters: init, gather, load.
+"""Full (layout-independent) view of a module's parameters: placements, init, gather, load.
 
-Every parameter of an LLM stage is one of:
+Every parameter belongs to a module that either declares its placement (``placements()``: a
+``TPModule`` such as ``ColumnParallelLinear``, a layer's own sharded module, a norm whose
+gradient is a partial sum under sequence parallelism) or not: then it is replicated over
+every axis of its context (its full shape is its local shape). A module's context is its
+``ctx`` attribute, else the one ``param_table`` is given.
 
-* owned by a module with ``shard_specs()`` (a ``TPModule``: ``ColumnParallelLinear``, ...,
-  or a layer's own sharded module): sharded as its ``ShardSpec`` says, over that module's
-  ``group``;
-* anything else: replicated over TP (its full shape is its local shape).
-
-On that basis ``param_table`` lists every parameter with its spec; ``init_params_`` draws each
-one at full shape from ``param_seed(seed, prefix + name)`` and keeps this rank's slice (so the
-weights do not depend on TP, PP, or the order modules were built); ``full_tensors`` gathers
-parameters or gradients to full tensors (collective over each TP group); ``load_full_``
-copies this rank's slices in from full tensors.
+On that basis ``param_table`` lists every parameter with its placement and the view of the
+context its axes live in; ``init_params_`` draws each one's local shard from
+``param_seed(seed, prefix + name)`` (so the weights do not depend on the layout or on the order
+modules were built); ``full_tensors`` gathers parameters or gradients to full tensors
+(collective over each shard axis); ``load_full_`` copies this rank's slices in from full
+tensors; ``ParamInfo.is_owner`` says whether this rank's copy is the one counted in the global
+norm and written to a checkpoint.
 
 Initialisation rules: a module may define ``param_init(self, name) -> fn | None`` where
 ``fn(tensor, generator)`` fills a full fp32 tensor in place (norms: ones; Mamba's ``A_log``:
@@ -28,7 +29,9 @@ import torch
 import torch.nn as nn
 
 from mimo.core.errors import LayoutError
-from mimo.parallel import ShardSpec, gather_shard, group_rank, group_size, init_full, param_seed, shard_tensor
+from mimo.parallel.context import AxisView, ParallelContext
+from mimo.parallel.init import init_local
+from mimo.parallel.placement import Placement, gather_full, replicated, shard_full
 
 
 @dataclass
@@ -47,23 +50,41 @@ class TrainParam:
 @dataclass
 class ParamInfo:
     param: nn.Parameter
-    spec: ShardSpec
-    group: object  # TP group the spec shards over (None: replicated / one rank)
+    placement: Placement
+    view: AxisView  # the view of the module's context the placement's axes live in
     module: nn.Module
     local_name: str  # the parameter's name inside ``module``
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {a: self.view.size(a) for a in self.placement.axes}
 
-def param_table(module: nn.Module, rename: Callable[[str], str] = lambda n: n) -> dict[str, ParamInfo]:
-    """Every parameter of ``module`` by (renamed) full name, with how it is sharded."""
+    @property
+    def coords(self) -> dict[str, int]:
+        return {a: self.view.coord(a) for a in self.placement.axes}
+
+    @property
+    def is_owner(self) -> bool:
+        """This rank's copy is the one counted in the global norm and written to checkpoints."""
+        return self.placement.is_owner(tuple(self.view.grid.shape), self.view.grid.coords(self.view.rank))
+
+    def record(self) -> dict:
+        return self.placement.record(self.sizes, self.coords)
+
+
+def param_table(module: nn.Module, rename: Callable[[str], str] = lambda n: n,
+                ctx: ParallelContext | None = None) -> dict[str, ParamInfo]:
+    """Every parameter of ``module`` by (renamed) full name, with its placement. A submodule's
+    context is its own ``ctx``, else its parent's (``ctx`` for the root without one)."""
+    contexts = {"": getattr(module, "ctx", None) or ctx or ParallelContext.for_tp()}
     table: dict[str, ParamInfo] = {}
-    for mod_name, mod in module.named_modules():
-        specs = mod.shard_specs() if callable(getattr(mod, "shard_specs", None)) else {}
+    for mod_name, mod in module.named_modules():  # parents come before their children
+        placements = mod.placements() if callable(getattr(mod, "placements", None)) else {}
+        mod_ctx = contexts[mod_name] = getattr(mod, "ctx", None) or contexts[mod_name.rpartition(".")[0]]
         for pname, p in mod.named_parameters(recurse=False):
             full = rename(f"{mod_name}.{pname}" if mod_name else pname)
-            if pname in specs:
-                table[full] = ParamInfo(p, specs[pname], getattr(mod, "group", None), mod, pname)
-            else:
-                table[full] = ParamInfo(p, ShardSpec(tuple(p.shape), None), None, mod, pname)
+            placement = placements.get(pname) or replicated(tuple(p.shape))
+            table[full] = ParamInfo(p, placement, mod_ctx.view(placement.axes), mod, pname)
     return table
 
 
@@ -71,18 +92,20 @@ def _init_fn(info: ParamInfo, std: float):
     custom = getattr(info.module, "param_init", None)
     fn = custom(info.local_name) if callable(custom) else None
     if fn is not None:
-        return fn
+        return {"init_fn": fn}
     if info.local_name == "bias" or info.local_name.endswith("_bias"):
-        return lambda t, gen: t.zero_()
-    return lambda t, gen: t.normal_(0.0, std, generator=gen)
+        return {"std": 0.0}
+    return {"std": std}
 
 
 @torch.no_grad()
 def init_params_(table: Mapping[str, ParamInfo], seed: int, std: float, stds: Mapping[str, float] = {}) -> None:
-    """TP-invariant random init of every parameter in ``table`` (see module doc)."""
+    """Layout-independent random init of every parameter in ``table``, local shards only."""
+    from mimo.parallel.init import param_seed
+
     for name, info in table.items():
-        full = init_full(info.spec.full_shape, param_seed(seed, name), init_fn=_init_fn(info, stds.get(name, std)))
-        local = shard_tensor(full, info.spec, group_rank(info.group), group_size(info.group))
+        local = init_local(info.placement, info.sizes, info.coords, param_seed(seed, name),
+                           **_init_fn(info, stds.get(name, std)))
         info.param.copy_(local)
 
 
@@ -90,14 +113,14 @@ def init_params_(table: Mapping[str, ParamInfo], seed: int, std: float, stds: Ma
 def full_tensors(table: Mapping[str, ParamInfo], grads: bool = False) -> dict[str, torch.Tensor]:
     """Full, unpadded parameters (or gradients; zeros where none) on every rank.
 
-    Collective over every TP group in the table: all its ranks call it together.
+    Collective over every shard axis in the table: all its ranks call it together.
     """
     out = {}
     for name, info in table.items():
         t = info.param
         if grads:
             t = t.grad if t.grad is not None else torch.zeros_like(t)
-        out[name] = gather_shard(t.detach(), info.spec, info.group).clone()
+        out[name] = gather_full(t.detach(), info.placement, info.view).clone()
     return out
 
 
@@ -111,7 +134,6 @@ def load_full_(table: Mapping[str, ParamInfo], state: Mapping[str, torch.Tensor]
         if name not in state:
             continue
         full = state[name]
-        if tuple(full.shape) != tuple(info.spec.full_shape):
-            raise LayoutError(f"parameter {name!r}: expected shape {tuple(info.spec.full_shape)}, got {tuple(full.shape)}")
-        local = shard_tensor(full.detach(), info.spec, group_rank(info.group), group_size(info.group))
-        info.param.copy_(local)  # copy_ converts device and dtype
+        if tuple(full.shape) != info.placement.full_shape:
+            raise LayoutError(f"parameter {name!r}: expected shape {info.placement.full_shape}, got {tuple(full.shape)}")
+        info.param.copy_(shard_full(full.detach(), info.placement, info.sizes, info.coords))  # copy_ converts device and dtype

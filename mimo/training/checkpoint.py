@@ -1,21 +1,29 @@
-"""Checkpoints: every rank's model shards, optimizer states and RNG, written atomically.
+"""Checkpoints: every parameter written once, by its owner, beside its placement; optimizer states and RNG; atomic.
 
 Layout on disk (``train.checkpoint.dir``)::
 
-    step-00000004/                       a complete checkpoint (the name is only ever renamed into place)
-      meta.json                          step, the layout it was written at, files, the resolved config
-      language-tp0-pp0.model.safetensors one file per (module, model-parallel coordinates)
-      language-tp0-pp0.optim.safetensors AdamW state of those parameters, by parameter name
-      vision-tp0.model.safetensors
-      rng-rank00003.safetensors          torch / Python / NumPy RNG of each rank
-    step-00000006.tmp/                   a save in progress (or a crashed one): never loaded
+    step-00000004/                          a complete checkpoint (the name is only ever renamed into place)
+      meta.json                             step, the layout it was written at, files, the resolved config
+      language-rank00002.model.safetensors  the language tensors rank 2 owns, each with its placement record
+      language-rank00002.optim.safetensors  AdamW state of those parameters, by parameter name
+      vision-rank00000.model.safetensors
+      rng-rank00003.safetensors             torch / Python / NumPy RNG of each rank
 
 Weights and optimizer states are each rank's *local* shards, saved as they are: no gathering,
-exactly what the rank restores. Copies that are identical by construction (data- and
-context-parallel replicas: their gradients are summed, so they take identical steps) are
-written once, by the replica with dp = cp = 0; every replica reads that file back. A
-checkpoint therefore records the layout it was written at, and loading it at another layout
-is a ``CheckpointError`` until resharding exists.
+exactly what the rank restores. Which rank writes a tensor is read from its parameter's
+placement (``ParamInfo.is_owner``), as the global norm reads it: coordinate 0 on every axis of
+its view that holds it replicated (dp and cp for every parameter; tp for one TP does not split;
+edp, not tp, for an expert weight), its own coordinate on the axes that shard it and on pp (a
+stage, not a replica). Copies that are identical by construction (replicas, whose gradients
+are summed or which compute the same one, and so take identical steps; the last stage's copy of
+a tied embedding, written by the first stage) are therefore written once, and every element of
+every parameter is in exactly one file. Each tensor's placement record (``ParamInfo.record``:
+full shape, shards, sizes, coordinates, local shape) is stored in its file's metadata
+(``placements``), so a later reader can reshard. Loading at the same layout, a rank finds each
+of its parameters in the file of that parameter's owner (its own shard coordinates and stage, 0
+on the replica axes), checks the stored record against its own, and copies the tensor in. A
+checkpoint records the layout it was written at, and loading it at another layout is a
+``CheckpointError`` until resharding exists.
 
 Atomicity: all ranks write into ``step-N.tmp``; after a barrier rank 0 writes ``meta.json``
 last, fsyncs, and renames the folder to ``step-N``. A crash at any point (kill -9 included)
@@ -36,26 +44,26 @@ import re
 import shutil
 import time
 from collections import defaultdict
-from typing import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import load_model, save_file, save_model
+from safetensors.torch import save_file
 
 from mimo.compose.config import MimoConfig
-from mimo.core.errors import CheckpointError
-from mimo.parallel.grid import ParallelGrid
 from mimo.compose.model import MimoModel
+from mimo.core.errors import CheckpointError
+from mimo.parallel.params import ParamInfo, param_table
 
 log = logging.getLogger("mimo.training.checkpoint")
 
-FORMAT = 1
+FORMAT = 2  # 1: one file per (module, dense grid coordinates), no placements
 META = "meta.json"
 _COMPLETE = re.compile(r"^step-(\d{8})$")
 _LEFTOVER = re.compile(r"^step-(\d{8})\.(tmp|old)$")
-# grid dimensions over which parameters and optimizer states are identical copies
-_REPLICA_DIMS = ("dp", "cp")
 
 
 def step_dir(directory: str, step: int) -> str:
@@ -103,7 +111,9 @@ def read_meta(path: str) -> dict:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: not a complete checkpoint ({META}: {e})") from None
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {meta.get('format')!r}, this mimo reads format {FORMAT}")
+        older = (" (format 1 named its files by grid coordinates and stored no placements: resume it with the "
+                 "mimo that wrote it, or start a new run)") if meta.get("format") == 1 else ""
+        raise CheckpointError(f"{path}: checkpoint format {meta.get('format')!r}, this mimo reads format {FORMAT}{older}")
     return meta
 
 
@@ -165,27 +175,53 @@ def prune(directory: str, keep: int | None) -> list[str]:
 # ---------------------------------------------------------------- what each rank holds
 
 
-def _local_parts(model: MimoModel) -> list[tuple[str, ParallelGrid, torch.nn.Module]]:
-    parts = [(name, p.grid, p.module) for name, p in model.encoders.items() if p.module is not None]
+@dataclass
+class _Part:
+    """One module's parameters on this rank, by layout-independent name."""
+
+    module: str
+    table: dict[str, ParamInfo]
+    # names whose copy here mirrors the first pipeline stage's (the last stage's tied head):
+    # written by the first stage only, read back from its file
+    first_stage_copies: frozenset[str] = frozenset()
+
+    def writes(self, name: str) -> bool:
+        return self.table[name].is_owner and name not in self.first_stage_copies
+
+    def owner(self, name: str) -> int:
+        return _owner(self.table[name], first_stage=name in self.first_stage_copies)
+
+    def names_by_param(self) -> dict[int, str]:
+        names: dict[int, str] = {}
+        for name, info in self.table.items():
+            names.setdefault(id(info.param), name)
+        return names
+
+
+def _local_parts(model: MimoModel) -> list[_Part]:
+    parts = [_Part(name, param_table(p.module, ctx=p.ctx)) for name, p in model.encoders.items() if p.module is not None]
     if model.stage is not None:
-        parts.append((model.llm_name, model.llm_grid, model.stage))
+        table, tied = model.stage.param_table(), model.stage.tied_weight()
+        copies = frozenset(n for n, info in table.items() if tied is not None and info.param is tied and not model.stage.is_first)
+        parts.append(_Part(model.llm_name, table, copies))
     return parts
 
 
-def _shard_name(module: str, grid: ParallelGrid, rank: int) -> tuple[str, bool]:
-    """The file stem of this rank's shard of ``module``, and whether this rank writes it."""
-    coords = grid.coords(rank)
-    key = "-".join(f"{d}{i}" for d, i in coords.items() if d not in _REPLICA_DIMS)
-    writes = all(coords.get(d, 0) == 0 for d in _REPLICA_DIMS)
-    return f"{module}-{key}", writes
+def _owner(info: ParamInfo, first_stage: bool = False) -> int:
+    """The rank that writes ``info``'s tensor as this rank holds it: this rank's coordinates on
+    the axes that shard it and on pp (the first stage's for a tied copy), 0 on every axis of
+    its view that holds it replicated (the rule of ``ParamInfo.is_owner``)."""
+    grid = info.view.grid
+    mine = grid.coords(info.view.rank)
+    at = {d: mine[d] if d == "pp" or d in info.placement.axes else 0 for d in grid.dims}
+    if first_stage and "pp" in at:
+        at["pp"] = 0
+    return grid.rank_at(**at)
 
 
-def _names_by_param(model: MimoModel, module: str) -> dict[int, str]:
-    names: dict[int, str] = {}
-    for p in model.train_params():
-        if p.module == module:
-            names.setdefault(id(p.param), p.name)
-    return names
+def _file(module: str, rank: int, kind: str) -> str:
+    """The file of ``module``'s tensors (``kind``: model or optim) that ``rank`` owns."""
+    return f"{module}-rank{rank:05d}.{kind}.safetensors"
 
 
 def _ordered_names(opt: torch.optim.Optimizer, names_by_param: dict[int, str]) -> list[str]:
@@ -204,42 +240,67 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _save_optimizer(opt: torch.optim.Optimizer, names: list[str], path: str) -> None:
+def _save_optimizer(opt: torch.optim.Optimizer, names: list[str], path: str, only: set[str] | None = None) -> None:
+    """``names``: the optimizer's parameters in state_dict order; ``only``: the ones whose state
+    is written here (default: all)."""
     tensors, scalars = {}, {}
     for i, state in opt.state_dict()["state"].items():
+        if only is not None and names[i] not in only:
+            continue
         for key, value in state.items():
             if torch.is_tensor(value):
                 # a copy: entries may share memory (MasterWeightAdamW's group step count, buffer views)
                 tensors[f"{names[i]}/{key}"] = value.detach().to("cpu", copy=True).contiguous()
             else:
                 scalars[f"{names[i]}/{key}"] = value
-    save_file(tensors, path, metadata={"optimizer": type(opt).__name__, "params": json.dumps(names), "scalars": json.dumps(scalars)})
+    written = [n for n in names if only is None or n in only]
+    save_file(tensors, path, metadata={"optimizer": type(opt).__name__, "params": json.dumps(written), "scalars": json.dumps(scalars)})
 
 
-def _load_optimizer(opt: torch.optim.Optimizer, names: list[str], path: str) -> None:
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing; no optimizer state for these parameters (were they frozen when the checkpoint was written?)")
-    with safe_open(path, "pt") as f:
-        meta = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    if meta.get("optimizer", type(opt).__name__) != type(opt).__name__:
-        raise CheckpointError(
-            f"{path}: optimizer state of a {meta['optimizer']}, this run uses a {type(opt).__name__} "
-            "(train.precision changed between bf16 and bf16-pure?); resume with the precision it was written with, "
-            "or start from its weights with train.init_from"
-        )
-    saved = json.loads(meta["params"])
-    if saved != names:
-        missing, unexpected = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
-        raise CheckpointError(
-            f"{path}: optimizer state is for other parameters (not in the checkpoint: {missing[:3]}, "
-            f"not trained now: {unexpected[:3]}); did freezing change?"
-        )
+def _load_optimizer(opt: torch.optim.Optimizer, names: list[str], files: str | Mapping[str, str],
+                    known: Mapping[str, set[str]] | None = None) -> None:
+    """Load the state of ``names`` (the optimizer's parameters in state_dict order) from
+    ``files``: one path, or the path of each name's owner file. ``known``: per path, the names
+    of this rank's model whose state would be there (trained now or not): a name the file holds
+    state for that is among them but not trained now means freezing changed. Default: every
+    name in the file."""
+    files = dict.fromkeys(names, files) if isinstance(files, str) else files
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        by_file[files[name]].append(name)
     index = {n: i for i, n in enumerate(names)}
     state: dict[int, dict] = defaultdict(dict)
-    for key, value in [*tensors.items(), *json.loads(meta["scalars"]).items()]:
-        name, field = key.rsplit("/", 1)
-        state[index[name]][field] = value
+    missing, unexpected, where = [], [], None
+    for path, wanted in by_file.items():
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: missing; no optimizer state for these parameters (were they frozen when the checkpoint was written?)")
+        with safe_open(path, "pt") as f:
+            meta = f.metadata()
+            if meta.get("optimizer", type(opt).__name__) != type(opt).__name__:
+                raise CheckpointError(
+                    f"{path}: optimizer state of a {meta['optimizer']}, this run uses a {type(opt).__name__} "
+                    "(train.precision changed between bf16 and bf16-pure?); resume with the precision it was written with, "
+                    "or start from its weights with train.init_from"
+                )
+            saved = set(json.loads(meta["params"]))
+            missing += [n for n in wanted if n not in saved]
+            unexpected += sorted((saved if known is None else saved & set(known.get(path, ()))) - set(names))
+            if (missing or unexpected) and where is None:
+                where = path
+            take = set(wanted)
+            for key in f.keys():
+                name, field = key.rsplit("/", 1)
+                if name in take:
+                    state[index[name]][field] = f.get_tensor(key)
+        for key, value in json.loads(meta["scalars"]).items():
+            name, field = key.rsplit("/", 1)
+            if name in take:
+                state[index[name]][field] = value
+    if where is not None:
+        raise CheckpointError(
+            f"{where}: optimizer state is for other parameters (not in the checkpoint: {sorted(missing)[:3]}, "
+            f"not trained now: {sorted(unexpected)[:3]}); did freezing change?"
+        )
     sd = opt.state_dict()
     sd["state"] = dict(state)
     opt.load_state_dict(sd)
@@ -287,6 +348,27 @@ def _barrier() -> None:
 # ---------------------------------------------------------------- save / load
 
 
+def _write_part(part: _Part, opt: torch.optim.Optimizer | None, directory: str, rank: int, step: int) -> list[str]:
+    """This rank's files of ``part``: the tensors it owns with their placement records, and
+    their optimizer state (none where it owns nothing)."""
+    names = [n for n in part.table if part.writes(n)]
+    if not names:
+        return []
+    stray = [n for n in names if part.owner(n) != rank]
+    if stray:  # a parameter whose context does not place this rank where the module's grid does
+        raise CheckpointError(f"module {part.module!r}: rank {rank} owns {stray[0]!r} by its placement, but its grid "
+                              f"puts the owner at rank {part.owner(stray[0])} (a parameter on the wrong ParallelContext?)")
+    tensors = {n: part.table[n].param.detach().to("cpu", copy=True).contiguous() for n in names}
+    records = {n: part.table[n].record() for n in names}
+    paths = [os.path.join(directory, _file(part.module, rank, "model"))]
+    save_file(tensors, paths[0], metadata={"module": part.module, "step": str(step), "rank": str(rank),
+                                           "placements": json.dumps(records)})
+    if opt is not None:
+        paths.append(os.path.join(directory, _file(part.module, rank, "optim")))
+        _save_optimizer(opt, _ordered_names(opt, part.names_by_param()), paths[-1], only=set(names))
+    return paths
+
+
 def save_checkpoint(model: MimoModel, optimizers: dict[str, torch.optim.Optimizer], step: int, directory: str,
                     keep: int | None = None, extra_meta: dict | None = None,
                     after_write: Callable[[], None] | None = None) -> str:
@@ -302,16 +384,8 @@ def save_checkpoint(model: MimoModel, optimizers: dict[str, torch.optim.Optimize
         os.makedirs(tmp)
     _barrier()
     written = []
-    for module, grid, part in _local_parts(model):
-        stem, writes = _shard_name(module, grid, rank)
-        if not writes:
-            continue
-        written.append(os.path.join(tmp, f"{stem}.model.safetensors"))
-        save_model(part, written[-1], metadata={"module": module, "step": str(step)})
-        opt = optimizers.get(module)
-        if opt is not None:
-            written.append(os.path.join(tmp, f"{stem}.optim.safetensors"))
-            _save_optimizer(opt, _ordered_names(opt, _names_by_param(model, module)), written[-1])
+    for part in _local_parts(model):
+        written += _write_part(part, optimizers.get(part.module), tmp, rank, step)
     tensors, meta = _rng_state()
     written.append(os.path.join(tmp, f"rng-rank{rank:05d}.safetensors"))
     save_file(tensors, written[-1], metadata=meta)
@@ -342,6 +416,60 @@ def save_checkpoint(model: MimoModel, optimizers: dict[str, torch.optim.Optimize
     return final
 
 
+class _Files:
+    """The model files of a checkpoint, each opened once, with its placement records."""
+
+    def __init__(self, path: str, stack: ExitStack):
+        self.path, self._stack = path, stack
+        self._open: dict[str, tuple[object, dict]] = {}
+
+    def get(self, file: str) -> tuple[object, dict]:
+        if file not in self._open:
+            full = os.path.join(self.path, file)
+            if not os.path.isfile(full):
+                raise CheckpointError(f"{self.path}: no {file} (the checkpoint does not fit this model: another architecture?)")
+            f = self._stack.enter_context(safe_open(full, "pt"))
+            self._open[file] = f, json.loads(f.metadata().get("placements", "{}"))
+        return self._open[file]
+
+
+@torch.no_grad()
+def _read_part(part: _Part, files: _Files) -> None:
+    """Copy each parameter of ``part`` in from its owner's file, after checking its placement
+    record; a file of this rank's own stage must hold nothing this module does not have."""
+    own_stage: set[str] = set()
+    for name, info in part.table.items():
+        file = _file(part.module, part.owner(name), "model")
+        if name not in part.first_stage_copies:
+            own_stage.add(file)
+        f, records = files.get(file)
+        where = f"{os.path.join(files.path, file)}: does not fit module {part.module!r}"
+        if name not in records:
+            raise CheckpointError(f"{where}: no tensor {name!r}")
+        mine = info.record()
+        if records[name] != mine:
+            raise CheckpointError(f"{where}: {name!r} was written with placement {records[name]}, this rank holds {mine}")
+        t = f.get_tensor(name)
+        if tuple(t.shape) != tuple(info.param.shape):
+            raise CheckpointError(f"{where}: {name!r} has shape {tuple(t.shape)}, this rank holds {tuple(info.param.shape)}")
+        info.param.copy_(t)  # converts dtype and device
+    for file in sorted(own_stage):
+        extra = sorted(set(files.get(file)[1]) - set(part.table))
+        if extra:
+            raise CheckpointError(f"{os.path.join(files.path, file)}: does not fit module {part.module!r}: "
+                                  f"unexpected tensors {extra[:3]}{' ...' if len(extra) > 3 else ''}")
+
+
+def _read_optimizer(part: _Part, opt: torch.optim.Optimizer, path: str) -> None:
+    """The state of each parameter ``opt`` trains, from its owner's file."""
+    owner_file = {n: os.path.join(path, _file(part.module, part.owner(n), "optim")) for n in part.table}
+    known: dict[str, set[str]] = defaultdict(set)  # per file: this rank's names whose state it would hold
+    for n, file in owner_file.items():
+        known[file].add(n)
+    names = _ordered_names(opt, part.names_by_param())
+    _load_optimizer(opt, names, {n: owner_file[n] for n in names}, known)
+
+
 def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.optim.Optimizer] | None = None,
                     rng: bool = True) -> dict:
     """Restore this rank's model shards (and optimizer states, RNG) from the checkpoint at
@@ -351,18 +479,13 @@ def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.opt
     missing = [f for f in meta["files"] if not os.path.isfile(os.path.join(path, f))]
     if missing:
         raise CheckpointError(f"{path}: incomplete, missing {missing[:3]}{' ...' if len(missing) > 3 else ''}")
-    grids = {}
-    for module, grid, part in _local_parts(model):
-        grids[module] = grid
-        stem, _ = _shard_name(module, grid, model.rank)
-        file = os.path.join(path, f"{stem}.model.safetensors")
-        try:
-            load_model(part, file, strict=True)
-        except (OSError, RuntimeError) as e:
-            raise CheckpointError(f"{file}: does not fit module {module!r}: {' '.join(str(e).split())[:400]}") from None
+    parts = {part.module: part for part in _local_parts(model)}
+    with ExitStack() as stack:
+        files = _Files(path, stack)
+        for part in parts.values():
+            _read_part(part, files)
     for module, opt in (optimizers or {}).items():
-        stem, _ = _shard_name(module, grids[module], model.rank)
-        _load_optimizer(opt, _ordered_names(opt, _names_by_param(model, module)), os.path.join(path, f"{stem}.optim.safetensors"))
+        _read_optimizer(parts[module], opt, path)
     if rng:
         _restore_rng(os.path.join(path, f"rng-rank{model.rank:05d}.safetensors"))
     return meta

@@ -115,6 +115,14 @@ def resolve_device(device: str, world_size: int) -> str:
     return device
 
 
+def rank_compute_device(device: str):
+    """The ``torch.device`` a rank computes on, inside a worker (or torchrun process) started
+    for ``device``: the CPU, or the GPU the launcher bound the rank to."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+
 def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection, pg_timeout_s: float, device: str = "cpu") -> None:
     import torch
     import torch.distributed as dist

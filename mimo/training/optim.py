@@ -172,25 +172,26 @@ class GradSync:
         self._hooks.clear()
 
 
-def global_grad_norm(params: Iterable[TrainParam], world_group=None, device: torch.device | str | None = None) -> torch.Tensor:
-    """L2 norm of the whole model's gradient, as a 0-dim fp64 tensor left on the device: one
+def global_grad_norm(params: Iterable[TrainParam], device: torch.device | str, world_group=None) -> torch.Tensor:
+    """L2 norm of the whole model's gradient, as a 0-dim fp64 tensor left on ``device``: one
     world-wide all-reduce of one number.
 
-    Per-tensor norms in fp32 (``torch._foreach_norm``), squared and summed in fp64 on the
-    gradients' device; nothing is read back to the host here (``clip_grads_`` takes the
-    tensor), so the step need not wait for the device. ``device``: where the sum is reduced
-    (default: the gradients' device)."""
-    params = list(params)
+    ``device``: the rank's compute device, where its term is summed and reduced. It is given,
+    not taken from the parameters: a rank where nothing trains (a frozen module on its own
+    ranks) has none, and its term must still be on the device every other rank reduces on (a
+    CPU tensor there against CUDA tensors elsewhere: different NCCL/gloo collectives, a hang).
+    Per-tensor norms in fp32 (``torch._foreach_norm``; fp64 for fp64 gradients, the references),
+    squared and summed in fp64; nothing is read back to the host here (``clip_grads_`` takes the
+    tensor), so the step need not wait for the device."""
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.counts_in_norm and p.param.grad is not None:
             by_device[p.param.grad.device].append(p.param.grad.detach())
-    # every rank reduces on its parameters' device, counted here or not (one backend per collective)
-    dev = torch.device(device) if device is not None else (params[0].param.device if params else torch.device("cpu"))
-    total = torch.zeros((), dtype=torch.float64, device=dev)
+    total = torch.zeros((), dtype=torch.float64, device=torch.device(device))
     for grads in by_device.values():
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-        total += torch.stack(norms).double().pow(2).sum().to(dev)
+        wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+        norms = torch._foreach_norm(grads, 2, dtype=wide)
+        total += torch.stack(norms).double().pow(2).sum().to(total.device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total, group=world_group)
     return total.sqrt()
@@ -207,7 +208,8 @@ def clip_grads_(params: Iterable[TrainParam], max_norm: float | None, norm: torc
         if p.param.grad is not None:
             by_device[p.param.grad.device].append(p.param.grad)
     for device, grads in by_device.items():
-        torch._foreach_mul_(grads, scale.to(device=device, dtype=torch.float32))
+        wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32  # fp64 references
+        torch._foreach_mul_(grads, scale.to(device=device, dtype=wide))
 
 
 def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, schedule: str = "cosine", min_ratio: float = 0.1) -> float:

@@ -39,15 +39,19 @@ def build_run(config: MimoConfig, rank: int, index: Index | None = None, policy:
     model = MimoModel(config, rank, device=device, dtype=policy.params)
     if index is None:
         index, _ = ensure_index(config)
-    par = config.llm.parallel
-    plan = data_plan(config, index)
-    pipeline = DataPipeline(plan, text_spec(config), model.llm_grid, par.sequence_parallel and par.tp > 1,
-                            encoder_feeds(config), config.train.micro_batches, config.data.workers, config.data.prefetch, rank,
-                            make_reader=lambda: sample_reader(config, plan), device=device)
+    pipeline = data_pipeline(config, model, data_plan(config, index), config.train.micro_batches)
     optimizers = build_optimizers(model.train_params(), *config.optimizer_settings(), policy=policy)
     if config.train.compile:
         compile_blocks(model)
     return Run(config, model, pipeline, optimizers, policy)
+
+
+def data_pipeline(config: MimoConfig, model: MimoModel, plan, micro_batches: int) -> DataPipeline:
+    """The data pipeline of ``model``'s rank over ``plan`` (training's, or ``mimo eval``'s
+    held-out microbatches), delivering on the model's device."""
+    return DataPipeline(plan, text_spec(config), model.llm_grid, model.llm_ctx.sequence_parallel,
+                        encoder_feeds(config, model.encoder_grids()), micro_batches, config.data.workers, config.data.prefetch,
+                        model.rank, make_reader=lambda: sample_reader(config, plan), device=model.device)
 
 
 def compile_blocks(model: MimoModel) -> int:

@@ -1,5 +1,9 @@
-"""Running a step's microbatches on a tick table of ``mimo.schedules`` (1F1B or the trivial
-all-forward-then-backward order), on every rank of the world, in any layout.
+"""Running a step's microbatches on every rank of the world, in any layout: each microbatch's
+encoder + bridge forward (``encode_and_bridge``), this rank's LLM stage (``mimo.llm.pipeline.
+StageRunner``, the one stage runner that ``mimo eval`` and verification use too) and the bridge
+(+ encoder) backward (``bridge_backward``); training puts them on a tick table of
+``mimo.schedules`` (1F1B or the trivial all-forward-then-backward order: ``run_schedule``),
+``mimo eval`` runs one microbatch forward at a time (``forward_only``).
 
 Every rank walks the same ticks. At tick t it does, in this order:
 
@@ -27,87 +31,112 @@ comes at an earlier or the same tick, before anything the LLM then needs from th
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from mimo.data.pipeline import Microbatch
-from mimo.llm.pipeline import pp_neighbour
+from mimo.bridges.executor import Bridge
 from mimo.compose.model import MimoModel
-from mimo.training.optim import GradSync
+from mimo.data.pipeline import Microbatch
+from mimo.llm.pipeline import StageRunner
+from mimo.parallel.layout import dp_placement, packed_placement
 from mimo.schedules.pipeline import SCHEDULES, encoder_ticks, tick_of
-from mimo.training.step import Trace, _note, bridge_backward, encode_and_bridge
+from mimo.training.optim import GradSync
+from mimo.training.trace import Trace, note
 
 
-@dataclass
-class _Activation:
-    """What stage backward needs of one microbatch on this rank."""
-
-    hidden_in: torch.Tensor | None  # received from the previous stage (requires grad)
-    out: torch.Tensor  # sent to the next stage, or the loss on the last stage
-
-
-class _StageRunner:
-    """This rank's LLM stage: forward / backward of one microbatch with non-blocking sends."""
-
-    def __init__(self, model: MimoModel, num_loss_tokens: float, trace: Trace | None):
-        self.model, self.stage, self.trace = model, model.stage, trace
-        self.num_loss_tokens = num_loss_tokens
-        self.index = model.llm_grid.coords(model.rank).get("pp", 0)
-        self.prev = pp_neighbour(model.llm_grid, model.rank, -1)
-        self.next = pp_neighbour(model.llm_grid, model.rank, +1)
-        self.alive: dict[int, _Activation] = {}
-        self.sends: list[tuple] = []  # (work, tensor): the tensor must live until the send completes
-        self.loss = 0.0
-
-    def _note(self, tick, kind, k, **extra):
-        _note(self.trace, tick, kind, k, self.model.llm_name, stage=self.index, **extra)
-
-    def _send(self, tensor: torch.Tensor, dst: int, tick: int, k: int) -> None:
-        tensor = tensor.contiguous()
-        self.sends.append((dist.isend(tensor, dst=dst), tensor))
-        self._note(tick, "send", k, peer=dst)
-
-    def _recv(self, like_shape, dtype, src: int, tick: int, k: int) -> torch.Tensor:
-        buf = torch.empty(like_shape, dtype=dtype, device=next(self.stage.parameters()).device)
-        dist.recv(buf, src=src)
-        self._note(tick, "recv", k, peer=src)
-        return buf
-
-    def forward(self, mb: Microbatch, image_rows: dict, tick: int, k: int) -> None:
-        stage, batch = self.stage, mb.pack
-        h_in = None
-        if self.prev is not None:
-            p = next(stage.parameters())
-            h_in = self._recv((stage.local_len(batch), self.model.config.llm.arch.hidden), p.dtype, self.prev, tick, k)
-            h_in.requires_grad_(True)
+def encode_and_bridge(model: MimoModel, mb: Microbatch, trace: Trace | None = None, tick: int | None = None,
+                      index: int | None = None, defer_sends: bool = False) -> tuple[dict, dict]:
+    """Each encoder's forward and its bridge to the LLM's first stage (a collective over the
+    bridge's ranks). Returns (encoder -> (bridge, y, y_leaf), placeholder -> rows for stage 0).
+    ``defer_sends``: a non-colocated encoder rank returns once its sends are posted (the
+    caller waits for them with ``Bridge.wait_sends``). An encoder that trains nothing runs
+    without autograd state."""
+    rank, llm_grid, hidden = model.rank, model.llm_grid, model.config.llm.arch.hidden
+    bridges, image_rows = {}, {}
+    sequence_parallel = model.config.llm.parallel.sequence_parallel and model.config.llm.parallel.tp > 1
+    for name, part in model.encoders.items():
+        feed_rows = model.config.encoders[name].rows_per_image
+        placeholder = model.config.encoders[name].placeholder
+        rows = [s.images_for(placeholder) * feed_rows for s in mb.samples]
+        src = dp_placement(part.grid, rows, mb.encoder_blocks[name], hidden)
+        samples = [(s.tokens, s.positions(placeholder, feed_rows)) for s in mb.samples]
+        # the LLM first stage's declared placement (LLMStage.image_placement); ranks without a
+        # stage compute the same pure function
+        dst, _ = packed_placement(llm_grid, samples, mb.llm_blocks, hidden, sequence_parallel)
+        if rank not in src.local_rows and rank not in dst.local_rows:
+            continue
+        trains = model.encoder_trains[name]
+        bridge = Bridge(src, dst, part.bridge_group,
+                        src_replica_group=part.tp_group if rank in part.grid else None,
+                        dst_replica_group=model.llm_tp if rank in llm_grid and not sequence_parallel else None,
+                        needs_grad=trains, rank=rank, defer_sends=defer_sends)
+        x = None
+        if part.module is not None:
+            start = time.perf_counter()
+            with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
+                x = part.module(mb.pixels[name])
+            note(trace, tick, "encoder_fwd", index, name, start=start)
         start = time.perf_counter()
-        out = stage(batch, hidden=h_in, image_rows=image_rows if stage.is_first else None)
-        # alive: the microbatches whose activations this stage holds, this one included
-        self._note(tick, "forward", k, start=start, alive=len(self.alive) + 1)
-        if self.next is not None:
-            self._send(out.detach(), self.next, tick, k)
-        else:
-            out = stage.loss(out, batch, self.num_loss_tokens)
-            self.loss = self.loss + out.detach()  # read once after the step: no device sync per microbatch
-        self.alive[k] = _Activation(h_in, out)
+        y = bridge(x) if x is not None else bridge(None, *_receive_as(model))
+        note(trace, tick, "bridge_fwd", index, name, start=start)
+        y_leaf = None
+        if bridge.is_dst:
+            y_leaf = y.detach().requires_grad_(trains)
+            image_rows[placeholder] = y_leaf
+        bridges[name] = (bridge, y, y_leaf)
+    return bridges, image_rows
 
-    def backward(self, tick: int, k: int) -> None:
-        act = self.alive.pop(k)  # freed once backward is done
-        grad = None if self.next is None else self._recv(act.out.shape, act.out.dtype, self.next, tick, k)
+
+def _receive_as(model: MimoModel) -> tuple[torch.dtype, torch.device]:
+    """What a rank without the encoder receives: its LLM stage's dtype and device (the gradient
+    it sends back must match what the encoder ranks expect)."""
+    p = next(model.stage.parameters())
+    return p.dtype, p.device
+
+
+def bridge_backward(model: MimoModel, bridges: dict, trace: Trace | None = None, tick: int | None = None,
+                    index: int | None = None) -> None:
+    """Each trained bridge's backward (the LLM side hands the gradient of the rows it
+    received), continuing into the encoder; on every rank of the bridge."""
+    for name, (bridge, y, y_leaf) in bridges.items():
+        if not model.encoder_trains[name]:
+            continue
         start = time.perf_counter()
-        if act.out.requires_grad:
-            act.out.backward(grad)
-        self._note(tick, "backward", k, start=start)
-        if self.prev is not None:
-            g = act.hidden_in.grad if act.hidden_in.grad is not None else torch.zeros_like(act.hidden_in)
-            self._send(g, self.prev, tick, k)
+        if bridge.is_dst:
+            g = y_leaf.grad if y_leaf.grad is not None else torch.zeros_like(y_leaf)
+            y.backward(g)
+        else:  # a non-colocated source: receive the gradient of what it sent
+            Bridge.backward_source(y)
+        # the bridge's backward continues into the encoder: one span for both
+        note(trace, tick, "bridge_bwd", index, name, start=start)
+        if model.encoders[name].module is not None:
+            note(trace, tick, "encoder_bwd", index, name, start=start)
 
-    def finish(self) -> None:
-        for work, _ in self.sends:
-            work.wait()
-        self.sends.clear()
+
+def stage_runner(model: MimoModel, num_loss_tokens: float | None = None, trace: Trace | None = None) -> StageRunner | None:
+    """The runner of this rank's LLM stage (None on a rank without one); its events go to
+    ``trace`` under the LLM's name."""
+    if model.stage is None:
+        return None
+
+    def notes(tick, kind, k, **extra):
+        note(trace, tick, kind, k, model.llm_name, **extra)
+
+    return StageRunner(model.stage, model.llm_grid, model.rank, num_loss_tokens, notes if trace is not None else None)
+
+
+def forward_only(model: MimoModel, mb: Microbatch, runner: StageRunner | None) -> torch.Tensor | None:
+    """Microbatch ``mb`` forward without autograd on every rank of the world (``mimo eval``):
+    encoders, bridges, this rank's stage (``runner``, from ``stage_runner``); the last
+    stage's vocab-parallel logits, else None. Stages run in order: each receive waits for a
+    send posted by a stage that has already run."""
+    with torch.no_grad():
+        _, image_rows = encode_and_bridge(model, mb)
+        if runner is None:
+            return None
+        result = runner.forward(mb.pack, image_rows=image_rows)
+        runner.finish()
+    return result.logits
 
 
 def run_schedule(model: MimoModel, mbs: list[Microbatch], num_loss_tokens: float, schedule: str = "1f1b",
@@ -121,13 +150,13 @@ def run_schedule(model: MimoModel, mbs: list[Microbatch], num_loss_tokens: float
     encode_at = encoder_ticks(ticks, count, prefetch)
     at = tick_of(ticks)
     bridge_back_at = [at[(0, "B", k)] for k in range(count)]
-    runner = _StageRunner(model, num_loss_tokens, trace) if model.stage is not None else None
+    runner = stage_runner(model, num_loss_tokens, trace)
     bridges: list = [None] * count
     image_rows: list = [None] * count
     last = count - 1
     now = 0  # the tick that bucket events are stamped with
     if grad_sync is not None and trace is not None:
-        grad_sync.note = lambda kind, module, **extra: _note(trace, now, kind, None, module, **extra)
+        grad_sync.note = lambda kind, module, **extra: note(trace, now, kind, None, module, **extra)
     encoders = [name for name, part in model.encoders.items() if part.module is not None]
 
     def last_backward(modules: list[str], run) -> None:
@@ -148,7 +177,7 @@ def run_schedule(model: MimoModel, mbs: list[Microbatch], num_loss_tokens: float
         for bridge, _ in pending:
             bridge.wait_sends()
         if pending:
-            _note(trace, now, "send_wait", k, pending[0][1], start=start)
+            note(trace, now, "send_wait", k, pending[0][1], start=start)
 
     for now, ops in enumerate(ticks):
         for k in range(count):  # (a)
@@ -161,12 +190,12 @@ def run_schedule(model: MimoModel, mbs: list[Microbatch], num_loss_tokens: float
         for op in ops:  # (b)
             if runner is not None and op.stage == runner.index:
                 if op.kind == "F":
-                    runner.forward(mbs[op.mb], image_rows[op.mb], now, op.mb)
+                    runner.forward(mbs[op.mb].pack, op.mb, image_rows[op.mb], now)
                     image_rows[op.mb] = None
                 elif op.mb == last:  # the stage's gradients become final
-                    last_backward([model.llm_name], lambda: runner.backward(now, op.mb))
+                    last_backward([model.llm_name], lambda: runner.backward(op.mb, now))
                 else:
-                    runner.backward(now, op.mb)
+                    runner.backward(op.mb, now)
         for k in range(count):  # (c)
             if bridge_back_at[k] == now:
                 if k == last:

@@ -263,7 +263,9 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions, lo
     from mimo.training.checkpoint import latest_checkpoint, load_checkpoint, remove_leftovers, resolve_checkpoint, save_checkpoint
     from mimo.training.metrics import Reporter, StepTimer
     from mimo.training.run import build_run
-    from mimo.training.step import train_step, write_trace
+    from mimo.training.launch import rank_compute_device
+    from mimo.training.step import train_step
+    from mimo.training.trace import write_trace
 
     rank = dist.get_rank()
     config = load_config(config_path, overrides)
@@ -278,10 +280,7 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions, lo
     run = None
     try:
         _groups_inherit_timeout(options.timeout_s)
-        import torch
-
-        device = torch.device("cuda", torch.cuda.current_device()) if options.device == "cuda" else torch.device("cpu")
-        run = build_run(config, rank, device=device)
+        run = build_run(config, rank, device=rank_compute_device(options.device))
         start = _latest_step(ckpt_dir, rank)
         if start:
             meta = load_checkpoint(run.model, os.path.join(ckpt_dir, f"step-{start:08d}"), run.optimizers)

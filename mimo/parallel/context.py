@@ -1,0 +1,152 @@
+"""One parallel context per module, and one communicator per distinct rank set of a run.
+
+``GroupRegistry`` (``mimo.parallel.grid``) is the run's only maker of process groups: every
+distinct rank set gets exactly one communicator, however many grids, views, bridges or tied
+embeddings ask for it.
+
+``ParallelContext`` is what a module's builders and layers receive: its grid, this rank's
+place in it, the tp / cp / dp / pp groups, the gradient group (cp × dp: gradients are summed
+over it), ``sequence_parallel`` resolved once (on only when asked for and tp > 1) and, for a
+module with experts, the expert view (etp × ep × edp × pp over the same ranks, the same PP
+groups). Placements (``mimo.parallel.placement``) name the axes of a context; the context
+answers their sizes, this rank's coordinate and group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from mimo.core.errors import LayoutError
+from mimo.parallel.grid import GroupRegistry, ParallelGrid
+
+DENSE_AXES = ("tp", "cp", "dp", "pp")
+EXPERT_AXES = ("etp", "ep", "edp", "pp")
+
+
+@dataclass
+class AxisView:
+    """The groups of one view of a module's grid (dense: tp, cp, dp, pp; expert: etp, ep, edp, pp)."""
+
+    grid: ParallelGrid
+    rank: int
+    groups: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def member(self) -> bool:
+        return self.rank in self.grid
+
+    def size(self, axis: str) -> int:
+        return self.grid.shape.get(axis, 1)
+
+    def coord(self, axis: str) -> int:
+        return self.grid.coords(self.rank).get(axis, 0) if self.member else 0
+
+    def group(self, axis: str):
+        return self.groups.get(axis)
+
+
+class ParallelContext:
+    """A module's parallel context (see module doc). Build it on every rank of the world at
+    the same point: it creates its groups (collective) in a fixed order."""
+
+    def __init__(self, grid: ParallelGrid, rank: int, registry: GroupRegistry, *, sequence_parallel: bool = False,
+                 expert: tuple[int, int] | None = None):
+        self.grid, self.rank, self.registry = grid, rank, registry
+        dense = AxisView(grid, rank)
+        for axis in ("tp", "cp", "dp", "pp"):
+            dense.groups[axis] = registry.partition(grid.partition(axis), rank) if grid.shape.get(axis, 1) > 1 else None
+        dims = tuple(d for d in ("cp", "dp") if d in grid.shape)
+        dense.groups["grad"] = registry.partition(grid.partition(dims), rank) if grid.dim_size(dims) > 1 else None
+        self.dense = dense
+        self.expert: AxisView | None = None
+        if expert is not None:
+            etp, ep = expert
+            view = grid.expert_view(etp, ep)
+            ev = AxisView(view, rank)
+            for axis in ("etp", "ep", "edp"):
+                ev.groups[axis] = registry.partition(view.partition(axis), rank) if view.shape[axis] > 1 else None
+            ev.groups["pp"] = dense.groups["pp"]  # the same ranks: the very same groups
+            ev.groups["grad"] = ev.groups["edp"]
+            self.expert = ev
+        self.sequence_parallel = bool(sequence_parallel) and self.tp_size > 1
+
+    @classmethod
+    def for_tp(cls, tp_group=None, sequence_parallel: bool = False) -> "ParallelContext":
+        """A context with only a TP group (standalone layers, their tests and verify tools):
+        the group's ranks as the tp axis, every other axis of size 1."""
+        import torch.distributed as dist
+
+        ctx = cls.__new__(cls)
+        if tp_group is None:
+            grid, rank = ParallelGrid({"tp": 1, "cp": 1, "dp": 1, "pp": 1}), 0
+        else:
+            ranks = dist.get_process_group_ranks(tp_group)
+            if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
+                raise LayoutError(f"a TP group over non-contiguous ranks {ranks} needs a full ParallelContext")
+            grid, rank = ParallelGrid({"tp": len(ranks), "cp": 1, "dp": 1, "pp": 1}, ranks[0]), dist.get_rank()
+        ctx.grid, ctx.rank, ctx.registry = grid, rank, None
+        ctx.dense = AxisView(grid, rank, {"tp": tp_group, "cp": None, "dp": None, "pp": None, "grad": None})
+        ctx.expert = None
+        ctx.sequence_parallel = bool(sequence_parallel) and ctx.tp_size > 1
+        return ctx
+
+    def __repr__(self) -> str:
+        extra = f", expert={self.expert.grid!r}" if self.expert is not None else ""
+        return f"ParallelContext({self.grid!r}, rank={self.rank}, sp={self.sequence_parallel}{extra})"
+
+    # ---- this rank ----
+    @property
+    def member(self) -> bool:
+        return self.rank in self.grid
+
+    def coords(self) -> dict[str, int]:
+        return self.grid.coords(self.rank)
+
+    # ---- the dense axes, by name (what layers use) ----
+    @property
+    def tp(self):
+        return self.dense.groups["tp"]
+
+    @property
+    def tp_size(self) -> int:
+        return self.dense.size("tp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.dense.coord("tp")
+
+    @property
+    def cp(self):
+        return self.dense.groups["cp"]
+
+    @property
+    def dp(self):
+        return self.dense.groups["dp"]
+
+    @property
+    def pp(self):
+        return self.dense.groups["pp"]
+
+    @property
+    def pp_size(self) -> int:
+        return self.dense.size("pp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.dense.coord("pp")
+
+    @property
+    def grad_group(self):
+        """Gradients of dense parameters are summed over it (cp × dp)."""
+        return self.dense.groups["grad"]
+
+    # ---- any axis (what placements use) ----
+    def view(self, axes: Iterable[str]) -> AxisView:
+        """The view whose axes these are: the expert view for etp / ep / edp, else the dense one."""
+        axes = tuple(axes)
+        if any(a in ("etp", "ep", "edp") for a in axes):
+            if self.expert is None:
+                raise LayoutError(f"axes {axes} need the expert view, which this module does not have")
+            return self.expert
+        return self.dense
