@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from mimo.encoders.config import VitArch
 from mimo.encoders.tp_state import full_grads
+from mimo.parallel.params import param_table, reduce_partial_grads
 from mimo.encoders.vit import VisionTransformer, resolve_feature_layer
 from mimo.core.errors import MimoError
 from mimo.parallel.context import ParallelContext
@@ -274,6 +275,7 @@ def verify_case(
         (ours_TD * dY).sum().backward()
         (ref_TD * dY).sum().backward()
         (ref64_TD * dY.double()).sum().backward()
+        reduce_partial_grads(param_table(tower))  # SP norm weights: partial over TP, as training sums them once per step
         ours = full_grads(tower)
         for rule in weights.rules:
             if rule.ours not in ours or (rule.ours == "pos_embed" and weights.resampled and family != "timm"):

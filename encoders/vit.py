@@ -30,11 +30,11 @@ from mimo.core.errors import LayoutError, MimoError
 from mimo.encoders.config import VitArch
 from mimo.encoders.tp_state import full_state, init_tp_invariant, load_full_
 from mimo.parallel import gemm
-from mimo.parallel.collectives import copy_to_group, gather_along, scatter_along
+from mimo.parallel.collectives import gather_along, scatter_along
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import ColumnParallelLinear, FusedColumnParallelLinear, RowParallelLinear
 from mimo.parallel.params import ParamInfo
-from mimo.parallel.placement import Placement, replicated
+from mimo.parallel.placement import ParamPlacement, replicated
 
 __all__ = ["VisionTransformer", "resolve_feature_layer", "patch_bias"]
 
@@ -81,27 +81,25 @@ class LayerNorm(nn.Module):
     """LayerNorm whose replicated parameters stay correct under sequence parallel.
 
     With SP each rank normalises only its rows, so its weight/bias gradients are partial sums
-    over TP: the placements say so (``partial=("tp",)``), and ``copy_to_group`` all-reduces
-    them in backward (complete on every rank, DESIGN §2).
+    over TP: the placements say so (``partial=("tp",)``), and they stay partial after backward
+    (training sums them once per step, ``mimo.training.optim.GradSync``; elsewhere
+    ``mimo.parallel.params.reduce_partial_grads``).
     """
 
     def __init__(self, dim: int, eps: float, ctx: ParallelContext | None = None, *, device=None, dtype=None):
         super().__init__()
         self.ctx = ctx = _context(ctx)
         self.dim, self.eps = dim, eps
-        self.group, self.sequence_parallel = ctx.tp, ctx.sequence_parallel
+        self.sequence_parallel = ctx.sequence_parallel
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
 
-    def placements(self) -> dict[str, Placement]:
+    def placements(self) -> dict[str, ParamPlacement]:
         partial = ("tp",) if self.sequence_parallel else ()
         return {"weight": replicated((self.dim,), partial), "bias": replicated((self.dim,), partial)}
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        w, b = self.weight, self.bias
-        if self.sequence_parallel:
-            w, b = copy_to_group(w, self.group), copy_to_group(b, self.group)
-        return F.layer_norm(x_TD, (self.dim,), w, b, self.eps)
+        return F.layer_norm(x_TD, (self.dim,), self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"

@@ -25,8 +25,10 @@ device and dtype. ``register_layer(kind, build)`` installs a builder; kinds list
   (``mimo.parallel.placement``); all others are replicated over TP. A replicated weight
   applied to TP-split activations (norm weights under sequence parallel, QK-norm over split
   heads, replicated Mamba-2 B/C) has a gradient that is a partial sum over TP: its placement
-  says ``partial=("tp",)``, and it goes through ``copy_to_group`` so that it holds the
-  complete gradient on every TP rank after backward (see ``mimo.llm.norm.RMSNorm``).
+  says ``partial=("tp",)``, and the layer applies no collective to it: its gradient stays
+  that partial sum after backward, and training sums all of them over TP once per step, in
+  buckets (``mimo.training.optim.GradSync``; outside training
+  ``mimo.parallel.params.reduce_partial_grads``; see ``mimo.llm.norm.RMSNorm``).
 * Every matrix product with a weight goes through ``mimo.parallel.gemm.linear``; fused
   projections are stored fused (no weight concatenated in a forward).
 * ``init_weights(seed, std, out_std=None)``: TP-invariant random init from the layer's seed

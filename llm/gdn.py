@@ -41,7 +41,7 @@ from mimo.parallel import gemm
 from mimo.parallel.collectives import copy_to_group, gather_seq
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import RowParallelLinear, TPModule
-from mimo.parallel.placement import Placement, replicated, sharded
+from mimo.parallel.placement import ParamPlacement, replicated, sharded
 
 __all__ = ["GDNConfig", "gated_delta_chunked", "l2norm", "GatedDeltaNetMixer", "GatedDeltaNet", "build_gdn"]
 
@@ -171,7 +171,7 @@ class GatedDeltaNetMixer(TPModule):
             self.register_parameter(name, self._new_param(placement, None, None))
         self.out_proj = RowParallelLinear(dv, cfg.hidden, bias=False, ctx=self.ctx, input_is_parallel=True)
 
-    def placements(self) -> dict[str, Placement]:
+    def placements(self) -> dict[str, ParamPlacement]:
         return self._placements
 
     def param_init(self, name: str):
@@ -206,7 +206,7 @@ class GatedDeltaNetMixer(TPModule):
 
         # per-head RMSNorm, weight, then gate (fla / Qwen3-Next order: norm before gate)
         o_THV = o_THV * torch.rsqrt(o_THV.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
-        o_THV = o_THV * copy_to_group(self.norm_weight, self.group).to(cdt)  # shared by heads split over TP: a partial grad
+        o_THV = o_THV * self.norm_weight.to(cdt)  # shared by heads split over TP: a partial grad (its placement)
         o_THV = o_THV * F.silu(z_TC.to(cdt)).reshape(t, vhl, cfg.v_head_dim)
         return self.out_proj(o_THV.reshape(t, dvl).to(x_TD.dtype))
 

@@ -35,7 +35,7 @@ import torch
 from mimo.core.errors import MimoError
 from mimo.llm.config import HybridArch, RopeScaling
 from mimo.llm.model import LLMStage
-from mimo.parallel.placement import Placement, read_local
+from mimo.parallel.placement import ParamPlacement, read_local
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ class HFCheckpoint:
         return self._handles[self._file_of[name]].get_slice(name)
 
 
-def full_placements(arch: HybridArch) -> dict[str, Placement]:
+def full_placements(arch: HybridArch) -> dict[str, ParamPlacement]:
     """The placement (full shape, fused parts) of every parameter of the one-stage model, by
     canonical name (built on the meta device: nothing is allocated)."""
     with torch.device("meta"):
@@ -274,7 +274,7 @@ def full_shapes(arch: HybridArch) -> dict[str, tuple[int, ...]]:
     return {name: pl.full_shape for name, pl in full_placements(arch).items()}
 
 
-def _part_sizes(name: str, placement: Placement, n: int) -> tuple[int, ...]:
+def _part_sizes(name: str, placement: ParamPlacement, n: int) -> tuple[int, ...]:
     """Sizes along dim 0 of the ``n`` Hugging Face tensors that make our parameter ``name``."""
     if n == 1:
         return (placement.full_shape[0],)

@@ -40,7 +40,7 @@ from mimo.parallel import gemm
 from mimo.parallel.collectives import copy_to_group, gather_seq, reduce_from_group
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import RowParallelLinear, TPModule
-from mimo.parallel.placement import Placement, replicated, sharded
+from mimo.parallel.placement import ParamPlacement, replicated, sharded
 
 __all__ = ["Mamba2Config", "ssd_chunked", "Mamba2Mixer", "Mamba2", "build_mamba2"]
 
@@ -147,7 +147,7 @@ class Mamba2Mixer(TPModule):
         self.register_buffer("head_group", head_group, persistent=False)
         k = cfg.conv_kernel
 
-        def bc_placement(shape) -> Placement:
+        def bc_placement(shape) -> ParamPlacement:
             if self.bc_sharded:
                 return sharded(shape, 0, parts=(bc, bc))
             return replicated(shape, partial=("tp",))  # each rank's heads read all of B, C: partial grads
@@ -168,7 +168,7 @@ class Mamba2Mixer(TPModule):
             self.register_parameter(name, self._new_param(placement, None, None))
         self.out_proj = RowParallelLinear(d_inner, cfg.hidden, bias=False, ctx=self.ctx, input_is_parallel=True)
 
-    def placements(self) -> dict[str, Placement]:
+    def placements(self) -> dict[str, ParamPlacement]:
         return self._placements
 
     def param_init(self, name: str):
@@ -178,20 +178,17 @@ class Mamba2Mixer(TPModule):
         return {"dt_bias": init_dt_bias(), "A_log": init_uniform_log(1.0, 16.0),
                 "D": init_constant(1.0), "norm_weight": init_constant(1.0)}.get(name)
 
-    def _rep(self, p: torch.Tensor) -> torch.Tensor:
-        # replicated B/C weights feed only this rank's heads: all-reduce their (partial) grads
-        return p if self.bc_sharded else copy_to_group(p, self.group)
-
     def forward(self, x_TD: torch.Tensor, seq: SeqContext) -> torch.Tensor:
-        cfg, rep = self.cfg, self._rep
+        cfg = self.cfg
         x_TD = gather_seq(x_TD, self.group) if self.sequence_parallel else copy_to_group(x_TD, self.group)
         t, dl, bcl, hl = x_TD.shape[0], self.d_local, self.bc_local, self.heads_local
         z_TC, x_TC, dt_TH = gemm.linear(x_TD, self.in_proj_weight, None, self.recipe).split([dl, dl, hl], dim=-1)
-        bc_TC = gemm.linear(x_TD, rep(self.in_bc_weight), None, self.recipe)
+        # replicated B/C weights feed only this rank's heads: partial gradients (their placement)
+        bc_TC = gemm.linear(x_TD, self.in_bc_weight, None, self.recipe)
 
         seg_T, offset_T = segments(seq.cu_seqlens, t)
         x_TC = self._conv(x_TC, self.conv_x_weight, self.conv_x_bias, seg_T, offset_T, seq)
-        bc_TC = self._conv(bc_TC, rep(self.conv_bc_weight), rep(self.conv_bc_bias), seg_T, offset_T, seq)
+        bc_TC = self._conv(bc_TC, self.conv_bc_weight, self.conv_bc_bias, seg_T, offset_T, seq)
         B_TC, C_TC = bc_TC.split([bcl, bcl], dim=-1)
 
         cdt = torch.promote_types(x_TD.dtype, torch.float32)  # the scan and norms run in fp32 at least

@@ -31,6 +31,7 @@ import math
 from typing import Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from mimo.core.batch import PackedBatch
@@ -40,14 +41,14 @@ from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
 from mimo.llm.norm import RMSNorm
 from mimo.parallel import gemm
-from mimo.parallel.collectives import all_reduce, copy_to_group, gather_along, gather_seq
+from mimo.parallel.collectives import copy_to_group, gather_along, gather_seq
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mimo.parallel.grid import ParallelGrid
 from mimo.parallel.init import param_seed
 from mimo.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from mimo.parallel.layout import Placement, packed_placement
-from mimo.parallel.params import ParamInfo, full_tensors, load_full_, param_table
+from mimo.parallel.params import ParamInfo, full_tensors, load_full_, main_grad, param_table
 
 
 class LLMStage(nn.Module):
@@ -255,5 +256,7 @@ def sync_tied_grads(stage: LLMStage, group) -> None:
     weight = stage.tied_weight()
     if weight is None or group is None:
         return
-    grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
-    weight.grad = all_reduce(grad, group)
+    grad = main_grad(weight)  # the run's main gradient where training keeps one
+    if grad is None:
+        weight.grad = grad = torch.zeros_like(weight)
+    dist.all_reduce(grad, group=group)  # in place: a main gradient stays in its buffer

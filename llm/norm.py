@@ -3,10 +3,9 @@
 Its weight is replicated over TP. When the tensor it normalises is split over the TP group
 (sequence parallel: each rank holds a block of tokens; QK-norm: each rank holds a block of
 heads), each rank's weight gradient covers only its part: ``partial=True`` says so. The
-placement then records ``partial=("tp",)`` (the contract a once-per-step TP gradient sum
-reads), and for now the weight also goes through ``copy_to_group`` (identity forward,
-all-reduce of its gradient in backward), so every rank ends with the complete gradient
-(DESIGN §2's convention).
+placement then records ``partial=("tp",)``, and the gradient stays that partial sum after
+backward: training sums it over TP once per step, in buckets (``mimo.training.optim.
+GradSync``); outside training, ``mimo.parallel.params.reduce_partial_grads`` does.
 """
 
 from __future__ import annotations
@@ -14,9 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from mimo.parallel.collectives import copy_to_group
 from mimo.parallel.context import ParallelContext
-from mimo.parallel.placement import Placement, replicated
+from mimo.parallel.placement import ParamPlacement, replicated
 
 
 class RMSNorm(nn.Module):
@@ -25,12 +23,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.ctx = ParallelContext.for_tp() if ctx is None else ctx
         self.dim, self.eps = dim, eps
-        # only a real TP split makes the gradient partial
-        self.grad_group = self.ctx.tp if partial and self.ctx.tp_size > 1 else None
+        self.partial = partial and self.ctx.tp_size > 1  # only a real TP split makes the gradient partial
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
-    def placements(self) -> dict[str, Placement]:
-        return {"weight": replicated((self.dim,), partial=("tp",) if self.grad_group is not None else ())}
+    def placements(self) -> dict[str, ParamPlacement]:
+        return {"weight": replicated((self.dim,), partial=("tp",) if self.partial else ())}
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.0) -> None:
@@ -44,8 +41,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x32 = x.to(torch.promote_types(dtype, torch.float32))  # fp32 at least (fp64 references stay fp64)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        weight = self.weight if self.grad_group is None else copy_to_group(self.weight, self.grad_group)
-        return weight * x32.to(dtype)
+        return self.weight * x32.to(dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}, grad_partial_over_tp={self.grad_group is not None}"
+        return f"{self.dim}, eps={self.eps}, grad_partial_over_tp={self.partial}"

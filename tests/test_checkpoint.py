@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mimo.core.errors import CheckpointError
-from mimo.parallel.placement import Placement
+from mimo.parallel.placement import ParamPlacement
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "configs", "demo.yaml")
 
@@ -161,7 +161,7 @@ def _check_every_element_once(path: str, full: dict, trained: dict) -> None:
             count = torch.zeros(want.shape, dtype=torch.int64)
             got = torch.zeros(want.shape)
             for rec, t in found:
-                pl = Placement.from_record(rec)
+                pl = ParamPlacement.from_record(rec)
                 assert pl.record(rec["sizes"], rec["coords"]) == rec, (module, name)  # the record round-trips
                 assert list(t.shape) == rec["local_shape"], (module, name)
                 for full_index, local_index in pl.runs(rec["sizes"], rec["coords"]):
@@ -233,10 +233,10 @@ class _Experts(torch.nn.Module):
 
     def __init__(self, ctx):
         super().__init__()
-        from mimo.parallel.placement import Placement, replicated, sharded
+        from mimo.parallel.placement import ParamPlacement, replicated, sharded
 
         self.ctx = ctx
-        self._placements = {"experts": Placement((4, 6, 3), (("ep", 0), ("etp", 1))),
+        self._placements = {"experts": ParamPlacement((4, 6, 3), (("ep", 0), ("etp", 1))),
                             "qkv": sharded((8, 5), 0, "tp", parts=(4, 2, 2)),
                             "vocab": sharded((7, 5), 0, "tp", pad=True),
                             "norm": replicated((5,), partial=("tp",))}

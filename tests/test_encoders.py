@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from mimo.encoders.config import EncoderModuleConfig, ProjectorConfig, VitArch, VitInit
 from mimo.encoders.projector import build_projector
 from mimo.encoders.tp_state import full_grads
+from mimo.parallel.params import param_table, reduce_partial_grads
 from mimo.encoders.verify import EncoderSource, summarise, verify_case
 from mimo.encoders.vit import VisionTransformer
 from mimo.parallel.context import ParallelContext
@@ -205,6 +206,7 @@ def _empty_case(tp: int, sp: bool):
     tower.init_weights(0)
     y = tower(torch.zeros(0, 3, 32, 32))
     y.sum().backward()
+    reduce_partial_grads(param_table(tower))  # every collective, this one too
     grads = full_grads(tower)
     return {"shape": tuple(y.shape), "zero_grads": all(float(g.abs().sum()) == 0.0 for g in grads.values())}
 

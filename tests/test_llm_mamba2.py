@@ -23,7 +23,7 @@ from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
 from mimo.llm.mamba2 import Mamba2, Mamba2Config, ssd_chunked
 from mimo.llm.model import LLMStage, build_stage, count_loss_tokens
-from mimo.parallel.params import full_tensors, init_params_, load_full_, param_table
+from mimo.parallel.params import full_tensors, init_params_, load_full_, param_table, reduce_partial_grads
 from mimo.llm.pattern import LayerSpec
 from mimo.llm.pipeline import run_pipeline
 from mimo.llm.recurrence import conv1d_naive, ssd_naive
@@ -249,6 +249,7 @@ def _tp_case(groups: int, seed: int) -> dict[str, float]:
         x = _leaf(part(x0))
         y = layer(x, ctx)
         y.backward(part(dy))
+        reduce_partial_grads(table)  # partial (TP) gradients: summed as training's once-per-step sum does
         errs[f"tp{tp},sp{sp}/y"] = rel_err(y - part(x0), part(want["y"]))
         errs[f"tp{tp},sp{sp}/dx"] = rel_err(x.grad, part(want["dx"]))
         got = full_tensors(table, grads=True)
@@ -288,6 +289,7 @@ def _step(stage: LLMStage, run) -> tuple[float | None, dict, dict]:
     """
     opt = torch.optim.SGD(stage.parameters(), lr=1.0)
     loss = run()
+    reduce_partial_grads(stage.param_table())  # as training's once-per-step TP sum of partial gradients
     grads = stage.full_grads()
     opt.step()
     return loss, grads, stage.full_state()

@@ -20,6 +20,7 @@ from mimo.llm.config import HybridArch
 from mimo.llm.model import LLMStage, build_stage, count_loss_tokens, embedding_group, sync_tied_grads
 from mimo.llm.pipeline import run_pipeline
 from mimo.llm.verify import pack_samples
+from mimo.parallel.params import reduce_partial_grads
 from mimo.core.testing import Yardstick
 
 TOL = 1e-5
@@ -127,6 +128,7 @@ def parallel_case(arch, tp, pp, sp, state, batch, samples, rows, steps=0, lr=1e-
         if image_rows:
             image_rows[KEY].grad = None
         res = run_pipeline(stage, grid, batch, image_rows=image_rows, num_loss_tokens=count_loss_tokens(batch), backward=True)
+        reduce_partial_grads(stage.param_table())  # training's once-per-step TP sum of partial gradients
         sync_tied_grads(stage, tied_group)
         losses.append(None if res.loss is None else res.loss.item())
         grads = stage.full_grads()
@@ -244,6 +246,7 @@ def empty_case(arch, tp, pp, sp):
         return None
     stage.init_weights(0)
     res = run_pipeline(stage, grid, pack_samples([]), num_loss_tokens=5, backward=True)
+    reduce_partial_grads(stage.param_table())  # every collective, this one too
     grads = stage.full_grads()
     return {"loss": None if res.loss is None else res.loss.item(), "grad_max": max(g.abs().max().item() for g in grads.values())}
 
@@ -258,8 +261,9 @@ def test_empty_pack_runs_every_collective(pools):
 
 
 def raw_grads_case(arch, tp, sp, state, batch, samples, rows):
-    """This rank's gradients of the TP-replicated parameters with their gradient all-reduce left
-    out (``copy_to_group`` passes parameters through unchanged), and their sum over TP."""
+    """This rank's gradients of the TP-replicated parameters right after backward (no layer
+    sums a parameter's gradient over TP), their plain sum over TP, and what
+    ``reduce_partial_grads`` makes of them."""
     from mimo.parallel import collectives
 
     grid, ctx = llm_context(tp, 1, sp)
@@ -269,23 +273,15 @@ def raw_grads_case(arch, tp, sp, state, batch, samples, rows):
     stage.load_full_(state)
     placement, _ = stage.image_placement(grid, samples, [range(len(samples))])
     image_rows = {KEY: local_rows(placement, dist.get_rank(), rows)}
-    real = collectives._CopyToGroup
-
-    class ParamsUnreduced:  # activations keep their collective; parameters keep their local gradient
-        @staticmethod
-        def apply(x, group):
-            return x if isinstance(x, torch.nn.Parameter) else real.apply(x, group)
-
-    collectives._CopyToGroup = ParamsUnreduced
-    try:
-        run_pipeline(stage, grid, batch, image_rows=image_rows, num_loss_tokens=count_loss_tokens(batch), backward=True)
-    finally:
-        collectives._CopyToGroup = real
+    run_pipeline(stage, grid, batch, image_rows=image_rows, num_loss_tokens=count_loss_tokens(batch), backward=True)
+    table = stage.param_table()
+    raw = {name: info.param.grad.detach().clone() for name, info in table.items() if not info.placement.shards}
+    reduce_partial_grads(table)
     out = {}
-    for name, info in stage.param_table().items():
+    for name, info in table.items():
         if not info.placement.shards:  # replicated over TP
-            raw = info.param.grad.detach().clone()
-            out[name] = (info.placement.partial, raw, collectives.all_reduce(raw.clone(), ctx.tp))
+            out[name] = (info.placement.partial, raw[name], collectives.all_reduce(raw[name].clone(), ctx.tp),
+                         info.param.grad.detach().clone())
     return out
 
 
@@ -306,13 +302,15 @@ def test_partial_marks_are_the_gradients_that_need_a_tp_sum(pools, sp):
     assert len(results) == tp
     ys, marked = Yardstick(TOL), set()
     for rank, r in enumerate(results):
-        for name, (partial, raw, summed) in r.items():
+        for name, (partial, raw, summed, reduced) in r.items():
             if partial:
                 assert partial == ("tp",), name
                 marked.add(name)
                 ys.check(f"TP sum of the partial grad {name}", summed, ref["grads"][name], ref64["grads"][name])
+                assert torch.equal(reduced, summed), name  # reduce_partial_grads: that sum
             else:
                 ys.check(f"local grad of unmarked {name} (tp rank {rank})", raw, ref["grads"][name], ref64["grads"][name])
+                assert torch.equal(reduced, raw), name  # left alone
     ys.assert_ok()
     for name in marked:  # and a partial one is not already complete on either rank
         assert all(rel_err(r[name][1], ref64["grads"][name]) > 1e-3 for r in results), name

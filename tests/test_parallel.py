@@ -37,7 +37,8 @@ from mimo.parallel import (
 from mimo.core.testing import rel_err
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.init import SMALL, init_local
-from mimo.parallel.placement import Placement, gather_full, shard_full, sharded
+from mimo.parallel.params import param_table, reduce_partial_grads
+from mimo.parallel.placement import ParamPlacement, gather_full, shard_full, sharded
 
 TOL = 1e-5
 WORLD = 4
@@ -235,9 +236,10 @@ def _row_case(tp: int, seed: int):
                 want_y, dy = (Yr.chunk(tp, 0)[r], dY.chunk(tp, 0)[r]) if sp else (Yr, dY)
                 errs[f"{tag}:out"] = rel_err(y, want_y)
                 y.backward(dy)
+                reduce_partial_grads(param_table(layer))  # the SP bias: a partial sum over TP (training sums it per step)
                 errs[f"{tag}:dx"] = rel_err(x.grad, Xr.grad.chunk(tp, -1)[r] if input_is_parallel else Xr.grad)
                 errs[f"{tag}:dW"] = rel_err(gather_full(layer.weight.grad, layer.placements()["weight"], layer.ctx.dense), Wr.grad)
-                if bias:  # replicated: the complete gradient on every rank
+                if bias:  # replicated: then the complete gradient on every rank
                     errs[f"{tag}:db"] = rel_err(layer.bias.grad, br.grad)
     return errs
 
@@ -406,8 +408,8 @@ def test_init_full_recipe_and_padded_slices():
 @pytest.mark.parametrize("placement,sizes", [
     (sharded((300, 3500), 0, pad=True), {"tp": 7}),       # ragged rows, padded
     (sharded((300, 3500), 1), {"tp": 5}),                 # columns
-    (Placement((300, 3500), (("tp", 0), ("gtp", 0))), {"tp": 2, "gtp": 3}),  # a further split (GTP)
-    (Placement((6, 50, 3500), (("ep", 0), ("etp", 1))), {"ep": 3, "etp": 2}),  # experts: two axes
+    (ParamPlacement((300, 3500), (("tp", 0), ("gtp", 0))), {"tp": 2, "gtp": 3}),  # a further split (GTP)
+    (ParamPlacement((6, 50, 3500), (("ep", 0), ("etp", 1))), {"ep": 3, "etp": 2}),  # experts: two axes
     (sharded((300, 3500), 0, parts=(120, 60, 120)), {"tp": 3}),  # fused q|k|v
 ])
 def test_large_init_draws_local_tiles_only(placement, sizes, monkeypatch):
@@ -451,7 +453,7 @@ def test_placement_gather_and_errors_without_group():
     assert torch.equal(gather_full(full, pl, ctx.dense), full)
     with pytest.raises(LayoutError, match="shape"):
         shard_full(torch.randn(3, 3), pl, {"tp": 1}, {"tp": 0})
-    assert Placement.from_record(pl.record({"tp": 1}, {"tp": 0})) == pl
+    assert ParamPlacement.from_record(pl.record({"tp": 1}, {"tp": 0})) == pl
 
 
 @pytest.mark.parametrize("case", ["column", "row", "embedding", "cross_entropy", "lm"])

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 
 from mimo.compose.config import MimoConfig
 from mimo.encoders.model import VisionEncoder
@@ -81,6 +80,9 @@ class MimoModel:
                 load_hf_checkpoint(self.stage, llm_cfg.init.hf)
             if llm_cfg.freeze:
                 self.stage.requires_grad_(False)
+        # the run's gradient buffers (``mimo.training.optim.GradSync``), built once by the
+        # training side on its first step and kept
+        self.grad_sync = None
 
     # the LLM's groups, as its context holds them
     @property
@@ -148,5 +150,6 @@ def _describe(module_name: str, table, ctx: ParallelContext) -> list[TrainParam]
             continue
         group = info.view.group("grad")
         # no weight decay on biases, norms and other vectors (the usual AdamW practice)
-        out.append(TrainParam(module_name, name, info.param, group, info.is_owner, info.param.dim() >= 2))
+        out.append(TrainParam(module_name, name, info.param, group, info.is_owner, info.param.dim() >= 2,
+                              partial_groups=info.partial_groups))
     return out

@@ -19,7 +19,7 @@ _EXPORTS = {
     "mimo.parallel.cross_entropy": ("vocab_parallel_cross_entropy",),
     "mimo.parallel.init": ("init_full", "init_local", "param_seed"),
     "mimo.parallel.layers": ("ColumnParallelLinear", "RowParallelLinear", "TPModule", "VocabParallelEmbedding"),
-    "mimo.parallel.placement": ("Placement", "gather_full", "pad_to_multiple", "read_local", "replicated", "shard_full",
+    "mimo.parallel.placement": ("ParamPlacement", "gather_full", "pad_to_multiple", "read_local", "replicated", "shard_full",
                                 "sharded"),
     "mimo.parallel.context": ("ParallelContext",),
     "mimo.parallel.grid": ("GroupRegistry", "ParallelGrid"),

@@ -15,7 +15,7 @@ answers their sizes, this rank's coordinate and group.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from mimo.core.errors import LayoutError
 from mimo.parallel.grid import GroupRegistry, ParallelGrid

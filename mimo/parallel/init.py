@@ -18,7 +18,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from mimo.parallel.placement import Placement, read_local
+from mimo.parallel.placement import ParamPlacement, read_local
 
 __all__ = ["param_seed", "init_full", "init_local", "SMALL", "TILE"]
 
@@ -37,10 +37,10 @@ def init_full(shape: tuple[int, ...], seed: int, *, std: float | None = None, in
     """The full fp32 CPU tensor: ``normal(0, std)`` (tiled when large) or ``init_fn(tensor, generator)``."""
     if (std is None) == (init_fn is None):
         raise ValueError("give exactly one of std and init_fn")
-    return init_local(Placement(tuple(shape)), {}, {}, seed, std=std, init_fn=init_fn)
+    return init_local(ParamPlacement(tuple(shape)), {}, {}, seed, std=std, init_fn=init_fn)
 
 
-def init_local(placement: Placement, sizes: Mapping[str, int], coords: Mapping[str, int], seed: int, *,
+def init_local(placement: ParamPlacement, sizes: Mapping[str, int], coords: Mapping[str, int], seed: int, *,
                std: float | None = None, init_fn: InitFn | None = None) -> torch.Tensor:
     """This rank's shard (fp32, CPU) of the full tensor drawn from ``seed`` (see module doc)."""
     if (std is None) == (init_fn is None):

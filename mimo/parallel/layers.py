@@ -31,7 +31,7 @@ from mimo.parallel.collectives import (
 )
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.init import init_local, param_seed
-from mimo.parallel.placement import Placement, gather_full, replicated, shard_full, sharded
+from mimo.parallel.placement import ParamPlacement, gather_full, replicated, shard_full, sharded
 
 __all__ = ["TPModule", "ColumnParallelLinear", "FusedColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
 
@@ -48,14 +48,14 @@ class TPModule(nn.Module):
             bool(sequence_parallel) and self.tp_size > 1)
         self.recipe = gemm.DEFAULT_RECIPE
 
-    def placements(self) -> dict[str, Placement]:
+    def placements(self) -> dict[str, ParamPlacement]:
         raise NotImplementedError
 
-    def _sizes_coords(self, placement: Placement):
+    def _sizes_coords(self, placement: ParamPlacement):
         view = self.ctx.view(placement.axes)
         return {a: view.size(a) for a in placement.axes}, {a: view.coord(a) for a in placement.axes}
 
-    def _new_param(self, placement: Placement, device, dtype) -> nn.Parameter:
+    def _new_param(self, placement: ParamPlacement, device, dtype) -> nn.Parameter:
         sizes, _ = self._sizes_coords(placement)
         return nn.Parameter(torch.empty(placement.local_shape(sizes), device=device, dtype=dtype))
 
@@ -105,7 +105,7 @@ class ColumnParallelLinear(TPModule):
         self.bias = self._new_param(self._placements["bias"], device, dtype) if bias else None
         self.padded_out_features = self.weight.shape[0] * self.tp_size
 
-    def placements(self) -> dict[str, Placement]:
+    def placements(self) -> dict[str, ParamPlacement]:
         return self._placements
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
@@ -144,7 +144,7 @@ class FusedColumnParallelLinear(TPModule):
         self.bias = self._new_param(self._placements["bias"], device, dtype) if bias else None
         self.local_sizes = [n // self.tp_size for n in sizes]
 
-    def placements(self) -> dict[str, Placement]:
+    def placements(self) -> dict[str, ParamPlacement]:
         return self._placements
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -176,7 +176,7 @@ class RowParallelLinear(TPModule):
         self.weight = self._new_param(self._placements["weight"], device, dtype)
         self.bias = self._new_param(self._placements["bias"], device, dtype) if bias else None
 
-    def placements(self) -> dict[str, Placement]:
+    def placements(self) -> dict[str, ParamPlacement]:
         return self._placements
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
@@ -186,9 +186,9 @@ class RowParallelLinear(TPModule):
         if self.sequence_parallel:
             y_TF = reduce_scatter_seq(partial_TF, self.group)
             if self.bias is not None:
-                # each rank sees only its tokens, so its bias grad is partial: all-reduce it
-                # in backward (keeps the replicated bias's grad complete on every rank)
-                y_TF = y_TF + copy_to_group(self.bias, self.group)
+                # each rank sees only its tokens, so its bias grad is a partial sum over TP
+                # (its placement says so: summed once per step with the other partial ones)
+                y_TF = y_TF + self.bias
             return y_TF
         y_TF = reduce_from_group(partial_TF, self.group)
         return y_TF if self.bias is None else y_TF + self.bias
@@ -221,7 +221,7 @@ class VocabParallelEmbedding(TPModule):
         self.vocab_start = self.tp_rank * per_rank
         self.vocab_end = min(self.vocab_start + per_rank, vocab_size)
 
-    def placements(self) -> dict[str, Placement]:
+    def placements(self) -> dict[str, ParamPlacement]:
         return self._placements
 
     def forward(self, tokens_T: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,13 @@ modules were built); ``full_tensors`` gathers parameters or gradients to full te
 tensors; ``ParamInfo.is_owner`` says whether this rank's copy is the one counted in the global
 norm and written to a checkpoint.
 
+Gradients: a parameter's gradient is its ``main_grad`` where training keeps one (the run's
+fp32 main-gradient buffers, ``mimo.training.optim.GradSync``), else its ``.grad``
+(``main_grad``). A parameter whose placement is ``partial`` over an axis (a norm weight under
+sequence parallelism) has only a partial sum there after backward: training sums those in
+buckets once per step; a forward and backward outside training (a layer test, a verify tool)
+calls ``reduce_partial_grads`` before reading them.
+
 Initialisation rules: a module may define ``param_init(self, name) -> fn | None`` where
 ``fn(tensor, generator)`` fills a full fp32 tensor in place (norms: ones; Mamba's ``A_log``:
 its own). Otherwise biases are zero and weights ``N(0, std)``, or the std given by name in
@@ -26,12 +33,13 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from mimo.core.errors import LayoutError
 from mimo.parallel.context import AxisView, ParallelContext
 from mimo.parallel.init import init_local
-from mimo.parallel.placement import Placement, gather_full, replicated, shard_full
+from mimo.parallel.placement import ParamPlacement, gather_full, replicated, shard_full
 
 
 @dataclass
@@ -45,12 +53,19 @@ class TrainParam:
     dp_group: object | None  # gradients are summed over it; None: one rank
     counts_in_norm: bool
     weight_decay: bool = True
+    partial_groups: tuple = ()  # groups over which each rank's gradient is a partial sum (TP): summed first
+
+
+def main_grad(param: nn.Parameter) -> torch.Tensor | None:
+    """The gradient a step uses: the run's fp32 main gradient where there is one, else ``.grad``."""
+    g = getattr(param, "main_grad", None)
+    return param.grad if g is None else g
 
 
 @dataclass
 class ParamInfo:
     param: nn.Parameter
-    placement: Placement
+    placement: ParamPlacement
     view: AxisView  # the view of the module's context the placement's axes live in
     module: nn.Module
     local_name: str  # the parameter's name inside ``module``
@@ -70,6 +85,11 @@ class ParamInfo:
 
     def record(self) -> dict:
         return self.placement.record(self.sizes, self.coords)
+
+    @property
+    def partial_groups(self) -> tuple:
+        """The groups (of more than one rank) over which this rank's gradient is a partial sum."""
+        return tuple(g for g in (self.view.group(a) for a in self.placement.partial) if g is not None)
 
 
 def param_table(module: nn.Module, rename: Callable[[str], str] = lambda n: n,
@@ -119,9 +139,29 @@ def full_tensors(table: Mapping[str, ParamInfo], grads: bool = False) -> dict[st
     for name, info in table.items():
         t = info.param
         if grads:
-            t = t.grad if t.grad is not None else torch.zeros_like(t)
+            g = main_grad(t)
+            t = g if g is not None else torch.zeros_like(t)
         out[name] = gather_full(t.detach(), info.placement, info.view).clone()
     return out
+
+
+@torch.no_grad()
+def reduce_partial_grads(table: Mapping[str, ParamInfo]) -> None:
+    """Sum every partial gradient of ``table`` over its partial axes, in place (one all-reduce
+    per parameter): after a forward and backward outside training, what training's bucketed
+    once-per-step sum does (``mimo.training.optim.GradSync``). A parameter without a gradient
+    takes part as zeros. Collective over each such group: all its ranks call it together."""
+    seen: set[int] = set()
+    for info in table.values():
+        p, groups = info.param, info.partial_groups
+        if not groups or not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        grad = main_grad(p)
+        if grad is None:
+            p.grad = grad = torch.zeros_like(p)
+        for group in groups:
+            dist.all_reduce(grad, group=group)
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """Where every element of a parameter lives: one plain record per parameter.
 
-A ``Placement`` names the parameter's full (unpadded) shape and, for each axis of its
+A ``ParamPlacement`` names the parameter's full (unpadded) shape and, for each axis of its
 module's context that splits it, the dim it splits (``shards``, outer axis first: a second
 axis on the same dim splits each piece further, as GTP does inside TP). Axes it does not name
 hold it replicated. ``partial`` names axes over which the value is replicated but each rank's
@@ -8,7 +8,8 @@ gradient is a partial sum (a norm weight under sequence parallelism): those grad
 summed once per step. ``pad``: sharded dims are zero-padded up to a multiple of their shard
 count (a vocab not divisible by tp). ``parts``: the sharded dim is a concatenation of
 independently sharded parts (a fused q|k|v or gate|up weight): each rank holds its piece of
-every part, in part order.
+every part, in part order. (The rows of a boundary tensor that bridges move have their own
+record, ``mimo.parallel.layout.Placement``.)
 
 From this record alone: this rank's slice of a full tensor (``shard_full``), of a lazily read
 one (``read_local``: safetensors ``get_slice``), the full tensor back (``gather_full``,
@@ -28,7 +29,7 @@ import torch
 
 from mimo.core.errors import LayoutError
 
-__all__ = ["Placement", "replicated", "sharded", "pad_to_multiple"]
+__all__ = ["ParamPlacement", "replicated", "sharded", "pad_to_multiple"]
 
 
 def pad_to_multiple(n: int, k: int) -> int:
@@ -36,7 +37,7 @@ def pad_to_multiple(n: int, k: int) -> int:
 
 
 @dataclass(frozen=True)
-class Placement:
+class ParamPlacement:
     full_shape: tuple[int, ...]
     shards: tuple[tuple[str, int], ...] = ()  # (axis, dim), outer first
     partial: tuple[str, ...] = ()
@@ -126,28 +127,28 @@ class Placement:
                 "local_shape": list(self.local_shape(sizes))}
 
     @classmethod
-    def from_record(cls, rec: Mapping) -> "Placement":
+    def from_record(cls, rec: Mapping) -> "ParamPlacement":
         return cls(tuple(rec["full_shape"]), tuple((a, int(d)) for a, d in rec["shards"]), tuple(rec["partial"]),
                    bool(rec["pad"]), tuple(rec["parts"]))
 
 
-def replicated(shape: Sequence[int], partial: Sequence[str] = ()) -> Placement:
-    return Placement(tuple(shape), (), tuple(partial))
+def replicated(shape: Sequence[int], partial: Sequence[str] = ()) -> ParamPlacement:
+    return ParamPlacement(tuple(shape), (), tuple(partial))
 
 
-def sharded(shape: Sequence[int], dim: int, axis: str = "tp", *, pad: bool = False, parts: Sequence[int] = ()) -> Placement:
-    return Placement(tuple(shape), ((axis, dim),), (), pad, tuple(parts))
+def sharded(shape: Sequence[int], dim: int, axis: str = "tp", *, pad: bool = False, parts: Sequence[int] = ()) -> ParamPlacement:
+    return ParamPlacement(tuple(shape), ((axis, dim),), (), pad, tuple(parts))
 
 
 # ---------------------------------------------------------------- tensors
-def shard_full(full: torch.Tensor, placement: Placement, sizes: Mapping[str, int], coords: Mapping[str, int]) -> torch.Tensor:
+def shard_full(full: torch.Tensor, placement: ParamPlacement, sizes: Mapping[str, int], coords: Mapping[str, int]) -> torch.Tensor:
     """This rank's slice of a full (unpadded) tensor (zeros in padding)."""
     if tuple(full.shape) != placement.full_shape:
         raise LayoutError(f"expected a full tensor of shape {placement.full_shape}, got {tuple(full.shape)}")
     return read_local(lambda index: full[index], placement, sizes, coords, full.dtype)
 
 
-def read_local(read: Callable[[tuple[slice, ...]], torch.Tensor], placement: Placement, sizes: Mapping[str, int],
+def read_local(read: Callable[[tuple[slice, ...]], torch.Tensor], placement: ParamPlacement, sizes: Mapping[str, int],
                coords: Mapping[str, int], dtype: torch.dtype, device=None) -> torch.Tensor:
     """This rank's slice from ``read(index)``, which returns the full tensor's ``[index]`` (e.g.
     a safetensors ``get_slice``): only the local regions are read."""
@@ -161,7 +162,7 @@ def read_local(read: Callable[[tuple[slice, ...]], torch.Tensor], placement: Pla
     return out
 
 
-def gather_full(local: torch.Tensor, placement: Placement, view) -> torch.Tensor:
+def gather_full(local: torch.Tensor, placement: ParamPlacement, view) -> torch.Tensor:
     """Collective over every shard axis of ``view``: the full, unpadded tensor on every rank."""
     if not placement.shards:
         return local
@@ -180,7 +181,7 @@ def gather_full(local: torch.Tensor, placement: Placement, view) -> torch.Tensor
     return full
 
 
-def _gather_dims(t: torch.Tensor, placement: Placement, view) -> torch.Tensor:
+def _gather_dims(t: torch.Tensor, placement: ParamPlacement, view) -> torch.Tensor:
     from mimo.parallel.collectives import all_gather_along
 
     for axis, d in reversed(placement.shards):  # inner axes first: their pieces are adjacent

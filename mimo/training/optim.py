@@ -1,10 +1,12 @@
-"""Gradients and optimizers across modules: DP sync, global norm, clipping, AdamW, LR schedule.
+"""Gradients and optimizers across modules: main-gradient buffers and their bucketed sums
+(``GradSync``), global norm, clipping, AdamW, LR schedule.
 
 Every local parameter is described by a ``TrainParam`` that says where it belongs (module,
 layout-independent name), over which group its gradient is summed (the module's data-parallel
-group: DP x CP), and whether this rank's copy is the one that counts in the global gradient
-norm (one copy of every element in the world: TP-replicated copies count on TP rank 0 only,
-DP copies on DP rank 0 only, a tied embedding on its first stage only).
+group: DP x CP; first over TP where it is a partial sum there), and whether this rank's copy
+is the one that counts in the global gradient norm (one copy of every element in the world:
+TP-replicated copies count on TP rank 0 only, DP copies on DP rank 0 only, a tied embedding on
+its first stage only).
 
 The loss is normalised by the global loss-token count before backward, so gradients are
 *summed* over DP (never averaged) and come out independent of how samples were split.
@@ -20,7 +22,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from mimo.parallel.params import TrainParam
+from mimo.parallel.params import TrainParam, main_grad
 
 
 @dataclass(frozen=True)
@@ -46,83 +48,157 @@ class PrecisionPolicy:
         raise ValueError(f"unknown precision {name!r}")
 
 
-def sync_grads(params: Iterable[TrainParam], policy: PrecisionPolicy | None = None, bucket_numel: int = 1 << 22) -> None:
-    """Sum gradients over each parameter's DP group, in buckets of about ``bucket_numel``."""
-    pending = GradSync(list(params), policy, bucket_numel)
-    try:
-        pending.finish()
-    finally:
-        pending.close()
-
-
 def bucket_numel(bucket_mb: float, reduce_dtype: torch.dtype) -> int:
     """Elements of ``reduce_dtype`` in a bucket of ``bucket_mb`` MiB (at least one)."""
     return max(1, int(bucket_mb * (1 << 20)) // torch.empty((), dtype=reduce_dtype).element_size())
 
 
+REDUCE_MODES = ("all_reduce", "reduce_scatter")
+
+
 @dataclass
 class _Bucket:
-    index: int  # launch order within its module: the same on every rank of the group
     module: str
-    group: object
+    group: object  # its gradients are summed over it (the DP group); None: no DP sum
+    partial_groups: tuple  # then first over these (TP: its parameters' gradients are partial sums there)
     params: list[torch.nn.Parameter]
+    flat: torch.Tensor | None = None  # the main gradients (fp32 at least); each parameter's ``main_grad`` is a view
+    shard: torch.Tensor | None = None  # reduce-scatter mode: this rank's contiguous part of ``flat``
+    index: int = -1  # DP launch order within its module, the same on every rank of the group (-1: no DP sum)
     ready: set[int] = field(default_factory=set)  # id() of params whose final grad is there
     work: object = None
-    flat: torch.Tensor | None = None
+    partial_done: bool = False  # this step's partial sums ran
 
 
 class GradSync:
-    """DP gradient sums of ``params`` in buckets, each launched (async all-reduce) as soon as
-    every parameter of it has its final gradient, while the rest of backward still runs.
+    """A run's gradients: persistent main-gradient buffers, and their sums over each
+    parameter's gradient groups in buckets, each DP sum launched (async) as soon as every
+    parameter of its bucket has its final gradient, while the rest of backward still runs.
 
-    Buckets are formed per module from its parameters in reverse registration order (about the
-    order backward produces them), split by DP group, dtype and device. A post-accumulate-grad
-    hook on every parameter marks it ready, but only while its module is ``arm``-ed, i.e. during
-    the module's last backward on this rank (earlier backwards only accumulate). Buckets of a
-    module launch strictly in index order, so every rank of a DP group issues the same
-    collectives in the same order whatever order autograd happens to produce the gradients in;
-    ``flush`` launches the rest (a parameter this rank never used contributes zeros), and
-    ``finish`` waits and writes the sums back, before the optimizer step.
-    ``note(kind, module, **extra)`` (optional) records bucket_reduce_start / _end events."""
+    Built once per run (``mimo.training.step.grad_sync_for``). Buckets are formed per module
+    from its parameters in reverse registration order (about the order backward produces them),
+    split by DP group, partial (TP) groups, dtype and device; each bucket's gradients live in
+    one flat buffer of the reduction dtype, fp32 at least (``param.main_grad`` is a view).
+    Where that is the parameter's own dtype (fp32), ``.grad`` is that view too: backward
+    accumulates into the bucket, with no copy. Under bf16 each microbatch's ``.grad`` is added
+    into the fp32 main gradient by a post-accumulate-grad hook and freed, so microbatches
+    accumulate in fp32. The norm, clipping and the optimizers read ``main_grad``
+    (``mimo.parallel.params.main_grad``); ``round_grads_`` hands it, rounded, to an optimizer
+    that reads ``.grad`` of bf16 weights (bf16-pure).
+
+    The hook also marks a parameter ready, but only while its module is ``arm``-ed, i.e.
+    during the module's last backward on this rank (earlier backwards only accumulate).
+    Buckets of a module launch strictly in index order, so every rank of a DP group issues the
+    same collectives in the same order whatever order autograd happens to produce the
+    gradients in; ``flush`` launches the rest (a parameter this rank never used contributes
+    zeros), and ``finish`` waits for all, before the optimizer step. Parameters whose
+    gradient is a partial sum over TP (``TrainParam.partial_groups``: norm weights under
+    sequence parallelism, QK-norm, ...) have buckets of their own, the module's last: each is
+    all-reduced over its TP group once per step at ``flush`` (a point every TP rank reaches
+    alike, never between the TP collectives of backward), then joins the DP sums.
+
+    ``mode``: ``all_reduce`` (every rank gets each bucket's whole sum), or ``reduce_scatter``
+    for a sharded optimizer: each DP bucket is padded to a multiple of its group's size and
+    each rank gets the sum of its contiguous shard of it (``shards``); the rest of the bucket
+    is then not a sum. ``note(kind, module, **extra)`` (optional) records
+    bucket_reduce_start / _end events of the DP sums and partial_reduce events of the TP ones."""
 
     def __init__(self, params: list[TrainParam], policy: PrecisionPolicy | None = None, bucket_numel: int = 1 << 22,
-                 note=None):
+                 note=None, mode: str = "all_reduce"):
+        if mode not in REDUCE_MODES:
+            raise ValueError(f"GradSync mode must be one of {REDUCE_MODES}, not {mode!r}")
+        self.mode = mode
         self.reduce_dtype = policy.grad_reduce if policy else torch.float32
         self.note = note
-        self.buckets: dict[str, list[_Bucket]] = {}
+        self.buckets: dict[str, list[_Bucket]] = {}  # per module: the DP-summed buckets, in launch order
+        self.partial_buckets: dict[str, list[_Bucket]] = {}  # per module: those summed over TP first
+        self._all: list[_Bucket] = []
+        self._views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # (param, its main grad)
         self._next: dict[str, int] = {}  # per module: the index of the next bucket to launch
         self._armed: set[str] = set()
         self._hooks = []
         by_module: dict[str, list[TrainParam]] = defaultdict(list)
         seen: set[int] = set()  # a parameter listed twice (shared by two names) is reduced once
         for p in params:
-            if p.dp_group is not None and id(p.param) not in seen:
+            if p.param.requires_grad and id(p.param) not in seen:
                 seen.add(id(p.param))
                 by_module[p.module].append(p)
         for module, infos in by_module.items():
             buckets: list[_Bucket] = []
-            open_: dict[tuple, _Bucket] = {}  # (group, dtype, device) -> the bucket being filled
+            open_: dict[tuple, _Bucket] = {}  # (groups, dtype, device) -> the bucket being filled
             sizes: dict[tuple, int] = {}
-            for p in reversed(infos):
-                key = (id(p.dp_group), p.param.dtype, p.param.device)
+            # the partial ones last: their sums wait for flush, and DP buckets launch in order
+            order = [p for p in reversed(infos) if not p.partial_groups] + [p for p in reversed(infos) if p.partial_groups]
+            for p in order:
+                key = (id(p.dp_group), tuple(map(id, p.partial_groups)), p.param.dtype, p.param.device)
                 b = open_.get(key)
                 if b is None or sizes[key] + p.param.numel() > bucket_numel:
-                    b = open_[key] = _Bucket(len(buckets), module, p.dp_group, [])
+                    b = open_[key] = _Bucket(module, p.dp_group, tuple(p.partial_groups), [])
                     buckets.append(b)
                     sizes[key] = 0
                 b.params.append(p.param)
                 sizes[key] += p.param.numel()
-                self._hooks.append(p.param.register_post_accumulate_grad_hook(self._hook(b)))
-            self.buckets[module] = buckets
+            for b in buckets:
+                self._allocate(b)
+            reduced = [b for b in buckets if b.group is not None]
+            for i, b in enumerate(reduced):
+                b.index = i
+            self.buckets[module] = reduced
+            self.partial_buckets[module] = [b for b in buckets if b.partial_groups]
             self._next[module] = 0
+            self._all += buckets
 
-    def _hook(self, bucket: _Bucket):
+    def _allocate(self, b: _Bucket) -> None:
+        """The bucket's flat main-gradient buffer (zeros, or the gradients already there), the
+        parameters' views into it, and their hooks."""
+        p0 = b.params[0]
+        dtype = torch.promote_types(p0.dtype, self.reduce_dtype)
+        numel = sum(p.numel() for p in b.params)
+        n = dist.get_world_size(b.group) if b.group is not None and self.mode == "reduce_scatter" else 1
+        b.flat = torch.zeros(-(-numel // n) * n, dtype=dtype, device=p0.device)
+        if n > 1:
+            b.shard = b.flat.view(n, b.flat.numel() // n)[dist.get_rank(b.group)]
+        off = 0
+        with torch.no_grad():
+            for p in b.params:
+                view = b.flat[off : off + p.numel()].view_as(p)
+                off += p.numel()
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.main_grad = view
+                p.grad = view if p.dtype == dtype else None
+                self._views.append((p, view))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(b, view)))
+
+    def _hook(self, bucket: _Bucket, main: torch.Tensor):
         def on_grad(param: torch.nn.Parameter) -> None:
-            if bucket.module in self._armed:
+            g = param.grad
+            if g is not None and g.numel() and g.data_ptr() != main.data_ptr():
+                # a gradient outside the buffer (bf16 weights; or a .grad someone replaced):
+                # this backward's contribution, accumulated in the main gradient's precision
+                with torch.no_grad():
+                    main.add_(g)
+                param.grad = main if g.dtype == main.dtype else None
+            if bucket.index >= 0 and bucket.module in self._armed:
                 bucket.ready.add(id(param))
                 self._launch_ready(bucket.module)
 
         return on_grad
+
+    def zero_grad(self) -> None:
+        """A new step: every main gradient zero, and ``.grad`` its view again (or None under bf16)."""
+        for b in self._all:
+            b.flat.zero_()
+            b.ready.clear()
+            b.work, b.partial_done = None, False
+        for p, view in self._views:
+            if p.dtype == view.dtype:
+                if p.grad is not view:
+                    p.grad = view
+            else:
+                p.grad = None
+        self._next = dict.fromkeys(self._next, 0)
+        self._armed.clear()
 
     def arm(self, module: str) -> None:
         """The module's next backward on this rank is its last: launch buckets as they fill."""
@@ -130,46 +206,77 @@ class GradSync:
             self._armed.add(module)
 
     def flush(self, module: str) -> None:
-        """Launch every bucket of ``module`` not launched yet (after its last backward)."""
+        """After the module's last backward: its partial sums over TP, then every DP sum not
+        launched yet."""
         self._armed.discard(module)
+        for b in self.partial_buckets.get(module, []):
+            if not b.partial_done:
+                b.partial_done = True
+                for group in b.partial_groups:
+                    if self.note is not None:
+                        self.note("partial_reduce", module, numel=b.flat.numel())
+                    dist.all_reduce(b.flat, group=group)
         for b in self.buckets.get(module, [])[self._next.get(module, 0):]:
             b.ready = {id(p) for p in b.params}
-        self._launch_ready(module)
+        self._launch_ready(module, flushing=True)
 
-    def _launch_ready(self, module: str) -> None:
+    def _launch_ready(self, module: str, flushing: bool = False) -> None:
         buckets, i = self.buckets.get(module, []), self._next.get(module, 0)
         while i < len(buckets) and len(buckets[i].ready) == len(buckets[i].params):
             b = buckets[i]
-            for p in b.params:
-                if p.grad is None:  # unused on this rank (e.g. no samples): every DP rank sends the same buckets
-                    p.grad = torch.zeros_like(p)
-            b.flat = torch.cat([p.grad.reshape(-1).to(self.reduce_dtype) for p in b.params])
+            if b.partial_groups and not b.partial_done:
+                break  # its TP sum comes first, at flush
             if self.note is not None:
                 self.note("bucket_reduce_start", module, bucket=b.index, numel=b.flat.numel())
-            b.work = dist.all_reduce(b.flat, group=b.group, async_op=True)
+            if b.shard is not None:
+                b.work = _reduce_scatter(b.shard, b.flat, b.group)
+            else:
+                b.work = dist.all_reduce(b.flat, group=b.group, async_op=True)
             i += 1
         self._next[module] = i
 
     def finish(self) -> None:
-        """Launch what is left, wait for every bucket and write the sums into the gradients."""
+        """Launch what is left and wait for every bucket: the main gradients hold the sums."""
         for module in self.buckets:
             self.flush(module)
         for module, buckets in self.buckets.items():
             for b in buckets:
                 b.work.wait()
+                b.work = None
                 if self.note is not None:
                     self.note("bucket_reduce_end", module, bucket=b.index)
-                off = 0
+
+    def shards(self, module: str) -> list[tuple[torch.Tensor, int]]:
+        """Reduce-scatter mode: (this rank's summed shard, its offset in the bucket) of each DP
+        bucket of ``module``, in launch order (after ``finish``)."""
+        if self.mode != "reduce_scatter":
+            raise ValueError("GradSync.shards: only in reduce_scatter mode")
+        return [(b.shard, b.shard.numel() * dist.get_rank(b.group)) for b in self.buckets.get(module, [])]
+
+    def round_grads_(self, module: str | None = None) -> None:
+        """``.grad`` = the main gradient rounded to the weight's dtype, where they differ (an
+        optimizer that reads ``.grad`` of bf16 weights: bf16-pure); of ``module``, or all."""
+        for b in self._all:
+            if module is None or b.module == module:
                 for p in b.params:
-                    p.grad.copy_(b.flat[off : off + p.numel()].view_as(p.grad))
-                    off += p.numel()
-                b.flat = b.work = None
+                    if p.dtype != b.flat.dtype:
+                        p.grad = p.main_grad.to(p.dtype)
 
     def close(self) -> None:
-        """Remove the hooks (a GradSync serves one step)."""
+        """Remove the hooks and the ``main_grad`` views (fp32 ``.grad`` views stay: the gradients)."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for p, _ in self._views:
+            if getattr(p, "main_grad", None) is not None:
+                del p.main_grad
+        self._views.clear()
+
+
+def _reduce_scatter(shard: torch.Tensor, flat: torch.Tensor, group):
+    """Async: this rank's ``shard`` of ``flat`` (a view of it) becomes the group's sum of it."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.14
+    return fn(shard, flat, group=group, async_op=True)
 
 
 def global_grad_norm(params: Iterable[TrainParam], device: torch.device | str, world_group=None) -> torch.Tensor:
@@ -185,8 +292,9 @@ def global_grad_norm(params: Iterable[TrainParam], device: torch.device | str, w
     tensor), so the step need not wait for the device."""
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for p in params:
-        if p.counts_in_norm and p.param.grad is not None:
-            by_device[p.param.grad.device].append(p.param.grad.detach())
+        g = main_grad(p.param)
+        if p.counts_in_norm and g is not None:
+            by_device[g.device].append(g.detach())
     total = torch.zeros((), dtype=torch.float64, device=torch.device(device))
     for grads in by_device.values():
         wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
@@ -204,9 +312,12 @@ def clip_grads_(params: Iterable[TrainParam], max_norm: float | None, norm: torc
         return
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    seen: set[int] = set()  # a parameter listed under two names is scaled once
     for p in params:
-        if p.param.grad is not None:
-            by_device[p.param.grad.device].append(p.param.grad)
+        g = main_grad(p.param)
+        if g is not None and id(p.param) not in seen:
+            seen.add(id(p.param))
+            by_device[g.device].append(g)
     for device, grads in by_device.items():
         wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32  # fp64 references
         torch._foreach_mul_(grads, scale.to(device=device, dtype=wide))
@@ -235,11 +346,12 @@ class _FlatGroup:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: torch.Tensor
-    grad_low: torch.Tensor  # the gradients as they come (the parameters' dtype)
+    grad_low: torch.Tensor  # the gradients as they come, where they come in the parameters' dtype
     grad32: torch.Tensor
     param_low: torch.Tensor  # the rounded masters before they go to the parameters
     grad_views: list[torch.Tensor]
     param_views: list[torch.Tensor]
+    grad32_views: list[torch.Tensor]
 
 
 class MasterWeightAdamW(torch.optim.Optimizer):
@@ -249,11 +361,15 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     kept in the master instead of being rounded away every step.
 
     Per parameter state (checkpointed like AdamW's): ``master``, ``exp_avg``, ``exp_avg_sq``,
-    ``step``. The update is ``torch.optim.AdamW``'s own (its functional kernel, fused on GPU),
+    ``step``. Gradients: each parameter's fp32 main gradient where the run keeps one
+    (``mimo.parallel.params.main_grad``: microbatches accumulated in fp32), else its ``.grad``.
+    The update is ``torch.optim.AdamW``'s own (its functional kernel, fused on GPU),
     so with fp32 parameters it matches AdamW exactly. A group whose parameters all have
     gradients and one step count is updated through contiguous buffers (``_FlatGroup``); a
     parameter without a gradient is skipped as AdamW skips it, and its group continues per
     tensor from then on."""
+
+    reads_main_grads = True  # the training step need not round main gradients into .grad for it
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, fused: bool | None = None):
@@ -292,8 +408,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             return [v.view_as(p) for v, p in zip(buf.split(sizes), params)]
 
         param_low = torch.empty_like(low)
-        g = _FlatGroup(params, f32, torch.zeros_like(f32), torch.zeros_like(f32), step, low, torch.empty_like(f32),
-                       param_low, views(low), views(param_low))
+        grad32 = torch.empty_like(f32)
+        g = _FlatGroup(params, f32, torch.zeros_like(f32), torch.zeros_like(f32), step, low, grad32,
+                       param_low, views(low), views(param_low), views(grad32))
         keys = ("master", "exp_avg", "exp_avg_sq")
         split = {k: views(buf) for k, buf in zip(keys, (g.master, g.exp_avg, g.exp_avg_sq))}
         for j, (p, s) in enumerate(zip(params, states)):
@@ -325,7 +442,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         for i, group in enumerate(self.param_groups):
-            params = [p for p in group["params"] if p.grad is not None]
+            params = [p for p in group["params"] if main_grad(p) is not None]
             if not params:
                 continue
             whole = len(params) == len(group["params"])
@@ -337,8 +454,12 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                     self._flat[i] = g
             if whole and i in self._flat:
                 g = self._flat[i]
-                torch._foreach_copy_(g.grad_views, [p.grad for p in params])
-                g.grad32.copy_(g.grad_low)
+                grads = [main_grad(p) for p in params]
+                if all(t.dtype == torch.float32 for t in grads):  # fp32 main gradients: no rounding step
+                    torch._foreach_copy_(g.grad32_views, grads)
+                else:
+                    torch._foreach_copy_(g.grad_views, grads)
+                    g.grad32.copy_(g.grad_low)
                 self._adamw(group, [g.master], [g.grad32], [g.exp_avg], [g.exp_avg_sq], [g.step])
                 g.param_low.copy_(g.master)
                 torch._foreach_copy_(params, g.param_views)
@@ -346,7 +467,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             self._unflatten(i)  # a parameter without a gradient: AdamW leaves it (and its step count) as it is
             states = [self._state(p) for p in params]
             masters = [s["master"] for s in states]
-            self._adamw(group, masters, [p.grad.to(torch.float32) for p in params], [s["exp_avg"] for s in states],
+            self._adamw(group, masters, [main_grad(p).to(torch.float32) for p in params], [s["exp_avg"] for s in states],
                         [s["exp_avg_sq"] for s in states], [s["step"] for s in states])
             torch._foreach_copy_(params, masters)
 

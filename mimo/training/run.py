@@ -16,7 +16,8 @@ from mimo.data.index import Index
 from mimo.data.pipeline import DataPipeline
 from mimo.compose.inputs import data_plan, encoder_feeds, ensure_index, sample_reader, text_spec
 from mimo.compose.model import MimoModel
-from mimo.training.optim import PrecisionPolicy, build_optimizers
+from mimo.training.optim import GradSync, PrecisionPolicy, build_optimizers
+from mimo.training.step import grad_sync_for
 
 
 @dataclass
@@ -26,6 +27,11 @@ class Run:
     pipeline: DataPipeline
     optimizers: dict[str, torch.optim.Optimizer]  # module -> optimizer (only modules training on this rank)
     policy: PrecisionPolicy
+
+    @property
+    def grad_sync(self) -> GradSync:
+        """The run's gradient buffers and bucketed sums (``mimo.training.step.grad_sync_for``)."""
+        return self.model.grad_sync
 
     def close(self) -> None:
         self.pipeline.close()
@@ -41,6 +47,7 @@ def build_run(config: MimoConfig, rank: int, index: Index | None = None, policy:
         index, _ = ensure_index(config)
     pipeline = data_pipeline(config, model, data_plan(config, index), config.train.micro_batches)
     optimizers = build_optimizers(model.train_params(), *config.optimizer_settings(), policy=policy)
+    grad_sync_for(model, policy)  # the run's main-gradient buffers, once
     if config.train.compile:
         compile_blocks(model)
     return Run(config, model, pipeline, optimizers, policy)

@@ -19,7 +19,8 @@ Every rank walks the same ticks. At tick t it does, in this order:
 With a ``GradSync``, each module's DP gradient sums start bucket by bucket *during* its last
 backward on this rank (the stage's last B; the encoder's last bridge backward): the module is
 armed before that backward, each bucket launches as soon as its gradients are final, the rest
-right after it; the caller finishes them before the optimizer step.
+right after it (first the TP sums of its partial gradients, once per step); the caller
+finishes them before the optimizer step.
 
 Why this cannot deadlock: the tick table only lets an op start after what it needs ran in an
 *earlier* tick, so every receive waits for a send that is already posted; the bridges'
@@ -155,8 +156,8 @@ def run_schedule(model: MimoModel, mbs: list[Microbatch], num_loss_tokens: float
     image_rows: list = [None] * count
     last = count - 1
     now = 0  # the tick that bucket events are stamped with
-    if grad_sync is not None and trace is not None:
-        grad_sync.note = lambda kind, module, **extra: note(trace, now, kind, None, module, **extra)
+    if grad_sync is not None:  # the run's GradSync serves every step: this step's trace or none
+        grad_sync.note = (lambda kind, module, **extra: note(trace, now, kind, None, module, **extra)) if trace is not None else None
     encoders = [name for name, part in model.encoders.items() if part.module is not None]
 
     def last_backward(modules: list[str], run) -> None:

@@ -9,9 +9,11 @@ ranks); each encoder runs forward, then its bridge to the LLM's first stage (dec
 placement) — ``encode_and_bridge``; the LLM stages run, the last one's loss being its
 token-loss sum over the step's global loss-token count. Backward: the LLM stages, then each
 bridge's backward (the bridge's output is detached at the LLM boundary, so this is an explicit
-phase on every rank — ``bridge_backward``), which continues into the encoder. Then
-tied-embedding and DP gradient sums, the global norm (one world-wide all-reduce), clipping, and
-each module's optimizer step.
+phase on every rank — ``bridge_backward``), which continues into the encoder. Microbatch
+gradients accumulate in the run's persistent fp32 main gradients (``GradSync``, built once:
+``grad_sync_for``). Then the TP sums of partial gradients and the DP sums (launched bucket by
+bucket during each module's last backward), the tied-embedding sum, the global norm (one
+world-wide all-reduce), clipping, and each module's optimizer step.
 """
 
 from __future__ import annotations
@@ -57,6 +59,15 @@ def _sum_over(value: float, group) -> float:
     return t.item()
 
 
+def grad_sync_for(model: MimoModel, policy: PrecisionPolicy | None = None) -> GradSync:
+    """The run's gradient buffers and bucketed sums: built on the first call (``build_run``
+    makes it) and kept on the model, the same buffers every step."""
+    if model.grad_sync is None:
+        reduce_dtype = policy.grad_reduce if policy else torch.float32
+        model.grad_sync = GradSync(model.train_params(), policy, bucket_numel(model.config.train.grad_bucket_mb, reduce_dtype))
+    return model.grad_sync
+
+
 def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: dict, policy: PrecisionPolicy | None = None,
                on_grads=None, trace: bool = False) -> StepResult:
     """One step; ``on_grads(model, grad_norm)`` (optional) sees the gradients before clipping.
@@ -67,16 +78,15 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     local = sum(mb.loss_tokens for mb in mbs) if model.stage is not None else 0  # counted on the CPU
     num_loss_tokens = _sum_over(local, model.llm_dp) if model.stage is not None else 0.0
     events: Trace | None = [] if trace else None
-    # one tick loop runs both schedules; each module's DP sums start bucket by bucket during
-    # its last backward on this rank (the tied-embedding sum below commutes with them)
+    # one tick loop runs both schedules; microbatches accumulate into the run's main gradients,
+    # and each module's DP sums start bucket by bucket during its last backward on this rank
+    # (the tied-embedding sum below commutes with them)
     params = model.train_params()
-    grad_sync = GradSync(params, policy, bucket_numel(cfg.train.grad_bucket_mb, policy.grad_reduce if policy else torch.float32))
-    try:
-        loss_local = run_schedule(model, mbs, max(num_loss_tokens, 1.0), cfg.train.schedule, cfg.train.encoder_prefetch, events,
-                                  grad_sync)
-        grad_sync.finish()
-    finally:
-        grad_sync.close()
+    grad_sync = grad_sync_for(model, policy)
+    grad_sync.zero_grad()
+    loss_local = run_schedule(model, mbs, max(num_loss_tokens, 1.0), cfg.train.schedule, cfg.train.encoder_prefetch, events,
+                              grad_sync)
+    grad_sync.finish()
     if model.stage is not None:
         sync_tied_grads(model.stage, model.llm_embedding_group)
     # on the rank's device, also where no parameter trains (one backend for the all-reduce);
@@ -91,8 +101,9 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
         lr = lr_at(step, opt.defaults["lr"], cfg.train.warmup_steps, cfg.train.steps)
         for g in opt.param_groups:
             g["lr"] = lr
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if not getattr(opt, "reads_main_grads", False):
+            grad_sync.round_grads_(module)  # torch's AdamW on bf16 weights (bf16-pure) reads .grad
+        opt.step()  # the main gradients are zeroed at the next step's start
         lrs[module] = lr
     # the step's loss: the last stage's DP ranks hold the parts; read only after the optimizer's
     # kernels are queued (at world 1 only when the caller asks), so that reading it does not
