@@ -76,6 +76,14 @@ def test_bf16_microbatches_accumulate_in_fp32():
     assert torch.equal(opt.state[w]["master"], ref.detach()) and torch.equal(w.detach(), ref.detach().to(torch.bfloat16))
     sync.round_grads_()  # bf16-pure: torch's AdamW on bf16 weights reads .grad
     assert w.grad.dtype == torch.bfloat16 and torch.equal(w.grad, exact.to(torch.bfloat16))
+    # a new step: the first microbatch overwrites last step's sum (no zeroing pass), and a
+    # step in which the weight gets no gradient leaves it zero after finish
+    sync.zero_grad()
+    (w * parts[1]).sum().backward()
+    assert torch.equal(w.main_grad, parts[1].float())
+    sync.zero_grad()
+    sync.finish()
+    assert torch.equal(w.main_grad, torch.zeros(64))
     sync.close()
 
 

@@ -114,6 +114,9 @@ class GradSync:
         self.partial_buckets: dict[str, list[_Bucket]] = {}  # per module: those summed over TP first
         self._all: list[_Bucket] = []
         self._views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # (param, its main grad)
+        # main gradients (of weights in another dtype) not written yet this step: their first
+        # microbatch copies instead of adding, so a new step need not zero them first
+        self._fresh: dict[int, torch.Tensor] = {}
         self._next: dict[str, int] = {}  # per module: the index of the next bucket to launch
         self._armed: set[str] = set()
         self._hooks = []
@@ -177,7 +180,10 @@ class GradSync:
                 # a gradient outside the buffer (bf16 weights; or a .grad someone replaced):
                 # this backward's contribution, accumulated in the main gradient's precision
                 with torch.no_grad():
-                    main.add_(g)
+                    if self._fresh.pop(id(param), None) is not None:
+                        main.copy_(g)
+                    else:
+                        main.add_(g)
                 param.grad = main if g.dtype == main.dtype else None
             if bucket.index >= 0 and bucket.module in self._armed:
                 bucket.ready.add(id(param))
@@ -187,8 +193,12 @@ class GradSync:
 
     def zero_grad(self) -> None:
         """A new step: every main gradient zero, and ``.grad`` its view again (or None under bf16)."""
+        self._fresh.clear()
         for b in self._all:
-            b.flat.zero_()
+            if b.params[0].dtype == b.flat.dtype:
+                b.flat.zero_()  # autograd accumulates straight into these views
+            else:
+                self._fresh.update((id(p), p.main_grad) for p in b.params)
             b.ready.clear()
             b.work, b.partial_done = None, False
         for p, view in self._views:
@@ -199,6 +209,14 @@ class GradSync:
                 p.grad = None
         self._next = dict.fromkeys(self._next, 0)
         self._armed.clear()
+
+    def _settle(self, b: _Bucket) -> None:
+        """Zero the main gradients of ``b`` that no microbatch wrote this step."""
+        if self._fresh:
+            for p in b.params:
+                view = self._fresh.pop(id(p), None)
+                if view is not None:
+                    view.zero_()
 
     def arm(self, module: str) -> None:
         """The module's next backward on this rank is its last: launch buckets as they fill."""
@@ -212,6 +230,7 @@ class GradSync:
         for b in self.partial_buckets.get(module, []):
             if not b.partial_done:
                 b.partial_done = True
+                self._settle(b)
                 for group in b.partial_groups:
                     if self.note is not None:
                         self.note("partial_reduce", module, numel=b.flat.numel())
@@ -226,6 +245,7 @@ class GradSync:
             b = buckets[i]
             if b.partial_groups and not b.partial_done:
                 break  # its TP sum comes first, at flush
+            self._settle(b)
             if self.note is not None:
                 self.note("bucket_reduce_start", module, bucket=b.index, numel=b.flat.numel())
             if b.shard is not None:
@@ -239,6 +259,8 @@ class GradSync:
         """Launch what is left and wait for every bucket: the main gradients hold the sums."""
         for module in self.buckets:
             self.flush(module)
+        for b in self._all:  # buckets that are not reduced (one rank): unused parameters read zero
+            self._settle(b)
         for module, buckets in self.buckets.items():
             for b in buckets:
                 b.work.wait()
