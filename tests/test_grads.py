@@ -40,9 +40,11 @@ def test_fp32_grads_are_views_of_persistent_buckets():
     assert a.grad is a.main_grad and float(bucket.flat.abs().sum()) == 0.0
     a.grad = None  # e.g. an optimizer's zero_grad(set_to_none=True): backward then makes a new tensor
     (2 * a.sum()).backward()
+    sync.accumulate("m")  # what the schedule runner does after each backward of the module
     assert a.grad is a.main_grad and torch.equal(a.main_grad, torch.full((5,), 2.0))
     a.grad = torch.full((5,), 7.0)  # a replaced .grad: this backward's contribution
     (2 * a.sum()).backward()
+    sync.accumulate("m")
     assert a.grad is a.main_grad and torch.equal(a.main_grad, torch.full((5,), 11.0))
     sync.close()
     assert not hasattr(a, "main_grad") and torch.equal(a.grad, torch.full((5,), 11.0))
@@ -59,6 +61,7 @@ def test_bf16_microbatches_accumulate_in_fp32():
     sync.zero_grad()
     for g in parts:
         (w * g).sum().backward()
+        sync.accumulate("m")  # what the schedule runner does after each backward of the module
         assert w.grad is None
     assert w.main_grad.dtype == torch.float32
     exact = torch.stack([g.float() for g in parts]).sum(0)
@@ -80,7 +83,8 @@ def test_bf16_microbatches_accumulate_in_fp32():
     # step in which the weight gets no gradient leaves it zero after finish
     sync.zero_grad()
     (w * parts[1]).sum().backward()
-    assert torch.equal(w.main_grad, parts[1].float())
+    sync.finish()  # accumulates what the last backward left
+    assert torch.equal(w.main_grad, parts[1].float()) and w.grad is None
     sync.zero_grad()
     sync.finish()
     assert torch.equal(w.main_grad, torch.zeros(64))

@@ -117,6 +117,9 @@ class GradSync:
         # main gradients (of weights in another dtype) not written yet this step: their first
         # microbatch copies instead of adding, so a new step need not zero them first
         self._fresh: dict[int, torch.Tensor] = {}
+        # per module: (param, main grad) of the buckets without a DP sum: no hook per parameter;
+        # ``accumulate`` adds their gradients with one foreach call per backward
+        self._bulk: dict[str, list[tuple[torch.nn.Parameter, torch.Tensor]]] = defaultdict(list)
         self._next: dict[str, int] = {}  # per module: the index of the next bucket to launch
         self._armed: set[str] = set()
         self._hooks = []
@@ -171,7 +174,10 @@ class GradSync:
                 p.main_grad = view
                 p.grad = view if p.dtype == dtype else None
                 self._views.append((p, view))
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(b, view)))
+                if b.group is not None:  # its DP sum launches when every gradient of it is final
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(b, view)))
+                else:
+                    self._bulk[b.module].append((p, view))
 
     def _hook(self, bucket: _Bucket, main: torch.Tensor):
         def on_grad(param: torch.nn.Parameter) -> None:
@@ -209,6 +215,27 @@ class GradSync:
                 p.grad = None
         self._next = dict.fromkeys(self._next, 0)
         self._armed.clear()
+
+    def accumulate(self, module: str) -> None:
+        """After a backward of ``module``: the gradients of its buckets without a DP sum that are
+        not their main gradients (bf16 weights; a replaced ``.grad``) into the main gradients (the
+        first microbatch of a step copies), ``.grad`` freed or pointed at the main gradient again.
+        Buckets with a DP sum do this in their per-parameter hooks, which also launch them."""
+        # fp32 weights' .grad is their main gradient already, unless someone replaced it
+        pairs = [(p, main) for p, main in self._bulk.get(module, ())
+                 if p.grad is not None and p.grad.data_ptr() != main.data_ptr()]
+        if not pairs:
+            return
+        with torch.no_grad():
+            fresh = [(p, main) for p, main in pairs if self._fresh.pop(id(p), None) is not None]
+            seen = {id(p) for p, _ in fresh}
+            added = [(p, main) for p, main in pairs if id(p) not in seen]
+            if fresh:
+                torch._foreach_copy_([m for _, m in fresh], [p.grad for p, _ in fresh])
+            if added:
+                torch._foreach_add_([m for _, m in added], [p.grad for p, _ in added])
+        for p, main in pairs:
+            p.grad = main if p.dtype == main.dtype else None
 
     def _settle(self, b: _Bucket) -> None:
         """Zero the main gradients of ``b`` that no microbatch wrote this step."""
@@ -257,6 +284,8 @@ class GradSync:
 
     def finish(self) -> None:
         """Launch what is left and wait for every bucket: the main gradients hold the sums."""
+        for module in self._bulk:
+            self.accumulate(module)
         for module in self.buckets:
             self.flush(module)
         for b in self._all:  # buckets that are not reduced (one rank): unused parameters read zero

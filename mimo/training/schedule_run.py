@@ -168,7 +168,15 @@ def run_schedule(model: MimoModel, mbs: list[Microbatch], num_loss_tokens: float
             grad_sync.arm(m)
         run()
         for m in modules:
+            grad_sync.accumulate(m)
             grad_sync.flush(m)
+
+    def backward(modules: list[str], run) -> None:
+        """An earlier backward of these modules: its bf16 gradients into the fp32 main gradients."""
+        run()
+        if grad_sync is not None:
+            for m in modules:
+                grad_sync.accumulate(m)
 
     in_flight: dict[int, list] = {}  # microbatch -> bridges whose sends this rank has not waited for
 
@@ -196,13 +204,13 @@ def run_schedule(model: MimoModel, mbs: list[Microbatch], num_loss_tokens: float
                 elif op.mb == last:  # the stage's gradients become final
                     last_backward([model.llm_name], lambda: runner.backward(op.mb, now))
                 else:
-                    runner.backward(op.mb, now)
+                    backward([model.llm_name], lambda: runner.backward(op.mb, now))
         for k in range(count):  # (c)
             if bridge_back_at[k] == now:
                 if k == last:
                     last_backward(encoders, lambda: bridge_backward(model, bridges[k], trace, now, k))
                 else:
-                    bridge_backward(model, bridges[k], trace, now, k)
+                    backward(encoders, lambda: bridge_backward(model, bridges[k], trace, now, k))
                 bridges[k] = None
     now = len(ticks)  # the buckets' ends are noted after the loop
     for k in sorted(in_flight):
