@@ -339,7 +339,7 @@ class _Scorer:
             order = [i for i in mb.llm_blocks[self.dp] if i in keep]
             items = [_item(mb.samples[i], tokens[i][: int(prompt[i])] + generated[i]) for i in order]
             rows = {e.placeholder: e.rows_per_image for e in cfg.encoders.values()}
-            batch = pack(items, rows, par.tp, par.cp, par.sequence_parallel and par.tp > 1, self.pipeline.pad_id)
+            batch = pack(items, rows, par.tp, par.cp, model.llm_ctx.sequence_parallel, self.pipeline.pad_id)
             batch = batch.to(model.device)  # packed on the CPU; the pixels are on the device already
         logits = forward_only(model, Microbatch(samples, llm_blocks, enc_blocks, batch, pixels), self.runner)
         if logits is None:

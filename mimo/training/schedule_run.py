@@ -54,7 +54,7 @@ def encode_and_bridge(model: MimoModel, mb: Microbatch, trace: Trace | None = No
     without autograd state."""
     rank, llm_grid, hidden = model.rank, model.llm_grid, model.config.llm.arch.hidden
     bridges, image_rows = {}, {}
-    sequence_parallel = model.config.llm.parallel.sequence_parallel and model.config.llm.parallel.tp > 1
+    sequence_parallel = model.llm_ctx.sequence_parallel
     for name, part in model.encoders.items():
         feed_rows = model.config.encoders[name].rows_per_image
         placeholder = model.config.encoders[name].placeholder
