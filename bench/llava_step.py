@@ -5,8 +5,8 @@ Trains configs/llava-1.3b.yaml (the same model and the same seeded samples as
 on the device in the config's precision, the synthetic data pipeline packing THD, one AdamW per
 module from ``mimo.training.optim``) and ``mimo.training.step.train_step``. Prints one JSON line: real tokens/s,
 step time (median and spread over the timed steps), model TFLOP/s counted as the baseline counts
-them (6 * N_llm * real tokens + 6 * N_vision * image tokens incl. [CLS], N_vision being the
-whole 24-block CLIP tower that the baseline counts), MFU against an 8192^3 bf16 matmul timed in
+them (``mimo.training.flops``: 6 * N_llm * real tokens + 6 * N_vision * image tokens incl. [CLS],
+N_vision being the whole 24-block CLIP tower that the baseline counts), MFU against an 8192^3 bf16 matmul timed in
 the same process, peak memory, the precision policy, and, unless ``--no-baseline``, the
 baseline's own JSON line (run as a subprocess in the same invocation) and the ratio of real
 tokens/s.
@@ -57,24 +57,6 @@ def matmul_rate(device: torch.device, n: int = 8192, iters: int = 20) -> float |
         e1.synchronize()
         times.append(e0.elapsed_time(e1) / 1e3)
     return 2 * n**3 / statistics.median(times) / 1e12
-
-
-def param_counts(config) -> tuple[int, int]:
-    """(N_llm incl. projector, N_vision of the whole tower) as the baseline counts them: the tower
-    with every block and its final norm, although mimo builds only what feature_layer needs."""
-    from mimo.encoders.vit import VisionTransformer
-    from mimo.llm.model import LLMStage
-
-    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    with torch.device("meta"):
-        n_llm = count(LLMStage(config.llm.arch))
-        n_vis = 0
-        for enc in config.encoders.values():
-            from mimo.encoders.projector import build_projector
-
-            n_llm += count(build_projector(enc.projector.kind, enc.arch.hidden, config.llm.arch.hidden))
-            n_vis += count(VisionTransformer(enc.arch, "post_norm"))
-    return n_llm, n_vis
 
 
 def run_baseline(path: Path, steps: int, attn: str) -> dict:
@@ -179,10 +161,8 @@ def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: li
                 out[variant]["profile"] = profile_steps(run, policy, [steps - 1, steps], f"{profile_to}.{variant}.txt")
     finally:
         run.close()
-    plan = [run.pipeline.plan.step(step, config.train.micro_batches) for step in range(warmup + 1, steps + 1)]
-    tokens = sum(s.tokens for mbs in plan for samples in mbs for s in samples)
-    images = sum(s.images for mbs in plan for samples in mbs for s in samples)
-    return {"variants": out, "real_tokens": tokens, "images": images, "policy": policy, "build_s": build_s}
+    timed = [s for step in range(warmup + 1, steps + 1) for mbs in run.pipeline.plan.step(step, config.train.micro_batches) for s in mbs]
+    return {"variants": out, "real_tokens": sum(s.tokens for s in timed), "samples": timed, "policy": policy, "build_s": build_s}
 
 
 def main(argv=None) -> dict:
@@ -206,6 +186,7 @@ def main(argv=None) -> dict:
         parser.error("--steps must exceed --warmup")
 
     from mimo.compose.config import load_config
+    from mimo.training.flops import model_flops, param_counts
 
     # built eager; the "compile" variant compiles the same model afterwards (train.compile's work)
     config = load_config(args.config, (TINY if args.tiny else []) + args.overrides + ["train.compile=false"])
@@ -221,9 +202,10 @@ def main(argv=None) -> dict:
     rate = matmul_rate(device)
     got = run_mimo(config, device, args.steps, args.warmup, args.variants.split(","), args.profile, args.sync_steps)
 
-    n_llm, n_vis = param_counts(config)
-    tokens_per_image = sum(e.arch.patches_per_image + (1 if e.arch.class_token else 0) for e in config.encoders.values())
-    flops = 6 * n_llm * got["real_tokens"] + 6 * n_vis * got["images"] * tokens_per_image  # the baseline's count
+    counts = param_counts(config)
+    n_llm = counts[config.llm_name]
+    n_vis = sum(counts[name] for name in config.encoders)
+    flops = model_flops(config, got["samples"], counts)  # the baseline's count (mimo.training.flops)
     p = got["policy"]
     res = {
         "bench": "llava_step", "config": os.path.relpath(args.config, ROOT), "overrides": (["--tiny"] if args.tiny else []) + args.overrides,

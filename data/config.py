@@ -10,7 +10,6 @@ from typing import Literal
 
 from mimo.core.schema import at_least, join_path
 
-TEMPLATES = ("plain", "vicuna", "chatml")
 
 
 @dataclass
@@ -35,7 +34,11 @@ class DataConfig:
     source: Literal["webdataset", "synthetic"] = "webdataset"  # synthetic: random samples, no files
     shards: str | None = None  # WebDataset tar files; braces expand: "train-{000000..000031}.tar"
     tokenizer: str | None = None  # a Hugging Face tokenizer directory
-    template: Literal["plain", "vicuna", "chatml"] = "vicuna"  # how conversations become text
+    # how conversations become text; tokenizer: the tokenizer's own chat_template, its {% generation %}
+    # blocks carrying the loss (mimo.data.text)
+    template: Literal["plain", "vicuna", "chatml", "tokenizer"] = "vicuna"
+    # where the data index is written (e.g. when the shards are on read-only storage); None: beside the shards
+    index_dir: str | None = None
     tokens_per_microbatch: int = 4096  # global (all DP ranks together), layout-independent
     max_sample_tokens: int = 2048  # longer samples are skipped as too long
     seed: int = 0  # sample order (epochs are reshuffled with seed + epoch)
@@ -91,6 +94,7 @@ def missing_shards(pattern: str, key: str) -> list[str]:
     missing = [n for n in names if not (glob.glob(n) if glob.has_magic(n) else os.path.isfile(n))]
     if len(missing) == len(names):
         return [f"{key}: no file matches {pattern!r}"]
-    if missing:
-        return [f"{key}: {len(missing)} of {len(names)} shards of {pattern!r} are missing, e.g. {missing[0]!r}"]
+    if missing:  # all of them named (up to a few), so that one look fixes them
+        named = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        return [f"{key}: {len(missing)} of {len(names)} shards of {pattern!r} are missing: {named}"]
     return []

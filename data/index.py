@@ -1,4 +1,4 @@
-"""``mimo prepare-data``: one pass over the shards that writes an index beside them.
+"""``mimo prepare-data``: one pass over the shards that writes an index beside them (or in ``data.index_dir``).
 
 Per sample the index holds where its files lie, its token count for the configured
 tokenizer, template and encoders (image rows included), where each image's rows start, and
@@ -26,7 +26,9 @@ from mimo.data.text import TextEncoder, load_tokenizer, turns_from_caption, turn
 from mimo.core.errors import DataError
 
 log = logging.getLogger("mimo.data")
-INDEX_VERSION = 3  # 2: images map to encoders by placeholder (mimo.data.text); 3: a cut tar's last sample is "truncated"; earlier verdicts differ
+# 2: images map to encoders by placeholder (mimo.data.text); 3: a cut tar's last sample is "truncated";
+# 4: an empty caption or answer is bad; earlier verdicts differ
+INDEX_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -100,12 +102,35 @@ def fingerprint(shards: list[str], spec: TextSpec) -> str:
     return h.hexdigest()
 
 
-def index_path(pattern: str) -> str:
-    """Beside the shards, named after the pattern: 'd/train-{0..3}.tar' -> 'd/train-0..3.mimo-index.json'."""
+def index_path(pattern: str, spec: TextSpec, index_dir: str | None = None) -> str:
+    """In ``index_dir`` (default: beside the first shard), named after the pattern and keyed by
+    tokenizer and template, so that switching either keeps the other's index:
+    'd/train-{0..3}.tar' -> 'd/train-0..3.chatml-1a2b3c4d.mimo-index.json'; the key hashes the
+    pattern's and the tokenizer's absolute paths and the template. A pattern that is not a name
+    plus at most one numeric range (a brace list, a glob, braces in folders) is named 'shards'."""
     directory, base = os.path.split(pattern)
-    name = re.sub(r"[{}*?\[\],]", "", base)
-    name = name[:-4] if name.endswith(".tar") else name
-    return os.path.join(directory, f"{name}.mimo-index.json")
+    base = base[:-4] if base.endswith(".tar") else base
+    if re.fullmatch(r"[\w.-]*(\{\d+\.\.\d+\})?[\w.-]*", base) and not re.search(r"[{}*?\[\]]", directory):
+        name = base.replace("{", "").replace("}", "") or "shards"
+    else:
+        name = "shards"
+        shards = shard_paths(pattern)
+        directory = os.path.dirname(shards[0]) if shards else "."
+    key = hashlib.sha256(f"{os.path.abspath(pattern)}|{os.path.abspath(spec.tokenizer)}|{spec.template}".encode()).hexdigest()[:8]
+    return os.path.join(index_dir or directory, f"{name}.{spec.template}-{key}.mimo-index.json")
+
+
+def _check_writable(path: str) -> None:
+    """A DataError naming the place and the way out, before a whole pass over the shards."""
+    directory = os.path.dirname(path) or "."
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create the data index folder {directory!r}: {e.strerror or e}; set data.index_dir to a "
+                        f"writable folder") from None
+    if not os.access(directory, os.W_OK):
+        raise DataError(f"cannot write the data index {path!r}: {directory!r} is not writable (read-only dataset "
+                        f"storage?); set data.index_dir to a writable folder") from None
 
 
 def index_sample(files: dict[str, bytes], encoder: TextEncoder, placeholders: list[str]) -> tuple[int, int, dict[str, list[int]]]:
@@ -160,11 +185,11 @@ def build_index(pattern: str, spec: TextSpec, workers: int = 2) -> Index:
     return Index(shards, entries, fingerprint(shards, spec), errors)
 
 
-def prepare(pattern: str, spec: TextSpec, workers: int = 2, rebuild: bool = False) -> tuple[Index, str]:
+def prepare(pattern: str, spec: TextSpec, workers: int = 2, rebuild: bool = False, index_dir: str | None = None) -> tuple[Index, str]:
     """Load the index for ``pattern``, building or rebuilding it when missing or stale.
 
     Returns the index and what happened ('loaded', 'built', 'rebuilt: <why>')."""
-    path = index_path(pattern)
+    path = index_path(pattern, spec, index_dir)
     shards = shard_paths(pattern)
     missing = [s for s in shards if not os.path.isfile(s)]
     if missing:
@@ -182,6 +207,7 @@ def prepare(pattern: str, spec: TextSpec, workers: int = 2, rebuild: bool = Fals
                 return Index.from_json(obj), "loaded"
             status = "rebuilt: shards, tokenizer, template or encoders changed since it was written"
             log.info("index %s is stale; %s", path, status)
+    _check_writable(path)
     index = build_index(pattern, spec, workers)
     tmp = f"{path}.{os.getpid()}.tmp"  # concurrent builders each write whole files, then rename
     try:
@@ -189,13 +215,13 @@ def prepare(pattern: str, spec: TextSpec, workers: int = 2, rebuild: bool = Fals
             json.dump(index.to_json(), f)
         os.replace(tmp, path)
     except OSError as e:
-        raise DataError(f"cannot write the data index {path!r}: {e}") from None
+        raise DataError(f"cannot write the data index {path!r}: {e.strerror or e}; set data.index_dir to a writable folder") from None
     return index, status
 
 
-def load_index(pattern: str, spec: TextSpec) -> Index:
+def load_index(pattern: str, spec: TextSpec, index_dir: str | None = None) -> Index:
     """The current index, or DataError if it is missing or stale (no rebuild)."""
-    path = index_path(pattern)
+    path = index_path(pattern, spec, index_dir)
     if not os.path.isfile(path):
         raise DataError(f"no data index at {path!r}: run `mimo prepare-data CONFIG`")
     with open(path) as f:

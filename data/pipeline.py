@@ -101,7 +101,7 @@ class SampleReader:
         self.tokenizer = load_tokenizer(text.tokenizer)
         self.encoder = TextEncoder(self.tokenizer, text.template, dict(text.rows_per_image))
         self.placeholders = text.placeholders
-        self.pad_id = self.encoder.image_token
+        self.pad_id = self.encoder.pad_id
 
     def read(self, s: PlannedSample) -> ReadSample:
         entry = self.index.entries[s.id]

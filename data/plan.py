@@ -41,11 +41,13 @@ class DataPlan:
         self.seed, self.shuffle = seed, shuffle
         self.skipped = Counter(index.bad_counts())
         self.valid: list[int] = []
+        self.too_long: list[int] = []  # entry ids of the samples longer than max_sample_tokens
         for i, e in enumerate(index.entries):
             if e.bad:
                 continue
             if e.tokens > max_sample_tokens:
                 self.skipped["too long"] += 1
+                self.too_long.append(i)
                 continue
             self.valid.append(i)
         if not self.valid:

@@ -4,7 +4,8 @@ A sample's text is a list of turns (``human`` / ``gpt``). The template renders e
 pieces that are tokenized separately and concatenated, so the assistant's tokens (its
 content and end marker) are known exactly and carry the labels; nothing else does. Each
 occurrence of an encoder's placeholder becomes exactly that encoder's rows per image of
-image positions (token id: the tokenizer's pad id; the LLM replaces them with image rows).
+image positions (token id: the placeholder's own token, else pad, else eos: mimo.data.tokenizer; the
+LLM replaces them with image rows).
 
 Which image file feeds which encoder (several encoders, DESIGN §2) follows from the counts of
 placeholders in the text, for a sample with N image files (ordered ``png``/``0.png``, ``1.png``, ...):
@@ -26,7 +27,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from mimo.core.errors import DataError
+from mimo.data.tokenizer import facts_of, load_tokenizer, special_ids, tokenizer_problems
 
+TEMPLATES = ("plain", "vicuna", "chatml", "tokenizer")  # tokenizer: its own chat_template
 VICUNA_SYSTEM = (
     "A chat between a curious user and an artificial intelligence assistant. "
     "The assistant gives helpful, detailed, and polite answers to the user's questions."
@@ -58,7 +61,10 @@ def turns_from_json(obj) -> list[Turn]:
     for i, t in enumerate(obj["conversations"]):
         if not isinstance(t, dict) or not isinstance(t.get("value"), str) or t.get("from") not in ("human", "user", "gpt", "assistant"):
             raise DataError(f"missing key: conversations[{i}] needs 'from' (human/gpt) and a string 'value'")
-        turns.append(Turn("human" if t["from"] in ("human", "user") else "gpt", t["value"]))
+        role = "human" if t["from"] in ("human", "user") else "gpt"
+        if role == "gpt" and not t["value"].strip():
+            raise DataError(f"empty answer: conversations[{i}] is an assistant turn with no text")
+        turns.append(Turn(role, t["value"]))
     if not any(t.role == "gpt" for t in turns):
         raise DataError("no assistant turn: nothing to learn")
     return turns
@@ -66,19 +72,25 @@ def turns_from_json(obj) -> list[Turn]:
 
 def turns_from_caption(caption: str, placeholders: Sequence[str], images: int) -> list[Turn]:
     """An image-caption pair as one exchange: the images, then the caption as the answer."""
+    if not caption.strip():
+        raise DataError("empty caption: the txt file has no text")
     prompt = "".join(f"{p}\n" for _ in range(images) for p in placeholders)
     return [Turn("human", prompt), Turn("gpt", caption.strip())]
 
 
 class Template:
-    """Renders turns as (text, is_target) pieces."""
+    """Renders turns as (text, is_target) pieces. ``tokenizer``: the tokenizer's own chat
+    template; its ``{% generation %}`` blocks are the targets (mimo.data.tokenizer checks it)."""
 
-    def __init__(self, name: str, eos: str):
-        if name not in ("plain", "vicuna", "chatml"):
+    def __init__(self, name: str, eos: str, tokenizer=None):
+        if name not in TEMPLATES:
             raise DataError(f"unknown template {name!r}")
-        self.name, self.eos = name, eos
+        self.name, self.eos, self.tokenizer = name, eos, tokenizer
+        self._list_content = False  # the chat template wants content as a list of parts (found on first use)
 
     def pieces(self, turns: Sequence[Turn]) -> list[tuple[str, bool]]:
+        if self.name == "tokenizer":
+            return self._chat_template_pieces(turns)
         out: list[tuple[str, bool]] = []
         if self.name == "vicuna":
             out.append((VICUNA_SYSTEM, False))
@@ -94,16 +106,49 @@ class Template:
                     out += [("<|im_start|>assistant\n", False), (t.text + "<|im_end|>", True), ("\n", False)]
         return out
 
+    def _chat_template_pieces(self, turns: Sequence[Turn]) -> list[tuple[str, bool]]:
+        """What ``apply_chat_template(..., return_assistant_tokens_mask=True)`` renders, cut at its
+        generation spans (the tokenizer's special tokens are the template's variables, as there)."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        tok = self.tokenizer
+        errors = []
+        for list_content in (self._list_content, not self._list_content):
+            messages = [{"role": "user" if t.role == "human" else "assistant",
+                         "content": [{"type": "text", "text": t.text}] if list_content else t.text} for t in turns]
+            try:
+                rendered, spans = render_jinja_template([messages], chat_template=tok.chat_template,
+                                                        return_assistant_tokens_mask=True, **tok.special_tokens_map)
+            except Exception as e:  # noqa: BLE001 - jinja raises many kinds; the sample is reported bad
+                errors.append(f"{type(e).__name__}: {e}")
+                continue
+            self._list_content = list_content
+            text, out, at = rendered[0], [], 0
+            for start, stop in spans[0]:
+                out += [(text[at:start], False), (text[start:stop], True)]
+                at = stop
+            out.append((text[at:], False))
+            if not any(target and piece for piece, target in out):
+                raise DataError("empty answer: the chat template marked no assistant text ({% generation %})")
+            return [(piece, target) for piece, target in out if piece]
+        raise DataError(f"chat template failed: {errors[0]}")
+
 
 class TextEncoder:
     """Tokenizer + template + placeholders -> TokenizedSample."""
 
     def __init__(self, tokenizer, template: str, rows_per_image: dict[str, int]):
+        facts = facts_of(tokenizer)
+        problems = tokenizer_problems(facts, template, list(rows_per_image))
+        if problems:  # check-config reports these first; here for callers that skip it
+            raise DataError("; ".join(problems))
+        ids, _ = special_ids(facts, list(rows_per_image))
         self.tok = tokenizer
-        self.template = Template(template, tokenizer.eos_token or "")
+        self.template = Template(template, tokenizer.eos_token or "", tokenizer)
         self.rows_per_image = dict(rows_per_image)
-        self.image_token = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        self.image_tokens, self.pad_id = ids.image, ids.pad
+        # a chat template writes its own bos (HF's apply_chat_template adds no special tokens)
+        self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and template != "tokenizer" else []
         names = sorted(self.rows_per_image, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(re.escape(p) for p in names) + ")") if names else None
 
@@ -130,7 +175,7 @@ class TextEncoder:
                 occurrences[part].append(sum(len(v) for v in starts.values()))
                 starts[part].append(len(tokens))
                 n = self.rows_per_image[part]
-                tokens += [self.image_token] * n
+                tokens += [self.image_tokens[part]] * n
                 target += [False] * n
             else:
                 piece = next(ids)
@@ -152,10 +197,44 @@ def image_files(occurrences: dict[str, list[int]], images: int) -> dict[str, lis
                     f"per image (shared images) or all placeholders together one per image (one encoder each)")
 
 
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+LABEL_OPEN, LABEL_CLOSE = "[[", "]]"
 
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; the user needs the path
-        raise DataError(f"cannot load a tokenizer from {path!r}: {e}") from None
+
+def show_sample(tokens: list[int], target: list[bool], image_starts: dict[str, list[int]], rows_per_image: dict[str, int],
+                decode) -> str:
+    """A sample as a person reads it: the decoded text with ``[[...]]`` around the label tokens
+    (the ones the loss predicts) and ``{<image> x N}`` for the N image positions of each image."""
+    image_at = {s: p for p, starts in image_starts.items() for s in starts}
+    out, run, flag, i = [], [], False, 0
+
+    def flush():
+        if run:
+            text = decode(run)
+            out.append(f"{LABEL_OPEN}{text}{LABEL_CLOSE}" if flag else text)
+            run.clear()
+
+    while i < len(tokens):
+        if i in image_at:
+            flush()
+            p = image_at[i]
+            out.append(f"{{{p} x {rows_per_image[p]}}}")
+            i += rows_per_image[p]
+            continue
+        if target[i] != flag:
+            flush()
+            flag = target[i]
+        run.append(tokens[i])
+        i += 1
+    flush()
+    return "".join(out)
+
+
+def true_runs(flags: Sequence[bool]) -> list[list[int]]:
+    """[start, stop) of each run of True: [F, T, T, F, T] -> [[1, 3], [4, 5]]."""
+    runs: list[list[int]] = []
+    for i, f in enumerate(flags):
+        if f and runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        elif f:
+            runs.append([i, i + 1])
+    return runs

@@ -39,10 +39,11 @@ from mimo.encoders.config import VitArch
 from mimo.encoders.vit import patch_bias
 from mimo.encoders.weights import ImportedWeights, LazyTensor, Rule, check_arch, lazy_safetensors, map_state
 from mimo.core.errors import MimoError
+from mimo.core.weights import load_exactly_
 
 __all__ = [
     "read_config_json", "read_hf_config", "hf_arch", "hf_rules", "load_hf_state", "import_hf_state", "import_hf",
-    "save_hf_checkpoint", "build_hf_model", "hf_features", "import_llava_projector",
+    "save_hf_checkpoint", "build_hf_model", "hf_features", "import_llava_projector", "check_hf_tower",
 ]
 
 FAMILIES = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
@@ -271,26 +272,44 @@ def save_hf_checkpoint(path: str, weights: ImportedWeights, tower_state: Mapping
         json.dump(config, f, indent=2)
 
 
-def build_hf_model(family: str, vision_config: dict, path: str | None = None):
-    """The original Hugging Face vision model: from ``path`` by HF's own loader, else randomly
-    initialised from the config (seed torch's global RNG first for a reproducible one)."""
+def _hf_vision_class(family: str):
     import transformers
-    from transformers.utils import logging as hf_logging
 
-    cls = transformers.CLIPVisionModel if family == "clip" else transformers.SiglipVisionModel
-    if path is None:
-        cfg = _config_class(family)(**{k: v for k, v in vision_config.items() if k != "model_type"})
-        return cls(cfg).float().eval()
-    # quiet: no progress bars, no report of the text tower a full CLIP checkpoint also holds
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        return cls.from_pretrained(path, dtype=torch.float32).eval()
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
+    return transformers.CLIPVisionModel if family == "clip" else transformers.SiglipVisionModel
+
+
+def hf_tower_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], where: str) -> tuple[dict, object]:
+    """The checkpoint's vision-tower tensors (under the prefix of its patch embedding: a vision
+    model, a full CLIP / SigLIP model, or the tower inside LLaVA) by the keys of the Hugging
+    Face vision ``model``, and a function naming a model key as the checkpoint spells it."""
+    prefix = find_prefix(state, where)
+    model_prefix = find_prefix(model.state_dict(), f"the {type(model).__name__}")
+    ignored = "embeddings.position_ids"  # a buffer older checkpoints saved
+    tower = {model_prefix + k[len(prefix):]: t for k, t in state.items() if k.startswith(prefix) and not k.endswith(ignored)}
+    return tower, lambda key: prefix + key[len(model_prefix):] if key.startswith(model_prefix) else key
+
+
+def check_hf_tower(family: str, vision_config: dict, state: Mapping[str, torch.Tensor], where: str) -> None:
+    """MimoError unless the checkpoint's tower tensors are exactly the Hugging Face vision
+    model's (names and shapes; a meta-device model, nothing loaded or allocated)."""
+    cfg = _config_class(family)(**{k: v for k, v in vision_config.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = _hf_vision_class(family)(cfg)
+    tower, name = hf_tower_state(model, state, where)
+    load_exactly_(model, tower, where, name)  # meta into meta: only the check
+
+
+def build_hf_model(family: str, vision_config: dict, path: str | None = None):
+    """The original Hugging Face vision model: randomly initialised from the config (seed
+    torch's global RNG first for a reproducible one), then, with ``path``, every weight loaded
+    from the checkpoint's tower (``load_exactly_``: a vision model, a full CLIP / SigLIP model
+    or a LLaVA checkpoint's tower; nothing left at random, nothing of the tower unused)."""
+    cfg = _config_class(family)(**{k: v for k, v in vision_config.items() if k != "model_type"})
+    model = _hf_vision_class(family)(cfg).float().eval()
+    if path is not None:
+        tower, name = hf_tower_state(model, load_hf_state(path), f"checkpoint {path!r}")
+        load_exactly_(model, {k: t.float() for k, t in tower.items()}, f"checkpoint {path!r}", name)
+    return model
 
 
 def hf_features(model, family: str, pixels_NCHW: torch.Tensor, feature_layer: int | str, interpolate: bool = False) -> torch.Tensor:

@@ -112,10 +112,12 @@ def preflight(source: EncoderSource, arch: VitArch) -> None:
 
         import_timm_state(load_state_file(source.weights), arch, f"checkpoint {source.weights!r}")
     elif source.kind == "hf" and source.hf_weights:
-        from mimo.encoders.hf_import import import_hf_state, load_hf_state, read_hf_config
+        from mimo.encoders.hf_import import check_hf_tower, import_hf_state, load_hf_state, read_hf_config
 
-        family, _, _ = read_hf_config(source.name)
-        import_hf_state(load_hf_state(source.name, shapes_only=True), arch, family, f"checkpoint {source.name!r}")
+        family, vision, _ = read_hf_config(source.name)
+        state = load_hf_state(source.name, shapes_only=True)
+        import_hf_state(state, arch, family, f"checkpoint {source.name!r}")
+        check_hf_tower(family, vision, state, f"checkpoint {source.name!r}")  # the reference loads every weight too
 
 
 def check_request(arch: VitArch, tp: int, feature_layer: int | str, image_size: int | None) -> VitArch:
@@ -242,12 +244,16 @@ def verify_case(
     ref64_model = copy.deepcopy(ref_model).double()
     ref_params, ref64_params = dict(ref_model.named_parameters()), dict(ref64_model.named_parameters())
     prefix = weights.meta.get("prefix", "")
+    # the reference's own prefix of the tower (HF: "vision_model."), where the source's differs (a LLaVA tower)
+    ref_prefix = next((k[: -len("embeddings.patch_embedding.weight")] for k in ref_params
+                       if k.endswith("embeddings.patch_embedding.weight")), "")
 
     def ref_name(key: str) -> str | None:
         if key in ref_params:
             return key
-        if prefix and key.startswith(prefix) and key[len(prefix):] in ref_params:
-            return key[len(prefix):]
+        for ours in dict.fromkeys(["", ref_prefix]):
+            if prefix and key.startswith(prefix) and ours + key[len(prefix):] in ref_params:
+                return ours + key[len(prefix):]
         return None
 
     gen = torch.Generator().manual_seed(seed + 1)

@@ -397,20 +397,26 @@ def llava_text_config(config: Mapping) -> dict:
     return {**whole["text_config"], "tie_word_embeddings": bool(whole["tie_word_embeddings"])}
 
 
+def language_model_of(ckpt: HFCheckpoint) -> tuple[dict, Rename, list[str]]:
+    """(causal-LM config, causal-LM name -> checkpoint name, the checkpoint's language-model
+    keys) of a causal-LM checkpoint, or of the language model inside a LLaVA one (either naming)."""
+    config, keys = ckpt.config, ckpt.keys()
+    if config.get("model_type") != "llava":
+        return config, _same, keys
+    config = llava_text_config(config)
+    found = [pair for pair in LLAVA_LM.values() if llava_lm_key("model.embed_tokens.weight", *pair) in keys]
+    if not found:
+        raise MimoError(f"{ckpt.path!r}: a LLaVA config, but no language model embedding "
+                        f"({' or '.join(llava_lm_key('model.embed_tokens.weight', *p) for p in LLAVA_LM.values())})")
+    body, head = found[0]
+    return config, lambda name: llava_lm_key(name, body, head), [k for k in keys if k.startswith(body) or k == head]
+
+
 def load_hf_checkpoint(stage: LLMStage, path: str) -> None:
     """``init: {hf: DIR}``: load a Hugging Face checkpoint directory into this rank's stage: a
     causal LM, or the language model of a LLaVA checkpoint (either key naming)."""
     ckpt = HFCheckpoint(path)
-    config, rename, keys = ckpt.config, _same, ckpt.keys()
-    if config.get("model_type") == "llava":
-        config = llava_text_config(config)
-        found = [pair for pair in LLAVA_LM.values() if llava_lm_key("model.embed_tokens.weight", *pair) in keys]
-        if not found:
-            raise MimoError(f"{path!r}: a LLaVA config, but no language model embedding "
-                            f"({' or '.join(llava_lm_key('model.embed_tokens.weight', *p) for p in LLAVA_LM.values())})")
-        body, head = found[0]
-        rename = lambda name: llava_lm_key(name, body, head)  # noqa: E731
-        keys = [k for k in keys if k.startswith(body) or k == head]
+    config, rename, keys = language_model_of(ckpt)
     theirs = arch_from_hf_config(config)
     for field in ("rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qk_norm"):
         if getattr(theirs, field) != getattr(stage.arch, field):
@@ -435,13 +441,42 @@ def export_hf_state(full_state: Mapping[str, torch.Tensor], arch: HybridArch, re
     return out
 
 
-def save_hf_checkpoint(path: str, hf_state: Mapping[str, torch.Tensor], config: Mapping) -> None:
-    """Write ``config.json`` and ``model.safetensors`` (a tied head is not stored, as HF does)."""
-    from safetensors.torch import save_file
-
+def save_hf_checkpoint(path: str, hf_state: Mapping[str, torch.Tensor], config: Mapping,
+                       max_shard_bytes: int | None = None) -> None:
+    """Write ``config.json`` and the safetensors weights (``write_safetensors``; a tied head is
+    not stored, as HF does)."""
     os.makedirs(path, exist_ok=True)
     tied = bool(config.get("tie_word_embeddings", False))
-    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in hf_state.items() if not (tied and k == TIED_HEAD)}
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(path, {k: v for k, v in hf_state.items() if not (tied and k == TIED_HEAD)}, max_shard_bytes)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(dict(config), f, indent=2)
+
+
+def write_safetensors(path: str, tensors: Mapping[str, torch.Tensor], max_shard_bytes: int | None = None) -> list[str]:
+    """``model.safetensors``, or (when the tensors exceed ``max_shard_bytes``) Hugging Face's
+    sharded layout: ``model-0000i-of-0000N.safetensors`` in key order, each at most
+    ``max_shard_bytes`` unless one tensor is larger, and ``model.safetensors.index.json``.
+    Returns the files written."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": {key: name for name, shard in zip(names, shards) for key in shard}}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+    return [*names, "model.safetensors.index.json"]

@@ -4,7 +4,8 @@ The main process builds the Hugging Face model (the checkpoint's weights, or ran
 for ``config.json`` at a scale where every path shows: ``randomize_``), runs it on each random sample alone, and writes the
 weights to a directory unless they are already there. ``tp * pp`` gloo workers then import
 that directory exactly as ``init: {hf: DIR}`` does, run one packed batch of all samples
-through the pipeline and return the logits (full vocab) and their stages' full weights. We
+through the pipeline and return the logits (full vocab) and their stages' full weights (a
+LLaVA directory: its language model, the text config and the language-model tensors). We
 report the largest per-sample ``‖ours − hf‖ / ‖hf‖`` of the logits, the loss against the
 Hugging Face per-token loss, and whether exporting our weights gives back the Hugging Face
 state dict bit for bit.
@@ -29,10 +30,21 @@ import torch
 from mimo.core.batch import PackedBatch
 from mimo.core.errors import ConfigError, MimoError
 from mimo.core.testing import Yardstick, rel_err
+from mimo.core.weights import load_exactly_
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.grid import ParallelConfig, ParallelGrid
 from mimo.llm.config import LLMModuleConfig
-from mimo.llm.hf import HFCheckpoint, arch_from_hf_config, check_hf_tensors, export_hf_state, load_hf_checkpoint
+from mimo.llm.hf import (
+    IGNORED,
+    TIED_HEAD,
+    HFCheckpoint,
+    arch_from_hf_config,
+    check_hf_tensors,
+    export_hf_state,
+    language_model_of,
+    llava_text_config,
+    load_hf_checkpoint,
+)
 from mimo.llm.model import build_stage, count_loss_tokens
 from mimo.llm.pipeline import run_pipeline
 
@@ -73,7 +85,7 @@ def verify_llm_worker(path: str, tp: int, pp: int, sequence_parallel: bool, batc
     """On every rank of the pool: import ``path`` at tp x pp (ranks 0..tp*pp-1), run ``batch``."""
     import torch.distributed as dist
 
-    arch = arch_from_hf_config(HFCheckpoint(path).config)
+    arch = arch_from_hf_config(language_model_of(HFCheckpoint(path))[0])
     grid = ParallelGrid({"tp": tp, "cp": 1, "dp": 1, "pp": pp})
     ctx = ParallelContext(grid, dist.get_rank(), grid.registry, sequence_parallel=sequence_parallel)
     stage = build_stage(arch, ctx)
@@ -102,16 +114,24 @@ def _read_config(path: str) -> tuple[str, dict]:
         return path, json.load(f)
 
 
-def _hf_model(path: str, from_checkpoint: bool, seed: int):
+def _hf_model(path: str, cfg: dict, from_checkpoint: bool, seed: int):
+    """The Hugging Face causal LM of ``cfg`` (a causal LM's config, or the language model's
+    inside LLaVA): every weight from the checkpoint (``load_exactly_``: a missing or unexpected
+    tensor is an error, never a random weight), or ``randomize_``'d."""
     import transformers
 
-    kwargs = dict(dtype=torch.float32, attn_implementation="eager")
-    if from_checkpoint:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
-    else:
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-        model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    config = transformers.AutoConfig.for_model(**cfg)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    if not from_checkpoint:
         randomize_(model, seed)
+        return model.eval()
+    ckpt = HFCheckpoint(path)
+    _, rename, keys = language_model_of(ckpt)
+    ours = {rename(k): k for k in model.state_dict()}  # checkpoint name -> the model's
+    state = {ours.get(k, k): ckpt.get(k).float() for k in keys if not k.endswith(IGNORED)}
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    load_exactly_(model, state, f"checkpoint {path!r}", lambda k: rename(k) if k in model.state_dict() else k,
+                  may_miss=(TIED_HEAD,) if tied else ())
     return model.eval()
 
 
@@ -134,9 +154,12 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
 
 def check_layout(path: str, tp: int, pp: int, sequence_parallel: bool = False,
                  from_checkpoint: bool = False) -> tuple[str, dict]:
-    """(directory, config.json) if ``path`` holds a supported model that fits tp x pp (and, for
-    a checkpoint, whose tensors fit it); else MimoError / ConfigError, before any process starts."""
+    """(directory, the causal LM's config: config.json, or a LLaVA config's language model) if
+    ``path`` holds a supported model that fits tp x pp (and, for a checkpoint, whose tensors fit
+    it); else MimoError / ConfigError, before any process starts."""
     path, cfg = _read_config(path)
+    if cfg.get("model_type") == "llava":  # its language model
+        cfg = llava_text_config(cfg)
     arch = arch_from_hf_config(cfg)
     module = LLMModuleConfig(kind="hybrid", arch=arch, parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=sequence_parallel))
     problems = arch.validate("arch") + module.validate("")
@@ -144,7 +167,8 @@ def check_layout(path: str, tp: int, pp: int, sequence_parallel: bool = False,
         raise ConfigError(problems)
     if from_checkpoint:
         ckpt = HFCheckpoint(path)
-        check_hf_tensors(arch, {n: ckpt.shape(n) for n in ckpt.keys()}, path)
+        _, rename, keys = language_model_of(ckpt)
+        check_hf_tensors(arch, {n: ckpt.shape(n) for n in keys}, path, rename)
     return path, cfg
 
 
@@ -154,7 +178,7 @@ def verify_llm(path: str, pool, *, from_checkpoint: bool, tp: int = 1, pp: int =
     pool (``mimo.training.launch.WorkerPool``) of at least tp*pp ranks; ranks past tp*pp idle."""
     path, cfg = check_layout(path, tp, pp, sequence_parallel, from_checkpoint)
     arch = arch_from_hf_config(cfg)
-    hf = _hf_model(path, from_checkpoint, seed)
+    hf = _hf_model(path, cfg, from_checkpoint, seed)
 
     gen = torch.Generator().manual_seed(seed + 2)
     toks = random_samples(arch.vocab, samples, min(max_len, arch.max_seq_len), gen)

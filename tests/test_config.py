@@ -184,7 +184,7 @@ def test_webdataset_shards_and_tokenizer_on_disk(tmp_path):
         (tmp_path / f"train-{i:04d}.tar").write_bytes(b"")
     data = {"shards": str(tmp_path / "train-{0000..0003}.tar"), "tokenizer": str(tmp_path / "tok"), "max_sample_tokens": 256}
     problems = problems_of(small_config(data=data))
-    assert problems == [f"data.shards: 1 of 4 shards of {data['shards']!r} are missing, e.g. {str(tmp_path / 'train-0003.tar')!r}"]
+    assert problems == [f"data.shards: 1 of 4 shards of {data['shards']!r} are missing: {str(tmp_path / 'train-0003.tar')!r}"]
     (tmp_path / "train-0003.tar").write_bytes(b"")
     assert config_from_dict(small_config(data=data)).data.tokenizer == str(tmp_path / "tok")
 

@@ -100,7 +100,7 @@ def test_index_is_reused_then_rebuilt_when_stale(dataset, tmp_path):
     assert prepare(pattern, spec, workers=1)[1].startswith("rebuilt")
     other = TextSpec(spec.tokenizer, TEMPLATE, (("<image>", ROWS + 1),))  # encoders changed
     assert prepare(pattern, other, workers=1)[1].startswith("rebuilt")
-    assert os.path.isfile(index_path(pattern))
+    assert os.path.isfile(index_path(pattern, spec))
 
 
 def test_tokens_labels_and_placeholders(dataset):

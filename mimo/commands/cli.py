@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -44,7 +45,7 @@ def config_arguments(parser: argparse.ArgumentParser) -> None:
     """CONFIG plus dotted overrides, taken by every command that reads a config."""
     parser.add_argument("config", metavar="CONFIG", help="YAML config file")
     parser.add_argument(
-        "overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides, e.g. train.steps=5 modules.vision.parallel.tp=2"
+        "overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides, anywhere on the line, e.g. train.steps=5 modules.vision.parallel.tp=2"
     )
 
 
@@ -81,9 +82,9 @@ def verify_bridge_arguments(parser: argparse.ArgumentParser) -> None:
     side.add_argument("--colocated", dest="colocated", action="store_const", const=True, help="both ends on the same ranks")
     side.add_argument("--non-colocated", dest="colocated", action="store_const", const=False, help="disjoint ranks: source first")
     parser.add_argument("--rows", choices=("ragged", "uniform"), default="ragged", help="rows per sample")
-    parser.add_argument("--hidden", type=int, default=12)
-    parser.add_argument("--microbatches", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=12, help="row width of the random activations (default 12)")
+    parser.add_argument("--microbatches", type=int, default=3, help="microbatches sent through the bridge (default 3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs and weights (default 0)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="what the bridge moves (exactly, either way)")
     device_argument(parser)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a hung rank fails the run")
@@ -116,13 +117,14 @@ def run_verify_bridge(args: argparse.Namespace) -> dict[str, Any]:
 def verify_llm_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-config", metavar="DIR", help="a Hugging Face model directory with config.json (random init)")
-    src.add_argument("--hf-checkpoint", metavar="DIR", help="a Hugging Face checkpoint directory (config.json + safetensors)")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
+    src.add_argument("--hf-checkpoint", metavar="DIR",
+                     help="a Hugging Face checkpoint directory (config.json + safetensors; LLaVA: its language model)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1); tp x pp local processes")
     parser.add_argument("--sequence-parallel", action="store_true", help="sequence parallel (with tp > 1)")
     parser.add_argument("--samples", type=int, default=6, help="random samples in the pack")
     parser.add_argument("--max-len", type=int, default=20, help="longest sample (lengths are random in 1..max)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs and weights (default 0)")
     parser.add_argument("--tol", type=float, default=1e-5, help="largest allowed ||ours-hf||/||hf|| (fp32)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung rank fails the run")
 
@@ -151,9 +153,9 @@ def run_verify_llm(args: argparse.Namespace) -> dict[str, Any]:
 
 def make_demo_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", nargs="?", default=DEMO_DATA_DIR, help=f"output folder (default: {DEMO_DATA_DIR})")
-    parser.add_argument("--train-samples", type=int, default=TRAIN_SAMPLES)
-    parser.add_argument("--heldout-samples", type=int, default=HELDOUT_SAMPLES)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-samples", type=int, default=TRAIN_SAMPLES, help=f"samples in the train split (default {TRAIN_SAMPLES})")
+    parser.add_argument("--heldout-samples", type=int, default=HELDOUT_SAMPLES, help=f"samples in the held-out split (default {HELDOUT_SAMPLES})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated images and texts (default 0)")
 
 
 def run_make_demo_data(args: argparse.Namespace) -> dict[str, Any]:
@@ -172,23 +174,31 @@ def prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_prepare_data(args: argparse.Namespace) -> dict[str, Any]:
-    from mimo.data.index import index_path
-    from mimo.compose.inputs import data_plan, ensure_index
+    from mimo.compose.inputs import data_plan, ensure_index, index_location
 
     config = load_config(args.config, args.overrides)
+    if config.data.source != "webdataset":
+        raise UsageError(f"prepare-data: data.source is {config.data.source!r}; there are no shards to index")
     index, status = ensure_index(config, rebuild=args.rebuild)
     plan = data_plan(config, index)
+    where = index_location(config)
     bad = [e for e in index.entries if e.bad]
-    print(f"index {index_path(config.data.shards)}: {status}; {len(index.entries)} samples in {len(index.shards)} shards")
+    too_long = [index.entries[i] for i in plan.too_long]
+    print(f"index {where}: {status}; {len(index.entries)} samples in {len(index.shards)} shards, {len(plan.valid)} usable")
     for e in bad[:20]:
         print(f"  bad: {index.shards[e.shard]}:{e.key}: {e.bad}")
     if len(bad) > 20:
         print(f"  ... and {len(bad) - 20} more bad samples")
+    for e in too_long[:20]:
+        print(f"  too long: {index.shards[e.shard]}:{e.key}: {e.tokens} tokens > data.max_sample_tokens={config.data.max_sample_tokens}")
+    if len(too_long) > 20:
+        print(f"  ... and {len(too_long) - 20} more too long samples")
     for shard, error in index.shard_errors.items():
         print(f"  shard {shard}: {error}")
     return {
-        "ok": True, "command": "prepare-data", "index": index_path(config.data.shards), "status": status,
+        "ok": True, "command": "prepare-data", "index": where, "status": status,
         "samples": len(index.entries), "usable": len(plan.valid), "skipped": plan.skipped_counts(),
+        "too_long": [{"shard": index.shards[e.shard], "key": e.key, "tokens": e.tokens} for e in too_long[:20]],
         "shard_errors": index.shard_errors,
     }
 
@@ -204,10 +214,20 @@ def run_inspect_data(args: argparse.Namespace) -> dict[str, Any]:
     if args.batches < 1:
         raise UsageError("--batches must be >= 1")
     report = inspect(load_config(args.config, args.overrides), args.batches)
+    sample = report["sample"]
+    if sample is not None:
+        where = f" {sample['shard']}:{sample['key']}" if "shard" in sample else ""
+        images = "; ".join(f"{p} at {', '.join(f'{a}..{b - 1}' for a, b in spans)}" for p, spans in sample["image_positions"].items() if spans)
+        print(f"first sample{where} ({sample['tokens']} tokens; {sample['legend']}):")
+        print("  " + sample["text"].replace("\n", "\n  "))
+        print(f"  label tokens: {sample['label_tokens']} at " + (", ".join(f"{a}..{b - 1}" for a, b in sample["labels_at"]) or "-"))
+        print(f"  image positions: {images or '-'}")
     print(
         f"read {report['samples_read']} samples in {report['microbatches']} microbatches; padding "
-        f"{100 * report['padding_fraction']:.2f}%, max/mean tokens per LLM DP rank "
-        f"{report['max_over_mean_tokens_per_dp_rank']:.3f}; skipped {report['skipped']}, failed at read {report['read_failures']}"
+        f"{100 * report['padding_fraction']:.2f}% (mean {report['mean_tokens_per_dp_rank']:.1f} of "
+        f"{report['capacity_per_dp_rank']:g} tokens per LLM DP rank; SP/CP pack padding {100 * report['pack_padding_fraction']:.2f}%), "
+        f"max/mean tokens per LLM DP rank {report['max_over_mean_tokens_per_dp_rank']:.3f}; skipped {report['skipped']}, "
+        f"failed at read {report['read_failures']}"
     )
     return {"ok": True, "command": "inspect-data", **report}
 
@@ -219,7 +239,8 @@ def verify_encoder_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--timm", metavar="NAME", help="a timm ViT / CLIP / SigLIP model name (random init unless --weights)")
     source.add_argument("--hf-config", metavar="DIR", help="a Hugging Face CLIP / SigLIP vision config directory (random init)")
-    source.add_argument("--hf-checkpoint", metavar="DIR", help="a Hugging Face checkpoint directory (config.json + safetensors)")
+    source.add_argument("--hf-checkpoint", metavar="DIR",
+                        help="a Hugging Face checkpoint directory (config.json + safetensors; LLaVA: its vision tower)")
     parser.add_argument("--timm-kwargs", metavar="K=V,...", help="timm.create_model overrides, e.g. depth=2,embed_dim=48,num_heads=6")
     parser.add_argument("--weights", metavar="FILE", help="with --timm: a local weights file (safetensors or torch)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= local processes)")
@@ -227,9 +248,9 @@ def verify_encoder_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-size", type=int, metavar="S", help="run at this resolution (position embeddings resampled)")
     parser.add_argument("--images", type=int, default=2, help="random images per check")
     parser.add_argument("--grads", action="store_true", help="also compare weight gradients")
-    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--sequence-parallel", action="store_true", help="sequence parallel between the TP ranks (with --tp > 1)")
     parser.add_argument("--keep-class-token", action="store_true", help="keep the [CLS] row in the features")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs and weights (default 0)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung rank fails the run")
 
 
@@ -265,7 +286,7 @@ def run_verify_encoder(args: argparse.Namespace) -> dict[str, Any]:
 
 def verify_train_arguments(parser: argparse.ArgumentParser) -> None:
     config_arguments(parser)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="training steps to run and compare (default 3)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="the layout run's precision (bf16: GPU fast paths); the reference runs fp32 and fp64")
     parser.add_argument("--tol", type=float, help=f"largest allowed ||a-b||/||b|| (default {VERIFY_TRAIN_TOL['fp32']:g} fp32, "
@@ -302,11 +323,18 @@ def run_verify_train(args: argparse.Namespace) -> dict[str, Any]:
 
 def train_arguments(parser: argparse.ArgumentParser) -> None:
     config_arguments(parser)
-    parser.add_argument("--run-dir", metavar="DIR", help="metrics, logs, resolved config (default: the parent of train.checkpoint.dir)")
+    run_dir_argument(parser, "metrics.jsonl, logs/, the resolved config.yaml and (unless train.checkpoint.dir is set) checkpoints/")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a collective may wait before the run is aborted")
     parser.add_argument("--stop-at", type=int, metavar="STEP", help="stop cleanly after this step (checkpointed); `mimo train` again resumes")
     parser.add_argument("--log-every", type=int, default=1, metavar="K", help="a progress line every K steps when stdout is not a terminal")
+    parser.add_argument("--resume-from", metavar="DIR", help="continue from this step-N checkpoint (default: the newest usable one "
+                        "in train.checkpoint.dir); new checkpoints still go to train.checkpoint.dir")
     run_device_argument(parser)
+
+
+def run_dir_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--run-dir", metavar="DIR", help=f"the run directory: {what} (default: runs/<config file name>/, or "
+                        "the parent of train.checkpoint.dir where the config sets it)")
 
 
 def run_device_argument(parser: argparse.ArgumentParser) -> None:
@@ -318,7 +346,24 @@ def run_device_argument(parser: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace) -> dict[str, Any]:
     from mimo.training.train import TrainOptions, train
 
-    return train(args.config, args.overrides, TrainOptions(args.run_dir, args.timeout, args.stop_at, args.log_every, args.device))
+    result = train(args.config, args.overrides, TrainOptions(args.run_dir, args.timeout, args.stop_at, args.log_every, args.device,
+                                                             resume_from=args.resume_from))
+    print(train_summary(result), flush=True)
+    return result
+
+
+def train_summary(result: dict[str, Any]) -> str:
+    """The line a person reads at the end of ``mimo train`` (the JSON follows it)."""
+    step, loss = result["steps"], result["final_loss"]
+    if result["steps_run"] == 0:
+        return f"train: already finished at step {step}: {result['checkpoint']}; nothing to do (run directory {result['run_dir']})"
+    resumed = f", resumed from step {result['resumed_from']}" if result["resumed_from"] else ""
+    loss_text = "-" if loss is None else f"{loss:.4f}"
+    if result["stopped"]:
+        return (f"train: stopped after step {step} ({result['steps_run']} steps run{resumed}), loss {loss_text}; "
+                f"`mimo train` again resumes from {result['checkpoint']}")
+    return (f"train: finished at step {step} ({result['steps_run']} steps run{resumed}), final loss {loss_text}; "
+            f"run directory {result['run_dir']}, checkpoint {result['checkpoint']}")
 
 
 # ---------------------------------------------------------------- import-hf-llava
@@ -337,12 +382,36 @@ def run_import_hf_llava(args: argparse.Namespace) -> dict[str, Any]:
     from mimo.commands.hf_llava import describe_llava, import_to_checkpoint
 
     if args.config is None:
-        if args.overrides or args.out:
-            raise UsageError("import-hf-llava: overrides and --out need --config")
-        return describe_llava(args.checkpoint, args.yaml)
+        if args.out:  # the modules section goes to --yaml; --out is the converted checkpoint of --config
+            raise UsageError(f"import-hf-llava: --out is the mimo checkpoint directory written with --config CONFIG; to write the "
+                             f"modules: section to a file, use --yaml {args.out}")
+        if args.overrides:
+            raise UsageError("import-hf-llava: key=value overrides apply to --config CONFIG; there is none")
+        result = describe_llava(args.checkpoint, args.yaml)
+        if args.yaml is None:  # the YAML above; then what it says
+            print(f"# import-hf-llava {args.checkpoint}: {result['tensors']} tensors fit the config ({result['naming']} key names)")
+        return result
     if args.out is None:
         raise UsageError("import-hf-llava: --config needs --out DIR (where the mimo checkpoint goes)")
     return import_to_checkpoint(args.checkpoint, args.config, args.overrides, args.out, args.timeout)
+
+
+# ---------------------------------------------------------------- export-hf
+
+
+def export_hf_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CKPT", help="a step-N checkpoint, or a checkpoint folder / run directory: its latest")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face model directory to write (new or empty)")
+    parser.add_argument("--llm-only", action="store_true", help="only the language model, as its *ForCausalLM, and the tokenizer")
+    parser.add_argument("--max-shard-gib", type=float, default=5.0, metavar="G", help="safetensors shard size (default 5)")
+
+
+def run_export_hf(args: argparse.Namespace) -> dict[str, Any]:
+    from mimo.commands.export_hf import export_hf
+
+    if args.max_shard_gib <= 0:
+        raise UsageError("--max-shard-gib must be > 0")
+    return export_hf(args.checkpoint, args.out, args.llm_only, int(args.max_shard_gib * 2**30))
 
 
 # ---------------------------------------------------------------- eval, demo
@@ -350,7 +419,9 @@ def run_import_hf_llava(args: argparse.Namespace) -> dict[str, Any]:
 
 def eval_arguments(parser: argparse.ArgumentParser) -> None:
     config_arguments(parser)
-    parser.add_argument("--checkpoint", metavar="DIR", help="a step-N checkpoint, or a folder of them: its latest (default: train.checkpoint.dir)")
+    parser.add_argument("--checkpoint", metavar="DIR", help="a step-N checkpoint, or a folder of them: its latest (default: the "
+                        "run directory's checkpoints, train.checkpoint.dir)")
+    run_dir_argument(parser, "the `mimo train` run whose latest checkpoint to evaluate")
     parser.add_argument("--shards", metavar="PATTERN", help="held-out WebDataset shards (default: eval.shards)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a hung rank fails the run")
     run_device_argument(parser)
@@ -359,7 +430,10 @@ def eval_arguments(parser: argparse.ArgumentParser) -> None:
 def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     from mimo.commands.eval import evaluate
 
-    result = evaluate(args.config, args.overrides, args.checkpoint, args.shards, args.timeout, args.device)
+    checkpoint = args.checkpoint
+    if checkpoint is None and args.run_dir is not None:  # --run-dir R: the checkpoints `mimo train --run-dir R` wrote
+        checkpoint = load_config(args.config, args.overrides, run_dir=args.run_dir).train.checkpoint.dir
+    result = evaluate(args.config, args.overrides, checkpoint, args.shards, args.timeout, args.device)
     em = result["exact_match"]
     print(f"eval {result['checkpoint']} on {result['shards']}: {result['samples']} samples, loss {result['loss']:.4f}, exact match "
           + (f"{em:.4f} ({result['matched']}/{result['scored']})" if em is not None else "- (no question)")
@@ -395,6 +469,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("verify-llm", "check the LLM at a TP/PP layout against the Hugging Face model", verify_llm_arguments, run_verify_llm),
     Command("import-hf-llava", "check a Hugging Face LLaVA checkpoint and give the mimo modules that load it", import_hf_llava_arguments,
             run_import_hf_llava),
+    Command("export-hf", "write a checkpoint as a Hugging Face LLaVA (or, --llm-only, causal LM) directory", export_hf_arguments,
+            run_export_hf),
 )
 
 
@@ -416,10 +492,29 @@ def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentPar
     return parser
 
 
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w.-]*=")
+
+
+def parse_command_line(argv: Sequence[str] | None) -> argparse.Namespace:
+    """argparse, with ``key=value`` overrides anywhere on the line: argparse gives a positional
+    ``nargs="*"`` only the words before the first option, so later ones come back unparsed and
+    join the overrides here, in command-line order; any other unknown word is still an error."""
+    args, extra = build_parser().parse_known_args(argv)
+    overrides = [a for a in extra if _OVERRIDE.match(a)]
+    unknown = [a for a in extra if not _OVERRIDE.match(a)]
+    if overrides and not hasattr(args, "overrides"):
+        raise UsageError(f"mimo {args.command}: unrecognized arguments: {' '.join(overrides)} (this command takes no key=value overrides)")
+    if unknown:
+        raise UsageError(f"mimo {args.command}: unrecognized arguments: {' '.join(unknown)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     command = None
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_command_line(argv)
         command = args.command
         result = args.run(args)
     except MimoError as e:

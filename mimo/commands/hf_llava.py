@@ -50,6 +50,7 @@ from mimo.llm.hf import (
     llava_lm_key,
     llava_text_config,
     normalised_llava_config,
+    write_safetensors,
 )
 
 log = logging.getLogger(__name__)
@@ -248,14 +249,12 @@ def export_llava_grads(w: LlavaWeights, encoder_grads: Mapping[str, torch.Tensor
     return out
 
 
-def save_llava(path: str, state: Mapping[str, torch.Tensor], config: Mapping) -> None:
-    """Write ``config.json`` and ``model.safetensors`` (tied tensors stored once, as HF does)."""
-    from safetensors.torch import save_file
-
+def save_llava(path: str, state: Mapping[str, torch.Tensor], config: Mapping, max_shard_bytes: int | None = None) -> None:
+    """Write ``config.json`` and the safetensors weights (``model.safetensors``, or shards
+    above ``max_shard_bytes``; tied tensors stored once, as HF does)."""
     os.makedirs(path, exist_ok=True)
     skip = {detect_naming(state, path).head} if llava_arch(config).llm.tie_embeddings else set()
-    save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items() if k not in skip},
-              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(path, {k: v for k, v in state.items() if k not in skip}, max_shard_bytes)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(dict(config), f, indent=2)
 

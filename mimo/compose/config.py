@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from mimo.data.config import DataConfig
 from mimo.encoders.config import EncoderModuleConfig
 from mimo.core.errors import ConfigError, LayoutError
 from mimo.llm.config import LLMModuleConfig
-from mimo.core.schema import apply_overrides, at_least, convert, join_path, load_yaml, validate_tree
+from mimo.core.schema import apply_overrides, at_least, closest, convert, join_path, load_yaml, validate_tree
 
 ModuleConfig = EncoderModuleConfig | LLMModuleConfig
 
@@ -30,12 +31,36 @@ _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 
 @dataclass
 class CheckpointConfig:
-    dir: str = "checkpoints"
+    # None: <run dir>/checkpoints, the run dir being --run-dir or runs/<config file name>/ (see
+    # config_from_dict); set: the run dir defaults to its parent
+    dir: str | None = None
     every: int | None = None  # steps between checkpoints; None: only at the end of training
     keep: int | None = None  # how many recent checkpoints to keep; None: all
 
     def validate(self, path: str) -> list[str]:
         return at_least(self, path, 1, "every", "keep")
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases (``pip install mimo[wandb]``): ``mimo train`` logs metrics.jsonl's numbers there."""
+
+    project: str
+    entity: str | None = None
+    name: str | None = None  # None: the run directory's name
+
+
+@dataclass
+class LogConfig:
+    wandb: WandbConfig | None = None  # set: log to Weights & Biases too
+    # the peak FLOP/s of one device (TFLOP/s) that mfu is measured against; None: a table of
+    # datasheet dense peaks by GPU name (no mfu where the device is not in it, e.g. on CPU)
+    peak_tflops: float | None = None
+
+    def validate(self, path: str) -> list[str]:
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            return [f"{join_path(path, 'peak_tflops')}: must be > 0, got {self.peak_tflops}"]
+        return []
 
 
 @dataclass
@@ -45,6 +70,12 @@ class TrainConfig:
     lr: float = 1e-4
     weight_decay: float = 0.0
     warmup_steps: int = 0
+    warmup_ratio: float | None = None  # warmup as a fraction of steps (rounded up), instead of warmup_steps
+    # after warmup (mimo.training.optim.lr_at): cosine / linear decay to min_lr, constant, or
+    # wsd (warmup-stable-decay: constant, then linear decay over the last decay_ratio of steps)
+    lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    min_lr: float | None = None  # the final lr at train.lr (a module's own lr ends at the same fraction); None: 10%
+    decay_ratio: float = 0.1  # wsd: the fraction of steps that decays
     precision: Literal["fp32", "bf16", "bf16-pure"] = "fp32"
     grad_clip: float | None = 1.0  # max global gradient norm; None: no clipping
     seed: int = 0  # parameter initialisation and dropout
@@ -56,6 +87,7 @@ class TrainConfig:
     grad_bucket_mb: float = 25.0  # DP gradient sums run in buckets of this many MiB, overlapping backward
     trace_steps: list[int] = field(default_factory=list)  # steps whose per-rank event traces `mimo train` writes
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     # weights (not optimizer state or step) of a mimo checkpoint at the same layout to start a new
     # run from, e.g. LLaVA stage 2 from stage 1: a step-N folder, or a checkpoint folder (its latest)
     init_from: str | None = None
@@ -68,6 +100,26 @@ class TrainConfig:
             if value is not None and value <= 0:
                 problems.append(f"{join_path(path, name)}: must be > 0, got {value}")
         problems += [f"{join_path(path, 'trace_steps')}: steps are 1-based, got {s}" for s in self.trace_steps if s < 1]
+        return problems + self._lr_schedule_problems(path)
+
+    def _lr_schedule_problems(self, path: str) -> list[str]:
+        problems = []
+        if self.warmup_ratio is not None:
+            if not 0 <= self.warmup_ratio < 1:
+                problems.append(f"{join_path(path, 'warmup_ratio')}: must be in [0, 1), got {self.warmup_ratio}")
+            if self.warmup_steps:
+                problems.append(f"{join_path(path, 'warmup_ratio')}: set either warmup_steps or warmup_ratio, not both")
+        if self.min_lr is not None and self.min_lr < 0:
+            problems.append(f"{join_path(path, 'min_lr')}: must be >= 0, got {self.min_lr}")
+        elif self.min_lr is not None and self.min_lr > self.lr > 0:
+            problems.append(f"{join_path(path, 'min_lr')}: {self.min_lr} is more than {join_path(path, 'lr')}={self.lr}")
+        if not 0 < self.decay_ratio <= 1:
+            problems.append(f"{join_path(path, 'decay_ratio')}: must be in (0, 1], got {self.decay_ratio}")
+        elif self.lr_schedule == "wsd" and self.steps >= 1 and not problems:
+            warmup = math.ceil(self.warmup_ratio * self.steps) if self.warmup_ratio is not None else self.warmup_steps
+            if warmup + math.ceil(self.decay_ratio * self.steps) > self.steps:
+                problems.append(f"{join_path(path, 'decay_ratio')}: {warmup} warmup and {math.ceil(self.decay_ratio * self.steps)} "
+                                f"decay steps are more than {join_path(path, 'steps')}={self.steps}")
         return problems
 
 
@@ -79,10 +131,14 @@ class EvalConfig:
     # mimo eval, not here: training does not need them
     shards: str | None = None
     samples: int | None = None  # the first N usable held-out samples in shard order; None: all
+    every: int | None = None  # `mimo train` evaluates every N steps (metrics.jsonl lines with "eval": true)
     max_new_tokens: int = 16  # greedy generation stops here or at the end-of-turn token
 
     def validate(self, path: str) -> list[str]:
-        return at_least(self, path, 1, "samples", "max_new_tokens")
+        problems = at_least(self, path, 1, "samples", "max_new_tokens", "every")
+        if self.every is not None and self.shards is None:
+            problems.append(f"{join_path(path, 'every')}: evaluating during training needs {join_path(path, 'shards')}")
+        return problems
 
 
 @dataclass
@@ -189,7 +245,17 @@ class MimoConfig:
                     f"data.max_sample_tokens: {self.data.max_sample_tokens} is more than "
                     f"modules.{llms[0]}.arch.max_seq_len={max_len}"
                 )
+            problems += self._tokenizer_problems(llms[0])
         return problems
+
+    def _tokenizer_problems(self, llm: str) -> list[str]:
+        """The tokenizer against the LLM's vocab and the template (mimo.data.tokenizer)."""
+        from mimo.data.tokenizer import config_tokenizer_problems
+
+        if self.data.source != "webdataset":
+            return []
+        return config_tokenizer_problems(self.data.tokenizer, self.data.template, [e.placeholder for e in self.encoders.values()],
+                                         self.modules[llm].arch.vocab, f"modules.{llm}.arch.vocab")
 
     def _module_set(self) -> list[str]:
         problems = [
@@ -242,34 +308,62 @@ class MimoConfig:
 # ---------------------------------------------------------------- loading
 
 
-def load_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> MimoConfig:
+def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), run_dir: str | None = None) -> MimoConfig:
     """Read a YAML config, apply dotted ``key=value`` overrides, convert and validate it.
 
-    Raises ConfigError listing every problem, each naming its key path.
+    Raises ConfigError listing every problem, each naming its key path. ``run_dir`` (``--run-dir``)
+    is where an unset ``train.checkpoint.dir`` points (its ``checkpoints/``).
     """
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the config ({e.strerror or e})") from None
-    return config_from_dict(load_yaml(text, source=str(path)), overrides, source=str(path))
+    return config_from_dict(load_yaml(text, source=str(path)), overrides, source=str(path), run_dir=run_dir)
 
 
-def config_from_dict(raw: Any, overrides: Iterable[str] = (), source: str = "config") -> MimoConfig:
-    """Like ``load_config`` for already-parsed YAML (``raw`` is not modified)."""
+def config_from_dict(raw: Any, overrides: Iterable[str] = (), source: str = "config", run_dir: str | None = None) -> MimoConfig:
+    """Like ``load_config`` for already-parsed YAML (``raw`` is not modified); ``source`` names
+    the config file (its stem names the default run directory)."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(raw).__name__}")
     raw = copy.deepcopy(raw)
-    problems = apply_overrides(raw, overrides, MimoConfig)
+    problems, overrides = _unknown_module_overrides(raw, list(overrides))
+    problems += apply_overrides(raw, overrides, MimoConfig)
     config, more = convert(MimoConfig, raw)
     problems += more
     if config is not None:
         problems += validate_tree(config)
     if problems:
         raise ConfigError(problems)
+    if config.train.checkpoint.dir is None:  # each run its own directory: never the working directory itself
+        config.train.checkpoint.dir = os.path.join(run_dir or run_dir_for(source), "checkpoints")
     return config
+
+
+def run_dir_for(config_path: str) -> str:
+    """``runs/<config file name without .yaml>``, relative to the working directory."""
+    return os.path.join("runs", os.path.splitext(os.path.basename(config_path))[0])
+
+
+def _unknown_module_overrides(raw: dict, overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(problems, the other overrides): an override into a module the config does not have is a
+    typo (``modules.vison.parallel.tp=2``), unless the line creates that module
+    (``modules.NAME.kind=...`` or ``modules.NAME={...}``)."""
+    modules = raw.get("modules") if isinstance(raw.get("modules"), dict) else {}
+    keys = [text.partition("=")[0].strip().split(".") for text in overrides]
+    created = {k[1] for k in keys if k[0] == "modules" and (len(k) == 2 or (len(k) == 3 and k[2] == "kind"))}
+    problems, kept = [], []
+    for text, k in zip(overrides, keys):
+        if len(k) > 2 and k[0] == "modules" and k[1] not in modules and k[1] not in created:
+            near = closest(k[1], [str(name) for name in modules])
+            hint = f" — did you mean {near!r}?" if near else f" (the config's modules: {', '.join(map(str, modules)) or 'none'})"
+            problems.append(f"override {text!r}: unknown module {k[1]!r}{hint}")
+        else:
+            kept.append(text)
+    return problems, kept
 
 
 def _show_range(r: range) -> str:

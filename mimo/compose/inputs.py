@@ -15,7 +15,7 @@ from typing import Mapping
 from mimo.core.batch import PackedBatch
 from mimo.compose.config import MimoConfig
 from mimo.data.images import CLIP_MEAN, CLIP_STD, ImageSpec
-from mimo.data.index import Index, TextSpec, prepare
+from mimo.data.index import Index, TextSpec, index_path, prepare
 from mimo.data.pipeline import EncoderFeed
 from mimo.data.plan import DataPlan
 from mimo.data.synthetic import SyntheticEncoder, SyntheticPlan, SyntheticReader, SyntheticStream
@@ -74,10 +74,16 @@ def ensure_index(config: MimoConfig, rebuild: bool = False, shards: str | None =
         return None, "synthetic"
     if config.data.source != "webdataset":
         raise DataError(f"data.source is {config.data.source!r}: there are no shards to index")
-    index, status = prepare(shards or config.data.shards, text_spec(config), workers=config.data.workers, rebuild=rebuild)
+    index, status = prepare(shards or config.data.shards, text_spec(config), workers=config.data.workers, rebuild=rebuild,
+                            index_dir=config.data.index_dir)
     if status != "loaded":
         log.info("data index %s", status)
     return index, status
+
+
+def index_location(config: MimoConfig, shards: str | None = None) -> str:
+    """Where ``ensure_index`` keeps the index of ``shards`` (default: data.shards)."""
+    return index_path(shards or config.data.shards, text_spec(config), config.data.index_dir)
 
 
 def data_plan(config: MimoConfig, index: Index | None) -> DataPlan | SyntheticPlan:
@@ -119,27 +125,37 @@ def read_packs(reader, samples: list, llm_parallel, rows_per_image: dict[str, in
 
 def inspect(config: MimoConfig, batches: int) -> dict:
     """Read ``batches`` global microbatches through the real reading and packing code, in one
-    process, for every LLM DP block; report counts (DESIGN §2 padding fraction)."""
+    process, for every LLM DP block; report counts and the first sample as text.
+
+    ``padding_fraction``: the share of the token budget (data.tokens_per_microbatch over the LLM
+    DP ranks) that no sample fills, 1 - mean tokens per DP rank / capacity per DP rank;
+    ``pack_padding_fraction``: positions the packs hold for SP / CP alignment that belong to no
+    sample (DESIGN §2, what the LLM computes beyond the samples)."""
     index, status = ensure_index(config)
     plan = data_plan(config, index)
     spec = text_spec(config)
+    rows = dict(spec.rows_per_image)
     reader = sample_reader(config, plan)
     llm = config.llm.parallel
     failures: Counter = Counter()
     read = computed = real = image_rows = 0
-    ratios = []
+    ratios, example = [], None
     for k in range(batches):
         samples = plan.microbatch(k)
         per_rank = []
-        for got, batch in read_packs(reader, samples, llm, dict(spec.rows_per_image)):
+        for got, batch in read_packs(reader, samples, llm, rows):
             failures.update(r.failure for r in got if r.failure)
             computed += batch.num_tokens
             per_rank.append(sum(len(r.item.tokens) for r in got))
             image_rows += sum(int(v.numel()) for v in batch.image_slots.values())
+            if example is None:
+                example = next((r.item for r in got if r.item.ok), None)
         read += len(samples)
         real += sum(per_rank)
         mean = sum(per_rank) / len(per_rank)
         ratios.append(max(per_rank) / mean if mean else 1.0)
+    capacity = config.data.tokens_per_microbatch / llm.dp
+    mean_tokens = real / (batches * llm.dp)
     return {
         "index": status,
         "samples_indexed": len(index.entries) if index is not None else None,
@@ -147,8 +163,28 @@ def inspect(config: MimoConfig, batches: int) -> dict:
         "read_failures": dict(failures),
         "skipped": plan.skipped_counts(),
         "microbatches": batches,
-        "padding_fraction": round(1 - real / computed, 6) if computed else 0.0,
+        "padding_fraction": round(1 - mean_tokens / capacity, 6),
+        "pack_padding_fraction": round(1 - real / computed, 6) if computed else 0.0,
         "max_over_mean_tokens_per_dp_rank": round(max(ratios), 4),
-        "mean_tokens_per_dp_rank": round(real / (batches * llm.dp), 2),
+        "mean_tokens_per_dp_rank": round(mean_tokens, 2),
+        "capacity_per_dp_rank": round(capacity, 2),
         "image_rows": image_rows,
+        "sample": example_view(example, index, reader, rows) if example is not None else None,
     }
+
+
+def example_view(item, index: Index | None, reader, rows_per_image: dict[str, int]) -> dict:
+    """One read sample for a person: where it is from, its text with the label tokens marked,
+    its label positions and image positions (decoded where the reader has a tokenizer)."""
+    from mimo.data.text import LABEL_OPEN, LABEL_CLOSE, show_sample, true_runs
+
+    tokenizer = getattr(reader, "tokenizer", None)
+    decode = tokenizer.decode if tokenizer is not None else (lambda ids: " ".join(map(str, ids)))
+    view = {"tokens": len(item.tokens), "label_tokens": sum(item.target), "labels_at": true_runs(item.target),
+            "image_positions": {p: [[s, s + rows_per_image[p]] for s in starts] for p, starts in item.image_starts.items()},
+            "text": show_sample(item.tokens, item.target, item.image_starts, rows_per_image, decode),
+            "legend": f"{LABEL_OPEN}...{LABEL_CLOSE}: label tokens (the loss predicts them); {{<placeholder> x N}}: N image positions"}
+    if index is not None:
+        entry = index.entries[item.id]
+        view = {"shard": index.shards[entry.shard], "key": entry.key, **view}
+    return view

@@ -6,7 +6,8 @@ checks them generically, naming each problem by its dotted key path:
 * unknown keys (with the nearest valid name), wrong types, missing required keys;
 * semantic checks: a dataclass may define ``validate(self, path) -> list[str]`` that looks at
   its own fields (and its children's, for cross-field rules); ``validate_tree`` calls it
-  after its children's, only once the whole tree converted cleanly.
+  after its children's, once its part of the tree converted cleanly (a bad value elsewhere
+  does not hide a section's own problems: the clean siblings of a failed part are validated).
 
 Supported hints: bool, int, float (ints accepted), str, None, Any, ``Literal[...]``,
 ``X | Y``, ``list[X]``, ``dict[str, X]``, nested dataclasses, and tagged unions of
@@ -95,9 +96,15 @@ def _where(path: str) -> str:
     return path or "(top level)"
 
 
-def _did_you_mean(given: Any, valid: Iterable[str]) -> str:
+def closest(given: Any, valid: Iterable[str]) -> str | None:
+    """The valid name nearest to a misspelt one, if any is close."""
     close = difflib.get_close_matches(str(given), list(valid), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return close[0] if close else None
+
+
+def _did_you_mean(given: Any, valid: Iterable[str]) -> str:
+    close = closest(given, valid)
+    return f"; did you mean {close!r}?" if close else ""
 
 
 def _unknown_key(path: str, key: Any, valid: Iterable[str]) -> str:
@@ -248,18 +255,16 @@ def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
         if not isinstance(value, list):
             return _wrong_type(tp, value, path, problems)
         (item_tp,) = get_args(tp) or (Any,)
-        return [_convert(item_tp, v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+        return _convert_items([(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value)], problems)
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
             return _wrong_type(tp, value, path, problems)
         _, value_tp = get_args(tp) or (str, Any)
-        out = {}
-        for key, v in value.items():
+        for key in value:
             if not isinstance(key, str):
                 problems.append(f"{join_path(path, str(key))}: keys must be strings, got {_show(key)}")
-                continue
-            out[key] = _convert(value_tp, v, join_path(path, key), problems)
-        return out
+        keys = [key for key in value if isinstance(key, str)]
+        return dict(zip(keys, _convert_items([(value_tp, value[key], join_path(path, key)) for key in keys], problems)))
     if _scalar_ok(tp, value):
         return float(value) if tp is float else value
     return _wrong_type(tp, value, path, problems)
@@ -340,15 +345,31 @@ def _convert_dataclass(cls: Any, value: Any, path: str, problems: list[str]) -> 
     for key in value:
         if key not in fields:
             problems.append(_unknown_key(path, key, fields))
-    kwargs = {}
     for name, f in fields.items():
-        if name in value:
-            kwargs[name] = _convert(hints[name], value[name], join_path(path, name), problems)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        if name not in value and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             problems.append(f"{join_path(path, name)}: missing required key")
+    given = [name for name in fields if name in value]
+    converted = _convert_items([(hints[name], value[name], join_path(path, name)) for name in given], problems, since=before)
     if len(problems) > before:
         return None  # never build a dataclass from bad parts (its __post_init__ may rely on types)
-    return cls(**kwargs)
+    return cls(**dict(zip(given, converted)))
+
+
+def _convert_items(items: list[tuple[Any, Any, str]], problems: list[str], since: int | None = None) -> list[Any]:
+    """Convert the parts of one container, each (type, raw value, path). When the container has
+    a problem (a part failed, or one found since ``problems[since]``), it is not built and its
+    validate hooks never run: the parts that did convert are validated here instead, so that one
+    bad value does not hide its siblings' problems."""
+    before, out, clean = len(problems) if since is None else since, [], []
+    for tp, raw, path in items:
+        mark = len(problems)
+        out.append(_convert(tp, raw, path, problems))
+        if len(problems) == mark:
+            clean.append((out[-1], path))
+    if len(problems) > before:
+        for value, path in clean:
+            problems += validate_tree(value, path)
+    return out
 
 
 # ---------------------------------------------------------------- overrides

@@ -25,6 +25,11 @@ on the replica axes), checks the stored record against its own, and copies the t
 checkpoint records the layout it was written at, and loading it at another layout is a
 ``CheckpointError`` until resharding exists.
 
+Finding one to load: ``usable_checkpoint`` takes the newest complete checkpoint whose files are all
+there and readable (each safetensors header parses and covers its file; ``validate_checkpoint``),
+skipping newer ones that are not with a warning naming the bad file. A file that cannot be read
+while loading is a ``CheckpointError`` naming it, never a bare SafetensorError.
+
 Atomicity: all ranks write into ``step-N.tmp``; after a barrier rank 0 writes ``meta.json``
 last, fsyncs, and renames the folder to ``step-N``. A crash at any point (kill -9 included)
 leaves either no ``step-N`` or a complete one; a complete checkpoint is a ``step-N`` folder
@@ -44,13 +49,13 @@ import re
 import shutil
 import time
 from collections import defaultdict
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mimo.compose.config import MimoConfig
@@ -137,14 +142,65 @@ def latest_checkpoint(directory: str) -> tuple[int, str] | None:
     return found[-1] if found else None
 
 
+@contextmanager
+def open_tensors(path: str):
+    """``safe_open(path)``; a missing, cut or corrupt file is a CheckpointError naming it."""
+    try:
+        f = safe_open(path, "pt")  # reads and checks the header
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except (SafetensorError, OSError) as e:  # e.g. "incomplete metadata, file not fully covered": a cut file
+        raise CheckpointError(f"{path}: unreadable, the file is damaged ({type(e).__name__}: {e})") from None
+    with f:
+        yield f
+
+
+def validate_checkpoint(path: str) -> dict:
+    """The meta of the checkpoint at ``path`` once every file it lists is there and readable
+    (headers only: cheap, and what a cut or damaged file fails); else a CheckpointError naming
+    the first bad file."""
+    meta = read_meta(path)
+    for name in meta.get("files", []):
+        file = os.path.join(path, name)
+        if not name.endswith(".safetensors"):
+            if not os.path.isfile(file):
+                raise CheckpointError(f"{file}: missing")
+            continue
+        with open_tensors(file):
+            pass
+    return meta
+
+
+def usable_checkpoint(directory: str) -> tuple[int, str] | None:
+    """The newest complete checkpoint (step, path) that validates, or None when there is none at
+    all; each newer one that does not is skipped with a warning naming its bad file. Checkpoints
+    that are all unreadable are an error (training would otherwise start over beside them)."""
+    found = complete_checkpoints(directory)
+    problems = []
+    for step, path in reversed(found):
+        try:
+            validate_checkpoint(path)
+        except CheckpointError as e:
+            problems.append(str(e))
+            log.warning("checkpoint %s is not usable, skipped: %s", path, e)
+            continue
+        if problems:
+            log.warning("falling back to %s (step %d), the newest usable checkpoint", path, step)
+        return step, path
+    if problems:
+        raise CheckpointError(f"{directory}: no usable checkpoint (move the damaged ones away to start over): " + "; ".join(problems))
+    return None
+
+
 def resolve_checkpoint(path: str) -> str:
-    """A ``step-N`` folder as is; a folder of them: its latest complete one."""
+    """A ``step-N`` folder as is, once validated; a folder of them: its newest usable one."""
     if os.path.isfile(os.path.join(path, META)):
+        validate_checkpoint(path)
         return path
-    latest = latest_checkpoint(path)
-    if latest is None:
+    found = usable_checkpoint(path)
+    if found is None:
         raise CheckpointError(f"{path}: no complete checkpoint there (a step-NNNNNNNN folder with {META})")
-    return latest[1]
+    return found[1]
 
 
 def remove_leftovers(directory: str) -> list[str]:
@@ -274,7 +330,7 @@ def _load_optimizer(opt: torch.optim.Optimizer, names: list[str], files: str | M
     for path, wanted in by_file.items():
         if not os.path.isfile(path):
             raise CheckpointError(f"{path}: missing; no optimizer state for these parameters (were they frozen when the checkpoint was written?)")
-        with safe_open(path, "pt") as f:
+        with open_tensors(path) as f:
             meta = f.metadata()
             if meta.get("optimizer", type(opt).__name__) != type(opt).__name__:
                 raise CheckpointError(
@@ -324,7 +380,7 @@ def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 
 def _restore_rng(path: str) -> None:
-    with safe_open(path, "pt") as f:
+    with open_tensors(path) as f:
         meta = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     torch.set_rng_state(tensors["torch"])
@@ -428,7 +484,7 @@ class _Files:
             full = os.path.join(self.path, file)
             if not os.path.isfile(full):
                 raise CheckpointError(f"{self.path}: no {file} (the checkpoint does not fit this model: another architecture?)")
-            f = self._stack.enter_context(safe_open(full, "pt"))
+            f = self._stack.enter_context(open_tensors(full))
             self._open[file] = f, json.loads(f.metadata().get("placements", "{}"))
         return self._open[file]
 

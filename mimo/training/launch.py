@@ -18,16 +18,26 @@ would), and the group is ``cpu:gloo,cuda:nccl`` as under ``mimo train``: CUDA te
 over NCCL, CPU tensors (statistics, data routing) over gloo. The group is bound to the rank's
 GPU, so NCCL communicators of every group are created eagerly, when the group is made; a
 first point-to-point batch on a group then needs no collective before it.
+
+A worker whose launcher dies (kill -9 included) ends at once and silently, before it computes
+or writes anything more: on Linux the kernel kills it (``PR_SET_PDEATHSIG``), and on any
+system a thread of it waits on its parent's sentinel (a pipe the parent holds open) and exits
+when that closes. The kernel's signal follows the *thread* that started the process, so the
+pool starts its processes from one daemon thread that lives as long as the launcher.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import importlib.util
 import io
 import multiprocessing as mp
 import os
+import queue
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -123,7 +133,26 @@ def rank_compute_device(device: str):
     return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent() -> None:
+    """End this process the moment its parent does, without a word (see the module doc)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    sentinel = mp.parent_process().sentinel  # also ready when the parent died before the prctl
+
+    def watch():
+        wait([sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="mimo-parent-watch", daemon=True).start()
+
+
 def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection, pg_timeout_s: float, device: str = "cpu") -> None:
+    _die_with_parent()  # first: nothing below may outlive the launcher
     import torch
     import torch.distributed as dist
 
@@ -167,6 +196,33 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection, p
         dist.destroy_process_group()
     except Exception:
         pass
+
+
+_starter: tuple[int, queue.SimpleQueue] | None = None  # (the pid it serves, its requests)
+_starter_lock = threading.Lock()
+
+
+def _on_lasting_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on one daemon thread that lives as long as this process (a short-lived caller's
+    thread would take its children's PR_SET_PDEATHSIG with it when it ends)."""
+    global _starter
+    with _starter_lock:
+        if _starter is None or _starter[0] != os.getpid():  # none yet, or inherited through a fork without its thread
+            requests: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(requests,), name="mimo-process-starter", daemon=True).start()
+            _starter = os.getpid(), requests
+    done: cf.Future = cf.Future()
+    _starter[1].put((fn, done))
+    return done.result()
+
+
+def _serve(requests: queue.SimpleQueue) -> None:
+    while True:
+        fn, done = requests.get()
+        try:
+            done.set_result(fn())
+        except BaseException as e:
+            done.set_exception(e)
 
 
 class WorkerPool:
@@ -213,7 +269,7 @@ class WorkerPool:
                     daemon=True,
                     name=f"mimo-rank{rank}",
                 )
-                p.start()
+                _on_lasting_thread(p.start)
                 child.close()
                 self._procs.append(p)
                 self._conns.append(parent)

@@ -374,15 +374,42 @@ def clip_grads_(params: Iterable[TrainParam], max_norm: float | None, norm: torc
         torch._foreach_mul_(grads, scale.to(device=device, dtype=wide))
 
 
-def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, schedule: str = "cosine", min_ratio: float = 0.1) -> float:
-    """Learning rate for ``step`` (1-based): linear warmup, then constant or cosine decay."""
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+DEFAULT_MIN_RATIO = 0.1  # without train.min_lr the decaying schedules end at 10% of each base lr
+
+
+def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, schedule: str = "cosine",
+          min_ratio: float = DEFAULT_MIN_RATIO, decay_steps: int = 0) -> float:
+    """Learning rate for ``step`` (1-based): linear warmup over ``warmup_steps`` to ``base_lr``,
+    then ``cosine`` or ``linear`` decay to ``min_ratio * base_lr`` at ``total_steps``,
+    ``constant``, or ``wsd`` (warmup-stable-decay): constant until the last ``decay_steps``
+    steps, then linear decay to ``min_ratio * base_lr``. A function of the step alone (exact
+    resume relies on it)."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"unknown learning-rate schedule {schedule!r}; one of {LR_SCHEDULES}")
     if warmup_steps and step <= warmup_steps:
         return base_lr * step / warmup_steps
     if schedule == "constant":
         return base_lr
-    span = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
-    return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    start = total_steps - decay_steps if schedule == "wsd" else warmup_steps  # where the decay begins
+    if step <= start:
+        return base_lr
+    progress = min(1.0, (step - start) / max(1, total_steps - start))
+    if schedule == "cosine":
+        return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return base_lr * (min_ratio + (1 - min_ratio) * (1 - progress))
+
+
+def lr_for(train, step: int, base_lr: float) -> float:
+    """``lr_at`` under a ``train`` config section (``mimo.compose.config.TrainConfig``):
+    ``warmup_ratio`` / ``decay_ratio`` are fractions of ``train.steps`` (rounded up),
+    ``train.min_lr`` the final lr of a module at ``train.lr`` (a module with its own lr ends at
+    the same fraction of it)."""
+    steps = train.steps
+    warmup = math.ceil(train.warmup_ratio * steps) if train.warmup_ratio is not None else train.warmup_steps
+    min_ratio = train.min_lr / train.lr if train.min_lr is not None else DEFAULT_MIN_RATIO
+    decay = math.ceil(train.decay_ratio * steps) if train.lr_schedule == "wsd" else 0
+    return lr_at(step, base_lr, warmup, steps, train.lr_schedule, min_ratio, decay)
 
 
 @dataclass

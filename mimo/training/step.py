@@ -26,7 +26,7 @@ import torch.distributed as dist
 from mimo.compose.model import MimoModel
 from mimo.data.pipeline import DataPipeline
 from mimo.llm.model import sync_tied_grads
-from mimo.training.optim import GradSync, PrecisionPolicy, bucket_numel, clip_grads_, global_grad_norm, lr_at
+from mimo.training.optim import GradSync, PrecisionPolicy, bucket_numel, clip_grads_, global_grad_norm, lr_for
 from mimo.training.schedule_run import run_schedule
 from mimo.training.trace import Trace
 
@@ -98,7 +98,7 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     lrs = {}
     for module, opt in optimizers.items():
         # each module's own base lr (AdamW keeps it in defaults), on the shared schedule
-        lr = lr_at(step, opt.defaults["lr"], cfg.train.warmup_steps, cfg.train.steps)
+        lr = lr_for(cfg.train, step, opt.defaults["lr"])
         for g in opt.param_groups:
             g["lr"] = lr
         if not getattr(opt, "reads_main_grads", False):

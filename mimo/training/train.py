@@ -14,17 +14,21 @@ current step, a checkpoint is written, and a later ``mimo train`` with the same 
 from it. The stop request travels in the per-step statistics all-gather, so all ranks stop
 after the same step. A second Ctrl-C to the launcher aborts at once.
 
-Run directory (default: the parent of ``train.checkpoint.dir``, e.g. ``runs/demo`` for
-``runs/demo/ckpt``; ``--run-dir`` overrides): ``config.yaml`` (the resolved config),
+Run directory (``--run-dir``; default: ``runs/<config file name>/``, or the parent of
+``train.checkpoint.dir`` where the config sets it, e.g. ``runs/demo`` for ``runs/demo/ckpt``;
+unset, checkpoints go to ``<run dir>/checkpoints``): ``config.yaml`` (the resolved config),
 ``metrics.jsonl`` (one JSON object per step, rank 0), ``logs/rank<N>.log``, ``tensorboard/``
 (when the tensorboard package is installed), and (by default) the checkpoints. On resume,
 metrics of steps after the checkpoint (done by the interrupted run, about to be redone) are
 dropped, so the file always reads as one run.
 
-Resuming is automatic: ``mimo train`` continues from the latest complete checkpoint in
-``train.checkpoint.dir``. A checkpoint written at another layout is an error before any process
-starts; a config that differs otherwise (``train.checkpoint`` and data loader settings aside)
-is resumed with a warning naming the keys, as it will not reproduce an uninterrupted run.
+Resuming is automatic: ``mimo train`` continues from the newest usable checkpoint in
+``train.checkpoint.dir`` (complete, every file there and readable; a newer damaged one is skipped
+with a warning naming its bad file), or from ``--resume-from DIR`` (a ``step-N`` folder: an error
+when it is damaged). The launcher picks it before any process starts and every rank loads that
+one. A checkpoint written at another layout is an error before any process starts; a config
+that differs otherwise (``train.checkpoint`` and data loader settings aside) is resumed with a
+warning naming the keys, as it will not reproduce an uninterrupted run.
 
 Exact resume: the step number fixes the data (DESIGN §2), the learning rate is a function of
 the step, and the checkpoint holds parameters, optimizer states and RNG; a resumed run
@@ -45,7 +49,6 @@ import os
 import re
 import signal
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -62,11 +65,12 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 
 @dataclass
 class TrainOptions:
-    run_dir: str | None = None  # None: the parent of train.checkpoint.dir
+    run_dir: str | None = None  # None: the parent of train.checkpoint.dir (runs/<config name>/checkpoints when unset)
     timeout_s: float = 900.0  # how long one collective may wait
     stop_at: int | None = None  # stop cleanly (checkpointed) after this step
     log_every: int = 1  # progress lines when stdout is not a terminal
     device: str = "auto"  # cpu | cuda (one GPU per rank) | auto (cuda when there is a GPU per rank)
+    resume_from: str | None = None  # --resume-from; once picked before the start: the checkpoint every rank loads
 
 
 def default_run_dir(config: MimoConfig) -> str:
@@ -82,7 +86,7 @@ def under_torchrun() -> bool:
 
 def train(config_path: str, overrides: list[str], options: TrainOptions) -> dict:
     """``mimo train CONFIG [key=value ...]``; returns the summary printed as the last line."""
-    config = load_config(config_path, overrides)
+    config = load_config(config_path, overrides, run_dir=options.run_dir)
     if options.timeout_s <= 0 or options.log_every < 1:
         raise ConfigError("--timeout must be > 0 and --log-every >= 1")
     if options.stop_at is not None and not 1 <= options.stop_at <= config.train.steps:
@@ -92,21 +96,26 @@ def train(config_path: str, overrides: list[str], options: TrainOptions) -> dict
         return _train_under_torchrun(config_path, overrides, config, options)
     handler = _launcher_logging()
     try:
+        options = replace(options, resume_from=_resume_point(config, options))
         done = _preflight(config, options)
         if done is not None:
             return done
         from mimo.compose.inputs import ensure_index
         from mimo.training.launch import WorkerPool, resolve_device
+        from mimo.training.metrics import check_reporting
 
         options = replace(options, device=resolve_device(options.device, config.world_size))
-        ensure_index(config)  # once, before any rank reads it
+        log.info("indexing data (%s)", config.data.shards)
+        index, status = ensure_index(config)  # once, before any rank reads it
+        check_reporting(config)  # train.log.wandb's package; eval.every's held-out index
+        log.info("data index %s%s", status, "" if index is None else f": {len(index.entries)} samples")
         _prepare_run_dir(config, options.run_dir, config_path, overrides)
-        log.info("training %s on %d local processes (%s); run directory %s", config_path, config.world_size, options.device,
+        log.info("starting %d ranks (%s) to train %s; run directory %s", config.world_size, options.device, config_path,
                  options.run_dir)
         with _stop_on_signals(), WorkerPool(config.world_size, timeout_s=math.inf, collective_timeout_s=options.timeout_s,
                                             device=options.device) as pool:
             try:
-                results = pool.run(train_rank, config_path, list(overrides), options, True)
+                results = pool.run(train_rank, config_path, list(overrides), options)
             except DistributedError as e:
                 raise DistributedError(_short_failure(str(e), options.run_dir)) from None
         return {"ok": True, "command": "train", **results[0]}
@@ -126,22 +135,34 @@ def _short_failure(message: str, run_dir: str) -> str:
     return f"{head}: {last} (traceback in {os.path.join(run_dir, 'logs', f'rank{rank}.log')})"
 
 
-def _preflight(config: MimoConfig, options: TrainOptions) -> dict | None:
-    """Before any process starts: a checkpoint at another layout is an error; a run that is
-    already done returns its summary."""
-    from mimo.training.checkpoint import check_layout, latest_checkpoint, read_meta, resolve_checkpoint
+def _resume_point(config: MimoConfig, options: TrainOptions) -> str | None:
+    """The checkpoint to continue from, checked readable: ``--resume-from``'s (an error when it
+    is not usable), else the newest usable one in train.checkpoint.dir; None: a new run."""
+    from mimo.training.checkpoint import resolve_checkpoint, usable_checkpoint
 
-    latest = latest_checkpoint(os.path.abspath(config.train.checkpoint.dir))
-    if latest is None:
+    if options.resume_from:
+        return resolve_checkpoint(os.path.abspath(options.resume_from))
+    found = usable_checkpoint(os.path.abspath(config.train.checkpoint.dir))
+    return found[1] if found else None
+
+
+def _preflight(config: MimoConfig, options: TrainOptions) -> dict | None:
+    """Before any process starts (``options.resume_from`` picked): a checkpoint at another
+    layout is an error; a run that is already done returns its summary."""
+    from mimo.training.checkpoint import check_layout, read_meta, resolve_checkpoint
+
+    path = options.resume_from
+    if path is None:
         if config.train.init_from:  # a new run starting from another run's weights
             start = resolve_checkpoint(config.train.init_from)
             check_layout(read_meta(start), config, start)
         return None
-    step, path = latest
     meta = read_meta(path)
     check_layout(meta, config, path)
+    step = meta["step"]
+    log.info("resuming from %s (step %d)", path, step)
     changed = _changed_keys(meta.get("config", {}), _plain(config))
-    changed = [k for k in changed if not k.startswith(("train.checkpoint.", "data.workers", "data.prefetch", "eval."))]
+    changed = [k for k in changed if not k.startswith(("train.checkpoint.", "data.workers", "data.prefetch", "eval.", "train.log."))]
     if changed:
         log.warning("resuming from %s with a config that differs at %s: the run will not reproduce an uninterrupted one",
                     path, ", ".join(changed[:8]))
@@ -229,6 +250,7 @@ def _train_under_torchrun(config_path: str, overrides: list[str], config: MimoCo
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if world != config.world_size:
         raise ConfigError(f"world_size: the config asks for {config.world_size} ranks, torchrun started {world}")
+    options = replace(options, resume_from=_resume_point(config, options))
     done = _preflight(config, options)  # on every rank: all of them stop on a user error, before any group starts
     if done is not None:
         return done
@@ -244,10 +266,13 @@ def _train_under_torchrun(config_path: str, overrides: list[str], config: MimoCo
         if rank == 0:
             from mimo.compose.inputs import ensure_index
 
+            from mimo.training.metrics import check_reporting
+
             ensure_index(config)
+            check_reporting(config)
             _prepare_run_dir(config, options.run_dir, config_path, overrides)
         dist.barrier()
-        summary = train_rank(config_path, overrides, options, False)
+        summary = train_rank(config_path, overrides, options)
     finally:
         dist.destroy_process_group()
     return {"ok": True, "command": "train", "rank": rank, **summary}
@@ -256,11 +281,13 @@ def _train_under_torchrun(config_path: str, overrides: list[str], config: MimoCo
 # ---------------------------------------------------------------- one rank
 
 
-def train_rank(config_path: str, overrides: list[str], options: TrainOptions, local_launch: bool) -> dict:
-    """Runs on every rank (a WorkerPool worker, or a torchrun process with its group up)."""
+def train_rank(config_path: str, overrides: list[str], options: TrainOptions) -> dict:
+    """Runs on every rank (a WorkerPool worker, or a torchrun process with its group up). A
+    worker of the local launch ends with its launcher (``mimo.training.launch``)."""
     import torch.distributed as dist
 
     from mimo.training.checkpoint import latest_checkpoint, load_checkpoint, remove_leftovers, resolve_checkpoint, save_checkpoint
+    from mimo.training.evaluation import Evaluator, request_for
     from mimo.training.metrics import Reporter, StepTimer
     from mimo.training.run import build_run
     from mimo.training.launch import rank_compute_device
@@ -268,33 +295,38 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions, lo
     from mimo.training.trace import write_trace
 
     rank = dist.get_rank()
-    config = load_config(config_path, overrides)
+    config = load_config(config_path, overrides, run_dir=options.run_dir)  # the launcher's checkpoint dir
     handlers = _rank_logging(rank, options.run_dir)
     stop = _StopRequest()
-    if local_launch:
-        _exit_with_parent()
     fault = _Fault.from_env(rank)
     ckpt = config.train.checkpoint
     ckpt_dir = os.path.abspath(ckpt.dir)
     last_step = options.stop_at or config.train.steps
-    run = None
+    run = evaluator = None
     try:
         _groups_inherit_timeout(options.timeout_s)
+        log.info("%d ranks up; building the model and the data pipeline", dist.get_world_size())
+        t0 = time.perf_counter()
         run = build_run(config, rank, device=rank_compute_device(options.device))
-        start = _latest_step(ckpt_dir, rank)
-        if start:
-            meta = load_checkpoint(run.model, os.path.join(ckpt_dir, f"step-{start:08d}"), run.optimizers)
-            log.info("resumed from %s (step %d)", os.path.join(ckpt_dir, f"step-{start:08d}"), meta["step"])
+        log.info("model and data pipeline built (%.1f s)", time.perf_counter() - t0)
+        start, resume = 0, _agreed(lambda: options.resume_from)
+        if resume:
+            log.info("loading weights, optimizer states and RNG (%s)", resume)
+            start = load_checkpoint(run.model, resume, run.optimizers)["step"]
+            log.info("resumed from %s (step %d)", resume, start)
         elif config.train.init_from:
-            path = resolve_checkpoint(config.train.init_from)
+            path = _agreed(lambda: resolve_checkpoint(config.train.init_from))
+            log.info("loading weights (%s, train.init_from)", path)
             load_checkpoint(run.model, path, rng=False)  # weights only: a new run, step 1, fresh optimizer
-            log.info("weights from %s (train.init_from)", path)
         if rank == 0:
             for path in remove_leftovers(ckpt_dir):
                 log.info("removed an incomplete checkpoint: %s", path)
         timer = StepTimer(run)
         report = Reporter(run, options.run_dir, options.log_every, start, last_step) if rank == 0 else None
+        if config.eval.every:  # built on every rank at the same point (its data pipeline's groups)
+            evaluator = Evaluator(config, run.model, request_for(config, None, None))
         step, loss, path, stopped = start, None, None, False
+        log.info("training steps %d..%d", start + 1, last_step)
         for step in range(start + 1, last_step + 1):
             with _name_timeouts(rank, step, options.timeout_s):
                 fault.at_step(step)
@@ -315,6 +347,12 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions, lo
             loss = result.loss
             if report is not None:
                 report.step(step, result, stats, saved_at)
+            if evaluator is not None and step % config.eval.every == 0:
+                t0 = time.perf_counter()
+                with _name_timeouts(rank, step, options.timeout_s):
+                    evaluated = evaluator.run_summed()
+                if report is not None:
+                    report.eval(step, evaluated, time.perf_counter() - t0)
             if stats["stop"]:
                 break
         if report is not None:
@@ -328,6 +366,8 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions, lo
         log.exception("rank %d failed", rank, extra={"file_only": True})
         raise
     finally:
+        if evaluator is not None:
+            evaluator.close()
         if run is not None:
             run.close()
         sys.stdout.flush()
@@ -348,18 +388,16 @@ def _groups_inherit_timeout(timeout_s: float) -> None:
             setattr(c10d, name, timedelta(seconds=timeout_s))
 
 
-def _latest_step(ckpt_dir: str, rank: int) -> int:
-    """Rank 0 picks the checkpoint; everyone loads that one (never a later one appearing meanwhile)."""
+def _agreed(on_rank0):
+    """``on_rank0()``'s answer (a path) on every rank: every rank loads the checkpoint rank 0
+    picked (under torchrun each rank picked its own before the group started)."""
     import torch
     import torch.distributed as dist
 
-    from mimo.training.checkpoint import latest_checkpoint
-
-    latest = latest_checkpoint(ckpt_dir) if rank == 0 else None
-    t = torch.tensor([latest[0] if latest else 0], dtype=torch.int64)
+    answer = [on_rank0() if dist.get_rank() == 0 else None]
     if dist.get_world_size() > 1:
-        dist.broadcast(t, src=0)
-    return int(t.item())
+        dist.broadcast_object_list(answer, src=0, device=torch.device("cpu"))
+    return answer[0]
 
 
 @contextmanager
@@ -410,18 +448,6 @@ class _StopRequest:
         if not self.requested:
             log.warning("%s: stopping after the current step", signal.Signals(signum).name)
         self.requested = True
-
-
-def _exit_with_parent() -> None:
-    """A locally launched rank whose launcher died (e.g. kill -9) exits instead of training on."""
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(3)
-
-    threading.Thread(target=watch, name="mimo-parent-watch", daemon=True).start()
 
 
 @dataclass

@@ -1,0 +1,347 @@
+"""Held-out evaluation on a built model, at its layout: ``mimo eval`` (``mimo.commands.eval``) and
+``eval.every`` during ``mimo train`` run it on every rank of the world.
+
+``Evaluator(config, model, request)`` builds the held-out microbatches once: the first
+``eval.samples`` usable held-out samples in shard order, grouped by
+``data.tokens_per_microbatch``, delivered by the training data pipeline (each sample read
+once, packs to LLM ranks, pixels to encoder ranks). ``run()`` evaluates the model as it is
+now; training calls it again every ``eval.every`` steps on the same pipeline.
+
+Loss: the training loss — token losses on the assistant tokens, summed over every sample and
+divided by their count — computed by the same encoder + bridge + LLM stage forward
+(``mimo.training.schedule_run.forward_only``: training's runners, without autograd).
+
+Generation: greedy, without a KV cache. A sample's prompt is everything before its *last*
+assistant answer; each round runs the whole distributed forward (encoders, bridges, every LLM
+stage) on the still-unfinished samples, each LLM DP rank on its own samples, and appends the
+argmax at each sample's last position (the vocab-parallel logits gathered over TP). The new
+tokens are summed over the world (one small all-reduce), so every rank knows every sample's
+length and which samples are done (end-of-turn token or ``eval.max_new_tokens``), and all
+ranks run the same rounds.
+
+Exact match: the generated text up to the end-of-turn marker, normalised (whitespace
+collapsed, surrounding whitespace stripped, lower case), equals the normalised reference
+answer. Caption samples (a ``txt`` text, no question) are scored by the loss but not by
+exact match: a caption is not a question with one checkable answer in general; they are
+counted as ``captions``. Samples that fail to read are counted as ``read_failures``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mimo.compose.config import MimoConfig
+from mimo.core.errors import ConfigError
+
+EXAMPLES = 5  # generated answers shown per scoring rank
+COUNTS = ("matched", "scored", "captions", "read_failures", "generated_tokens")  # per rank; summed over the world
+
+
+# ---------------------------------------------------------------- matching
+
+
+def normalise(text: str) -> str:
+    """How answers are compared: whitespace collapsed and stripped, lower case."""
+    return " ".join(text.split()).lower()
+
+
+def cut_at(text: str, end_marker: str) -> str:
+    """The text before the first end-of-turn marker (all of it when there is none)."""
+    return text.split(end_marker, 1)[0] if end_marker else text
+
+
+def exact_match(generated: str, reference: str, end_marker: str) -> bool:
+    return normalise(cut_at(generated, end_marker)) == normalise(cut_at(reference, end_marker))
+
+
+def last_answer(target: list[bool]) -> tuple[int, int] | None:
+    """(start, stop) of the last run of assistant tokens, or None when there is none."""
+    stop = next((i + 1 for i in range(len(target) - 1, -1, -1) if target[i]), None)
+    if stop is None:
+        return None
+    start = stop - 1
+    while start > 0 and target[start - 1]:
+        start -= 1
+    return start, stop
+
+
+# ---------------------------------------------------------------- the request (checked before any process starts)
+
+
+@dataclass
+class EvalRequest:
+    """What every rank needs besides the config (resolved once by the launcher)."""
+
+    checkpoint: str | None  # a step folder; None: the config's initial weights (tests)
+    shards: str
+    samples: int | None
+    max_new_tokens: int
+    end_marker: str  # the template's end-of-turn text
+    stop_id: int | None  # its token id when it is one token
+
+
+def end_marker(config: MimoConfig, tokenizer) -> tuple[str, int | None]:
+    """The text that ends an assistant turn in the config's template, and its id if it is one token."""
+    marker = "<|im_end|>" if config.data.template == "chatml" else (tokenizer.eos_token or "")
+    ids = tokenizer(marker, add_special_tokens=False)["input_ids"] if marker else []
+    return marker, ids[0] if len(ids) == 1 else None
+
+
+def request_for(config: MimoConfig, checkpoint: str | None, shards: str | None) -> EvalRequest:
+    """Check everything a user can get wrong, before any process starts."""
+    from mimo.training.checkpoint import check_layout, read_meta, resolve_checkpoint
+    from mimo.data.config import missing_shards
+    from mimo.data.text import load_tokenizer
+
+    if config.data.source != "webdataset":
+        raise ConfigError(f"data.source: mimo eval reads WebDataset shards and a tokenizer, got {config.data.source!r}")
+    shards = shards or config.eval.shards
+    if shards is None:
+        raise ConfigError("eval.shards: not set; name the held-out shards in the config or pass --shards PATTERN")
+    problems = missing_shards(shards, "--shards" if shards != config.eval.shards else "eval.shards")
+    if problems:
+        raise ConfigError(problems)
+    if checkpoint is not None:
+        checkpoint = resolve_checkpoint(checkpoint)
+        check_layout(read_meta(checkpoint), config, checkpoint)
+    marker, stop_id = end_marker(config, load_tokenizer(config.data.tokenizer))
+    return EvalRequest(checkpoint, shards, config.eval.samples, config.eval.max_new_tokens, marker, stop_id)
+
+
+# ---------------------------------------------------------------- one rank
+
+
+def subset_blocks(blocks: list[range], keep: set[int]) -> list[range]:
+    """DP blocks over the kept samples (in order), each kept sample staying in its block."""
+    out, start = [], 0
+    for block in blocks:
+        n = sum(1 for i in block if i in keep)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+class _Batches:
+    """A DataPlan stand-in for the data pipeline: exactly these global microbatches (then none)."""
+
+    def __init__(self, index, batches: list[list]):
+        self.index, self.batches = index, batches
+
+    def microbatch(self, k: int) -> list:
+        return self.batches[k] if k < len(self.batches) else []
+
+
+def eval_batches(plan, samples: int | None) -> list[list]:
+    """The plan's global microbatches (in shard order) until ``samples`` samples (None: all usable)."""
+    want = len(plan.valid) if samples is None else min(samples, len(plan.valid))
+    out, seen, k = [], 0, 0
+    while seen < want:
+        mb = plan.microbatch(k)[: want - seen]
+        out.append(mb)
+        seen, k = seen + len(mb), k + 1
+    return out
+
+
+class Evaluator:
+    """The held-out microbatches of ``req`` on this rank, read by a data pipeline of their own
+    (built once: construct on every rank of the world at the same point, as the training
+    pipeline), and the model's loss and exact match on them (``run``)."""
+
+    def __init__(self, config: MimoConfig, model, req: EvalRequest):
+        from mimo.compose.inputs import ensure_index
+        from mimo.data.plan import DataPlan
+        from mimo.training.run import data_pipeline
+        from mimo.training.schedule_run import stage_runner
+
+        self.model, self.req = model, req
+        index, _ = ensure_index(config, shards=req.shards)
+        d = config.data
+        self.plan = DataPlan(index, d.tokens_per_microbatch, d.max_sample_tokens, d.seed, shuffle=False)
+        self.batches = eval_batches(self.plan, req.samples)
+        self.pipeline = data_pipeline(config, model, _Batches(index, self.batches), 1)  # training's, on these microbatches
+        self.runner = stage_runner(model)  # this rank's LLM stage, as training runs it (None without one)
+
+    def run(self) -> dict:
+        """Collective (every rank): the global loss, this rank's counts (``COUNTS``), examples
+        and generated tokens."""
+        import torch
+        import torch.distributed as dist
+
+        scorer = _Scorer(self.model, self.pipeline, self.runner, self.req)
+        loss_sum = loss_tokens = 0.0
+        with torch.no_grad():
+            for k in range(len(self.batches)):
+                mb = self.pipeline.microbatch(k)
+                part_sum, part_tokens = _loss(self.model, self.runner, mb)
+                loss_sum, loss_tokens = loss_sum + part_sum, loss_tokens + part_tokens
+                scorer.generate(mb)
+        totals = torch.tensor([loss_sum, loss_tokens], dtype=torch.float64)
+        dist.all_reduce(totals)
+        return {
+            "loss": totals[0].item() / max(totals[1].item(), 1.0), "loss_tokens": int(totals[1].item()),
+            "samples": sum(len(b) for b in self.batches), "skipped": self.plan.skipped_counts(),
+            **scorer.counts, "examples": scorer.examples, "generated": scorer.generated,
+        }
+
+    def run_summed(self) -> dict:
+        """Collective: ``run`` with the counts summed over the world and the exact match (as
+        ``summarise`` reports them), without the examples."""
+        import torch
+        import torch.distributed as dist
+
+        result = self.run()
+        counts = torch.tensor([result[k] for k in COUNTS], dtype=torch.int64)
+        dist.all_reduce(counts)
+        total = dict(zip(COUNTS, counts.tolist()))
+        return {"loss": result["loss"], "loss_tokens": result["loss_tokens"],
+                "exact_match": total["matched"] / total["scored"] if total["scored"] else None,
+                "samples": result["samples"], **total}
+
+    def close(self) -> None:
+        self.pipeline.close()
+
+
+def _loss(model, runner, mb) -> tuple[float, float]:
+    """This rank's share of the loss sum and loss-token count (last stage, TP rank 0 only, so
+    the world sum counts each token once)."""
+    from mimo.llm.model import count_loss_tokens
+    from mimo.training.schedule_run import forward_only
+
+    logits = forward_only(model, mb, runner)
+    if logits is None:
+        return 0.0, 0.0
+    losses = model.stage.token_losses(logits, mb.pack)  # a collective over TP
+    if model.llm_grid.coords(model.rank)["tp"] != 0:
+        return 0.0, 0.0
+    return float(losses.sum()), float(count_loss_tokens(mb.pack))
+
+
+class _Scorer:
+    """Greedy generation over the distributed model and exact-match scoring (module doc)."""
+
+    def __init__(self, model, pipeline, runner, req: EvalRequest):
+        self.model, self.pipeline, self.runner, self.req = model, pipeline, runner, req
+        grid, rank = model.llm_grid, model.rank
+        c = grid.coords(rank) if rank in grid else None
+        self.dp = c["dp"] if c is not None else None
+        self.is_last_tp0 = c is not None and model.stage.is_last and c["tp"] == 0
+        # the DP group's reader (tp = pp = 0) scores its samples; it holds the tokenizer
+        self.is_scorer = pipeline.is_reader
+        self.counts = {"matched": 0, "scored": 0, "captions": 0, "read_failures": 0, "generated_tokens": 0}
+        self.examples: list[dict] = []
+        self.generated: dict[int, list[int]] = {}  # sample id -> greedy tokens (scored samples)
+
+    def _is_caption(self, sample) -> bool:
+        files = self.pipeline.plan.index.entries[sample.id].files
+        return "json" not in files and "txt" in files
+
+    def generate(self, mb) -> None:
+        import torch
+        import torch.distributed as dist
+
+        n = len(mb.samples)
+        # each sample's prompt length (0: not generated), from the DP block's pack holders
+        prompt = torch.zeros(n, dtype=torch.int64)
+        answers: dict[int, list[int]] = {}
+        tokens: dict[int, list[int]] = {}  # on LLM ranks: this DP block's full sample tokens
+        if mb.pack is not None:
+            cu = mb.pack.cu_seqlens.tolist()
+            for j, i in enumerate(mb.llm_blocks[self.dp]):
+                s = mb.samples[i]
+                toks = mb.pack.tokens[cu[j] : cu[j] + s.tokens].tolist()
+                mask = mb.pack.loss_mask[cu[j] : cu[j] + s.tokens].tolist()
+                span = last_answer([False] + mask[:-1])  # loss_mask[t] marks token t+1 as a target
+                tokens[i] = toks
+                if self.is_scorer:
+                    if span is None:
+                        self.counts["read_failures"] += 1
+                    elif self._is_caption(s):
+                        self.counts["captions"] += 1
+                    else:
+                        prompt[i] = span[0]
+                        answers[i] = toks[span[0] : span[1]]
+        dist.all_reduce(prompt)
+        active = [i for i in range(n) if prompt[i] > 0]
+        generated: dict[int, list[int]] = {i: [] for i in active}
+        while active:
+            nxt = torch.zeros(n, dtype=torch.int64)
+            logits_at = self._round(mb, active, prompt, tokens, generated)
+            if logits_at is not None:
+                for i, tok in logits_at.items():
+                    nxt[i] = tok + 1  # 0 means "not mine"
+            dist.all_reduce(nxt)
+            still = []
+            for i in active:
+                tok = int(nxt[i]) - 1
+                generated[i].append(tok)
+                if tok != self.req.stop_id and len(generated[i]) < self.req.max_new_tokens:
+                    still.append(i)
+            active = still
+        if self.is_scorer:
+            self._score(answers, generated)
+            self.generated.update({mb.samples[i].id: generated[i] for i in answers})
+
+    def _round(self, mb, active: list[int], prompt, tokens: dict, generated: dict) -> dict[int, int] | None:
+        """One forward of the active samples (prompt + generated so far); the last stage's TP
+        rank 0 returns the argmax at each of its samples' last position."""
+        import torch
+
+        from mimo.data.pack import pack
+        from mimo.data.pipeline import Microbatch
+        from mimo.data.plan import PlannedSample
+        from mimo.parallel import gather_along
+        from mimo.training.schedule_run import forward_only
+
+        model, cfg = self.model, self.model.config
+        keep = set(active)
+        lengths = {i: int(prompt[i]) + len(generated[i]) for i in active}
+        samples = [PlannedSample(mb.samples[i].id, lengths[i], mb.samples[i].images, mb.samples[i].image_starts) for i in active]
+        llm_blocks = subset_blocks(mb.llm_blocks, keep)
+        enc_blocks = {name: subset_blocks(b, keep) for name, b in mb.encoder_blocks.items()}
+        pixels = {}
+        for name, x in mb.pixels.items():  # this encoder rank's images, of the kept samples only
+            mine = mb.encoder_blocks[name][model.encoders[name].grid.coords(model.rank)["dp"]]
+            offsets, rows = 0, []
+            for i in mine:
+                if i in keep:
+                    rows.append(x[offsets : offsets + mb.samples[i].images])
+                offsets += mb.samples[i].images
+            pixels[name] = torch.cat(rows) if rows else x[:0]
+        batch, order = None, []
+        if mb.pack is not None:
+            par = cfg.llm.parallel
+            order = [i for i in mb.llm_blocks[self.dp] if i in keep]
+            items = [_item(mb.samples[i], tokens[i][: int(prompt[i])] + generated[i]) for i in order]
+            rows = {e.placeholder: e.rows_per_image for e in cfg.encoders.values()}
+            batch = pack(items, rows, par.tp, par.cp, model.llm_ctx.sequence_parallel, self.pipeline.pad_id)
+            batch = batch.to(model.device)  # packed on the CPU; the pixels are on the device already
+        logits = forward_only(model, Microbatch(samples, llm_blocks, enc_blocks, batch, pixels), self.runner)
+        if logits is None:
+            return None
+        cu = batch.cu_seqlens.tolist()
+        last = torch.tensor([cu[j] + lengths[i] - 1 for j, i in enumerate(order)], dtype=torch.int64, device=logits.device)
+        full = gather_along(logits.index_select(0, last), -1, model.stage.tp_group)[:, : cfg.llm.arch.vocab]
+        if not self.is_last_tp0:
+            return None
+        return dict(zip(order, full.argmax(-1).tolist()))
+
+    def _score(self, answers: dict[int, list[int]], generated: dict[int, list[int]]) -> None:
+        tok = self.pipeline.reader.tokenizer
+        for i, ref_ids in answers.items():
+            gen = tok.decode(generated[i], skip_special_tokens=False)
+            ref = tok.decode(ref_ids, skip_special_tokens=False)
+            ok = exact_match(gen, ref, self.req.end_marker)
+            self.counts["scored"] += 1
+            self.counts["matched"] += ok
+            self.counts["generated_tokens"] += len(generated[i])
+            example = {"reference": normalise(cut_at(ref, self.req.end_marker)), "generated": normalise(cut_at(gen, self.req.end_marker)),
+                       "match": ok}
+            # a few answers, and the first misses (what a person wants to see)
+            if len(self.examples) < EXAMPLES or (not ok and sum(not e["match"] for e in self.examples) < EXAMPLES):
+                self.examples.append(example)
+
+
+def _item(sample, tokens: list[int]):
+    from mimo.data.pack import PackItem
+
+    return PackItem(sample.id, tokens, [False] * len(tokens), sample.image_starts)
