@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,7 +76,7 @@ def test_llava_stage2_starts_from_stage1_weights(tmp_path):
     # stage 2 with another seed: only init_from can make its frozen tower equal stage 1's
     two = mimo("train", stage2, *TWO_RANKS, "train.steps=1", "train.seed=7", cwd=tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
-    assert "weights from" in two.stderr
+    assert re.search(r"loading weights \(\S*llava-stage1/ckpt/step-00000002, train\.init_from\)", two.stderr), two.stderr[-3000:]
     s1, s2 = tmp_path / "runs" / "llava-stage1" / "ckpt", tmp_path / "runs" / "llava-stage2" / "ckpt"
     # the tower is data-parallel: rank 0 owns (and writes) all of it
     tower1, tower2 = shard(s1, 2, "vision-rank00000.model.safetensors"), shard(s2, 1, "vision-rank00000.model.safetensors")
