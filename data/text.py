@@ -106,6 +106,20 @@ class Template:
                     out += [("<|im_start|>assistant\n", False), (t.text + "<|im_end|>", True), ("\n", False)]
         return out
 
+    def answer_end(self) -> str:
+        """The text that ends an assistant answer (where greedy generation stops): chatml's
+        ``<|im_end|>``, the eos token for plain / vicuna, and for ``tokenizer`` what its
+        generation block renders after the answer's own text ("" if nothing)."""
+        if self.name == "chatml":
+            return "<|im_end|>"
+        if self.name != "tokenizer":
+            return self.eos
+        probe = "\x00answer\x00"  # text no template adds: what follows it in the span is the end marker
+        for piece, target in self._chat_template_pieces([Turn("human", "q"), Turn("gpt", probe)]):
+            if target and probe in piece:
+                return piece.split(probe, 1)[1]
+        return ""
+
     def _chat_template_pieces(self, turns: Sequence[Turn]) -> list[tuple[str, bool]]:
         """What ``apply_chat_template(..., return_assistant_tokens_mask=True)`` renders, cut at its
         generation spans (the tokenizer's special tokens are the template's variables, as there)."""

@@ -181,6 +181,11 @@ def test_template_tokenizer_uses_the_chat_template_and_its_generation_marks(tmp_
     with_image = TextEncoder(tokenizer, "tokenizer", {"<image>": 16}).encode([Turn("human", "<image>\nHi"), Turn("gpt", "ok")], 1)
     start = with_image.image_starts["<image>"][0]
     assert with_image.tokens[start : start + 16] == [tokenizer.convert_tokens_to_ids("<image>")] * 16
+    # eval stops generating at what the generation block puts after the answer, here <|im_end|>
+    from mimo.compose.config import load_config
+    from mimo.training.evaluation import end_marker
+
+    assert end_marker(load_config(config), tokenizer) == ("<|im_end|>", tokenizer.convert_tokens_to_ids("<|im_end|>"))
 
 
 # ---------------------------------------------------------------- point 7: where the index lives, and its name

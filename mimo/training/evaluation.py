@@ -82,7 +82,9 @@ class EvalRequest:
 
 def end_marker(config: MimoConfig, tokenizer) -> tuple[str, int | None]:
     """The text that ends an assistant turn in the config's template, and its id if it is one token."""
-    marker = "<|im_end|>" if config.data.template == "chatml" else (tokenizer.eos_token or "")
+    from mimo.data.text import Template
+
+    marker = Template(config.data.template, tokenizer.eos_token or "", tokenizer).answer_end()
     ids = tokenizer(marker, add_special_tokens=False)["input_ids"] if marker else []
     return marker, ids[0] if len(ids) == 1 else None
 
