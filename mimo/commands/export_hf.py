@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 from collections import defaultdict
+from contextlib import ExitStack
 from typing import Mapping
 
 import torch
@@ -78,26 +79,25 @@ def gather_checkpoint(path: str) -> tuple[dict, dict[str, dict[str, torch.Tensor
     """(meta, full tensors by module and layout-independent name) of the checkpoint at ``path``,
     from each model file's tensors and placement records; CheckpointError naming the file for a
     missing or unreadable file, and the tensor for one whose shards do not cover it exactly once."""
-    from safetensors import safe_open
-
-    from mimo.parallel.placement import ParamPlacement
     from mimo.training.checkpoint import read_meta
 
     meta = read_meta(path)
     files = sorted(f for f in meta.get("files", []) if _MODEL_FILE.match(f))
-    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
-    if missing:
-        raise CheckpointError(f"{path}: incomplete, missing {missing[:3]}{' ...' if len(missing) > 3 else ''}")
     if not files:
         raise CheckpointError(f"{path}: meta.json lists no model files (*-rankNNNNN.model.safetensors)")
+    with ExitStack() as stack:
+        return meta, _full_tensors(path, files, stack)
+
+
+def _full_tensors(path: str, files: list[str], stack: ExitStack) -> dict[str, dict[str, torch.Tensor]]:
+    from mimo.parallel.placement import ParamPlacement
+    from mimo.training.checkpoint import open_tensors
+
     handles, shards = {}, defaultdict(list)  # (module, name) -> [(file, record)]
     for file in files:
         full = os.path.join(path, file)
-        try:
-            handles[file] = handle = safe_open(full, "pt")
-            records = json.loads(handle.metadata().get("placements", "{}"))
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error type on a corrupt file
-            raise CheckpointError(f"{full}: not a readable checkpoint file ({type(e).__name__}: {e})") from None
+        handles[file] = handle = stack.enter_context(open_tensors(full))  # a missing or damaged file: named
+        records = json.loads(handle.metadata().get("placements", "{}"))
         module = _MODEL_FILE.match(file)["module"]
         for name in handle.keys():
             if name not in records:
@@ -125,7 +125,7 @@ def gather_checkpoint(path: str) -> tuple[dict, dict[str, dict[str, torch.Tensor
             raise CheckpointError(f"{path}: {module} {name!r}: some elements are written {how} "
                                   f"(files {sorted(f for f, _ in pieces)})")
         out[module][name] = full_t
-    return meta, dict(out)
+    return dict(out)
 
 
 def checkpoint_config(path: str, meta: dict):

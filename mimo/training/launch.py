@@ -204,7 +204,9 @@ _starter_lock = threading.Lock()
 
 def _on_lasting_thread(fn: Callable[[], Any]) -> Any:
     """``fn()`` on one daemon thread that lives as long as this process (a short-lived caller's
-    thread would take its children's PR_SET_PDEATHSIG with it when it ends)."""
+    thread would take its children's PR_SET_PDEATHSIG with it when it ends). Not a
+    ThreadPoolExecutor: its thread is joined at interpreter exit, before atexit handlers, which
+    would kill the ranks before a pool closed there could end them cleanly."""
     global _starter
     with _starter_lock:
         if _starter is None or _starter[0] != os.getpid():  # none yet, or inherited through a fork without its thread
