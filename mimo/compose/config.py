@@ -102,6 +102,16 @@ class TrainConfig:
         problems += [f"{join_path(path, 'trace_steps')}: steps are 1-based, got {s}" for s in self.trace_steps if s < 1]
         return problems + self._lr_schedule_problems(path)
 
+    @property
+    def warmup(self) -> int:
+        """Warmup steps: ``warmup_ratio`` of ``steps`` rounded up, else ``warmup_steps``."""
+        return math.ceil(self.warmup_ratio * self.steps) if self.warmup_ratio is not None else self.warmup_steps
+
+    @property
+    def decay(self) -> int:
+        """wsd's decaying steps: ``decay_ratio`` of ``steps`` rounded up (0 for the other schedules)."""
+        return math.ceil(self.decay_ratio * self.steps) if self.lr_schedule == "wsd" else 0
+
     def _lr_schedule_problems(self, path: str) -> list[str]:
         problems = []
         if self.warmup_ratio is not None:
@@ -116,9 +126,8 @@ class TrainConfig:
         if not 0 < self.decay_ratio <= 1:
             problems.append(f"{join_path(path, 'decay_ratio')}: must be in (0, 1], got {self.decay_ratio}")
         elif self.lr_schedule == "wsd" and self.steps >= 1 and not problems:
-            warmup = math.ceil(self.warmup_ratio * self.steps) if self.warmup_ratio is not None else self.warmup_steps
-            if warmup + math.ceil(self.decay_ratio * self.steps) > self.steps:
-                problems.append(f"{join_path(path, 'decay_ratio')}: {warmup} warmup and {math.ceil(self.decay_ratio * self.steps)} "
+            if self.warmup + self.decay > self.steps:
+                problems.append(f"{join_path(path, 'decay_ratio')}: {self.warmup} warmup and {self.decay} "
                                 f"decay steps are more than {join_path(path, 'steps')}={self.steps}")
         return problems
 

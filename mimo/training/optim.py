@@ -405,11 +405,8 @@ def lr_for(train, step: int, base_lr: float) -> float:
     ``warmup_ratio`` / ``decay_ratio`` are fractions of ``train.steps`` (rounded up),
     ``train.min_lr`` the final lr of a module at ``train.lr`` (a module with its own lr ends at
     the same fraction of it)."""
-    steps = train.steps
-    warmup = math.ceil(train.warmup_ratio * steps) if train.warmup_ratio is not None else train.warmup_steps
     min_ratio = train.min_lr / train.lr if train.min_lr is not None else DEFAULT_MIN_RATIO
-    decay = math.ceil(train.decay_ratio * steps) if train.lr_schedule == "wsd" else 0
-    return lr_at(step, base_lr, warmup, steps, train.lr_schedule, min_ratio, decay)
+    return lr_at(step, base_lr, train.warmup, train.steps, train.lr_schedule, min_ratio, train.decay)
 
 
 @dataclass
