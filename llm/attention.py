@@ -40,7 +40,7 @@ class AttentionConfig:
     heads: int
     kv_heads: int
     head_dim: int
-    rope: RopeConfig
+    rope: RopeConfig | None  # None: no positions (Nemotron-H's attention)
     qkv_bias: bool = False
     o_bias: bool = False  # added once, after the TP reduction (RowParallelLinear does so)
     qk_norm: bool = False
@@ -50,7 +50,7 @@ class AttentionConfig:
     def from_arch(cls, arch: HybridArch) -> "AttentionConfig":
         return cls(
             hidden=arch.hidden, heads=arch.heads, kv_heads=arch.kv_heads, head_dim=arch.head_dim,
-            rope=RopeConfig.from_arch(arch), qkv_bias=bool(arch.qkv_bias), o_bias=bool(arch.o_bias),
+            rope=RopeConfig.from_arch(arch) if arch.rope else None, qkv_bias=bool(arch.qkv_bias), o_bias=bool(arch.o_bias),
             qk_norm=arch.qk_norm, norm_eps=arch.norm_eps,
         )
 
@@ -99,8 +99,9 @@ class Attention(nn.Module):
         v_THD = v_TF.view(t, self.kv_heads_local, hd)
         if self.cfg.qk_norm:
             q_THD, k_THD = self.q_norm(q_THD), self.k_norm(k_THD)
-        cos_TD, sin_TD = rope_tables(seq.positions, self.inv_freq(seq.positions.device))
-        q_THD, k_THD = apply_rope(q_THD, cos_TD, sin_TD), apply_rope(k_THD, cos_TD, sin_TD)
+        if self.cfg.rope is not None:
+            cos_TD, sin_TD = rope_tables(seq.positions, self.inv_freq(seq.positions.device))
+            q_THD, k_THD = apply_rope(q_THD, cos_TD, sin_TD), apply_rope(k_THD, cos_TD, sin_TD)
         o_THD = packed_attention(q_THD, k_THD, v_THD, seq, scale=hd ** -0.5, impl=self.impl)
         return h_TD + self.o_proj(o_THD.reshape(t, self.heads_local * hd))
 

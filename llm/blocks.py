@@ -59,6 +59,7 @@ _REGISTRY: dict[str, LayerBuilder] = {}
 PROVIDERS: dict[str, tuple[str, str]] = {
     "mamba": ("mimo.llm.mamba2", "build_mamba2"),
     "gdn": ("mimo.llm.gdn", "build_gdn"),
+    "moe": ("mimo.llm.moe", "build_moe"),
 }
 
 _SYMBOL = {kind: symbol for symbol, kind in LAYER_KINDS.items()}
@@ -69,10 +70,6 @@ def register_layer(kind: str, build: LayerBuilder) -> None:
     if kind not in _SYMBOL:
         raise ValueError(f"unknown layer kind {kind!r}; kinds: {sorted(_SYMBOL)}")
     _REGISTRY[kind] = build
-
-
-def _moe_not_supported(arch: HybridArch, spec: LayerSpec, ctx: ParallelContext) -> nn.Module:
-    raise MimoError(f"MoE layers ('E', layer {spec.index}) are not supported yet")
 
 
 def layer_builder(kind: str) -> LayerBuilder:
@@ -98,4 +95,3 @@ def build_layer(arch: HybridArch, spec: LayerSpec, ctx: ParallelContext | None =
 
 register_layer("attention", build_attention)
 register_layer("mlp", build_mlp)
-register_layer("moe", _moe_not_supported)  # the seam: the MoE engine registers here later

@@ -52,6 +52,99 @@ class RopeScaling:
 
 
 @dataclass
+class AuxLoss:
+    """A Switch-style load-balancing loss ``E * sum_i f_i * P_i`` (``mimo.llm.router``)."""
+
+    kind: Literal["none", "global", "per_sample"] = "none"
+    coeff: float = 0.0
+
+    def validate(self, path: str) -> list[str]:
+        if self.coeff < 0:
+            return [f"{join_path(path, 'coeff')}: must be >= 0, got {self.coeff}"]
+        if self.kind != "none" and self.coeff == 0:
+            return [f"{join_path(path, 'coeff')}: aux_loss kind {self.kind!r} needs coeff > 0 (or kind: none)"]
+        return []
+
+
+@dataclass
+class MoEArch:
+    """MoE layers (pattern symbol ``E``): router, routed experts, optional shared expert.
+
+    ``mimo.llm.router`` (scores, top-k, groups, expert bias, quantile balancing, aux losses) and
+    ``mimo.llm.experts`` (grouped-GEMM experts, shared expert, latent projections) say what each
+    field does.
+    """
+
+    experts: int  # routed experts
+    topk: int
+    ffn: int  # expert inner size
+    act: Literal["swiglu", "relu2", "gelu"] = "swiglu"
+    shared_ffn: int = 0  # shared expert inner size, 0 = none
+    shared_gate: bool = False  # sigmoid gate on the shared expert output (Qwen2-MoE)
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk: bool = True  # renormalise the k gate values
+    scale: float = 1.0  # routed scaling factor
+    groups: int = 1  # group-limited routing: experts in this many groups ...
+    group_topk: int = 1  # ... of which a token's experts come from the best group_topk
+    expert_bias: bool = False  # aux-loss-free balancing: a bias for selection only
+    bias_update_rate: float = 1.0e-3
+    quantile_balancing: bool = False  # Megatron-Core 0.19's per-expert bias from load quantiles
+    quantile_ema: float = 0.0
+    aux_loss: AuxLoss = field(default_factory=AuxLoss)
+    z_loss_coeff: float = 0.0
+    latent: int = 0  # latent projection size around the experts (Nemotron-H), 0 = none
+    # softmax scores before top-k (Qwen, OLMoE, Mixtral: the same top-k either way); the
+    # renormalisation epsilon of Hugging Face's model (0: plain division, as Qwen and Mixtral)
+    norm_eps: float = 0.0
+    router_bias: bool = False  # a bias on the router logits (none of the supported families)
+
+    def validate(self, path: str) -> list[str]:
+        key = lambda name: join_path(path, name)  # noqa: E731
+        problems = at_least(self, path, 1, "experts", "topk", "ffn", "groups", "group_topk")
+        problems += at_least(self, path, 0, "shared_ffn", "latent")
+        if problems:
+            return problems
+        e, k = self.experts, self.topk
+        if k > e:
+            problems.append(f"{key('topk')}: topk={k} exceeds experts={e}")
+        if e % self.groups:
+            problems.append(f"{key('groups')}: groups={self.groups} must divide experts={e}")
+        elif self.group_topk > self.groups:
+            problems.append(f"{key('group_topk')}: group_topk={self.group_topk} exceeds groups={self.groups}")
+        elif self.groups > 1 and self.group_topk * (e // self.groups) < k:
+            problems.append(
+                f"{key('group_topk')}: group_topk * experts / groups = {self.group_topk} * {e // self.groups} "
+                f"= {self.group_topk * e // self.groups} experts to choose from, fewer than topk={k}"
+            )
+        if self.groups > 1 and e // self.groups < 2:
+            problems.append(f"{key('groups')}: group-limited routing ranks groups by their top-2 scores; "
+                            f"each group needs at least 2 experts, got {e // self.groups}")
+        for name in ("bias_update_rate", "z_loss_coeff", "norm_eps"):
+            if getattr(self, name) < 0:
+                problems.append(f"{key(name)}: must be >= 0, got {getattr(self, name)}")
+        if self.scale <= 0:
+            problems.append(f"{key('scale')}: must be > 0, got {self.scale}")
+        if not 0.0 <= self.quantile_ema < 1.0:
+            problems.append(f"{key('quantile_ema')}: must be in [0, 1), got {self.quantile_ema}")
+        if self.quantile_balancing:
+            if self.aux_loss.kind != "none":
+                problems.append(f"{key('quantile_balancing')}: exclusive with aux losses (aux_loss.kind is {self.aux_loss.kind!r})")
+            if self.groups > 1:
+                problems.append(f"{key('quantile_balancing')}: exclusive with group-limited routing (groups={self.groups})")
+            if self.expert_bias:
+                problems.append(f"{key('quantile_balancing')}: exclusive with expert_bias (both steer selection with a per-expert bias)")
+            if k >= e:
+                problems.append(f"{key('quantile_balancing')}: needs topk < experts (it reads each token's (topk+1)-th score)")
+        if self.shared_gate and not self.shared_ffn:
+            problems.append(f"{key('shared_gate')}: needs a shared expert (shared_ffn > 0)")
+        return problems
+
+    @property
+    def gated(self) -> bool:
+        return self.act == "swiglu"
+
+
+@dataclass
 class HybridArch:
     pattern: str  # layer symbols, see mimo.llm.pattern
     hidden: int
@@ -86,6 +179,9 @@ class HybridArch:
     gdn_v_head_dim: int | None = None
     gdn_chunk: int = 64  # tokens per chunk of the torch gated delta rule (speed / memory only)
     conv_kernel: int = 4  # short causal convolution of Mamba-2 and GDN
+    # MoE (E layers)
+    moe: MoEArch | None = None
+    rope: bool = True  # false: attention without positions (Nemotron-H)
 
     def __post_init__(self) -> None:
         def whole(a: int, b: int) -> int | None:
@@ -138,9 +234,9 @@ class HybridArch:
             problems.append(f"{key('hidden')}: {self.hidden} is not divisible by heads={self.heads}; set head_dim explicitly")
         if self.heads % self.kv_heads:
             problems.append(f"{key('kv_heads')}: heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
-        if "moe" in kinds:
+        if "moe" in kinds and self.moe is None:
             pos = self.pattern.index("E") + 1
-            problems.append(f"{key('pattern')}: MoE layers ('E' at position {pos}) are not supported yet")
+            problems.append(f"{key('moe')}: the pattern has MoE layers ('E' at position {pos}); describe them under arch.moe")
         if "mamba" in kinds:
             if self.mamba_heads is None:
                 problems.append(
@@ -205,5 +301,9 @@ class LLMModuleConfig:
                 sizes["mamba_heads"] = arch.mamba_heads
             if "gdn" in pattern.kinds:
                 sizes.update(gdn_heads=arch.gdn_heads, gdn_v_heads=arch.gdn_v_heads)
+            if "moe" in pattern.kinds and arch.moe is not None:
+                sizes["moe.ffn"] = arch.moe.ffn
+                if arch.moe.shared_ffn:
+                    sizes["moe.shared_ffn"] = arch.moe.shared_ffn
             problems += tp_divides(par.tp, sizes, pkey("tp"))
         return problems

@@ -20,6 +20,19 @@ class SeqContext:
     cu_seqlens: torch.Tensor  # int32 [N+1], 0 .. T
     positions: torch.Tensor  # int64 [T], restarting at 0 per segment (RoPE)
     max_seqlen: int
+    # real tokens are positions 0 .. num_real - 1 (the rest: the trailing padding segment);
+    # None: every position is real. Known on the host (MoE routing excludes padding).
+    num_real: int | None = None
+    # the step's global loss-token count, in a training forward (aux losses are divided by it
+    # as the LM loss is); None: no aux losses join (eval, verification forwards)
+    loss_norm: float | None = None
+
+    def real_mask(self) -> torch.Tensor | None:
+        """``[T]`` bool, True at real tokens; None when every position is real."""
+        t = self.positions.numel()
+        if self.num_real is None or self.num_real >= t:
+            return None
+        return torch.arange(t, device=self.positions.device) < self.num_real
 
     @classmethod
     def from_seqlens(cls, seqlens: list[int], device: torch.device | str = "cpu") -> "SeqContext":

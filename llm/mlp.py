@@ -26,6 +26,20 @@ from mimo.parallel.params import init_params_, param_table
 ACTIVATIONS = ("swiglu", "relu2", "gelu")
 
 
+def activate(parts: tuple[torch.Tensor, ...], act: str) -> torch.Tensor:
+    """The MLP activation of the up projection's output: ``(gate, up)`` for ``swiglu``,
+    ``(up,)`` for the non-gated ones (shared by the MLP, the MoE experts and shared experts)."""
+    if act == "swiglu":
+        gate_TF, up_TF = parts
+        return F.silu(gate_TF) * up_TF
+    (up_TF,) = parts
+    if act == "relu2":
+        return F.relu(up_TF).square()
+    if act == "gelu":
+        return F.gelu(up_TF)
+    raise ValueError(f"unknown MLP activation {act!r}; one of {ACTIVATIONS}")
+
+
 @dataclass(frozen=True)
 class MLPConfig:
     hidden: int
@@ -59,13 +73,7 @@ class MLP(nn.Module):
         init_params_(param_table(self), seed, std, {"down_proj.weight": std if out_std is None else out_std})
 
     def forward(self, h_TD: torch.Tensor, seq: SeqContext) -> torch.Tensor:
-        x_TD = self.norm(h_TD)
-        if self.cfg.act == "swiglu":
-            gate_TF, up_TF = self.up_proj(x_TD)
-            a_TF = F.silu(gate_TF) * up_TF
-        else:
-            (up_TF,) = self.up_proj(x_TD)
-            a_TF = F.relu(up_TF).square() if self.cfg.act == "relu2" else F.gelu(up_TF)
+        a_TF = activate(self.up_proj(self.norm(h_TD)), self.cfg.act)
         return h_TD + self.down_proj(a_TF)
 
 

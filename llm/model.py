@@ -134,8 +134,8 @@ class LLMStage(nn.Module):
         return t
 
     @staticmethod
-    def context(batch: PackedBatch) -> SeqContext:
-        return SeqContext(batch.cu_seqlens, batch.positions, batch.max_seqlen)
+    def context(batch: PackedBatch, loss_norm: float | None = None) -> SeqContext:
+        return SeqContext(batch.cu_seqlens, batch.positions, batch.max_seqlen, batch.num_real_tokens, loss_norm)
 
     def image_placement(self, grid: ParallelGrid, samples: Sequence[tuple[int, Sequence[int]]],
                         blocks: Sequence[range]) -> tuple[Placement, dict[int, list[int]]]:
@@ -173,13 +173,14 @@ class LLMStage(nn.Module):
 
     # ---------------------------------------------------------------- compute
     def forward(self, batch: PackedBatch, hidden: torch.Tensor | None = None,
-                image_rows: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+                image_rows: Mapping[str, torch.Tensor] | None = None, loss_norm: float | None = None) -> torch.Tensor:
         """Hidden states ``[T_local, D]`` for the next stage, or, on the last stage, this rank's
         vocab-parallel logits ``[T, V_padded / tp]`` (see ``loss`` and ``gather_logits``).
 
         ``batch``: the rank's whole pack; ``hidden``: the previous stage's output (not on the
         first stage); ``image_rows``: per placeholder key, this rank's compact rows
-        ``[R_local, D]`` in the order of ``local_image_slots`` (first stage only).
+        ``[R_local, D]`` in the order of ``local_image_slots`` (first stage only);
+        ``loss_norm``: in a training forward, the step's loss-token count (MoE aux losses).
         """
         t_local = self.local_len(batch)
         if self.is_first:
@@ -193,7 +194,7 @@ class LLMStage(nn.Module):
             if image_rows:
                 raise ValueError("only the first stage takes image rows")
             h_TD = hidden
-        seq = self.context(batch)
+        seq = self.context(batch, loss_norm)
         for layer in self.layers.values():
             h_TD = layer(h_TD, seq)
         if not self.is_last:

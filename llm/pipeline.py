@@ -98,7 +98,9 @@ class StageRunner:
             h_in = self._recv((stage.local_len(batch), stage.arch.hidden), self.dtype, self.prev, tick, k)
             h_in.requires_grad_(grad)
         start = time.perf_counter()
-        out = stage(batch, hidden=h_in, image_rows=image_rows if stage.is_first else None)
+        # aux losses (MoE) join a training forward, normalised as the loss is
+        out = stage(batch, hidden=h_in, image_rows=image_rows if stage.is_first else None,
+                    loss_norm=self.num_loss_tokens if grad else None)
         # alive: the microbatches whose activations this stage holds, this one included
         self._note(tick, "forward", k, start=start, alive=len(self.alive) + int(grad))
         if self.next is not None:

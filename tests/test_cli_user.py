@@ -60,7 +60,7 @@ def test_readme_commands_and_references_hold(capsys, tmp_path):
     assert "../shared/" not in readme and "`docs/design.md`" in readme and (ROOT / "docs" / "design.md").is_file()
     assert "import-hf-llava DIR --yaml modules.yaml" in readme and "--out modules.yaml" not in readme
     pattern_row = next(line for line in readme.splitlines() if line.startswith("| `arch.pattern`"))
-    assert "`E` (MoE)" in pattern_row and "not supported yet" in pattern_row
+    assert "`E` (MoE)" in pattern_row and "`arch.moe`" in pattern_row and "not supported yet" not in pattern_row
     assert "image_mean" in readme and "preprocessor_config.json" in readme
     # what a user tries from an older README: told which flag writes the modules section
     code, _, result, _ = run(capsys, "import-hf-llava", str(tmp_path / "hf-llava"), "--out", "modules.yaml")

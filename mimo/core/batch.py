@@ -56,6 +56,16 @@ class PackedBatch:
         return int(((self.labels >= 0) & self.loss_mask.bool()).sum())
 
     @property
+    def num_real_tokens(self) -> int | None:
+        """Positions before the trailing padding segment (known on the host), or None when
+        the pack has no such segment (or no ``sample_ids`` to tell it by)."""
+        if self.sample_ids is None:
+            return None
+        n = int(self.sample_ids.numel())
+        lens = self.seqlens
+        return sum(lens[:n]) if n < len(lens) else None
+
+    @property
     def max_seqlen(self) -> int:
         return max(self.seqlens, default=0)
 

@@ -1,0 +1,118 @@
+"""The MoE layer (pattern symbol ``E``): pre-norm, router, routed experts, shared expert, residual.
+
+    h + reduce_TP( latent_out(experts(latent_in(x), route(x))) + shared(x) ),  x = norm(h)
+
+At expert parallel size 1 every rank holds every expert, its F-slice over TP (ETP = TP).
+Routing happens on the whole local pack on every TP rank alike: without sequence
+parallelism the normalised tokens are replicated (``copy_to_group``: their gradient is summed
+over TP); with it each rank computes the router logits of its own ``[T/tp]`` tokens, and the
+logits and tokens are gathered over TP (``gather_seq``: gradients reduce-scattered back). The
+routed and shared experts' partial outputs are summed once: an all-reduce, or under sequence
+parallelism a reduce-scatter back to this rank's tokens. Weights applied to partial sums or to
+replicated inputs whose gradient is partial (router, shared-expert gate, latent projections)
+are replicated with ``partial=("tp",)`` placements (DESIGN §2).
+
+Parameter names (canonical, inside ``layers.<i>.``): ``norm.weight``, ``router.weight``,
+``experts.up_proj`` / ``experts.down_proj`` (``mimo.llm.experts``), ``shared.up_proj`` /
+``shared.down_proj`` / ``shared.gate``, ``latent_in.weight`` / ``latent_out.weight``; buffers
+``router.expert_bias`` / ``router.qb_beta`` (``mimo.llm.router``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from mimo.llm.config import HybridArch, MoEArch
+from mimo.llm.context import SeqContext
+from mimo.llm.experts import GroupedExperts, SharedExpert
+from mimo.llm.norm import RMSNorm
+from mimo.llm.router import Router, attach_loss
+from mimo.parallel import gemm
+from mimo.parallel.collectives import copy_to_group, gather_seq, reduce_from_group, reduce_scatter_seq
+from mimo.parallel.context import ParallelContext
+from mimo.parallel.params import init_params_, param_table
+from mimo.parallel.placement import ParamPlacement, replicated
+
+
+class Projection(nn.Module):
+    """A replicated ``[out, in]`` projection (Nemotron's latent projections) whose gradient is a
+    partial sum over TP (it sees replicated inputs with partial gradients, or partial inputs)."""
+
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext):
+        super().__init__()
+        self.ctx = ctx
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def placements(self) -> dict[str, ParamPlacement]:
+        return {"weight": replicated(tuple(self.weight.shape), partial=("tp",) if self.ctx.tp_size > 1 else ())}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemm.linear(x, self.weight)
+
+
+class MoE(nn.Module):
+    """``forward(h_TD, seq) -> h_TD`` (see module doc)."""
+
+    def __init__(self, hidden: int, cfg: MoEArch, norm_eps: float = 1e-5, ctx: ParallelContext | None = None):
+        super().__init__()
+        self.ctx = ctx = ParallelContext.for_tp() if ctx is None else ctx
+        self.cfg, self.hidden = cfg, hidden
+        # under SP each rank normalises its own tokens: the norm weight's gradient is partial
+        self.norm = RMSNorm(hidden, norm_eps, ctx, partial=ctx.sequence_parallel)
+        self.router = Router(hidden, cfg, ctx)
+        dim = cfg.latent or hidden
+        if cfg.latent:
+            self.latent_in = Projection(hidden, cfg.latent, ctx)
+            self.latent_out = Projection(cfg.latent, hidden, ctx)
+        self.experts = GroupedExperts(cfg.experts, dim, cfg.ffn, cfg.act, ctx)
+        if cfg.shared_ffn:
+            self.shared = SharedExpert(hidden, cfg.shared_ffn, cfg.act, cfg.shared_gate, ctx)
+
+    def init_weights(self, seed: int, std: float, out_std: float | None = None) -> None:
+        """TP-invariant: each parameter from ``param_seed(seed, its name in this layer)``; the
+        balancing buffers start at zero."""
+        out_std = std if out_std is None else out_std
+        init_params_(param_table(self), seed, std, {n: out_std for n in ("experts.down_proj", "shared.down_proj",
+                                                                          "latent_out.weight")})
+        for name in ("expert_bias", "qb_beta"):
+            if hasattr(self.router, name):
+                getattr(self.router, name).zero_()
+
+    def forward(self, h_TD: torch.Tensor, seq: SeqContext) -> torch.Tensor:
+        tp, sp = self.ctx.tp, self.ctx.sequence_parallel
+        x_TD = self.norm(h_TD)
+        if sp:  # the router GEMM on this rank's tokens; route the whole pack
+            logits_TE = gather_seq(self.router.logits(x_TD), tp)
+            x_TD = gather_seq(x_TD, tp)
+        else:
+            x_TD = copy_to_group(x_TD, tp)
+            logits_TE = self.router.logits(x_TD)
+        valid_T = seq.real_mask()
+        routing = self.router.route(logits_TE, valid_T, seq.num_real)
+        y_TD = self.experts(self.latent_in(x_TD) if self.cfg.latent else x_TD, routing)
+        if self.cfg.latent:
+            y_TD = self.latent_out(y_TD)
+        if self.cfg.shared_ffn:
+            y_TD = y_TD + self.shared(x_TD)
+        y_TD = reduce_scatter_seq(y_TD, tp) if sp else reduce_from_group(y_TD, tp)
+        if self.training and seq.loss_norm is not None:
+            aux = self.router.aux_loss(logits_TE, routing, valid_T, seq.segment_ids(), len(seq.cu_seqlens) - 1,
+                                       seq.loss_norm, self.ctx.grad_group)
+            if aux is not None:
+                y_TD = attach_loss(y_TD, aux)
+        return h_TD + y_TD.to(h_TD.dtype)
+
+    def active_params(self) -> int:
+        """Parameters one token uses (router, its topk experts, shared expert, projections), for
+        FLOP counts and the pipeline split."""
+        cfg, hidden = self.cfg, self.hidden
+        dim = cfg.latent or hidden
+        per_expert = ((3 if cfg.gated else 2) * cfg.ffn * dim)
+        shared = (3 if cfg.gated else 2) * cfg.shared_ffn * hidden + (hidden if cfg.shared_gate else 0)
+        latent = 2 * cfg.latent * hidden
+        return cfg.experts * hidden + cfg.topk * per_expert + shared + latent
+
+
+def build_moe(arch: HybridArch, spec, ctx: ParallelContext | None = None) -> MoE:
+    return MoE(arch.hidden, arch.moe, arch.norm_eps, ctx)
