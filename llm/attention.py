@@ -2,7 +2,7 @@
 
 One layer = pre-norm, q/k/v projection (one column-parallel GEMM; each TP rank holds
 ``heads/tp`` query heads and ``kv_heads/tp`` key/value heads, so GQA groups never straddle
-ranks), optional QK-norm (Qwen3), RoPE at the pack's per-sample positions, attention that never
+ranks), optional QK-norm (per head: Qwen3; over all heads: OLMoE), RoPE at the pack's per-sample positions, attention that never
 crosses a ``cu_seqlens`` boundary, row-parallel output projection, residual add.
 
 Two kernels compute the same function:
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from mimo.core.errors import LayoutError
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
-from mimo.llm.norm import RMSNorm
+from mimo.llm.norm import RMSNorm, ShardedRMSNorm
 from mimo.llm.rope import RopeConfig, apply_rope, inv_freq, rope_tables
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import FusedColumnParallelLinear, RowParallelLinear
@@ -44,6 +44,7 @@ class AttentionConfig:
     qkv_bias: bool = False
     o_bias: bool = False  # added once, after the TP reduction (RowParallelLinear does so)
     qk_norm: bool = False
+    qk_norm_full: bool = False  # over all heads' q / k at once (OLMoE), not per head
     norm_eps: float = 1e-5
 
     @classmethod
@@ -51,7 +52,7 @@ class AttentionConfig:
         return cls(
             hidden=arch.hidden, heads=arch.heads, kv_heads=arch.kv_heads, head_dim=arch.head_dim,
             rope=RopeConfig.from_arch(arch) if arch.rope else None, qkv_bias=bool(arch.qkv_bias), o_bias=bool(arch.o_bias),
-            qk_norm=arch.qk_norm, norm_eps=arch.norm_eps,
+            qk_norm=arch.qk_norm, qk_norm_full=arch.qk_norm_full, norm_eps=arch.norm_eps,
         )
 
 
@@ -74,7 +75,10 @@ class Attention(nn.Module):
             cfg.hidden, {"q": cfg.heads * hd, "k": cfg.kv_heads * hd, "v": cfg.kv_heads * hd},
             bias=cfg.qkv_bias, ctx=ctx,
         )
-        if cfg.qk_norm:  # one weight shared by all heads, which are split over TP: a partial gradient
+        if cfg.qk_norm and cfg.qk_norm_full:  # over the whole projection, its weight split over TP with it
+            self.q_norm = ShardedRMSNorm(cfg.heads * hd, cfg.norm_eps, ctx)
+            self.k_norm = ShardedRMSNorm(cfg.kv_heads * hd, cfg.norm_eps, ctx)
+        elif cfg.qk_norm:  # one weight shared by all heads, which are split over TP: a partial gradient
             self.q_norm = RMSNorm(hd, cfg.norm_eps, ctx, partial=True)
             self.k_norm = RMSNorm(hd, cfg.norm_eps, ctx, partial=True)
         self.o_proj = RowParallelLinear(cfg.heads * hd, cfg.hidden, bias=cfg.o_bias, ctx=ctx, input_is_parallel=True)
@@ -94,10 +98,12 @@ class Attention(nn.Module):
         x_TD = self.norm(h_TD)
         q_TF, k_TF, v_TF = self.qkv(x_TD)  # the full local sequence (gathered under SP)
         t, hd = q_TF.shape[0], self.cfg.head_dim
+        if self.cfg.qk_norm and self.cfg.qk_norm_full:
+            q_TF, k_TF = self.q_norm(q_TF), self.k_norm(k_TF)
         q_THD = q_TF.view(t, self.heads_local, hd)
         k_THD = k_TF.view(t, self.kv_heads_local, hd)
         v_THD = v_TF.view(t, self.kv_heads_local, hd)
-        if self.cfg.qk_norm:
+        if self.cfg.qk_norm and not self.cfg.qk_norm_full:
             q_THD, k_THD = self.q_norm(q_THD), self.k_norm(k_THD)
         if self.cfg.rope is not None:
             cos_TD, sin_TD = rope_tables(seq.positions, self.inv_freq(seq.positions.device))

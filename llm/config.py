@@ -24,7 +24,7 @@ from typing import Literal
 
 from mimo.core.errors import ConfigError
 from mimo.parallel.grid import ParallelConfig
-from mimo.llm.pattern import LayerPattern, LayerSpec, parse_pattern
+from mimo.llm.pattern import LayerPattern, LayerSpec, layer_costs, parse_pattern
 from mimo.core.schema import at_least, join_path, tp_divides
 
 
@@ -143,6 +143,13 @@ class MoEArch:
     def gated(self) -> bool:
         return self.act == "swiglu"
 
+    def active_params(self, hidden: int) -> int:
+        """Parameters one token uses in a layer of width ``hidden`` (router, its topk experts,
+        shared expert and gate, latent projections): its FLOPs are 2 x that per token forward."""
+        per_expert = (3 if self.gated else 2) * self.ffn * (self.latent or hidden)
+        shared = (3 if self.gated else 2) * self.shared_ffn * hidden + (hidden if self.shared_gate else 0)
+        return self.experts * hidden + self.topk * per_expert + shared + 2 * self.latent * hidden
+
 
 @dataclass
 class HybridArch:
@@ -157,6 +164,7 @@ class HybridArch:
     mlp_act: Literal["swiglu", "relu2", "gelu"] = "swiglu"
     mlp_bias: bool = False  # biases on the MLP projections (Llama's mlp_bias)
     qk_norm: bool = False  # RMSNorm on each query / key head (Qwen3)
+    qk_norm_full: bool = False  # the QK-norm over all heads' q / k at once (OLMoE), not per head
     attention_bias: bool = False  # default of both flags below
     qkv_bias: bool | None = None  # biases of the q / k / v projections
     o_bias: bool | None = None  # bias of the attention output projection (added once, after TP)
@@ -172,6 +180,7 @@ class HybridArch:
     mamba_state: int = 128
     mamba_groups: int = 1  # groups of heads sharing B and C
     mamba_chunk: int = 128  # tokens per chunk of the torch SSD scan (speed / memory only, same function)
+    mamba_dt_min: float = 0.0  # floor of softplus(dt) (Hugging Face Nemotron-H: time_step_min); 0: none
     # Gated DeltaNet (G layers)
     gdn_heads: int | None = None  # query / key heads
     gdn_v_heads: int | None = None  # value heads (a multiple of gdn_heads)
@@ -209,8 +218,9 @@ class HybridArch:
             self.o_bias = self.attention_bias
 
     def layer_pattern(self) -> LayerPattern:
-        """The parsed pattern (ConfigError if it is malformed)."""
-        return parse_pattern(self.pattern)
+        """The parsed pattern (ConfigError if it is malformed), its automatic split costed by
+        ``layer_costs``."""
+        return parse_pattern(self.pattern, layer_costs(self))
 
     def validate(self, path: str) -> list[str]:
         key = lambda name: join_path(path, name)  # noqa: E731
@@ -219,6 +229,7 @@ class HybridArch:
             "mamba_head_dim", "mamba_state", "mamba_groups", "mamba_chunk", "gdn_chunk", "conv_kernel",
         )
         problems += [f"{key(n)}: must be > 0, got {getattr(self, n)}" for n in ("rope_theta", "norm_eps", "init_std") if getattr(self, n) <= 0]
+        problems += [f"{key('mamba_dt_min')}: must be >= 0, got {self.mamba_dt_min}"] if self.mamba_dt_min < 0 else []
         if not problems:  # sizes that may be defaults derived from the ones above
             problems = at_least(
                 self, path, 1, "kv_heads", "head_dim", "ffn",
@@ -234,6 +245,8 @@ class HybridArch:
             problems.append(f"{key('hidden')}: {self.hidden} is not divisible by heads={self.heads}; set head_dim explicitly")
         if self.heads % self.kv_heads:
             problems.append(f"{key('kv_heads')}: heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        if self.qk_norm_full and not self.qk_norm:
+            problems.append(f"{key('qk_norm_full')}: needs qk_norm: true")
         if "moe" in kinds and self.moe is None:
             pos = self.pattern.index("E") + 1
             problems.append(f"{key('moe')}: the pattern has MoE layers ('E' at position {pos}); describe them under arch.moe")

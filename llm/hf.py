@@ -1,25 +1,76 @@
-"""Hugging Face import / export: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.
+"""Hugging Face import / export of causal LMs, one *family* per ``model_type`` (``HF_FAMILIES``).
 
-A Hugging Face decoder layer ``j`` is two of our layers: attention ``2j`` (with
-``input_layernorm``) and MLP ``2j+1`` (with ``post_attention_layernorm``), so these models are
-the pattern ``"*-" * num_hidden_layers`` (with ``|`` anywhere between layers for explicit
-stages). ``HF_NAMES`` is the whole name mapping. Our fused weights are Hugging Face's separate
-ones concatenated along dim 0 (q | k | v projections: ``qkv.weight``; gate | up:
-``up_proj.weight``); otherwise shapes are the same on both sides (HF's ``[out, in]`` linear
-convention), only the vocab padding for TP differs and it is never exported (``full_state``
-is unpadded).
+Decoder families (this file): Llama, Qwen2, Qwen3 and the MoE ones Qwen3-MoE, Qwen2-MoE,
+Mixtral, OLMoE. A Hugging Face decoder layer ``j`` is two of our layers: attention ``2j``
+(with ``input_layernorm``) and MLP or MoE ``2j+1`` (with ``post_attention_layernorm``), so
+these models are the pattern ``"*-"`` / ``"*E"`` per decoder layer (``|`` anywhere between
+layers for explicit stages). Qwen MoE configs may make some layers dense (``mlp_only_layers``,
+``decoder_sparse_step``): those are ``-`` layers of inner size ``intermediate_size``.
 
 Model-specific flags, as Hugging Face defines them:
 
-    llama  attention_bias -> q, k, v and o_proj biases; mlp_bias -> gate/up/down biases
-    qwen2  q, k, v biases always, no o_proj bias
-    qwen3  attention_bias -> q, k, v and o_proj biases; QK-norm always
+    llama      attention_bias -> q, k, v and o_proj biases; mlp_bias -> gate/up/down biases
+    qwen2      q, k, v biases always, no o_proj bias
+    qwen3      attention_bias -> q, k, v and o_proj biases; QK-norm per head always
+    qwen3_moe  as qwen3; experts of moe_intermediate_size, norm_topk_prob
+    qwen2_moe  qkv_bias -> q, k, v biases, no o_proj bias; a shared expert
+               (shared_expert_intermediate_size) scaled by sigmoid(shared_expert_gate)
+    mixtral    no biases; experts of intermediate_size (num_local_experts), always renormalised;
+               sliding_window must be unset (or cover max_position_embeddings)
+    olmoe      attention_bias -> all four biases; QK-norm over the whole q / k projection (not
+               per head: arch.qk_norm_full); experts of intermediate_size; clip_qkv unsupported
+
+MoE routing of all four: softmax over the experts, top-k, gates renormalised when
+``norm_topk_prob`` (plain division: ``moe.norm_eps`` 0), no scaling, no groups, no bias.
+Imported MoEs have ``aux_loss: none``: Hugging Face adds ``router_aux_loss_coef`` times its
+balancing loss only with ``output_router_logits`` (off by default), so the import is the
+model's own objective; set ``arch.moe.aux_loss`` to fine-tune with one (export writes its
+coefficient as ``router_aux_loss_coef``).
+
+**Expert weights.** transformers 5 holds each layer's experts fused: ``mlp.experts.gate_up_proj
+[E, 2F, D]`` (gate rows, then up rows, as our ``experts.up_proj``) and ``mlp.experts.down_proj
+[E, D, F]`` (ours), the router ``mlp.gate.weight [E, D]``. Checkpoints (``save_pretrained``'s
+and the published ones) hold them per expert, ``mlp.experts.{e}.gate_proj / up_proj /
+down_proj.weight`` (Mixtral: ``block_sparse_moe.experts.{e}.w1 / w3 / w2`` and
+``block_sparse_moe.gate``). Import reads either (``decoder_checkpoint_view``: per-expert tensors
+stacked lazily, ``StackedExperts``); export writes ``model.state_dict()``'s names, which
+``from_pretrained`` loads as they are.
+
+**The family seam** (``HFFamily``; a family in its own module registers with
+``HF_FAMILIES[model_type] = family_of(module)``, the module defining the names in brackets):
+
+* ``arch_from_config(cfg, pattern_stages=None) -> HybridArch`` [``arch_from_hf_config``]: the
+  arch of a ``config.json`` dict (``pattern_stages``: Hugging Face layers per explicit stage);
+  MimoError naming the config key for what our model cannot express.
+* ``config_from_arch(arch, model_type) -> dict`` [``hf_config_from_arch``]: the ``config.json``
+  of an arch; MimoError unless the arch is exactly this family (``hf_model_type`` picks the
+  first family whose ``config_from_arch`` accepts an arch, so families must not overlap).
+* ``tensor_pieces(arch, rename) -> {hf_name: (piece, ...)}`` [``hf_tensor_pieces``]: every
+  Hugging Face tensor in ``model.state_dict()`` order (``rename``: where the causal LM sits in a
+  larger checkpoint), each the concatenation of *pieces* ``(our canonical name, part)``: part
+  ``i`` of a fused tensor of ours (its placement's ``parts``, along the dim they split), or part
+  0 = the whole of an unfused one. The pieces of one tensor are concatenated along that fused
+  dim (dim 0 without parts): q | k | v -> ``qkv.weight`` parts along dim 0, ``gate_up_proj``
+  -> ``experts.up_proj`` parts along dim 1. A tensor whose pieces all appear in earlier tensors
+  is a *copy* (a tied ``lm_head``): written on export, optional on import.
+  ``tensor_pieces`` may be ``hf_tensor_map`` instead: each value one piece ``(ours, part)``.
+* ``checkpoint_view(arch, keys, shapes, get) -> (shapes, get)`` [``checkpoint_view``,
+  optional]: the checkpoint under ``tensor_pieces``' names (renamings, per-expert tensors
+  stacked: ``StackedExperts``, row blocks of a tensor split into names of their own), lazily:
+  ``get(name)`` indexable by a tuple of slices. Default: as is.
+* ``export_view(state) -> state`` [``join_split``, optional]: the inverse on export, from
+  ``tensor_pieces``' names to ``model.state_dict()``'s. Default: as is.
+* ``unit_dim(hf_name) -> int | None`` [``unit_dim``, optional]: a dim of size 1 Hugging Face
+  has and we do not (Mamba's ``conv1d.weight [C, 1, K]``), unless the view drops it.
+* A piece may name one of our persistent buffers (``router.expert_bias``) instead of a
+  parameter: it is imported whole and exported from the state given to ``export_hf_state``
+  (which must then hold it).
 
 Checkpoints are read lazily with safetensors: each rank reads only its own slice of each
 tensor its stage needs (``get_slice``, through the parameter's placement:
-``mimo.parallel.placement.read_local``; a fused weight part by part). Every name and shape is
-checked first, on every rank alike, so a misfit checkpoint fails with one ``MimoError``
-naming the first bad tensor.
+``mimo.parallel.placement.read_local``; a fused weight part by part, a stacked one expert by
+expert). Every name and shape is checked first, on every rank alike, so a misfit checkpoint
+fails with one ``MimoError`` naming the first bad tensor.
 ``transformers`` is imported only by the functions that build Hugging Face objects.
 """
 
@@ -28,95 +79,439 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import torch
 
 from mimo.core.errors import MimoError
-from mimo.llm.config import HybridArch, RopeScaling
+from mimo.llm import hf_nemotron_h
+from mimo.llm.config import HybridArch, MoEArch, RopeScaling
+from mimo.llm.lazy import StackedExperts, concat_reader
 from mimo.llm.model import LLMStage
-from mimo.parallel.placement import ParamPlacement, read_local
+from mimo.parallel.placement import ParamPlacement, read_local, replicated
 
 log = logging.getLogger(__name__)
 
-SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-# (our name, which part of it, Hugging Face name, present when), in HF's state_dict order —
-# {a}: our attention layer, {m}: our MLP layer, {j}: the Hugging Face decoder layer. A fused
-# weight of ours is its parts (0, 1, ...) concatenated along dim 0.
-_always = lambda a: True  # noqa: E731
-HF_NAMES: tuple[tuple[str, int, str, Callable[[HybridArch], bool]], ...] = (
-    ("embed.weight", 0, "model.embed_tokens.weight", _always),
-    ("layers.{a}.qkv.weight", 0, "model.layers.{j}.self_attn.q_proj.weight", _always),
-    ("layers.{a}.qkv.bias", 0, "model.layers.{j}.self_attn.q_proj.bias", lambda a: a.qkv_bias),
-    ("layers.{a}.qkv.weight", 1, "model.layers.{j}.self_attn.k_proj.weight", _always),
-    ("layers.{a}.qkv.bias", 1, "model.layers.{j}.self_attn.k_proj.bias", lambda a: a.qkv_bias),
-    ("layers.{a}.qkv.weight", 2, "model.layers.{j}.self_attn.v_proj.weight", _always),
-    ("layers.{a}.qkv.bias", 2, "model.layers.{j}.self_attn.v_proj.bias", lambda a: a.qkv_bias),
-    ("layers.{a}.o_proj.weight", 0, "model.layers.{j}.self_attn.o_proj.weight", _always),
-    ("layers.{a}.o_proj.bias", 0, "model.layers.{j}.self_attn.o_proj.bias", lambda a: a.o_bias),
-    ("layers.{a}.q_norm.weight", 0, "model.layers.{j}.self_attn.q_norm.weight", lambda a: a.qk_norm),
-    ("layers.{a}.k_norm.weight", 0, "model.layers.{j}.self_attn.k_norm.weight", lambda a: a.qk_norm),
-    ("layers.{m}.up_proj.weight", 0, "model.layers.{j}.mlp.gate_proj.weight", _always),
-    ("layers.{m}.up_proj.bias", 0, "model.layers.{j}.mlp.gate_proj.bias", lambda a: a.mlp_bias),
-    ("layers.{m}.up_proj.weight", 1, "model.layers.{j}.mlp.up_proj.weight", _always),
-    ("layers.{m}.up_proj.bias", 1, "model.layers.{j}.mlp.up_proj.bias", lambda a: a.mlp_bias),
-    ("layers.{m}.down_proj.weight", 0, "model.layers.{j}.mlp.down_proj.weight", _always),
-    ("layers.{m}.down_proj.bias", 0, "model.layers.{j}.mlp.down_proj.bias", lambda a: a.mlp_bias),
-    ("layers.{a}.norm.weight", 0, "model.layers.{j}.input_layernorm.weight", _always),
-    ("layers.{m}.norm.weight", 0, "model.layers.{j}.post_attention_layernorm.weight", _always),
-    ("norm.weight", 0, "model.norm.weight", _always),
-    ("head.weight", 0, "lm_head.weight", lambda a: not a.tie_embeddings),
-)
-TIED_HEAD = "lm_head.weight"  # in HF's state_dict() of a tied model, the embedding again
-IGNORED = (".rotary_emb.inv_freq",)  # buffers some older checkpoints carry
-
-
-# ---------------------------------------------------------------- config
-
-
-def hf_decoder_layers(arch: HybridArch) -> int:
-    """Number of HF decoder layers ``arch`` corresponds to; MimoError unless it is ``*-`` pairs."""
-    kinds = [layer.kind for layer in arch.layer_pattern().layers]
-    pairs = len(kinds) // 2
-    if len(kinds) % 2 or kinds != ["attention", "mlp"] * pairs:
-        raise MimoError(
-            f"Hugging Face Llama / Qwen models are the pattern '*-' repeated (one attention and one "
-            f"MLP layer per decoder layer); the pattern {arch.pattern!r} is not"
-        )
-    if arch.mlp_act != "swiglu":
-        raise MimoError(f"Hugging Face Llama / Qwen MLPs are SwiGLU; arch.mlp_act is {arch.mlp_act!r}")
-    return pairs
-
-
+Piece = tuple[str, int]  # (our canonical name, which of its fused parts; 0: the whole of an unfused one)
 Rename = Callable[[str], str]  # a Hugging Face causal-LM name -> its name inside a larger model (LLaVA)
+Getter = Callable[[str], object]  # a checkpoint name -> the tensor, indexable by a tuple of slices
 
 
 def _same(name: str) -> str:
     return name
 
 
-def hf_tensor_map(arch: HybridArch, rename: Rename = _same) -> dict[str, tuple[str, int]]:
-    """Every Hugging Face tensor of ``arch`` -> (our canonical parameter name, which part of it),
-    in Hugging Face's own order (``rename``: where the causal LM sits inside a larger checkpoint)."""
-    out = {}
-    for j in range(hf_decoder_layers(arch)):
-        for ours, part, theirs, present in HF_NAMES:
-            if present(arch) and ("{" in ours or j == 0):
-                out[theirs.format(j=j)] = (ours.format(a=2 * j, m=2 * j + 1), part)
-    # keep HF's own order: embedding, layers, final norm, head
-    first = {"model.embed_tokens.weight": out.pop("model.embed_tokens.weight")}
-    last = {k: out.pop(k) for k in ("model.norm.weight", "lm_head.weight") if k in out}
-    return {rename(k): v for k, v in {**first, **out, **last}.items()}
+def _identity_view(arch: HybridArch, keys: Iterable[str], shapes: Mapping[str, tuple[int, ...]], get: Getter):
+    return {k: tuple(shapes[k]) for k in keys}, get
 
 
-def hf_name_map(arch: HybridArch, rename: Rename = _same) -> dict[str, tuple[str, ...]]:
-    """Our canonical parameter name -> the Hugging Face tensors it is made of, in part order
-    (one, or the parts a fused weight concatenates along dim 0), for every parameter of ``arch``."""
-    parts: dict[str, dict[int, str]] = {}
-    for theirs, (ours, part) in hf_tensor_map(arch, rename).items():
-        parts.setdefault(ours, {})[part] = theirs
-    return {ours: tuple(by_part[i] for i in sorted(by_part)) for ours, by_part in parts.items()}
+def _as_is(state: dict) -> dict:
+    return state
+
+
+def _no_unit_dim(name: str) -> int | None:
+    return None
+
+
+@dataclass(frozen=True)
+class HFFamily:
+    """One Hugging Face model family (see module doc, "The family seam")."""
+
+    architecture: str  # the *ForCausalLM class, config.json's "architectures"
+    arch_from_config: Callable[..., HybridArch]
+    config_from_arch: Callable[[HybridArch, str], dict]
+    tensor_pieces: Callable[[HybridArch, Rename], dict[str, tuple[Piece, ...]]]
+    checkpoint_view: Callable = _identity_view
+    unit_dim: Callable[[str], int | None] = _no_unit_dim
+    export_view: Callable[[dict], dict] = _as_is
+
+
+def family_of(module) -> HFFamily:
+    """The family a module defines by the names of the module doc's seam."""
+    pieces = getattr(module, "hf_tensor_pieces", None) or module.hf_tensor_map
+    return HFFamily(module.ARCHITECTURE, module.arch_from_hf_config, module.hf_config_from_arch, pieces,
+                    getattr(module, "checkpoint_view", _identity_view), getattr(module, "unit_dim", _no_unit_dim),
+                    getattr(module, "join_split", _as_is))
+
+
+# ---------------------------------------------------------------- decoder families
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """What tells the decoder families apart (module doc's table)."""
+
+    architecture: str
+    bias: str = "attention_bias"  # attention_bias: q, k, v, o; qkv: q, k, v only (qkv_bias, default true); none
+    qk_norm: str = "none"  # none | head | full
+    mlp_bias: bool = False  # Llama's mlp_bias key
+    experts: str | None = None  # config key of the expert count (an MoE family; either spelling is read)
+    expert_ffn: str = "moe_intermediate_size"  # config key of the expert inner size
+    norm_topk: bool | None = None  # None: norm_topk_prob (default false); True: always (Mixtral)
+    sparse_layers: bool = False  # mlp_only_layers / decoder_sparse_step (Qwen MoE)
+    shared: bool = False  # Qwen2-MoE's gated shared expert
+    experts_first: bool = False  # state_dict order of mlp.experts before mlp.gate (Qwen3-MoE)
+
+
+DECODERS = {
+    "llama": Decoder("LlamaForCausalLM", mlp_bias=True),
+    "qwen2": Decoder("Qwen2ForCausalLM", bias="qkv"),
+    "qwen3": Decoder("Qwen3ForCausalLM", qk_norm="head"),
+    "qwen3_moe": Decoder("Qwen3MoeForCausalLM", qk_norm="head", experts="num_experts", sparse_layers=True,
+                         experts_first=True),
+    "qwen2_moe": Decoder("Qwen2MoeForCausalLM", bias="qkv", experts="num_experts", sparse_layers=True, shared=True),
+    "mixtral": Decoder("MixtralForCausalLM", bias="none", experts="num_local_experts", expert_ffn="intermediate_size",
+                       norm_topk=True),
+    "olmoe": Decoder("OlmoeForCausalLM", qk_norm="full", experts="num_experts", expert_ffn="intermediate_size"),
+}
+
+
+def _decoder_of(model_type: str) -> Decoder:
+    if model_type not in DECODERS:
+        raise MimoError(f"model_type {model_type!r} is not a decoder family; supported: {', '.join(HF_FAMILIES)}")
+    return DECODERS[model_type]
+
+
+def _mlp_symbols(d: Decoder, model_type: str, cfg: Mapping, layers: int) -> list[str]:
+    """Per Hugging Face decoder layer: '-' (dense MLP) or 'E' (MoE)."""
+    if d.experts is None:
+        return ["-"] * layers
+    experts = _expert_count(cfg)
+    if not d.sparse_layers:
+        return ["E"] * layers
+    dense = set(cfg.get("mlp_only_layers") or ())
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    return ["E" if j not in dense and experts > 0 and (j + 1) % step == 0 else "-" for j in range(layers)]
+
+
+def _expert_count(cfg: Mapping) -> int:
+    """num_experts or num_local_experts (transformers maps one to the other and writes either)."""
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+
+
+def _reject_decoder_config(d: Decoder, model_type: str, cfg: Mapping) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise MimoError(f"{model_type}: hidden_act {act!r} is not supported (SwiGLU needs 'silu')")
+    if cfg.get("use_sliding_window"):
+        raise MimoError(f"{model_type}: sliding-window attention (use_sliding_window) is not supported")
+    window, longest = cfg.get("sliding_window"), int(cfg.get("max_position_embeddings", 4096))
+    if model_type == "mixtral" and window is not None and int(window) < longest:
+        raise MimoError(f"{model_type}: sliding-window attention (sliding_window={window} < max_position_embeddings="
+                        f"{longest}) is not supported; set sliding_window: null")
+    if cfg.get("clip_qkv") is not None:
+        raise MimoError(f"{model_type}: clip_qkv={cfg['clip_qkv']} (clamped q / k / v) is not supported")
+    if float(cfg.get("router_jitter_noise") or 0.0) > 0:
+        raise MimoError(f"{model_type}: router_jitter_noise={cfg['router_jitter_noise']} is not supported (set 0)")
+
+
+def _moe_from_config(d: Decoder, cfg: Mapping) -> MoEArch:
+    return MoEArch(
+        experts=_expert_count(cfg), topk=int(cfg["num_experts_per_tok"]), ffn=int(cfg[d.expert_ffn]),
+        shared_ffn=int(cfg["shared_expert_intermediate_size"]) if d.shared else 0, shared_gate=d.shared,
+        norm_topk=d.norm_topk if d.norm_topk is not None else bool(cfg.get("norm_topk_prob", False)),
+    )
+
+
+def _staged(blocks: list[str], pattern_stages: Iterable[int] | None) -> str:
+    """The pattern of per-decoder-layer ``blocks``, with ``|`` after each stage's layers."""
+    if pattern_stages is None:
+        return "".join(blocks)
+    sizes = list(pattern_stages)
+    if sum(sizes) != len(blocks):
+        raise MimoError(f"stage sizes {sizes} do not add up to num_hidden_layers={len(blocks)}")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return "|".join("".join(blocks[s : s + n]) for s, n in zip(starts, sizes))
+
+
+def decoder_arch_from_config(model_type: str, cfg: Mapping, pattern_stages: Iterable[int] | None = None) -> HybridArch:
+    """Our ``HybridArch`` of a decoder family's ``config.json`` dict."""
+    d = _decoder_of(model_type)
+    _reject_decoder_config(d, model_type, cfg)
+    symbols = _mlp_symbols(d, model_type, cfg, int(cfg["num_hidden_layers"]))
+    heads = int(cfg["num_attention_heads"])
+    theta, scaling = _rope_from_hf(cfg)
+    attention_bias = bool(cfg.get("attention_bias", False))
+    qkv_bias, o_bias = {"attention_bias": (attention_bias, attention_bias), "none": (False, False),
+                        "qkv": (bool(cfg.get("qkv_bias", True)), False)}[d.bias]
+    return HybridArch(
+        pattern=_staged(["*" + s for s in symbols], pattern_stages),
+        hidden=int(cfg["hidden_size"]),
+        heads=heads,
+        vocab=int(cfg["vocab_size"]),
+        kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        ffn=int(cfg["intermediate_size"]),
+        mlp_act="swiglu",
+        mlp_bias=bool(cfg.get("mlp_bias", False)) if d.mlp_bias else False,
+        qk_norm=d.qk_norm != "none",
+        qk_norm_full=d.qk_norm == "full",
+        attention_bias=attention_bias,
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
+        init_std=float(cfg.get("initializer_range", 0.02)),
+        moe=_moe_from_config(d, cfg) if "E" in symbols else None,
+    )
+
+
+def hf_decoder_layers(arch: HybridArch) -> list[str]:
+    """Our MLP-layer symbol ('-' or 'E') of each Hugging Face decoder layer of ``arch``;
+    MimoError unless the pattern is ``*-`` / ``*E`` pairs."""
+    kinds = [layer.kind for layer in arch.layer_pattern().layers]
+    pairs = [kinds[i : i + 2] for i in range(0, len(kinds), 2)]
+    if len(kinds) % 2 or any(p not in (["attention", "mlp"], ["attention", "moe"]) for p in pairs):
+        raise MimoError(
+            f"Hugging Face decoder models are the pattern '*-' or '*E' repeated (one attention and one MLP or MoE "
+            f"layer per decoder layer); the pattern {arch.pattern!r} is not"
+        )
+    if arch.mlp_act != "swiglu" or (arch.moe is not None and arch.moe.act != "swiglu"):
+        raise MimoError("Hugging Face Llama / Qwen / Mixtral / OLMoE MLPs and experts are SwiGLU; arch.mlp_act / "
+                        "arch.moe.act is not 'swiglu'")
+    return ["-" if p[1] == "mlp" else "E" for p in pairs]
+
+
+def _moe_problems(d: Decoder, model_type: str, moe: MoEArch) -> list[str]:
+    """What in ``arch.moe`` this family cannot express."""
+    want = {"score": "softmax", "scale": 1.0, "groups": 1, "expert_bias": False, "quantile_balancing": False,
+            "latent": 0, "norm_eps": 0.0, "router_bias": False, "z_loss_coeff": 0.0,
+            "shared_gate": d.shared}
+    if d.norm_topk is not None:
+        want["norm_topk"] = d.norm_topk
+    out = [f"arch.moe.{k} is {getattr(moe, k)!r}, {model_type} needs {v!r}" for k, v in want.items() if getattr(moe, k) != v]
+    if bool(moe.shared_ffn) != d.shared:
+        out.append(f"arch.moe.shared_ffn is {moe.shared_ffn}: {model_type} has {'one' if d.shared else 'no'} shared expert")
+    if moe.aux_loss.kind == "per_sample":
+        out.append(f"arch.moe.aux_loss.kind 'per_sample': {model_type}'s balancing loss is over the batch (use global)")
+    return out
+
+
+def _decoder_problems(d: Decoder, model_type: str, arch: HybridArch, symbols: list[str]) -> list[str]:
+    out = []
+    if d.bias == "qkv" and arch.o_bias:
+        out.append(f"{model_type} has no o_proj bias; set o_bias: false")
+    if model_type == "qwen2" and not arch.qkv_bias:
+        out.append("qwen2 has q/k/v biases; set qkv_bias: true")
+    if d.bias == "attention_bias" and arch.qkv_bias != arch.o_bias:
+        out.append(f"{model_type} has one attention_bias flag for q/k/v and o_proj; qkv_bias and o_bias differ")
+    if d.bias == "none" and (arch.qkv_bias or arch.o_bias):
+        out.append(f"{model_type} has no attention biases")
+    norm = "full" if arch.qk_norm and arch.qk_norm_full else "head" if arch.qk_norm else "none"
+    if norm != d.qk_norm:
+        names = {"none": "no QK-norm", "head": "QK-norm per head (qk_norm)",
+                 "full": "QK-norm over the whole projection (qk_norm, qk_norm_full)"}
+        out.append(f"{model_type} has {names[d.qk_norm]}, the arch {names[norm]}")
+    if arch.mlp_bias and not d.mlp_bias:
+        out.append(f"{model_type} has no MLP biases")
+    if d.experts is None and "E" in symbols:
+        out.append(f"{model_type} has no MoE layers")
+    if d.experts is not None and "E" not in symbols:
+        out.append(f"{model_type} has MoE layers; the pattern has none")
+    if d.experts is not None and not d.sparse_layers and "-" in symbols:
+        out.append(f"every {model_type} decoder layer is MoE; the pattern has dense '-' layers")
+    if "E" in symbols and arch.moe is not None:
+        out += _moe_problems(d, model_type, arch.moe)
+    if not arch.rope:
+        out.append(f"{model_type} attention has RoPE; set arch.rope: true")
+    return out
+
+
+def decoder_config_from_arch(arch: HybridArch, model_type: str) -> dict:
+    """A decoder family's ``config.json`` dict for ``arch`` (export); MimoError listing what does not fit."""
+    d = _decoder_of(model_type)
+    symbols = hf_decoder_layers(arch)
+    problems = _decoder_problems(d, model_type, arch, symbols)
+    if problems:
+        raise MimoError(f"{model_type} export: " + "; ".join(problems))
+    rope: dict = {"rope_theta": arch.rope_theta, "rope_type": "default"}
+    if arch.rope_scaling is not None:
+        s = arch.rope_scaling
+        rope.update(rope_type=s.type, factor=s.factor)
+        if s.type == "llama3":
+            rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                        original_max_position_embeddings=s.original_max_position_embeddings)
+    cfg = {
+        "model_type": model_type, "architectures": [d.architecture],
+        "vocab_size": arch.vocab, "hidden_size": arch.hidden, "intermediate_size": arch.ffn,
+        "num_hidden_layers": len(symbols), "num_attention_heads": arch.heads, "num_key_value_heads": arch.kv_heads,
+        "head_dim": arch.head_dim, "hidden_act": "silu", "max_position_embeddings": arch.max_seq_len,
+        "rms_norm_eps": arch.norm_eps, "rope_parameters": rope, "tie_word_embeddings": arch.tie_embeddings,
+        "initializer_range": arch.init_std,
+    }
+    if d.bias == "attention_bias":
+        cfg["attention_bias"] = bool(arch.o_bias)
+    if d.bias == "qkv" and model_type != "qwen2":
+        cfg["qkv_bias"] = bool(arch.qkv_bias)
+    if d.mlp_bias:
+        cfg["mlp_bias"] = arch.mlp_bias
+    if d.experts is not None:
+        m = arch.moe
+        cfg.update({d.experts: m.experts, "num_experts_per_tok": m.topk, d.expert_ffn: m.ffn,
+                    "router_aux_loss_coef": m.aux_loss.coeff if m.aux_loss.kind != "none" else 0.0})
+        if d.norm_topk is None:
+            cfg["norm_topk_prob"] = m.norm_topk
+        if d.shared:
+            cfg["shared_expert_intermediate_size"] = m.shared_ffn
+        if d.sparse_layers:
+            cfg.update(decoder_sparse_step=1, mlp_only_layers=[j for j, s in enumerate(symbols) if s == "-"])
+        if model_type == "mixtral":
+            cfg["sliding_window"] = None
+    return cfg
+
+
+def _attention_pieces(arch: HybridArch) -> list[tuple[str, tuple[Piece, ...]]]:
+    """One decoder layer's attention tensors ({j}: HF layer, {a}: ours), in HF's order."""
+    out = []
+    for part, x in enumerate("qkv"):
+        out.append((f"self_attn.{x}_proj.weight", (("layers.{a}.qkv.weight", part),)))
+        if arch.qkv_bias:
+            out.append((f"self_attn.{x}_proj.bias", (("layers.{a}.qkv.bias", part),)))
+    out.append(("self_attn.o_proj.weight", (("layers.{a}.o_proj.weight", 0),)))
+    if arch.o_bias:
+        out.append(("self_attn.o_proj.bias", (("layers.{a}.o_proj.bias", 0),)))
+    if arch.qk_norm:
+        out += [(f"self_attn.{x}_norm.weight", ((f"layers.{{a}}.{x}_norm.weight", 0),)) for x in "qk"]
+    return out
+
+
+def _mlp_pieces(arch: HybridArch) -> list[tuple[str, tuple[Piece, ...]]]:
+    out = []
+    for proj, ours, part in (("gate_proj", "up_proj", 0), ("up_proj", "up_proj", 1), ("down_proj", "down_proj", 0)):
+        out.append((f"mlp.{proj}.weight", ((f"layers.{{m}}.{ours}.weight", part),)))
+        if arch.mlp_bias:
+            out.append((f"mlp.{proj}.bias", ((f"layers.{{m}}.{ours}.bias", part),)))
+    return out
+
+
+def _moe_pieces(arch: HybridArch, experts_first: bool) -> list[tuple[str, tuple[Piece, ...]]]:
+    gate = [("mlp.gate.weight", (("layers.{m}.router.weight", 0),))]
+    experts = [("mlp.experts.gate_up_proj", (("layers.{m}.experts.up_proj", 0), ("layers.{m}.experts.up_proj", 1))),
+               ("mlp.experts.down_proj", (("layers.{m}.experts.down_proj", 0),))]
+    out = experts + gate if experts_first else gate + experts
+    if arch.moe.shared_ffn:
+        out += [("mlp.shared_expert.gate_proj.weight", (("layers.{m}.shared.up_proj", 0),)),
+                ("mlp.shared_expert.up_proj.weight", (("layers.{m}.shared.up_proj", 1),)),
+                ("mlp.shared_expert.down_proj.weight", (("layers.{m}.shared.down_proj", 0),))]
+    if arch.moe.shared_gate:
+        out.append(("mlp.shared_expert_gate.weight", (("layers.{m}.shared.gate", 0),)))
+    return out
+
+
+def decoder_tensor_pieces(model_type: str, arch: HybridArch, rename: Rename = _same) -> dict[str, tuple[Piece, ...]]:
+    """Every Hugging Face tensor of a decoder family's ``arch`` -> its pieces, in HF's order."""
+    d = _decoder_of(model_type)
+    out: dict[str, tuple[Piece, ...]] = {"model.embed_tokens.weight": (("embed.weight", 0),)}
+    for j, symbol in enumerate(hf_decoder_layers(arch)):
+        mlp = _moe_pieces(arch, d.experts_first) if symbol == "E" else _mlp_pieces(arch)
+        norms = [("input_layernorm.weight", (("layers.{a}.norm.weight", 0),)),
+                 ("post_attention_layernorm.weight", (("layers.{m}.norm.weight", 0),))]
+        for theirs, pieces in _attention_pieces(arch) + mlp + norms:
+            out[f"model.layers.{j}.{theirs}"] = tuple((o.format(a=2 * j, m=2 * j + 1), p) for o, p in pieces)
+    out["model.norm.weight"] = (("norm.weight", 0),)
+    out[TIED_HEAD] = (("embed.weight" if arch.tie_embeddings else "head.weight", 0),)
+    return {rename(k): v for k, v in out.items()}
+
+
+# per-expert checkpoint tensors: (mlp | block_sparse_moe).experts.{e}.<proj>.weight
+_PER_EXPERT = re.compile(r"^(?P<layer>.*)\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+# each per-expert projection -> (the fused tensor, which of its parts along dim 1)
+_FUSED_OF = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+             "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", 0), "w2": ("down_proj", 0)}
+_PROJ_NAMES = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": (("down_proj",), ("w2",))}
+
+
+def decoder_checkpoint_view(arch: HybridArch | None, keys: Iterable[str], shapes: Mapping[str, tuple[int, ...]], get: Getter):
+    """(shapes, get) of a decoder checkpoint under ``model.state_dict()``'s names: Mixtral's
+    ``block_sparse_moe.`` -> ``mlp.``, per-expert tensors stacked (lazily) into
+    ``mlp.experts.gate_up_proj`` / ``down_proj``; everything else as it is. MimoError naming a
+    missing or misfit per-expert tensor."""
+    out_shapes: dict[str, tuple[int, ...]] = {}
+    sources: dict[str, Callable[[], object]] = {}
+    grouped: dict[tuple[str, str], dict[int, dict[int, str]]] = {}  # (layer, fused) -> expert -> part -> key
+    for key in keys:
+        m = _PER_EXPERT.match(key)
+        if m:
+            fused, part = _FUSED_OF[m["proj"]]
+            grouped.setdefault((m["layer"], fused), {}).setdefault(int(m["e"]), {})[part] = key
+            continue
+        name = key.replace(".block_sparse_moe.", ".mlp.")
+        out_shapes[name] = tuple(shapes[key])
+        sources[name] = lambda key=key: get(key)
+    for (layer, fused), by_expert in grouped.items():
+        name = f"{layer}.mlp.experts.{fused}"
+        keys_ep = _per_expert_keys(name, by_expert)
+        first = [tuple(shapes[k]) for k in keys_ep[0]]
+        for e, ks in enumerate(keys_ep):
+            for k, want in zip(ks, first):
+                if tuple(shapes[k]) != want:
+                    raise MimoError(f"tensor {k!r} has shape {tuple(shapes[k])}, unlike expert 0's {want} ({keys_ep[0][0]!r})")
+        if len({s[1:] for s in first}) != 1:
+            raise MimoError(f"tensors {keys_ep[0]} of {name!r} differ in shape beyond dim 0: {first}")
+        sizes = tuple(s[0] for s in first)
+        out_shapes[name] = (len(keys_ep), sum(sizes), *first[0][1:])
+        sources[name] = lambda keys_ep=keys_ep, sizes=sizes: StackedExperts([[get(k) for k in ks] for ks in keys_ep], sizes)
+    return out_shapes, lambda name: sources[name]()
+
+
+def _per_expert_keys(name: str, by_expert: dict[int, dict[int, str]]) -> list[list[str]]:
+    """The keys of every expert 0..E-1, in part order; MimoError naming the first one missing."""
+    some = next(iter(next(iter(by_expert.values())).values()))
+    legacy = ".w1." in some or ".w2." in some or ".w3." in some
+    projs = _PROJ_NAMES[name.rsplit(".", 1)[1]][1 if legacy else 0]
+    prefix = some[: some.index(".experts.") + len(".experts.")]
+    out = []
+    for e in range(max(by_expert) + 1):
+        parts = by_expert.get(e, {})
+        for part, proj in enumerate(projs):
+            if part not in parts:
+                raise MimoError(f"no tensor {prefix}{e}.{proj}.weight (expert {e} of {name!r}, stacked from per-expert "
+                                f"tensors; the checkpoint has experts up to {max(by_expert)})")
+        out.append([parts[p] for p in range(len(projs))])
+    return out
+
+
+def _decoder_family(model_type: str) -> HFFamily:
+    return HFFamily(
+        DECODERS[model_type].architecture,
+        lambda cfg, pattern_stages=None: decoder_arch_from_config(model_type, cfg, pattern_stages),
+        lambda arch, model_type_=model_type: decoder_config_from_arch(arch, model_type_),
+        lambda arch, rename=_same: decoder_tensor_pieces(model_type, arch, rename),
+        decoder_checkpoint_view,
+    )
+
+
+HF_FAMILIES: dict[str, HFFamily] = {t: _decoder_family(t) for t in DECODERS}
+HF_FAMILIES["nemotron_h"] = family_of(hf_nemotron_h)
+SUPPORTED = {t: f.architecture for t, f in HF_FAMILIES.items()}  # model_type -> architecture (at import time)
+TIED_HEAD = "lm_head.weight"  # in HF's state_dict() of a tied model, the embedding again
+IGNORED = (".rotary_emb.inv_freq",)  # buffers some older checkpoints carry
+
+
+def family(model_type: str | None) -> HFFamily:
+    if model_type not in HF_FAMILIES:
+        raise MimoError(f"Hugging Face model_type {model_type!r} is not supported; supported: {', '.join(HF_FAMILIES)}")
+    return HF_FAMILIES[model_type]
+
+
+def hf_model_type(arch: HybridArch) -> str:
+    """The family whose ``config_from_arch`` accepts ``arch`` (MimoError with each family's reason otherwise)."""
+    reasons = []
+    for model_type, fam in HF_FAMILIES.items():
+        try:
+            fam.config_from_arch(arch, model_type)
+            return model_type
+        except MimoError as e:
+            reasons.append(str(e))
+    raise MimoError("no Hugging Face family fits the arch: " + " | ".join(reasons))
+
+
+# ---------------------------------------------------------------- config
 
 
 def _rope_from_hf(cfg: Mapping) -> tuple[float, RopeScaling | None]:
@@ -138,90 +533,247 @@ def _rope_from_hf(cfg: Mapping) -> tuple[float, RopeScaling | None]:
 
 
 def arch_from_hf_config(cfg: Mapping, pattern_stages: Iterable[int] | None = None) -> HybridArch:
-    """Our ``HybridArch`` for a Hugging Face ``config.json`` (a dict).
+    """Our ``HybridArch`` for a Hugging Face ``config.json`` (a dict), by its ``model_type``.
 
     ``pattern_stages``: decoder layers per explicit pipeline stage (writes ``|`` into the
     pattern); by default the pattern has no ``|`` and stages are balanced automatically.
     """
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED:
-        raise MimoError(f"Hugging Face model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise MimoError(f"{model_type}: hidden_act {act!r} is not supported (SwiGLU needs 'silu')")
-    if cfg.get("use_sliding_window"):
-        raise MimoError(f"{model_type}: sliding-window attention (use_sliding_window) is not supported")
-    layers = int(cfg["num_hidden_layers"])
-    if pattern_stages is None:
-        pattern = "*-" * layers
-    else:
-        sizes = list(pattern_stages)
-        if sum(sizes) != layers:
-            raise MimoError(f"stage sizes {sizes} do not add up to num_hidden_layers={layers}")
-        pattern = "|".join("*-" * n for n in sizes)
-    heads = int(cfg["num_attention_heads"])
-    theta, scaling = _rope_from_hf(cfg)
-    attention_bias = bool(cfg.get("attention_bias", False))
-    qkv_bias, o_bias = (True, False) if model_type == "qwen2" else (attention_bias, attention_bias)
-    return HybridArch(
-        pattern=pattern,
-        hidden=int(cfg["hidden_size"]),
-        heads=heads,
-        vocab=int(cfg["vocab_size"]),
-        kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        ffn=int(cfg["intermediate_size"]),
-        mlp_act="swiglu",
-        mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
-        qk_norm=model_type == "qwen3",
-        attention_bias=attention_bias,
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
-        init_std=float(cfg.get("initializer_range", 0.02)),
-    )
+    return family(cfg.get("model_type")).arch_from_config(cfg, pattern_stages)
 
 
-def hf_config_from_arch(arch: HybridArch, model_type: str) -> dict:
-    """A ``config.json`` dict for ``arch`` as a Hugging Face ``model_type`` (for export)."""
-    if model_type not in SUPPORTED:
-        raise MimoError(f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
-    layers = hf_decoder_layers(arch)
-    if model_type == "qwen2" and (not arch.qkv_bias or arch.o_bias):
-        raise MimoError("qwen2 has q/k/v biases and no o_proj bias; set qkv_bias: true, o_bias: false")
-    if model_type != "qwen2" and arch.qkv_bias != arch.o_bias:
-        raise MimoError(f"{model_type} has one attention_bias flag for q/k/v and o_proj; qkv_bias and o_bias differ")
-    if arch.qk_norm != (model_type == "qwen3"):
-        raise MimoError(f"QK-norm is {'required' if model_type == 'qwen3' else 'not available'} in {model_type}")
-    if arch.mlp_bias and model_type != "llama":
-        raise MimoError(f"{model_type} has no MLP biases")
-    rope: dict = {"rope_theta": arch.rope_theta, "rope_type": "default"}
-    if arch.rope_scaling is not None:
-        s = arch.rope_scaling
-        rope.update(rope_type=s.type, factor=s.factor)
-        if s.type == "llama3":
-            rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
-                        original_max_position_embeddings=s.original_max_position_embeddings)
-    cfg = {
-        "model_type": model_type, "architectures": [SUPPORTED[model_type]],
-        "vocab_size": arch.vocab, "hidden_size": arch.hidden, "intermediate_size": arch.ffn,
-        "num_hidden_layers": layers, "num_attention_heads": arch.heads, "num_key_value_heads": arch.kv_heads,
-        "head_dim": arch.head_dim, "hidden_act": "silu", "max_position_embeddings": arch.max_seq_len,
-        "rms_norm_eps": arch.norm_eps, "rope_parameters": rope, "tie_word_embeddings": arch.tie_embeddings,
-        "initializer_range": arch.init_std,
-    }
-    if model_type != "qwen2":
-        cfg["attention_bias"] = bool(arch.o_bias)
-    if model_type == "llama":
-        cfg["mlp_bias"] = arch.mlp_bias
-    return cfg
+def hf_config_from_arch(arch: HybridArch, model_type: str | None = None) -> dict:
+    """A ``config.json`` dict for ``arch`` as a Hugging Face ``model_type`` (default: the one that fits)."""
+    model_type = hf_model_type(arch) if model_type is None else model_type
+    return family(model_type).config_from_arch(arch, model_type)
+
+
+# ---------------------------------------------------------------- tensor layout
+
+
+def hf_tensor_pieces(arch: HybridArch, rename: Rename = _same, model_type: str | None = None) -> dict[str, tuple[Piece, ...]]:
+    """Every Hugging Face tensor of ``arch`` -> its pieces (see module doc), in HF's order."""
+    return family(hf_model_type(arch) if model_type is None else model_type).tensor_pieces(arch, rename)
+
+
+def hf_tensor_map(arch: HybridArch, rename: Rename = _same, model_type: str | None = None) -> dict[str, tuple[Piece, ...]]:
+    """``hf_tensor_pieces`` (the name older callers use)."""
+    return hf_tensor_pieces(arch, rename, model_type)
+
+
+def full_placements(arch: HybridArch) -> dict[str, ParamPlacement]:
+    """The placement (full shape, fused parts) of every parameter and persistent buffer of the
+    one-stage model, by canonical name (built on the meta device: nothing is allocated)."""
+    with torch.device("meta"):
+        stage = LLMStage(arch)
+    out = {name: info.placement for name, info in stage.param_table().items()}
+    for name, t in stage.state_dict().items():
+        out.setdefault(name, replicated(tuple(t.shape)))
+    return out
+
+
+def full_shapes(arch: HybridArch) -> dict[str, tuple[int, ...]]:
+    """Full shape of every parameter (and persistent buffer) of the one-stage model."""
+    return {name: pl.full_shape for name, pl in full_placements(arch).items()}
+
+
+def _fused_dim(pl: ParamPlacement) -> int:
+    return next(d for _, d in pl.shards) if pl.parts else 0
+
+
+def _part_size(pl: ParamPlacement, part: int) -> int:
+    return pl.parts[part] if pl.parts else pl.full_shape[0]
+
+
+@dataclass(frozen=True)
+class _HFTensor:
+    """One Hugging Face tensor: its pieces, the dim they are concatenated along, its shape,
+    whether it only repeats earlier ones (a tied head), its unit dim."""
+
+    pieces: tuple[Piece, ...]
+    dim: int
+    shape: tuple[int, ...]
+    copy: bool
+    unit: int | None
+
+
+class _Layout:
+    """Both directions of a family's mapping for one arch: each HF tensor's pieces and shape,
+    each of our tensors' parts' sources (HF tensor, offset along the fused dim)."""
+
+    def __init__(self, arch: HybridArch, rename: Rename = _same, model_type: str | None = None):
+        self.model_type = hf_model_type(arch) if model_type is None else model_type
+        fam = family(self.model_type)
+        self.placements = full_placements(arch)
+        self.hf: dict[str, _HFTensor] = {}
+        self.sources: dict[str, dict[int, tuple[str, int]]] = {}  # ours -> part -> (HF name, offset)
+        for theirs, pieces in fam.tensor_pieces(arch, rename).items():
+            pieces = (tuple(pieces),) if isinstance(pieces[0], str) else tuple(map(tuple, pieces))  # one (ours, part)
+            self.hf[theirs] = self._tensor(theirs, pieces, fam.unit_dim(theirs))
+        self.export_view = fam.export_view
+
+    def _tensor(self, theirs: str, pieces: tuple[Piece, ...], unit: int | None) -> _HFTensor:
+        pls = []
+        for ours, _ in pieces:
+            if ours not in self.placements:
+                raise MimoError(f"internal: Hugging Face {theirs!r} maps to {ours!r}, which the model does not have")
+            pls.append(self.placements[ours])
+        dim = next((_fused_dim(pl) for pl in pls if pl.parts), 0)
+        offset, copy = 0, True
+        for (ours, part), pl in zip(pieces, pls):
+            if part not in self.sources.get(ours, {}):
+                self.sources.setdefault(ours, {})[part] = (theirs, offset)
+                copy = False
+            offset += _part_size(pl, part) if pl.parts else pl.full_shape[dim]
+        rest = {pl.full_shape[:dim] + pl.full_shape[dim + 1:] for pl in pls}
+        if len(rest) != 1:
+            raise MimoError(f"internal: the pieces {pieces} of {theirs!r} differ beyond dim {dim}")
+        shape = list(pls[0].full_shape)
+        shape[dim] = offset
+        if unit is not None:
+            shape.insert(unit, 1)
+        return _HFTensor(pieces, dim, tuple(shape), copy, unit)
+
+    def parts(self, ours: str) -> list[tuple[str, int]]:
+        """The (HF name, offset) of each part of ours, in part order."""
+        pl, got = self.placements[ours], self.sources.get(ours, {})
+        n = len(pl.parts) or 1
+        if sorted(got) != list(range(n)):
+            raise MimoError(f"internal: the family maps parts {sorted(got)} of {ours!r}, which has {n}")
+        return [got[i] for i in range(n)]
+
+    def what(self, theirs: str) -> str:
+        """What an HF tensor is of ours, for messages."""
+        t, descr = self.hf[theirs], []
+        for ours, part in t.pieces:
+            pl = self.placements[ours]
+            if pl.parts:
+                lo = sum(pl.parts[:part])
+                where = "rows" if t.dim == 0 else f"dim {t.dim}"
+                descr.append(f"{ours!r} ({where} {lo}:{lo + pl.parts[part]}, part {part + 1} of {len(pl.parts)})")
+            else:
+                descr.append(repr(ours))
+        return " | ".join(descr)
+
+    def reader(self, ours: str, get: Getter) -> Callable[[tuple[slice, ...]], torch.Tensor]:
+        """``read(index)`` of our full tensor ``ours`` from the HF tensors (``get``), lazily."""
+        pl = self.placements[ours]
+        dim = _fused_dim(pl)
+        windows = [_Window(get(theirs), dim, offset, self.hf[theirs].unit) for theirs, offset in self.parts(ours)]
+        sizes = pl.parts or (pl.full_shape[dim],)
+        return concat_reader(windows, sizes, dim)
+
+
+class _Window:
+    """An HF tensor seen as one part of ours: indices shifted by ``offset`` along ``dim``, the
+    HF unit dim (if any) read as size 1 and dropped."""
+
+    def __init__(self, src, dim: int, offset: int, unit: int | None):
+        self.src, self.dim, self.offset, self.unit = src, dim, offset, unit
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        idx = list(index)
+        idx[self.dim] = slice(index[self.dim].start + self.offset, index[self.dim].stop + self.offset)
+        if self.unit is None:
+            return self.src[tuple(idx)]
+        idx.insert(self.unit, slice(0, 1))
+        return self.src[tuple(idx)].squeeze(self.unit)
+
+
+def hf_name_map(arch: HybridArch, rename: Rename = _same, model_type: str | None = None) -> dict[str, tuple[str, ...]]:
+    """Our canonical tensor name -> the Hugging Face tensors it is read from, in part order
+    (one, or one per part of a fused weight), for every tensor of ``arch``."""
+    layout = _Layout(arch, rename, model_type)
+    return {ours: tuple(dict.fromkeys(t for t, _ in layout.parts(ours))) for ours in layout.sources}
+
+
+def check_hf_tensors(arch: HybridArch, shapes: Mapping[str, tuple[int, ...]], source: str, rename: Rename = _same,
+                     model_type: str | None = None) -> None:
+    """MimoError naming the first missing, misfit or unexpected tensor of a checkpoint (under the
+    family's ``state_dict`` names: its ``checkpoint_view``)."""
+    _check(_Layout(arch, rename, model_type), shapes, source)
+
+
+def _check(layout: _Layout, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
+    for theirs, t in layout.hf.items():
+        if theirs not in shapes:
+            if t.copy:
+                continue
+            raise MimoError(f"{source}: no tensor {theirs!r} (the model's {layout.what(theirs)}, shape {t.shape})")
+        if tuple(shapes[theirs]) != t.shape:
+            raise MimoError(
+                f"{source}: tensor {theirs!r} has shape {tuple(shapes[theirs])}, but the model's {layout.what(theirs)} "
+                f"needs {t.shape}"
+            )
+    natural = lambda n: [int(p) if p.isdigit() else p for p in n.split(".")]  # noqa: E731  layer 2 before 10
+    extra = sorted((n for n in shapes if n not in layout.hf and not n.endswith(IGNORED)), key=natural)
+    if extra:
+        raise MimoError(f"{source}: tensor {extra[0]!r} (shape {tuple(shapes[extra[0]])}) has no place in the model; "
+                        f"{len(extra)} unused in all")
+
+
+def import_hf_state_(stage: LLMStage, get: Getter, shapes: Mapping[str, tuple[int, ...]], source: str = "checkpoint",
+                     rename: Rename = _same, model_type: str | None = None) -> None:
+    """Load Hugging Face tensors (``state_dict`` names: a family's ``checkpoint_view`` of a
+    checkpoint) into this rank's stage: ``get(name)`` is indexable by a tuple of slices (a full
+    tensor, or a safetensors ``get_slice``: then only this rank's slices are read), ``shapes``
+    gives every tensor's shape. Persistent buffers the family maps are loaded whole."""
+    layout = _Layout(stage.arch, rename, model_type)
+    _check(layout, shapes, source)
+    for ours, info in stage.param_table().items():
+        read = layout.reader(ours, get)
+        local = read_local(read, info.placement, info.sizes, info.coords, info.param.dtype, info.param.device)
+        with torch.no_grad():
+            info.param.copy_(local)
+    params = stage.param_table()
+    for name, buf in stage.state_dict(keep_vars=True).items():
+        if name in layout.sources and name not in params:
+            full = tuple(slice(0, n) for n in layout.placements[name].full_shape)
+            with torch.no_grad():
+                buf.copy_(layout.reader(name, get)(full))
+
+
+def from_hf_state(state: Mapping[str, torch.Tensor], arch: HybridArch, rename: Rename = _same,
+                  model_type: str | None = None) -> dict[str, torch.Tensor]:
+    """Our full canonical state from a Hugging Face state dict; check it first with ``check_hf_tensors``."""
+    layout = _Layout(arch, rename, model_type)
+    return {ours: layout.reader(ours, state.__getitem__)(tuple(slice(0, n) for n in layout.placements[ours].full_shape))
+            for ours in layout.sources}
+
+
+def export_hf_state(full_state: Mapping[str, torch.Tensor], arch: HybridArch, rename: Rename = _same,
+                    model_type: str | None = None) -> dict[str, torch.Tensor]:
+    """Hugging Face state dict (as ``model.state_dict()`` has it) from our full canonical state
+    (all stages merged, and the family's buffers; vocab padding is already stripped by
+    ``full_state``)."""
+    layout = _Layout(arch, rename, model_type)
+    out = {}
+    for theirs, t in layout.hf.items():
+        pieces = []
+        for ours, part in t.pieces:
+            if ours not in full_state:
+                raise MimoError(f"export: the state has no {ours!r} (merge the full state of every stage)")
+            pl, full = layout.placements[ours], full_state[ours]
+            pieces.append(full.split(pl.parts, dim=t.dim)[part] if pl.parts else full)
+        joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces, t.dim)
+        out[theirs] = joined if t.unit is None else joined.unsqueeze(t.unit)
+    return layout.export_view(out)
 
 
 # ---------------------------------------------------------------- checkpoints
+
+
+def _hf_float(obj: dict):
+    """transformers 5 writes a non-finite float as ``{"__float__": "Infinity"}``."""
+    return float(obj["__float__"]) if set(obj) == {"__float__"} else obj
+
+
+def read_config_json(path: str) -> dict:
+    """A ``config.json`` as a dict, Hugging Face's encoded non-finite floats decoded."""
+    with open(path) as f:
+        try:
+            return json.load(f, object_hook=_hf_float)
+        except json.JSONDecodeError as e:
+            raise MimoError(f"{path}: not valid JSON ({e})") from None
 
 
 class HFCheckpoint:
@@ -234,8 +786,7 @@ class HFCheckpoint:
         config_file = os.path.join(path, "config.json")
         if not os.path.isfile(config_file):
             raise MimoError(f"{path!r} is not a Hugging Face checkpoint directory: no config.json")
-        with open(config_file) as f:
-            self.config = json.load(f)
+        self.config = read_config_json(config_file)
         files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
         if not files:
             raise MimoError(f"{path!r} has no *.safetensors weights (only safetensors checkpoints are read)")
@@ -259,107 +810,6 @@ class HFCheckpoint:
     def slice(self, name: str):
         """The tensor, lazily: index it with a tuple of slices to read only that part."""
         return self._handles[self._file_of[name]].get_slice(name)
-
-
-def full_placements(arch: HybridArch) -> dict[str, ParamPlacement]:
-    """The placement (full shape, fused parts) of every parameter of the one-stage model, by
-    canonical name (built on the meta device: nothing is allocated)."""
-    with torch.device("meta"):
-        stage = LLMStage(arch)
-    return {name: info.placement for name, info in stage.param_table().items()}
-
-
-def full_shapes(arch: HybridArch) -> dict[str, tuple[int, ...]]:
-    """Full shape of every parameter of the one-stage model."""
-    return {name: pl.full_shape for name, pl in full_placements(arch).items()}
-
-
-def _part_sizes(name: str, placement: ParamPlacement, n: int) -> tuple[int, ...]:
-    """Sizes along dim 0 of the ``n`` Hugging Face tensors that make our parameter ``name``."""
-    if n == 1:
-        return (placement.full_shape[0],)
-    if len(placement.parts) != n or {d for _, d in placement.shards} != {0}:
-        raise MimoError(f"internal: {name!r} ({placement}) is not {n} parts fused along dim 0")
-    return placement.parts
-
-
-def _expected_hf_tensors(arch: HybridArch, rename: Rename) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every Hugging Face tensor -> (what it is of ours, for messages; the shape it must have)."""
-    placements, names = full_placements(arch), hf_name_map(arch, rename)
-    out = {}
-    for theirs, (ours, part) in hf_tensor_map(arch, rename).items():
-        pl, n = placements[ours], len(names[ours])
-        sizes = _part_sizes(ours, pl, n)
-        what = repr(ours)
-        if n > 1:
-            lo = sum(sizes[:part])
-            what += f" (rows {lo}:{lo + sizes[part]}, part {part + 1} of {n})"
-        out[theirs] = (what, (sizes[part], *pl.full_shape[1:]))
-    return out
-
-
-def check_hf_tensors(arch: HybridArch, shapes: Mapping[str, tuple[int, ...]], source: str, rename: Rename = _same) -> None:
-    """MimoError naming the first missing, misfit or unexpected tensor of a checkpoint."""
-    tied_head = rename(TIED_HEAD)
-    want = _expected_hf_tensors(arch, rename)
-    for theirs, (ours, need) in want.items():
-        if theirs not in shapes:
-            raise MimoError(f"{source}: no tensor {theirs!r} (the model's {ours}, shape {need})")
-        if tuple(shapes[theirs]) != need:
-            raise MimoError(
-                f"{source}: tensor {theirs!r} has shape {tuple(shapes[theirs])}, but the model's {ours} "
-                f"needs {need}"
-            )
-    used = set(want) | ({tied_head} if arch.tie_embeddings else set())
-    natural = lambda n: [int(p) if p.isdigit() else p for p in n.split(".")]  # noqa: E731  layer 2 before 10
-    extra = sorted((n for n in shapes if n not in used and not n.endswith(IGNORED)), key=natural)
-    if extra:
-        raise MimoError(
-            f"{source}: tensor {extra[0]!r} (shape {tuple(shapes[extra[0]])}) has no place in the model"
-            f"{' (the arch ties embeddings)' if extra[0] == tied_head else ''}; {len(extra)} unused in all"
-        )
-
-
-def _concat_reader(sources: list, sizes: tuple[int, ...]) -> Callable[[tuple[slice, ...]], torch.Tensor]:
-    """``read(index)`` of the concatenation of ``sources`` along dim 0 (each indexable by a tuple
-    of slices: a tensor, or a safetensors slice), reading from each only the rows ``index`` covers."""
-    if len(sources) == 1:
-        return lambda index: sources[0][index]
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-
-    def read(index: tuple[slice, ...]) -> torch.Tensor:
-        rows, rest = index[0], tuple(index[1:])
-        pieces = []
-        for src, start, size in zip(sources, starts, sizes):
-            lo, hi = max(rows.start, start), min(rows.stop, start + size)
-            if hi > lo:
-                pieces.append(src[(slice(lo - start, hi - start), *rest)])
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # load time, not a forward
-
-    return read
-
-
-def import_hf_state_(stage: LLMStage, get: Callable[[str], object],
-                     shapes: Mapping[str, tuple[int, ...]], source: str = "checkpoint", rename: Rename = _same) -> None:
-    """Load Hugging Face tensors into this rank's stage: ``get(name)`` is indexable by a tuple
-    of slices (a full tensor, or a safetensors ``get_slice``: then only this rank's slices are
-    read), ``shapes`` gives every tensor's shape."""
-    check_hf_tensors(stage.arch, shapes, source, rename)
-    names = hf_name_map(stage.arch, rename)
-    for ours, info in stage.param_table().items():
-        theirs = names[ours]
-        sizes = tuple(shapes[t][0] for t in theirs)
-        read = _concat_reader([get(t) for t in theirs], sizes)
-        local = read_local(read, info.placement, info.sizes, info.coords, info.param.dtype, info.param.device)
-        with torch.no_grad():
-            info.param.copy_(local)
-
-
-def from_hf_state(state: Mapping[str, torch.Tensor], arch: HybridArch, rename: Rename = _same) -> dict[str, torch.Tensor]:
-    """Our full canonical state from a Hugging Face state dict (fused weights concatenated);
-    check it first with ``check_hf_tensors``."""
-    return {ours: state[theirs[0]] if len(theirs) == 1 else torch.cat([state[t] for t in theirs])
-            for ours, theirs in hf_name_map(arch, rename).items()}
 
 
 # Where the causal LM sits inside a LLaVA checkpoint: (what replaces its "model.", its head key),
@@ -412,33 +862,25 @@ def language_model_of(ckpt: HFCheckpoint) -> tuple[dict, Rename, list[str]]:
     return config, lambda name: llava_lm_key(name, body, head), [k for k in keys if k.startswith(body) or k == head]
 
 
+def checkpoint_tensors(ckpt: HFCheckpoint) -> tuple[dict, Rename, dict[str, tuple[int, ...]], Getter]:
+    """(causal-LM config, rename, shapes, get) of a checkpoint's language model under its
+    family's ``state_dict`` names (``checkpoint_view``: per-expert tensors stacked, lazily)."""
+    config, rename, keys = language_model_of(ckpt)
+    shapes = {k: ckpt.shape(k) for k in keys}
+    shapes, get = family(config.get("model_type")).checkpoint_view(arch_from_hf_config(config), keys, shapes, ckpt.slice)
+    return config, rename, shapes, get
+
+
 def load_hf_checkpoint(stage: LLMStage, path: str) -> None:
     """``init: {hf: DIR}``: load a Hugging Face checkpoint directory into this rank's stage: a
     causal LM, or the language model of a LLaVA checkpoint (either key naming)."""
-    ckpt = HFCheckpoint(path)
-    config, rename, keys = language_model_of(ckpt)
+    config, rename, shapes, get = checkpoint_tensors(HFCheckpoint(path))
     theirs = arch_from_hf_config(config)
-    for field in ("rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qk_norm"):
+    for field in ("rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qk_norm", "qk_norm_full", "moe"):
         if getattr(theirs, field) != getattr(stage.arch, field):
             log.warning("%s: arch.%s=%r differs from the checkpoint's config.json (%r)",
                         path, field, getattr(stage.arch, field), getattr(theirs, field))
-    shapes = {name: ckpt.shape(name) for name in keys}
-    import_hf_state_(stage, ckpt.slice, shapes, path, rename)
-
-
-def export_hf_state(full_state: Mapping[str, torch.Tensor], arch: HybridArch, rename: Rename = _same) -> dict[str, torch.Tensor]:
-    """Hugging Face state dict (as ``model.state_dict()`` has it) from our full canonical state
-    (all stages merged; vocab padding is already stripped by ``full_state``)."""
-    placements, names = full_placements(arch), hf_name_map(arch, rename)
-    out = {}
-    for theirs, (ours, part) in hf_tensor_map(arch, rename).items():
-        if ours not in full_state:
-            raise MimoError(f"export: the state has no {ours!r} (merge the full state of every stage)")
-        t = full_state[ours]
-        out[theirs] = t if len(names[ours]) == 1 else t.split(_part_sizes(ours, placements[ours], len(names[ours])))[part]
-    if arch.tie_embeddings:
-        out[rename(TIED_HEAD)] = full_state["embed.weight"]
-    return out
+    import_hf_state_(stage, get, shapes, path, rename, config.get("model_type"))
 
 
 def save_hf_checkpoint(path: str, hf_state: Mapping[str, torch.Tensor], config: Mapping,

@@ -55,11 +55,12 @@ class Mamba2Config:
     conv_kernel: int = 4
     norm_eps: float = 1e-5
     chunk: int = 128
+    dt_min: float = 0.0  # floor of softplus(dt + dt_bias), as mamba_ssm's dt_limit[0]
 
     @classmethod
     def from_arch(cls, arch: HybridArch) -> "Mamba2Config":
         return cls(arch.hidden, arch.mamba_heads, arch.mamba_head_dim, arch.mamba_state, arch.mamba_groups,
-                   arch.conv_kernel, arch.norm_eps, arch.mamba_chunk)
+                   arch.conv_kernel, arch.norm_eps, arch.mamba_chunk, arch.mamba_dt_min)
 
 
 def ssd_chunked(
@@ -197,6 +198,8 @@ class Mamba2Mixer(TPModule):
         if not self.bc_sharded:  # each local head reads its own group's B, C
             B_TGN, C_TGN = B_TGN[:, self.head_group], C_TGN[:, self.head_group]
         dt_TH = F.softplus(dt_TH.to(cdt) + self.dt_bias.to(cdt))
+        if cfg.dt_min > 0:  # Nemotron-H's time_step_min (mamba_ssm's dt_limit): no gradient below it
+            dt_TH = dt_TH.clamp_min(cfg.dt_min)
         A_H = -torch.exp(self.A_log.to(cdt))
         y_THP = self._scan(x_THP, dt_TH, A_H, B_TGN, C_TGN, seg_T, seq, cdt)
         y_THP = y_THP + x_THP.to(cdt) * self.D.to(cdt)[:, None]

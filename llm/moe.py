@@ -106,12 +106,7 @@ class MoE(nn.Module):
     def active_params(self) -> int:
         """Parameters one token uses (router, its topk experts, shared expert, projections), for
         FLOP counts and the pipeline split."""
-        cfg, hidden = self.cfg, self.hidden
-        dim = cfg.latent or hidden
-        per_expert = ((3 if cfg.gated else 2) * cfg.ffn * dim)
-        shared = (3 if cfg.gated else 2) * cfg.shared_ffn * hidden + (hidden if cfg.shared_gate else 0)
-        latent = 2 * cfg.latent * hidden
-        return cfg.experts * hidden + cfg.topk * per_expert + shared + latent
+        return self.cfg.active_params(self.hidden)
 
 
 def build_moe(arch: HybridArch, spec, ctx: ParallelContext | None = None) -> MoE:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from mimo.parallel.collectives import copy_to_group, reduce_from_group
 from mimo.parallel.context import ParallelContext
-from mimo.parallel.placement import ParamPlacement, replicated
+from mimo.parallel.placement import ParamPlacement, replicated, sharded
 
 
 class RMSNorm(nn.Module):
@@ -45,3 +46,26 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, grad_partial_over_tp={self.partial}"
+
+
+class ShardedRMSNorm(RMSNorm):
+    """RMSNorm over a last dim that is split over TP (OLMoE's QK-norm over all heads' q / k at
+    once): each rank holds its slice of the weight (so its gradient is whole, not partial), and
+    the sum of squares is summed over TP, in the forward and (every rank's slice feeds every
+    rank's normaliser) in the backward."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, ctx: ParallelContext | None = None):
+        super().__init__(dim, eps, ctx)
+        self.weight = nn.Parameter(torch.ones(dim // self.ctx.tp_size))
+
+    def placements(self) -> dict[str, ParamPlacement]:
+        return {"weight": sharded((self.dim,), 0)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.promote_types(dtype, torch.float32))
+        ss = x32.pow(2).sum(-1, keepdim=True)
+        if self.ctx.tp_size > 1:  # forward: all-reduce; backward: all-reduce (copy_to_group's)
+            ss = reduce_from_group(copy_to_group(ss, self.ctx.tp), self.ctx.tp)
+        x32 = x32 * torch.rsqrt(ss / self.dim + self.eps)
+        return self.weight * x32.to(dtype)

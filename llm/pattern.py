@@ -5,12 +5,12 @@
 
 ``"M*-M*-"`` is six layers. With ``|`` the user fixes the stages (their count must equal pp);
 without it the layers are split into pp contiguous stages that minimise the largest stage
-cost (``LAYER_COST``), no stage empty.
+cost (``LAYER_COST``; an MoE layer costs its active FLOPs, see ``layer_costs``), no stage empty.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from mimo.core.errors import ConfigError
@@ -22,6 +22,22 @@ STAGE_BOUNDARY = "|"
 # at typical sizes the kinds are within a small factor of each other, and a plain layer count
 # is what users expect from "balanced". Measured costs can replace these later.
 LAYER_COST: dict[str, float] = {"mamba": 1.0, "gdn": 1.0, "attention": 1.0, "mlp": 1.0, "moe": 1.0}
+
+
+def layer_costs(arch) -> dict[str, float]:
+    """``LAYER_COST`` of one architecture (a ``HybridArch``): an MoE layer costs its active
+    parameters (router, topk experts, shared expert, latent projections: what one token's
+    FLOPs follow) over those of the dense MLP layer of the same arch, the layer it stands in
+    for. E.g. 8 experts, top-2 of inner size ffn/2 and no shared expert cost about 1; a shared
+    expert of size ffn adds 1. Other kinds stay 1.0."""
+    moe = getattr(arch, "moe", None)
+    if moe is None:
+        return LAYER_COST
+    mlp = (3 if arch.mlp_act == "swiglu" else 2) * arch.hidden * arch.ffn
+    active = moe.active_params(arch.hidden)
+    if mlp <= 0 or active <= 0:  # sizes that validation reports
+        return LAYER_COST
+    return {**LAYER_COST, "moe": active / mlp}
 
 _SYMBOL_HELP = "M (Mamba-2), G (Gated DeltaNet), * (attention), - (MLP), E (MoE), | (stage boundary)"
 
@@ -37,14 +53,16 @@ class LayerPattern:
     text: str
     layers: tuple[LayerSpec, ...]
     explicit_stage_sizes: tuple[int, ...] | None  # layers per stage when the text has '|'
+    cost: Mapping[str, float] = field(default_factory=lambda: LAYER_COST, compare=False, hash=False)  # per kind, automatic split
 
     @property
     def kinds(self) -> set[str]:
         return {layer.kind for layer in self.layers}
 
-    def stages(self, pp: int, cost: Mapping[str, float] = LAYER_COST) -> list[tuple[LayerSpec, ...]]:
-        """The layers of each of the ``pp`` pipeline stages; ConfigError if that is impossible."""
-        n = len(self.layers)
+    def stages(self, pp: int, cost: Mapping[str, float] | None = None) -> list[tuple[LayerSpec, ...]]:
+        """The layers of each of the ``pp`` pipeline stages (automatic split: by ``cost``, else
+        the pattern's own); ConfigError if that is impossible."""
+        n, cost = len(self.layers), self.cost if cost is None else cost
         if self.explicit_stage_sizes is not None:
             sizes = list(self.explicit_stage_sizes)
             if len(sizes) != pp:
@@ -66,8 +84,9 @@ class LayerPattern:
         return out
 
 
-def parse_pattern(text: str) -> LayerPattern:
-    """Parse a pattern; ConfigError lists every bad symbol by its 1-based position."""
+def parse_pattern(text: str, cost: Mapping[str, float] = LAYER_COST) -> LayerPattern:
+    """Parse a pattern (``cost``: of each kind, for ``stages``); ConfigError lists every bad
+    symbol by its 1-based position."""
     problems = []
     layers: list[LayerSpec] = []
     stage_sizes: list[int] = []
@@ -94,7 +113,7 @@ def parse_pattern(text: str) -> LayerPattern:
             )
     if problems:
         raise ConfigError(problems)
-    return LayerPattern(text, tuple(layers), tuple(stage_sizes) if explicit else None)
+    return LayerPattern(text, tuple(layers), tuple(stage_sizes) if explicit else None, cost)
 
 
 def balanced_split(costs: list[float], parts: int) -> list[int]:

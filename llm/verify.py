@@ -20,7 +20,6 @@ mimo run. ``max_rel_err`` and ``loss_rel_err`` stay our errors against the fp32 
 from __future__ import annotations
 
 import copy
-import json
 import os
 import tempfile
 from typing import Any
@@ -40,10 +39,13 @@ from mimo.llm.hf import (
     HFCheckpoint,
     arch_from_hf_config,
     check_hf_tensors,
+    checkpoint_tensors,
     export_hf_state,
+    family,
     language_model_of,
     llava_text_config,
     load_hf_checkpoint,
+    read_config_json,
 )
 from mimo.llm.model import build_stage, count_loss_tokens
 from mimo.llm.pipeline import run_pipeline
@@ -66,7 +68,7 @@ def pack_samples(samples: list[torch.Tensor], pad_multiple: int = 1) -> PackedBa
     for s, start in zip(samples, cu[:-1].tolist()):
         labels[start : start + s.numel() - 1] = s[1:]
     loss_mask = labels >= 0
-    batch = PackedBatch(tokens, positions, cu, labels, loss_mask)
+    batch = PackedBatch(tokens, positions, cu, labels, loss_mask, sample_ids=torch.arange(len(samples)))
     batch.validate()
     return batch
 
@@ -94,7 +96,8 @@ def verify_llm_worker(path: str, tp: int, pp: int, sequence_parallel: bool, batc
     load_hf_checkpoint(stage, path)
     res = run_pipeline(stage, grid, batch, num_loss_tokens=max(1, count_loss_tokens(batch)))
     logits = stage.gather_logits(res.logits) if stage.is_last else None
-    state = stage.full_state()
+    buffers = dict(stage.named_buffers())  # persistent ones a family maps (router.expert_bias), replicated over TP
+    state = {**stage.full_state(), **{k: v for k, v in stage.state_dict().items() if k in buffers}}
     if stage.tp_rank != 0:
         return None
     return {"rank": dist.get_rank(), "stage": stage.stage, "logits": logits,
@@ -110,25 +113,28 @@ def _read_config(path: str) -> tuple[str, dict]:
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise MimoError(f"{path!r}: no config.json")
-    with open(config_file) as f:
-        return path, json.load(f)
+    return path, read_config_json(config_file)
 
 
 def _hf_model(path: str, cfg: dict, from_checkpoint: bool, seed: int):
     """The Hugging Face causal LM of ``cfg`` (a causal LM's config, or the language model's
     inside LLaVA): every weight from the checkpoint (``load_exactly_``: a missing or unexpected
-    tensor is an error, never a random weight), or ``randomize_``'d."""
+    tensor is an error, never a random weight; per-expert tensors stacked as the import does),
+    or ``randomize_``'d. Eager attention and experts (a loop over the experts): the plainest
+    Hugging Face paths, which also run in fp64."""
     import transformers
 
     config = transformers.AutoConfig.for_model(**cfg)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
+                                                          experts_implementation="eager")
     if not from_checkpoint:
         randomize_(model, seed)
         return model.eval()
-    ckpt = HFCheckpoint(path)
-    _, rename, keys = language_model_of(ckpt)
+    _, rename, shapes, get = checkpoint_tensors(HFCheckpoint(path))
     ours = {rename(k): k for k in model.state_dict()}  # checkpoint name -> the model's
-    state = {ours.get(k, k): ckpt.get(k).float() for k in keys if not k.endswith(IGNORED)}
+    full = lambda k: tuple(slice(0, n) for n in shapes[k])  # noqa: E731
+    state = {k: get(k)[full(k)].float() for k in shapes if not k.endswith(IGNORED)}
+    state = {ours.get(k, k): t for k, t in family(cfg.get("model_type")).export_view(state).items()}
     tied = bool(getattr(config, "tie_word_embeddings", False))
     load_exactly_(model, state, f"checkpoint {path!r}", lambda k: rename(k) if k in model.state_dict() else k,
                   may_miss=(TIED_HEAD,) if tied else ())
@@ -140,11 +146,16 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
     """Weights at which every path shows in the logits: matrices ~ N(0, 1/fan_in), norm
     weights 1 + N(0, 0.2²), biases N(0, 0.2²). (A fresh Hugging Face init, std 0.02 with unit
     norms and zero biases, leaves attention almost invisible: doubling the RoPE base moves the
-    logits by ~1e-4 — too close to the tolerance to catch a bug reliably.)"""
+    logits by ~1e-4 — too close to the tolerance to catch a bug reliably.) MoE routers
+    (``mlp.gate.weight``) ~ N(0, 4/fan_in): router logits of spread ~2, so the top-k is decided
+    by clear margins (not near-ties that rounding could flip) and the gates differ visibly;
+    some experts get no token at these sizes, as in real models."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=gen)
-        if p.dim() >= 2:
+        if name.endswith("mlp.gate.weight"):
+            p.copy_(2 * noise / p.shape[-1] ** 0.5)
+        elif p.dim() >= 2:
             p.copy_(noise / p.shape[-1] ** 0.5)
         elif "norm" in name:
             p.copy_(1 + 0.2 * noise)
@@ -166,9 +177,8 @@ def check_layout(path: str, tp: int, pp: int, sequence_parallel: bool = False,
     if problems:
         raise ConfigError(problems)
     if from_checkpoint:
-        ckpt = HFCheckpoint(path)
-        _, rename, keys = language_model_of(ckpt)
-        check_hf_tensors(arch, {n: ckpt.shape(n) for n in keys}, path, rename)
+        _, rename, shapes, _ = checkpoint_tensors(HFCheckpoint(path))
+        check_hf_tensors(arch, shapes, path, rename, cfg.get("model_type"))
     return path, cfg
 
 
@@ -213,7 +223,7 @@ def verify_llm(path: str, pool, *, from_checkpoint: bool, tp: int = 1, pp: int =
     state = {}
     for r in results:
         state.update(r["state"])
-    ours_hf = export_hf_state(state, arch)
+    ours_hf = export_hf_state(state, arch, model_type=cfg.get("model_type"))
     theirs = hf.state_dict()
     mismatched = sorted(set(ours_hf) ^ set(theirs)) or [k for k in theirs if not torch.equal(ours_hf[k], theirs[k])]
 

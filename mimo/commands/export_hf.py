@@ -141,12 +141,10 @@ def checkpoint_config(path: str, meta: dict):
 
 
 def _text_model_type(arch) -> str:
-    """The Hugging Face family of a dense LLM arch (by the flags that tell them apart)."""
-    if arch.qk_norm:
-        return "qwen3"
-    if arch.qkv_bias and not arch.o_bias:
-        return "qwen2"
-    return "llama"
+    """The Hugging Face family of an LLM arch (``mimo.llm.hf.hf_model_type``: the one whose config fits)."""
+    from mimo.llm.hf import hf_model_type
+
+    return hf_model_type(arch)
 
 
 def vision_hf_config(arch) -> dict:

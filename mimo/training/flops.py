@@ -7,6 +7,8 @@ projectors) over the real text and image-row tokens and for each encoder's whole
 its image tokens (patches and [CLS]); attention's quadratic term, padding and frozen parts
 are not discounted. MFU is that rate over the devices' peak: a table of datasheet dense
 tensor-core peaks by GPU name, or ``train.log.peak_tflops`` (e.g. a measured matmul rate).
+An MoE layer counts its active parameters only (router, the ``topk`` of its routed experts a
+token runs through, shared expert, latent projections): what a token's FLOPs follow.
 """
 
 from __future__ import annotations
@@ -30,17 +32,28 @@ PEAK_FLOPS = (
 )
 
 
+def inactive_expert_params(llm) -> int:
+    """Routed-expert parameters a token does not use: of each MoE layer's ``E`` experts, all but
+    its ``topk``."""
+    from mimo.llm.moe import MoE
+
+    return sum(sum(p.numel() for p in m.experts.parameters()) // m.cfg.experts * (m.cfg.experts - m.cfg.topk)
+               for m in llm.modules() if isinstance(m, MoE))
+
+
 def param_counts(config) -> dict[str, int]:
-    """Parameters per module as the model-FLOP count takes them: the LLM with every projector,
-    each encoder's whole tower (every block and its final norm, although mimo builds only what
-    ``feature_layer`` needs). Built on the meta device: no memory, no weights."""
+    """Parameters per module as the model-FLOP count takes them: the LLM with every projector
+    (MoE layers: active parameters only), each encoder's whole tower (every block and its final
+    norm, although mimo builds only what ``feature_layer`` needs). Built on the meta device: no
+    memory, no weights."""
     from mimo.encoders.projector import build_projector
     from mimo.encoders.vit import VisionTransformer
     from mimo.llm.model import LLMStage
 
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     with torch.device("meta"):
-        out = {config.llm_name: count(LLMStage(config.llm.arch))}
+        llm = LLMStage(config.llm.arch)
+        out = {config.llm_name: count(llm) - inactive_expert_params(llm)}
         for name, enc in config.encoders.items():
             out[config.llm_name] += count(build_projector(enc.projector.kind, enc.arch.hidden, config.llm.arch.hidden))
             out[name] = count(VisionTransformer(enc.arch, "post_norm"))
