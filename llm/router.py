@@ -139,6 +139,14 @@ class Router(nn.Module):
                             ("aux_counts", (e,)), ("aux_tokens", ()), ("aux_value", ())):
             self.register_buffer(name, torch.zeros(shape, dtype=torch.float32), persistent=False)
 
+    # the step accumulators (non-persistent), zeroed once per optimizer step by mimo.llm.balance
+    ACCUMULATORS = ("step_counts", "qb_sum", "qb_n", "aux_counts", "aux_tokens", "aux_value")
+
+    @torch.no_grad()
+    def reset_accumulators(self) -> None:
+        for name in self.ACCUMULATORS:
+            getattr(self, name).zero_()
+
     def placements(self) -> dict[str, ParamPlacement]:
         partial = ("tp",) if self.ctx.tp_size > 1 else ()
         out = {"weight": replicated(tuple(self.weight.shape), partial=partial)}
@@ -226,6 +234,7 @@ class Router(nn.Module):
         kind, e, k = cfg.aux_loss.kind, cfg.experts, cfg.topk
         if kind == "none" and cfg.z_loss_coeff == 0:
             return None
+        accumulating = self.accumulating  # (read outside the no_grad blocks below: it asks for grad mode)
         mask_T1 = None if valid_T is None else valid_T[:, None].to(logits_TE.dtype)
         total = logits_TE.new_zeros(())
         if kind != "none":
@@ -239,7 +248,7 @@ class Router(nn.Module):
                     stats = torch.cat([counts_E, (counts_E.sum() / k).reshape(1)])  # + tokens routed
                     if dp_group is not None:
                         dist.all_reduce(stats, group=dp_group)
-                    if self.accumulating:
+                    if accumulating:
                         self.aux_counts += stats[:e].float()
                         self.aux_tokens += stats[e].float()
                         running_E, tokens = self.aux_counts.to(stats.dtype), self.aux_tokens.to(stats.dtype)

@@ -1,5 +1,6 @@
 """Shared fixtures: ``pools(N)`` gives an N-rank gloo worker pool, started once per test module;
-``write_demo_config`` writes the demo config over fresh demo shards."""
+``write_demo_config`` writes the demo config over fresh demo shards, ``write_moe_configs``
+tests/configs/moe_{tp,pp}.yaml over them."""
 
 from __future__ import annotations
 
@@ -50,5 +51,31 @@ def write_demo_config():
         path.write_text(yaml.safe_dump(cfg))
         ensure_index(load_config(str(path)))
         return str(path)
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def write_moe_configs():
+    """``write(root, train_samples, seed)``: tests/configs/moe_tp.yaml and moe_pp.yaml over fresh
+    demo shards (two) under ``root``, their index prepared: {"moe_tp": path, "moe_pp": path}."""
+    from mimo.compose.config import load_config
+    from mimo.compose.inputs import ensure_index
+    from mimo.data.demo import make_demo_data
+
+    def write(root, train_samples: int, seed: int) -> dict[str, str]:
+        data = root / "data"
+        make_demo_data(str(data), train_samples=train_samples, heldout_samples=4, shard_size=train_samples // 2, seed=seed)
+        out = {}
+        for name in ("moe_tp", "moe_pp"):
+            with open(os.path.join(os.path.dirname(__file__), "configs", f"{name}.yaml")) as f:
+                cfg = yaml.safe_load(f)
+            cfg["data"].update(shards=str(data / "train-{000000..000001}.tar"), tokenizer=str(data / "tokenizer"))
+            cfg["train"]["checkpoint"]["dir"] = str(root / name / "ckpt")
+            path = root / f"{name}.yaml"
+            path.write_text(yaml.safe_dump(cfg))
+            ensure_index(load_config(str(path)))
+            out[name] = str(path)
+        return out
 
     return write

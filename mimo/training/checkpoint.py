@@ -17,7 +17,9 @@ edp, not tp, for an expert weight), its own coordinate on the axes that shard it
 stage, not a replica). Copies that are identical by construction (replicas, whose gradients
 are summed or which compute the same one, and so take identical steps; the last stage's copy of
 a tied embedding, written by the first stage) are therefore written once, and every element of
-every parameter is in exactly one file. Each tensor's placement record (``ParamInfo.record``:
+every parameter is in exactly one file. The LLM stage's persistent buffers (the MoE routers'
+``expert_bias`` / ``qb_beta``, balancing state outside autograd) are written and read the same
+way, as replicated tensors. Each tensor's placement record (``ParamInfo.record``:
 full shape, shards, sizes, coordinates, local shape) is stored in its file's metadata
 (``placements``), so a later reader can reshard. Loading at the same layout, a rank finds each
 of its parameters in the file of that parameter's owner (its own shard coordinates and stage, 0
@@ -62,6 +64,7 @@ from mimo.compose.config import MimoConfig
 from mimo.compose.model import MimoModel
 from mimo.core.errors import CheckpointError
 from mimo.parallel.params import ParamInfo, param_table
+from mimo.parallel.placement import replicated
 
 log = logging.getLogger("mimo.training.checkpoint")
 
@@ -254,10 +257,24 @@ class _Part:
         return names
 
 
+def _persistent_buffers(module: torch.nn.Module, ctx) -> dict[str, ParamInfo]:
+    """The persistent buffers of ``module`` (the MoE routers' ``expert_bias`` / ``qb_beta``):
+    replicated state, written once like a replicated parameter (coordinate 0 off pp)."""
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    out = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if name in params:
+            continue
+        owner, _, local = name.rpartition(".")
+        out[name] = ParamInfo(t, replicated(tuple(t.shape)), ctx.view(()), module.get_submodule(owner), local)
+    return out
+
+
 def _local_parts(model: MimoModel) -> list[_Part]:
     parts = [_Part(name, param_table(p.module, ctx=p.ctx)) for name, p in model.encoders.items() if p.module is not None]
     if model.stage is not None:
         table, tied = model.stage.param_table(), model.stage.tied_weight()
+        table.update(_persistent_buffers(model.stage, model.llm_ctx))
         copies = frozenset(n for n, info in table.items() if tied is not None and info.param is tied and not model.stage.is_first)
         parts.append(_Part(model.llm_name, table, copies))
     return parts

@@ -232,6 +232,7 @@ class Reporter:
             "time_s": stats["time_s"], "read_failures": stats["read_failures"], "read_failures_total": self.read_failures_total,
             "skipped": {**self.skipped, "read failure": self.read_failures_total}, "checkpoint": checkpoint,
             "wall_time": time.time(),
+            **getattr(result, "moe", {}),  # moe/max_load, moe/dead_experts, moe/aux_loss, moe/layer<i>/... (MoE LLMs)
         }
         self._write(rec)
         line = self._line(rec)
@@ -302,6 +303,7 @@ def _scalars(rec: dict) -> dict[str, float]:
     out.update({f"lr/{m}": lr for m, lr in rec["lr"].items()})
     out.update({f"time/{kind}/{m}": t for kind in ("forward", "backward", "optimizer") for m, t in rec["time_s"][kind].items()})
     out.update({f"mem_peak_gib/{m}": v for m, v in (rec["mem_peak_gib"] or {}).items() if v is not None})
+    out.update({k: v for k, v in rec.items() if k.startswith("moe/")})
     return out
 
 

@@ -13,7 +13,10 @@ phase on every rank — ``bridge_backward``), which continues into the encoder. 
 gradients accumulate in the run's persistent fp32 main gradients (``GradSync``, built once:
 ``grad_sync_for``). Then the TP sums of partial gradients and the DP sums (launched bucket by
 bucket during each module's last backward), the tied-embedding sum, the global norm (one
-world-wide all-reduce), clipping, and each module's optimizer step.
+world-wide all-reduce), clipping, and each module's optimizer step; then the MoE balancing
+update of this rank's LLM stage (``mimo.llm.balance``: expert bias / quantile balancing from the
+step's counts, summed over the LLM's gradient group) and its per-layer stats, gathered to every
+rank in the step's one loss all-reduce (each stage knows only its own layers).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.distributed as dist
 
 from mimo.compose.model import MimoModel
 from mimo.data.pipeline import DataPipeline
+from mimo.llm.balance import STATS, balance_step, reset_accumulators, stats_metrics
 from mimo.llm.model import sync_tied_grads
 from mimo.training.optim import GradSync, PrecisionPolicy, bucket_numel, clip_grads_, global_grad_norm, lr_for
 from mimo.training.schedule_run import run_schedule
@@ -43,11 +47,17 @@ class StepResult:
     lr: dict[str, float] = field(default_factory=dict)
     read_failures: dict = field(default_factory=dict)
     trace: list | None = None  # this rank's events, when asked for (train_step(trace=True))
+    # MoE stats for metrics.jsonl (``mimo.llm.balance.stats_metrics`` keys; {} without MoE);
+    # handed over as (layers, [L, 3] tensor) and read on first access, like the loss
+    moe: dict | tuple = field(default_factory=dict)
 
     def __getattribute__(self, name):
         value = object.__getattribute__(self, name)
         if name in ("loss", "grad_norm") and isinstance(value, torch.Tensor):
             value = float(value)
+            object.__setattr__(self, name, value)
+        elif name == "moe" and isinstance(value, tuple):
+            value = stats_metrics(*value)
             object.__setattr__(self, name, value)
         return value
 
@@ -57,6 +67,26 @@ def _sum_over(value: float, group) -> float:
     if group is not None:
         dist.all_reduce(t, group=group)
     return t.item()
+
+
+def moe_layers(model: MimoModel) -> list[int]:
+    """The global indices of the LLM's MoE layers (the same list on every rank)."""
+    arch = model.config.llm.arch
+    if getattr(arch, "moe", None) is None:
+        return []
+    return [s.index for s in arch.layer_pattern().layers if s.kind == "moe"]
+
+
+def _moe_table(model: MimoModel, layers: list[int], stats) -> torch.Tensor:
+    """``[len(layers), len(STATS)]``: this rank's stage's rows where it holds them and is the
+    stage's reporting rank (tp = cp = dp = 0), zeros elsewhere, so that a sum over the world
+    gives every layer's stats once."""
+    table = torch.zeros(len(layers), len(STATS), dtype=torch.float64)
+    coords = model.llm_grid.coords(model.rank) if model.stage is not None else {}
+    if stats is not None and all(coords.get(a, 0) == 0 for a in ("tp", "cp", "dp")):
+        at = torch.tensor([layers.index(i) for i in stats.layers])
+        table[at] = stats.table_L3.to("cpu", torch.float64)
+    return table
 
 
 def grad_sync_for(model: MimoModel, policy: PrecisionPolicy | None = None) -> GradSync:
@@ -82,6 +112,9 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     # and each module's DP sums start bucket by bucket during its last backward on this rank
     # (the tied-embedding sum below commutes with them)
     params = model.train_params()
+    layers = moe_layers(model)
+    if layers and model.stage is not None:  # nothing but this step's forwards counts
+        reset_accumulators(model.stage)
     grad_sync = grad_sync_for(model, policy)
     grad_sync.zero_grad()
     loss_local = run_schedule(model, mbs, max(num_loss_tokens, 1.0), cfg.train.schedule, cfg.train.encoder_prefetch, events,
@@ -105,17 +138,22 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
             grad_sync.round_grads_(module)  # torch's AdamW on bf16 weights (bf16-pure) reads .grad
         opt.step()  # the main gradients are zeroed at the next step's start
         lrs[module] = lr
+    # MoE balancing: each stage for its own layers, its counts summed over the LLM's grad group
+    stats = balance_step(model.stage, model.llm_dp) if layers and model.stage is not None else None
     # the step's loss: the last stage's DP ranks hold the parts; read only after the optimizer's
     # kernels are queued (at world 1 only when the caller asks), so that reading it does not
     # idle the device
-    loss = loss_local
+    loss, moe = loss_local, ((layers, stats.table_L3) if stats is not None else {})
     if dist.is_initialized() and dist.get_world_size() > 1:
         holds = model.stage is not None and model.stage.is_last and model.llm_grid.coords(model.rank)["tp"] == 0
         t = torch.tensor([float(loss_local) if holds else 0.0], dtype=torch.float64)
+        if layers:  # the MoE stats ride along (every rank enters with the same size)
+            t = torch.cat([t, _moe_table(model, layers, stats).reshape(-1)])
         dist.all_reduce(t)
-        loss = t.item()
+        loss = t[0].item()
+        moe = (layers, t[1:].view(len(layers), len(STATS))) if layers else {}
     failures: dict = {}
     for mb in mbs:
         for k, v in mb.read_failures.items():
             failures[k] = failures.get(k, 0) + v
-    return StepResult(loss, norm_t, int(num_loss_tokens), lrs, failures, events)
+    return StepResult(loss, norm_t, int(num_loss_tokens), lrs, failures, events, moe)
