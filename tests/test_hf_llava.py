@@ -482,11 +482,10 @@ def _choose_microbatches(config_path: str, samples: int, micro_batches: int) -> 
     raise AssertionError("no tokens_per_microbatch splits the samples into one step")
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def parity_setup(request, tmp_path_factory):
-    case = request.param
-    root = tmp_path_factory.mktemp(case)
-    config = llava_config(case)
+def write_parity_case(root, config: dict) -> dict:
+    """The parity conversations and images as a shard, the tokenizer, ``config``'s random LLaVA
+    saved by transformers, and a world-1 mimo config that takes all samples in one step of two
+    microbatches: {config, samples, root, mimo_config}."""
     size = config["vision_config"]["image_size"]
     rng = np.random.default_rng(0)
     samples = [(turns, _images(rng, n, size)) for turns, n in CONVERSATIONS]
@@ -505,7 +504,13 @@ def parity_setup(request, tmp_path_factory):
     raw["data"]["tokens_per_microbatch"] = _choose_microbatches(str(path), len(samples), 2)
     raw["data"]["max_sample_tokens"] = min(512, raw["data"]["tokens_per_microbatch"])
     path.write_text(yaml.safe_dump(raw))
-    return {"case": case, "config": config, "samples": samples, "root": root, "mimo_config": str(path)}
+    return {"config": config, "samples": samples, "root": root, "mimo_config": str(path)}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def parity_setup(request, tmp_path_factory):
+    case = request.param
+    return {"case": case, **write_parity_case(tmp_path_factory.mktemp(case), llava_config(case))}
 
 
 def _mimo_step(config_path: str, checkpoint: str) -> dict:

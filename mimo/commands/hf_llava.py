@@ -15,10 +15,12 @@ transformers 5's ``save_pretrained`` writes (``vision_tower.*``, converted back 
 
     vision    -> ``mimo.encoders.hf_import`` (CLIP / SigLIP tower rules, prefix found from the keys)
     projector -> ``mimo.encoders.hf_import.import_llava_projector`` (mlp2x_gelu, same names)
-    LLM       -> ``mimo.llm.hf`` (Llama / Qwen names), renamed into the LLaVA prefixes
+    LLM       -> ``mimo.llm.hf`` (its family's names), renamed into the LLaVA prefixes; a MoE text
+                 model's per-expert tensors (``save_pretrained``'s) are stacked into its fused ones
 
 Import accepts either naming (not a mix); export writes the checkpoint's own naming, key
-order and dtypes, so import -> export reproduces the source exactly. ``llava_arch`` reads an
+order and dtypes, so import -> export reproduces the source exactly. (A source with per-expert
+tensors exports the model's fused ones, its LLM in ``state_dict()`` order.) ``llava_arch`` reads an
 HF ``LlavaConfig`` (``config.json``; HF's defaults filled in) into the mimo architecture, and
 ``llava_modules`` into the ``modules:`` section of a mimo config.
 """
@@ -44,6 +46,7 @@ from mimo.llm.hf import (
     arch_from_hf_config,
     check_hf_tensors,
     export_hf_state,
+    family,
     from_hf_state,
     full_shapes,
     hf_tensor_map,
@@ -203,15 +206,36 @@ def import_llava_state(state: Mapping[str, torch.Tensor], config: Mapping, where
     for key, (got, need) in vision.resampled.items():  # the config's own image size: nothing to resample
         raise MimoError(f"{where}: tensor {key!r} has shape {got}, the config expects {need}")
     projector = import_llava_projector(parts["projector"], arch.vision, arch.llm.hidden, naming.projector, where)
-    llm_state = parts["llm"]
+    llm_state, renamed = _llm_state_dict_names(parts["llm"], arch)
     check_hf_tensors(arch.llm, {k: tuple(t.shape) for k, t in llm_state.items()}, where, naming.llm_key)
     llm = from_hf_state(llm_state, arch.llm, naming.llm_key)
-    used = set(hf_tensor_map(arch.llm, naming.llm_key)) | {naming.head}  # a tied head follows the embedding on export
+    hf_order = list(hf_tensor_map(arch.llm, naming.llm_key))
+    used = set(hf_order) | {naming.head}  # a tied head follows the embedding on export
+    key_order = tuple(state)
+    if renamed:  # the source's LLM names are not the model's: its LLM is written in the model's state_dict order
+        llm_order = [k for k in hf_order if k in llm_state] + [k for k in llm_state if k not in used]
+        first = next(i for i, k in enumerate(key_order) if naming.part(k) == "llm")
+        others = [k for k in key_order if naming.part(k) != "llm"]
+        before = sum(naming.part(k) != "llm" for k in key_order[:first])
+        key_order = (*others[:before], *llm_order, *others[before:])
     return LlavaWeights(
         where, naming, arch, dict(config), vision, projector, llm,
         llm_extras={k: t for k, t in llm_state.items() if k not in used},
-        key_order=tuple(state), dtypes={k: t.dtype for k, t in state.items()},
+        key_order=key_order,
+        dtypes={k: t.dtype for k, t in state.items() if naming.part(k) != "llm"} | {k: t.dtype for k, t in llm_state.items()},
     )
+
+
+def _llm_state_dict_names(llm_state: Mapping[str, torch.Tensor], arch: LlavaArch) -> tuple[dict[str, torch.Tensor], bool]:
+    """The language model's tensors under its ``model.state_dict()`` names (its family's
+    ``checkpoint_view``: per-expert MoE tensors, as ``save_pretrained`` and older checkpoints
+    store them, stacked into the fused ``mlp.experts.*``), and whether any name changed."""
+    shapes = {k: tuple(t.shape) for k, t in llm_state.items()}
+    view_shapes, get = family(arch.text_config.get("model_type")).checkpoint_view(arch.llm, list(llm_state), shapes,
+                                                                                  llm_state.__getitem__)
+    if list(view_shapes) == list(shapes):
+        return dict(llm_state), False
+    return {n: get(n)[tuple(slice(0, d) for d in shape)] for n, shape in view_shapes.items()}, True
 
 
 def load_llava(path: str) -> LlavaWeights:
