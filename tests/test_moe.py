@@ -288,6 +288,32 @@ def test_aux_losses_equal_their_formulas():
         assert got == pytest.approx(want, rel=1e-12), kind
 
 
+def test_per_sample_aux_loss_does_not_depend_on_packing():
+    """The same five samples (their router logits) in one pack, or reordered over two packs with
+    padding: the per-sample aux loss (and z-loss) summed over the packs is the same."""
+    gen = torch.Generator().manual_seed(8)
+    e, n_loss = 6, 13.0
+    lens = [5, 1, 7, 3, 4]
+    samples = [torch.randn(n, e, generator=gen, dtype=torch.float64) for n in lens]
+    router = MoE(HIDDEN, moe_arch(score="softmax", aux_loss=AuxLoss("per_sample", 0.2), z_loss_coeff=0.01)).router.double()
+    router.train()
+
+    def pack_loss(order: list[int], pad: int) -> float:
+        logits = torch.cat([samples[i] for i in order] + [torch.randn(pad, e, generator=gen, dtype=torch.float64)])
+        seg = torch.repeat_interleave(torch.arange(len(order) + 1), torch.tensor([lens[i] for i in order] + [pad]))
+        valid = seg < len(order)
+        return router.aux_loss(logits, router.route(logits, valid), valid, seg, len(order) + 1, n_loss).item()
+
+    one = pack_loss([0, 1, 2, 3, 4], 3)
+    two = pack_loss([3, 0], 2) + pack_loss([4, 2, 1], 5)
+    assert one > 0 and two == pytest.approx(one, rel=1e-12)
+    merged = torch.cat(samples[:2])  # two samples taken as one sequence: a different loss
+    seg = torch.zeros(merged.shape[0], dtype=torch.long)
+    valid = torch.ones_like(seg, dtype=torch.bool)
+    joined = router.aux_loss(merged, router.route(merged, valid), valid, seg, 1, n_loss).item()
+    assert joined + pack_loss([2, 3, 4], 1) != pytest.approx(one, rel=1e-6)
+
+
 # ---------------------------------------------------------------- TP over gloo
 
 
