@@ -100,11 +100,13 @@ class EncoderModuleConfig:
         for name, what in (
             ("pp", "pipeline parallelism"),
             ("cp", "context parallelism"),
-            ("ep", "expert parallelism"),
-            ("etp", "expert tensor parallelism"),
         ):
             if getattr(par, name) > 1:
                 problems.append(f"{pkey(name)}: {what} for encoders ({name}={getattr(par, name)}) is not supported yet; use {name}: 1")
+        for name in ("ep", "etp"):  # expert layouts belong to the LLM's MoE layers
+            if getattr(par, name) is not None and getattr(par, name) > 1:
+                problems.append(f"{pkey(name)}: {name}={getattr(par, name)} applies only to the LLM's MoE experts; "
+                                f"an encoder has none (remove it)")
         if par.tp >= 1:
             sizes = {name: getattr(arch, name) for name in ("heads", "hidden", "mlp")}
             problems += tp_divides(par.tp, sizes, pkey("tp"))

@@ -294,13 +294,13 @@ class LLMModuleConfig:
         arch, par = self.arch, self.parallel
         pkey = lambda name: join_path(path, "parallel", name)  # noqa: E731
         problems = []
-        for name, what in (("cp", "context parallelism"), ("ep", "expert parallelism"), ("etp", "expert tensor parallelism")):
-            if getattr(par, name) > 1:
-                problems.append(f"{pkey(name)}: {what} ({name}={getattr(par, name)}) is not supported yet; use {name}: 1")
+        if par.cp > 1:
+            problems.append(f"{pkey('cp')}: context parallelism (cp={par.cp}) is not supported yet; use cp: 1")
         try:
             pattern = arch.layer_pattern()
         except ConfigError:
             return problems  # reported by HybridArch.validate
+        problems += self._expert_layout_problems(pattern, pkey)
         if par.pp >= 1:
             try:
                 pattern.stages(par.pp)
@@ -315,8 +315,38 @@ class LLMModuleConfig:
             if "gdn" in pattern.kinds:
                 sizes.update(gdn_heads=arch.gdn_heads, gdn_v_heads=arch.gdn_v_heads)
             if "moe" in pattern.kinds and arch.moe is not None:
-                sizes["moe.ffn"] = arch.moe.ffn
+                if par.expert_tp == par.tp:  # else the experts' F splits over etp (checked there)
+                    sizes["moe.ffn"] = arch.moe.ffn
                 if arch.moe.shared_ffn:
                     sizes["moe.shared_ffn"] = arch.moe.shared_ffn
             problems += tp_divides(par.tp, sizes, pkey("tp"))
+        return problems
+
+    def expert_layout(self) -> tuple[int, int] | None:
+        """``(etp, ep)`` of the experts' own view of the grid (parallel folding), or None where
+        experts are laid out like the dense layers (no MoE layer, or ep = 1 and etp = tp)."""
+        try:
+            has_moe = "moe" in self.arch.layer_pattern().kinds
+        except ConfigError:
+            return None
+        return (self.parallel.expert_tp, self.parallel.ep) if has_moe and self.parallel.folded else None
+
+    def _expert_layout_problems(self, pattern: LayerPattern, pkey) -> list[str]:
+        """ep / etp against the experts and the stage's ranks (numbers named)."""
+        par, moe = self.parallel, self.arch.moe
+        if min(par.tp, par.cp, par.dp, par.ep, par.expert_tp) < 1:
+            return []  # reported by ParallelConfig.validate
+        if "moe" not in pattern.kinds or moe is None:
+            bad = [f"{pkey(n)}: {n}={getattr(par, n)} needs MoE layers ('E' in arch.pattern); this LLM has none"
+                   for n in ("ep", "etp") if getattr(par, n) is not None and getattr(par, n) != (1 if n == "ep" else par.tp)]
+            return bad
+        problems = []
+        if moe.experts >= 1 and moe.experts % par.ep:
+            problems.append(f"{pkey('ep')}: ep={par.ep} must divide arch.moe.experts={moe.experts}")
+        if par.expert_tp != par.tp and moe.ffn >= 1 and moe.ffn % par.expert_tp:  # etp = tp: the tp check says it
+            problems.append(f"{pkey('etp')}: etp={par.expert_tp} must divide arch.moe.ffn={moe.ffn}")
+        stage = par.tp * par.cp * par.dp
+        if stage % (par.expert_tp * par.ep):
+            problems.append(f"{pkey('ep')}: etp*ep = {par.expert_tp}*{par.ep} = {par.expert_tp * par.ep} does not divide "
+                            f"the {stage} ranks of a pipeline stage (tp*cp*dp = {par.tp}*{par.cp}*{par.dp})")
         return problems

@@ -9,15 +9,17 @@ expert's as ``nn.Linear`` would (``[out, in]``):
 (``I``: the hidden size, or the latent size with Nemotron's latent projections). ``F`` is
 split over TP (each rank holds its F-slice of every expert, of gate and up separately), so a
 rank's expert output is a partial sum over TP, reduced once by the MoE layer together with
-the shared expert's.
+the shared expert's. Under parallel folding (the context has an expert view: ep > 1 or
+etp != tp) the experts live on that view instead: ``E`` splits over ``ep`` into contiguous
+blocks of ``E / ep`` experts (rank ``ep = j`` holds experts ``j·E/ep ..``), ``F`` over
+``etp``; their gradients are summed over ``edp`` (the view's gradient group) and each shard is
+written and counted in the norm by its ``edp = 0`` rank. Initialisation stays per expert and
+layout-independent (``mimo.parallel.init`` draws the tiles of the local experts only).
 
-Permutation (dropless, no host synchronisation at EP = 1): the ``T*K`` (token, slot)
-assignments are sorted by expert with a stable argsort (so rows of one expert keep token
-order), gathered, and multiplied by one ``mimo.parallel.gemm.grouped_linear`` per projection
-over the per-expert row counts; the gated rows are summed back per token with ``index_add``.
-Padding carries the sentinel expert ``E``: its rows sort last and ride along in the last
-group with gate 0, so the offsets never need a host read and nothing of the padding reaches
-a token.
+Tokens reach their experts through the layer's dispatcher (``mimo.llm.dispatch``: the local
+permutation on the dense view — a stable sort by expert, dropless, no host read — or the
+all-to-all over EP / ETP on the expert view); ``compute`` is the expert GEMM seam: one
+``mimo.parallel.gemm.grouped_linear`` per projection over rows grouped by local expert.
 
 **Shared expert** (``SharedExpert``): a dense MLP of inner size ``shared_ffn`` on every token
 (F split over TP, output a partial sum), optionally scaled by ``sigmoid(x @ gate)`` per token
@@ -32,15 +34,29 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from mimo.llm.dispatch import make_dispatcher
 from mimo.llm.mlp import activate
 from mimo.llm.router import Routing
 from mimo.parallel import gemm
 from mimo.parallel.context import ParallelContext
-from mimo.parallel.placement import ParamPlacement, replicated, sharded
+from mimo.parallel.placement import ParamPlacement, replicated, sharded, sharded_dims
 
 
 def _up_placement(shape: tuple[int, ...], ffn: int, gated: bool, dim: int) -> ParamPlacement:
     return sharded(shape, dim, parts=(ffn, ffn) if gated else ())
+
+
+def expert_placements(experts: int, dim: int, ffn: int, gated: bool, folded: bool) -> dict[str, ParamPlacement]:
+    """The two weights' placements: F over tp (EP = 1, ETP = TP: the dense view), or, on the
+    expert view (parallel folding), E over ep (contiguous blocks of ``E / ep`` experts) and F
+    over etp (gate and up each split)."""
+    width = 2 * ffn if gated else ffn
+    if not folded:
+        return {"up_proj": _up_placement((experts, width, dim), ffn, gated, 1),
+                "down_proj": sharded((experts, dim, ffn), 2)}
+    return {"up_proj": sharded_dims((experts, width, dim), (("ep", 0), ("etp", 1)), parts=(ffn, ffn) if gated else (),
+                                    parts_dim=1),
+            "down_proj": sharded_dims((experts, dim, ffn), (("ep", 0), ("etp", 2)))}
 
 
 class GroupedExperts(nn.Module):
@@ -51,39 +67,45 @@ class GroupedExperts(nn.Module):
         self.ctx = ctx = ParallelContext.for_tp() if ctx is None else ctx
         self.experts, self.dim, self.ffn, self.act = experts, dim, ffn, act
         self.gated = act == "swiglu"
-        width = 2 * ffn if self.gated else ffn
-        self._placements = {
-            "up_proj": _up_placement((experts, width, dim), ffn, self.gated, 1),
-            "down_proj": sharded((experts, dim, ffn), 2),
-        }
-        sizes = {"tp": ctx.tp_size}
+        # a context with the expert view lays the experts out on it (see module doc)
+        self.folded = ctx.expert is not None
+        self._placements = expert_placements(experts, dim, ffn, self.gated, self.folded)
+        view = ctx.view(self._placements["down_proj"].axes)
         for name, pl in self._placements.items():
-            setattr(self, name, nn.Parameter(torch.empty(pl.local_shape(sizes))))
+            setattr(self, name, nn.Parameter(torch.empty(pl.local_shape({a: view.size(a) for a in pl.axes}))))
+        ep = view.size("ep") if self.folded else 1
+        self.local_experts = experts // ep  # this rank's experts: first_expert .. first_expert + local_experts - 1
+        self.first_expert = (view.coord("ep") if self.folded else 0) * self.local_experts
         self.recipe = gemm.DEFAULT_RECIPE
+        self.dispatcher = make_dispatcher("auto", experts, ctx)  # train.moe_dispatcher may replace it
 
     def placements(self) -> dict[str, ParamPlacement]:
         return self._placements
 
     def forward(self, x_TI: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """This rank's partial (over TP) ``sum_k gate_tk * expert_{idx_tk}(x_t)``, ``[T, I]``."""
-        idx_TK, gate_TK = routing.idx_TK, routing.gate_TK
-        k, e = idx_TK.shape[1], self.experts
-        flat_R = idx_TK.reshape(-1)
-        order_R = torch.argsort(flat_R, stable=True)
-        counts = torch.zeros(e + 1, dtype=torch.int64, device=flat_R.device)
-        counts.scatter_add_(0, flat_R, torch.ones_like(flat_R))
-        ends_E = counts.cumsum(0)[:e].clone()
-        ends_E[-1] = flat_R.numel()  # the padding rows (sentinel E) ride along in the last group
-        token_R = order_R // k
-        x_RI = x_TI[token_R]
-        h_RF = gemm.grouped_linear(x_RI, self.up_proj, ends_E, self.recipe)
+        """``sum_k gate_tk * expert_{idx_tk}(x_t)`` for the tokens given, ``[T, I]``: this rank's
+        partial sum over TP on the dense view; complete on the expert view (see ``run``)."""
+        return self.run(x_TI, routing)[0]
+
+    def run(self, x_TI: torch.Tensor, routing: Routing, while_in_flight=None) -> tuple[torch.Tensor, object]:
+        """The routed experts' output through this layer's dispatcher, and what
+        ``while_in_flight()`` returned: it runs while the tokens are in flight to the experts'
+        ranks (the shared expert's GEMMs). On the expert view each rank passes tokens no other
+        rank of its EP group passes (the MoE layer: its TP slice of the pack)."""
+        d = self.dispatcher.dispatch(x_TI, routing, while_in_flight)
+        return self.dispatcher.combine(self.compute(d.x_RD, d.ends_L), d), d.overlapped
+
+    def compute(self, x_RI: torch.Tensor, ends_L: torch.Tensor) -> torch.Tensor:
+        """The local experts on rows grouped by expert (``ends_L``: cumulative row ends): the
+        expert GEMM seam (one grouped GEMM per projection)."""
+        h_RF = gemm.grouped_linear(x_RI, self.up_proj, ends_L, self.recipe)
         a_RF = activate(h_RF.chunk(2, dim=-1) if self.gated else (h_RF,), self.act)
-        y_RI = gemm.grouped_linear(a_RF, self.down_proj, ends_E, self.recipe)
-        y_RI = y_RI * gate_TK.reshape(-1)[order_R, None].to(y_RI.dtype)
-        return torch.zeros_like(x_TI).index_add(0, token_R, y_RI)
+        return gemm.grouped_linear(a_RF, self.down_proj, ends_L, self.recipe)
 
     def extra_repr(self) -> str:
-        return f"experts={self.experts}, dim={self.dim}, ffn={self.ffn}, act={self.act}, tp={self.ctx.tp_size}"
+        where = (f"local={self.first_expert}:{self.first_expert + self.local_experts}, etp={self.ctx.expert.size('etp')}"
+                 if self.folded else f"tp={self.ctx.tp_size}")
+        return f"experts={self.experts}, dim={self.dim}, ffn={self.ffn}, act={self.act}, {where}"
 
 
 class SharedExpert(nn.Module):

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from mimo.llm.config import HybridArch, MoEArch
 from mimo.llm.context import SeqContext
+from mimo.llm.dispatch import make_dispatcher
 from mimo.llm.experts import GroupedExperts, SharedExpert
 from mimo.llm.norm import RMSNorm
-from mimo.llm.router import Router, attach_loss
+from mimo.llm.router import Router, Routing, attach_loss
 from mimo.parallel import gemm
 from mimo.parallel.collectives import copy_to_group, gather_seq, reduce_from_group, reduce_scatter_seq
 from mimo.parallel.context import ParallelContext
@@ -82,26 +84,51 @@ class MoE(nn.Module):
     def forward(self, h_TD: torch.Tensor, seq: SeqContext) -> torch.Tensor:
         tp, sp = self.ctx.tp, self.ctx.sequence_parallel
         x_TD = self.norm(h_TD)
+        x_mine = x_TD  # under SP: this rank's rows of the pack
         if sp:  # the router GEMM on this rank's tokens; route the whole pack
             logits_TE = gather_seq(self.router.logits(x_TD), tp)
-            x_TD = gather_seq(x_TD, tp)
+            if self.cfg.shared_ffn or not self.experts.folded:
+                x_TD = gather_seq(x_TD, tp)
         else:
             x_TD = copy_to_group(x_TD, tp)
             logits_TE = self.router.logits(x_TD)
         valid_T = seq.real_mask()
         routing = self.router.route(logits_TE, valid_T, seq.num_real)
-        y_TD = self.experts(self.latent_in(x_TD) if self.cfg.latent else x_TD, routing)
-        if self.cfg.latent:
-            y_TD = self.latent_out(y_TD)
-        if self.cfg.shared_ffn:
-            y_TD = y_TD + self.shared(x_TD)
-        y_TD = reduce_scatter_seq(y_TD, tp) if sp else reduce_from_group(y_TD, tp)
+        shared = (lambda: self.shared(x_TD)) if self.cfg.shared_ffn else (lambda: None)
+        if self.experts.folded:
+            y_TD = self._routed_on_expert_view(x_mine if sp else x_TD, routing, shared)
+        else:
+            routed_TD, s_TD = self.experts.run(self.latent_in(x_TD) if self.cfg.latent else x_TD, routing, shared)
+            y_TD = self.latent_out(routed_TD) if self.cfg.latent else routed_TD
+            y_TD = y_TD if s_TD is None else y_TD + s_TD
+            y_TD = reduce_scatter_seq(y_TD, tp) if sp else reduce_from_group(y_TD, tp)
         if self.training and seq.loss_norm is not None:
             aux = self.router.aux_loss(logits_TE, routing, valid_T, seq.segment_ids(), len(seq.cu_seqlens) - 1,
                                        seq.loss_norm, self.ctx.grad_group)
             if aux is not None:
                 y_TD = attach_loss(y_TD, aux)
         return h_TD + y_TD.to(h_TD.dtype)
+
+    def _routed_on_expert_view(self, x_TD: torch.Tensor, routing: Routing, shared) -> torch.Tensor:
+        """Experts on the expert view: every TP rank holds the routing of the whole pack but
+        dispatches only its own slice of the tokens (its SP rows; without SP the same split of
+        the replicated pack), so an EP group sees each token once. Its combined output is
+        complete for those rows; the shared expert's is a partial sum over TP of the pack.
+        ``x_TD``: this rank's rows under SP, else the whole (replicated) pack."""
+        tp, sp, tp_size = self.ctx.tp, self.ctx.sequence_parallel, self.ctx.tp_size
+        t = routing.idx_TK.shape[0]
+        bounds = [len(r) for r in torch.arange(t).tensor_split(tp_size)]
+        lo = sum(bounds[:self.ctx.tp_rank])
+        rows = slice(lo, lo + bounds[self.ctx.tp_rank])
+        mine = Routing(routing.idx_TK[rows], routing.gate_TK[rows])
+        x_RD = x_TD if sp else x_TD[rows]
+        y_RD, s_TD = self.experts.run(self.latent_in(x_RD) if self.cfg.latent else x_RD, mine, shared)
+        if self.cfg.latent:
+            y_RD = self.latent_out(y_RD)
+        if sp:  # the shared expert's partial sums reduce-scattered to this rank's rows
+            return y_RD if s_TD is None else reduce_scatter_seq(s_TD, tp) + y_RD
+        y_TD = F.pad(y_RD, (0, 0, rows.start, t - rows.stop))  # other TP ranks' rows: theirs
+        return reduce_from_group(y_TD if s_TD is None else y_TD + s_TD, tp)
 
     def active_params(self) -> int:
         """Parameters one token uses (router, its topk experts, shared expert, projections), for
@@ -111,3 +138,16 @@ class MoE(nn.Module):
 
 def build_moe(arch: HybridArch, spec, ctx: ParallelContext | None = None) -> MoE:
     return MoE(arch.hidden, arch.moe, arch.norm_eps, ctx)
+
+
+def set_dispatchers(model: nn.Module, kind: str) -> None:
+    """Give every MoE layer of ``model`` the ``train.moe_dispatcher`` of ``kind`` (the local
+    permutation where its experts are not folded, whatever the kind)."""
+    for mod in model.modules():
+        if isinstance(mod, GroupedExperts):
+            mod.dispatcher = make_dispatcher(kind, mod.experts, mod.ctx)
+
+
+def dispatchers(model: nn.Module) -> list:
+    """The dispatchers of ``model``'s MoE layers, in layer order."""
+    return [mod.dispatcher for mod in model.modules() if isinstance(mod, GroupedExperts)]

@@ -73,8 +73,21 @@ def test_layout_rows_say_who_is_colocated():
     split = {r["module"]: r for r in load_config(ROOT / "configs/examples/noncolocated.yaml").layout_rows()}
     assert split["language"] | {"colocated_with": None} == {
         "module": "language", "kind": "hybrid", "ranks": "2:6", "tp": 2, "cp": 1, "dp": 1, "pp": 2, "colocated_with": None,
+        "experts": None,
     }
     assert split["vision"]["colocated_with"] == []
+
+
+def test_layout_rows_show_the_folded_expert_layout(demo_cwd, monkeypatch):
+    from mimo.commands.cli import format_layout
+
+    monkeypatch.chdir(demo_cwd)  # the config names the demo data
+    lang = "modules.language."
+    config = load_config(ROOT / "tests/configs/moe_tp.yaml", [lang + "parallel.ep=2", lang + "parallel.etp=1"])
+    rows = {r["module"]: r for r in config.layout_rows()}
+    assert rows["language"]["experts"] == {"etp": 1, "ep": 2, "edp": 2} and rows["vision"]["experts"] is None
+    table = format_layout(list(rows.values()))
+    assert "experts etp x ep x edp" in table.splitlines()[0] and "1 x 2 x 2" in table
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

@@ -395,6 +395,10 @@ TRAIN_LAYOUTS = {
         "data.tokens_per_microbatch=200", "data.max_sample_tokens=150", "train.micro_batches=3"]),
     "pp2 dp2: sigmoid groups latent, global, z": ("moe_pp", []),
     "pp2 dp2 1f1b, per_sample": ("moe_pp", ["train.schedule=1f1b", LANG + "arch.moe.aux_loss.kind=per_sample"]),
+    # parallel folding (mimo.llm.dispatch): EP > DP over the TP ranks; ETP inside EP
+    "tp2 dp2 sp, ep4 etp1": ("moe_tp", [LANG + "arch.moe.experts=8", LANG + "parallel.ep=4", LANG + "parallel.etp=1"]),
+    "tp2 dp2 no sp, ep2 etp2": ("moe_tp", [LANG + "arch.moe.experts=8", LANG + "parallel.ep=2", LANG + "parallel.etp=2",
+                                           LANG + "parallel.sequence_parallel=false"]),
 }
 
 
@@ -422,6 +426,10 @@ def test_verify_train_moe(pools, moe_configs, name):
     assert report["losses"][0] > 0
     routers = {n: g for n, g in ref32[0]["steps"][0]["grads"]["language"].items() if n.endswith("router.weight")}
     assert len(routers) == 2 and all(g.abs().sum() > 0 for g in routers.values())  # both E layers compared
+    if "ep" in name:  # every (token, rank) pair crossed once, forward and backward
+        assert report["moe_dispatch"]["bytes_ratio"] == 1.0 and report["moe_dispatch"]["min_forward_bytes"] > 0
+    else:
+        assert "moe_dispatch" not in report
 
 
 # ---------------------------------------------------------------- config checks

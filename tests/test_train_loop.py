@@ -228,7 +228,7 @@ def test_incomplete_checkpoints_are_never_loaded_and_pruning(tmp_path):
 
 def test_layout_description_and_short_failures():
     layout = {"world_size": 6, "modules": {"vision": {"ranks": "0:2", "tp": 1, "cp": 1, "dp": 2, "pp": 1, "ep": 1, "etp": 1},
-                                           "language": {"ranks": "2:6", "tp": 2, "cp": 1, "dp": 1, "pp": 2, "ep": 1, "etp": 1}}}
+                                           "language": {"ranks": "2:6", "tp": 2, "cp": 1, "dp": 1, "pp": 2, "ep": 1, "etp": 2}}}
     assert describe_layout(layout) == "[world_size=6; vision tp=1,dp=2,ranks=0:2; language tp=2,pp=2,ranks=2:6]"
     trace = "train_rank: rank 3 failed:\nTraceback (most recent call last):\n  File x\nmimo.errors.CheckpointError: bad\n"
     assert _short_failure(trace, "/r") == "rank 3 failed: CheckpointError: bad (traceback in /r/logs/rank3.log)"

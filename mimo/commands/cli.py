@@ -53,12 +53,18 @@ def config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def format_layout(rows: list[dict[str, Any]]) -> str:
-    """The resolved layout as an aligned text table."""
+    """The resolved layout as an aligned text table (with the experts' etp x ep x edp where a
+    module folds its MoE experts)."""
     header = ["module", "kind", "ranks", "tp", "cp", "dp", "pp", "colocated with"]
     cells = [
         [r["module"], r["kind"], r["ranks"], *(str(r[k]) for k in ("tp", "cp", "dp", "pp")), ", ".join(r["colocated_with"]) or "-"]
         for r in rows
     ]
+    if any(r.get("experts") for r in rows):
+        header.append("experts etp x ep x edp")
+        for line, r in zip(cells, rows):
+            e = r.get("experts")
+            line.append(f"{e['etp']} x {e['ep']} x {e['edp']}" if e else "-")
     widths = [max(len(line[i]) for line in [header, *cells]) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [header, *cells])
 

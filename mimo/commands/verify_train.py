@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from mimo.compose.config import MimoConfig, load_config
 from mimo.core.testing import Yardstick, rel_err
+from mimo.llm.moe import dispatchers
 
 KINDS = ("loss", "grad_norm", "grads", "params")
 REFERENCE_PRECISIONS = ("fp32", "fp64")
@@ -81,6 +82,9 @@ def train_case(config_path: str, overrides: list[str], steps: int, reference: bo
         for group in opt.param_groups:
             group["eps"] = VERIFY_ADAM_EPS
     record = {"steps": []}
+    moe = dispatchers(model.stage) if model.stage is not None else []
+    for d in moe:  # count the independent minimum of every EP / ETP exchange beside what is sent
+        d.audit = not reference
 
     def grab(model, norm):
         full = model.full_grads()  # collective over each TP group
@@ -101,6 +105,8 @@ def train_case(config_path: str, overrides: list[str], steps: int, reference: bo
         if _reporter(model, model.llm_grid if name == model.llm_name else model.encoders[name].grid)
     })
     pipeline.close()
+    record["moe_dispatch"] = {k: sum(getattr(d.stats, k) for d in moe if getattr(d, "audit", False))
+                              for k in ("forward_bytes", "backward_bytes", "min_forward_bytes")}
     return record
 
 
@@ -183,6 +189,13 @@ def compare(layout: list[dict], reference: list[dict], tol: float, per_module: b
     report["reference_losses"] = [s["loss"] for s in ref["steps"]]
     report["reference_fp64_losses"] = [s["loss"] for s in ref64["steps"]]
     report["ok"] = ys.ok
+    moe = {k: sum(r.get("moe_dispatch", {}).get(k, 0) for r in layout) for k in ("forward_bytes", "backward_bytes", "min_forward_bytes")}
+    if moe["min_forward_bytes"] or moe["forward_bytes"]:
+        # MoE dispatch (EP / ETP): bytes sent over the minimum, forward and backward (1.0: each
+        # (token, rank) pair crossed once); anything more is a failure like a wrong gradient
+        moe["bytes_ratio"] = (moe["forward_bytes"] + moe["backward_bytes"]) / max(2 * moe["min_forward_bytes"], 1)
+        report["moe_dispatch"] = moe
+        report["ok"] = report["ok"] and moe["bytes_ratio"] == 1.0
     return report
 
 
@@ -210,6 +223,10 @@ def report_lines(report: dict) -> list[str]:
         if m:
             lines.append(f"    vs fp64 {m['err_vs_fp64']:.2e}, one-process fp32 vs fp64 {m['one_process_fp32_vs_fp64']:.2e}, "
                          f"bound {m['bound']:.2e} ({m['name'].partition(': ')[2]})" + ("" if m["ok"] else " FAIL"))
+    moe = report.get("moe_dispatch")
+    if moe:
+        lines.append(f"  moe dispatch bytes_ratio {moe['bytes_ratio']:.6f} (sent {moe['forward_bytes']} + {moe['backward_bytes']} B "
+                     f"forward + backward, minimum {moe['min_forward_bytes']} B each way)")
     ys = report["yardstick"]
     lines.append(f"  yardstick: max(tol {ys['tol']:g}, {ys['k']:g} x one-process fp32 err vs fp64); "
                  f"{ys['failed']} of {ys['checked']} failed")

@@ -85,6 +85,9 @@ class TrainConfig:
     encoder_prefetch: int = 1  # microbatches whose encoder forward is done by stage 0's F(k) (1f1b)
     compile: bool = False  # torch.compile each LLM layer and vision block (fused elementwise work; GPU runs)
     grad_bucket_mb: float = 25.0  # DP gradient sums run in buckets of this many MiB, overlapping backward
+    # MoE token dispatch where experts are folded (ep > 1 or etp != tp; mimo.llm.dispatch):
+    # auto (alltoall for now), alltoall (all_to_all_single over EP, all-gather-v over ETP), deepep
+    moe_dispatcher: Literal["auto", "alltoall", "deepep"] = "auto"
     trace_steps: list[int] = field(default_factory=list)  # steps whose per-rank event traces `mimo train` writes
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -203,10 +206,12 @@ class MimoConfig:
         return self.modules[name].parallel.rank_range(self.world_size)
 
     def layout_rows(self) -> list[dict[str, Any]]:
-        """One row per module: module, kind, ranks, tp, cp, dp, pp, colocated_with."""
+        """One row per module: module, kind, ranks, tp, cp, dp, pp, colocated_with, and
+        ``experts`` (the MoE experts' etp, ep, edp where they are folded, else None)."""
         rows = []
         for name, module in self.modules.items():
             par, ranks = module.parallel, self.rank_range(name)
+            folded = getattr(module, "expert_layout", lambda: None)()
             rows.append(
                 {
                     "module": name,
@@ -217,6 +222,8 @@ class MimoConfig:
                     "dp": par.dp,
                     "pp": par.pp,
                     "colocated_with": [o for o in self.modules if o != name and self.rank_range(o) == ranks],
+                    "experts": None if folded is None else {
+                        "etp": folded[0], "ep": folded[1], "edp": par.tp * par.cp * par.dp // (folded[0] * folded[1])},
                 }
             )
         return rows

@@ -19,6 +19,7 @@ import torch
 from mimo.compose.config import MimoConfig
 from mimo.encoders.model import VisionEncoder
 from mimo.llm.model import LLMStage, build_stage, embedding_group
+from mimo.llm.moe import set_dispatchers
 from mimo.parallel import param_seed
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.grid import GroupRegistry, ParallelGrid
@@ -54,8 +55,9 @@ class MimoModel:
         # ---- process groups: the same requests in the same order on every rank ----
         self.registry = registry = GroupRegistry()
         par = llm_cfg.parallel
+        # the experts' own view (parallel folding) where they are laid out unlike the dense layers
         self.llm_ctx = ParallelContext(par.grid(config.world_size, registry), rank, registry,
-                                       sequence_parallel=par.sequence_parallel)
+                                       sequence_parallel=par.sequence_parallel, expert=llm_cfg.expert_layout())
         self.llm_grid = self.llm_ctx.grid
         self.llm_embedding_group = embedding_group(self.llm_ctx)
         self.encoders: dict[str, EncoderPart] = {}
@@ -80,6 +82,7 @@ class MimoModel:
                 load_hf_checkpoint(self.stage, llm_cfg.init.hf)
             if llm_cfg.freeze:
                 self.stage.requires_grad_(False)
+            set_dispatchers(self.stage, config.train.moe_dispatcher)
         # the run's gradient buffers (``mimo.training.optim.GradSync``), built once by the
         # training side on its first step and kept
         self.grad_sync = None

@@ -204,14 +204,24 @@ class ParallelConfig:
     dp: int = 1
     pp: int = 1
     cp: int = 1
-    ep: int = 1
-    etp: int = 1
+    ep: int = 1  # expert parallel size (MoE LLM): experts split over ep ranks of a stage
+    etp: int | None = None  # expert tensor parallel size; None: tp
     sequence_parallel: bool = False
     ranks: str | None = None  # "a:b" (half-open); default: all ranks of the world
 
     @property
     def size(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def expert_tp(self) -> int:
+        """etp resolved (default: tp)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def folded(self) -> bool:
+        """Whether experts are laid out differently from the dense layers (ep > 1 or etp != tp)."""
+        return self.ep > 1 or self.expert_tp != self.tp
 
     def rank_range(self, world_size: int) -> range:
         if self.ranks is None:
@@ -230,7 +240,7 @@ class ParallelConfig:
         problems = [
             f"{key(name)}: must be >= 1, got {getattr(self, name)}"
             for name in ("tp", "dp", "pp", "cp", "ep", "etp")
-            if getattr(self, name) < 1
+            if getattr(self, name) is not None and getattr(self, name) < 1
         ]
         if self.ranks is not None:
             try:

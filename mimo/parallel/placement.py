@@ -29,7 +29,7 @@ import torch
 
 from mimo.core.errors import LayoutError
 
-__all__ = ["ParamPlacement", "replicated", "sharded", "pad_to_multiple"]
+__all__ = ["ParamPlacement", "replicated", "sharded", "sharded_dims", "pad_to_multiple"]
 
 
 def pad_to_multiple(n: int, k: int) -> int:
@@ -42,7 +42,8 @@ class ParamPlacement:
     shards: tuple[tuple[str, int], ...] = ()  # (axis, dim), outer first
     partial: tuple[str, ...] = ()
     pad: bool = False
-    parts: tuple[int, ...] = ()  # sizes of the fused parts along the (single) sharded dim
+    parts: tuple[int, ...] = ()  # sizes of the fused parts along the sharded dim ``parts_dim``
+    parts_dim: int | None = None  # the dim ``parts`` split; None: the one sharded dim (more: name it)
 
     def __post_init__(self):
         object.__setattr__(self, "full_shape", tuple(int(s) for s in self.full_shape))
@@ -51,9 +52,14 @@ class ParamPlacement:
             if not 0 <= d < len(self.full_shape):
                 raise LayoutError(f"placement of a {self.full_shape} tensor shards dim {d}")
         if self.parts:
-            if len(dims) != 1:
-                raise LayoutError("a fused placement shards exactly one dim")
-            (d,) = dims
+            d = self.parts_dim
+            if d is None:
+                if len(dims) != 1:
+                    raise LayoutError("a fused placement sharding several dims names its parts_dim")
+                (d,) = dims
+                object.__setattr__(self, "parts_dim", d)
+            elif d not in dims:
+                raise LayoutError(f"fused parts along dim {d}, which no axis shards ({self.shards})")
             if sum(self.parts) != self.full_shape[d]:
                 raise LayoutError(f"fused parts {self.parts} do not add up to dim {d} of {self.full_shape}")
 
@@ -67,7 +73,7 @@ class ParamPlacement:
         return math.prod(sizes.get(a, 1) for a, d in self.shards if d == dim)
 
     def _parts_of(self, dim: int) -> tuple[int, ...]:
-        return self.parts if self.parts and any(d == dim for _, d in self.shards) else (self.full_shape[dim],)
+        return self.parts if self.parts and dim == self.parts_dim else (self.full_shape[dim],)
 
     def _padded_part(self, size: int, n: int, dim: int) -> int:
         if size % n == 0:
@@ -122,6 +128,7 @@ class ParamPlacement:
         """The plain-data record stored beside the tensor in a checkpoint."""
         return {"full_shape": list(self.full_shape), "shards": [list(s) for s in self.shards],
                 "partial": list(self.partial), "pad": self.pad, "parts": list(self.parts),
+                "parts_dim": self.parts_dim,
                 "sizes": {a: int(sizes.get(a, 1)) for a in self.axes},
                 "coords": {a: int(coords.get(a, 0)) for a in self.axes},
                 "local_shape": list(self.local_shape(sizes))}
@@ -129,7 +136,8 @@ class ParamPlacement:
     @classmethod
     def from_record(cls, rec: Mapping) -> "ParamPlacement":
         return cls(tuple(rec["full_shape"]), tuple((a, int(d)) for a, d in rec["shards"]), tuple(rec["partial"]),
-                   bool(rec["pad"]), tuple(rec["parts"]))
+                   bool(rec["pad"]), tuple(rec["parts"]),
+                   rec.get("parts_dim"))
 
 
 def replicated(shape: Sequence[int], partial: Sequence[str] = ()) -> ParamPlacement:
@@ -138,6 +146,14 @@ def replicated(shape: Sequence[int], partial: Sequence[str] = ()) -> ParamPlacem
 
 def sharded(shape: Sequence[int], dim: int, axis: str = "tp", *, pad: bool = False, parts: Sequence[int] = ()) -> ParamPlacement:
     return ParamPlacement(tuple(shape), ((axis, dim),), (), pad, tuple(parts))
+
+
+def sharded_dims(shape: Sequence[int], shards: Sequence[tuple[str, int]], *, parts: Sequence[int] = (),
+                 parts_dim: int | None = None) -> ParamPlacement:
+    """Sharded over several axes, each on its dim (outer first): e.g. experts over ep on dim 0
+    and their inner size over etp."""
+    return ParamPlacement(tuple(shape), tuple((a, int(d)) for a, d in shards), (), False, tuple(parts),
+                          parts_dim if parts else None)
 
 
 # ---------------------------------------------------------------- tensors
@@ -169,7 +185,7 @@ def gather_full(local: torch.Tensor, placement: ParamPlacement, view) -> torch.T
     sizes = {a: view.size(a) for a in placement.axes}
     t = local
     if placement.parts:  # gather each part on its own, then put them back in order
-        (d,) = {d for _, d in placement.shards}
+        d = placement.parts_dim
         n = placement.count(d, sizes)
         steps = [placement._padded_part(p, n, d) // n for p in placement.parts]
         pieces = [_gather_dims(piece, placement, view) for piece in t.split(steps, dim=d)]

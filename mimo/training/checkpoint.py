@@ -86,24 +86,36 @@ def layout_of(config: MimoConfig) -> dict:
     modules = {}
     for name, m in config.modules.items():
         par, ranks = m.parallel, config.rank_range(name)
-        modules[name] = {"ranks": f"{ranks.start}:{ranks.stop}", **{d: getattr(par, d) for d in ("tp", "cp", "dp", "pp", "ep", "etp")}}
-    return {"world_size": config.world_size, "modules": modules}
+        modules[name] = {"ranks": f"{ranks.start}:{ranks.stop}", **{d: getattr(par, d) for d in ("tp", "cp", "dp", "pp", "ep")},
+                         "etp": par.expert_tp}  # resolved: etp unset and etp = tp are one layout
+    return {"world_size": config.world_size, "modules": modules, "expert_layout": True}  # etp resolved
+
+
+def _resolved_etp(layout):
+    """A stored layout with each module's etp resolved: checkpoints before parallel folding
+    recorded the then only value, ``etp: 1``, meaning the experts laid out like the dense
+    layers (etp = tp); they carry no ``expert_layout`` mark."""
+    if not isinstance(layout, dict) or layout.get("expert_layout") or not isinstance(layout.get("modules"), dict):
+        return layout
+    modules = {n: ({**m, "etp": m.get("tp")} if isinstance(m, dict) and m.get("ep", 1) == 1 and m.get("etp") == 1 else m)
+               for n, m in layout["modules"].items()}
+    return {**layout, "modules": modules, "expert_layout": True}
 
 
 def describe_layout(layout: dict) -> str:
     """``[world_size=4; vision tp=1,dp=4,ranks=0:4; language tp=2,dp=2,ranks=0:4]`` (sizes of 1 left out but tp)."""
     parts = []
     for name, m in layout["modules"].items():
-        sizes = [f"{d}={m[d]}" for d in ("tp", "cp", "dp", "pp", "ep", "etp") if d == "tp" or m.get(d, 1) != 1]
+        sizes = [f"{d}={m[d]}" for d in ("tp", "cp", "dp", "pp", "ep", "etp") if d == "tp" or m.get(d, 1) != (m["tp"] if d == "etp" else 1)]
         parts.append(f"{name} {','.join(sizes)},ranks={m['ranks']}")
     return f"[world_size={layout['world_size']}; " + "; ".join(parts) + "]"
 
 
 def check_layout(meta: dict, config: MimoConfig, path: str) -> None:
     want = layout_of(config)
-    if meta.get("layout") != want:
+    if _resolved_etp(meta.get("layout")) != want:
         raise CheckpointError(
-            f"{path}: checkpoint written at layout {describe_layout(meta['layout'])}, config asks for "
+            f"{path}: checkpoint written at layout {describe_layout(_resolved_etp(meta['layout']))}, config asks for "
             f"{describe_layout(want)}; resharding is not supported yet (train at the checkpoint's layout, "
             f"or start a new run with another train.checkpoint.dir)"
         )

@@ -1,0 +1,399 @@
+"""MoE token dispatch (``mimo.llm.dispatch``).
+
+* ``LocalDispatcher`` equals the per-token loop oracle;
+* ``AllToAllDispatcher`` over gloo at ep 2, 3 and 4 (world 4): ragged token counts per rank, a
+  rank with no token, a rank whose experts receive no token, padding rows (idx = E): the
+  combined output and the gradients of the tokens, the gates and the expert weights equal the
+  one-process computation over every rank's tokens (fp32, fp64 yardstick); a token's rows go
+  to each destination rank once (bytes sent = the independently computed minimum, forward and
+  backward); one host copy per dispatch;
+* bad input raises a MimoError; ``deepep`` says why it cannot run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mimo.core.errors import LayoutError, MimoError
+from mimo.core.testing import Yardstick
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mimo.llm import dispatch as dispatch_mod
+from mimo.llm.dispatch import AllToAllDispatcher, DeepEPDispatcher, LocalDispatcher, min_forward_bytes
+from mimo.llm.router import Routing
+from mimo.parallel import gemm
+
+TOL = 1e-5
+WORLD = 4
+E, K, D = 12, 3, 8  # D * 4 bytes = 32: fp32 rows take torch._grouped_mm's path
+
+
+def make_routing(t: int, pad: int, idle: set[int], gen: torch.Generator) -> Routing:
+    """``t`` tokens choosing ``K`` distinct experts outside ``idle``; the last ``pad`` of them
+    padding (idx E, gate 0)."""
+    scores = torch.rand(t, E, generator=gen, dtype=torch.float64)
+    scores[:, sorted(idle)] = -1.0
+    idx = scores.topk(K, dim=-1).indices
+    gate = torch.rand(t, K, generator=gen, dtype=torch.float64) + 0.1
+    if pad:
+        idx[t - pad:] = E
+        gate[t - pad:] = 0.0
+    return Routing(idx, gate)
+
+
+def expert_fn(x_RD, ends_L, w_LDD):
+    """A simple expert: ``tanh(W_e x)`` through the grouped GEMM."""
+    return torch.tanh(gemm.grouped_linear(x_RD, w_LDD, ends_L))
+
+
+def oracle(x_TD, routing, w_EDD):
+    """Token by token, slot by slot (the padding's slots skipped)."""
+    rows = []
+    for t in range(x_TD.shape[0]):
+        acc = torch.zeros(D, dtype=x_TD.dtype)
+        for e, g in zip(routing.idx_TK[t].tolist(), routing.gate_TK[t]):
+            if e < E:
+                acc = acc + g * torch.tanh(w_EDD[e] @ x_TD[t])
+        rows.append(acc)
+    return torch.stack(rows) if rows else x_TD.new_zeros(0, D)
+
+
+def reference(x_TD, routing, w_EDD, g_TD, dtype):
+    """Output and gradients (tokens, gates, weights) of the one-process oracle."""
+    x = x_TD.to(dtype, copy=True).requires_grad_()  # (copies: never the caller's tensors)
+    gate = routing.gate_TK.to(dtype, copy=True).requires_grad_()
+    w = w_EDD.to(dtype, copy=True).requires_grad_()
+    y = oracle(x, Routing(routing.idx_TK, gate), w)
+    (y * g_TD.to(dtype)).sum().backward()
+    return {"out": y.detach(), "x": x.grad, "gate": gate.grad, "w": w.grad}
+
+
+def run_dispatcher(disp, x_TD, routing, w_LDD, g_TD):
+    x = x_TD.to(torch.float32, copy=True).requires_grad_()
+    gate = routing.gate_TK.to(torch.float32, copy=True).requires_grad_()
+    w = w_LDD.to(torch.float32, copy=True).requires_grad_()
+    d = disp.dispatch(x, Routing(routing.idx_TK, gate))
+    y = disp.combine(expert_fn(d.x_RD, d.ends_L, w), d)
+    (y * g_TD.float()).sum().backward()
+    return {"out": y.detach(), "x": x.grad, "gate": real_slots(gate.grad, routing), "w": w.grad}
+
+
+def real_slots(grad_TK, routing):
+    """The gate gradient of real slots: the local dispatcher's padding rows ride along in the
+    last group (gate 0), so their gate gradient is not 0 — the router multiplies it by 0."""
+    return (0 if grad_TK is None else grad_TK) * (routing.idx_TK < E)
+
+
+class HostReads(TorchDispatchMode):
+    """Records the ops that read a device tensor on the host (or hide such a read: boolean
+    indexing, nonzero); ``_to_host`` (the dispatcher's one copy) uses ``tolist``, which no op
+    records, and is counted apart. ``ops``: every op seen (the mode saw the backward too)."""
+
+    SYNCING = ("aten._local_scalar_dense", "aten.nonzero.", "aten.masked_select", "aten.unique", "aten.is_nonzero",
+               "aten.equal", "aten.repeat_interleave.Tensor")
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.ops = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        self.ops.append(name)
+        bool_index = name.startswith("aten.index") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for a in args if isinstance(a, (list, tuple)) for i in a)
+        if bool_index or name.startswith(self.SYNCING):
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def count_host_copies():
+    """Wrap ``mimo.llm.dispatch._to_host`` to count its calls; returns the counter list."""
+    calls, real = [], dispatch_mod._to_host
+    def counted(t):
+        calls.append(t.numel())
+        return real(t)
+    dispatch_mod._to_host = counted
+    return calls, real
+
+
+# ---------------------------------------------------------------- EP = 1
+def test_local_dispatcher_equals_the_oracle():
+    gen = torch.Generator().manual_seed(2)
+    r = make_routing(13, 2, {0, 5}, gen)
+    x, g = torch.randn(13, D, generator=gen, dtype=torch.float64), torch.randn(13, D, generator=gen, dtype=torch.float64)
+    w = torch.randn(E, D, D, generator=gen, dtype=torch.float64) / D ** 0.5
+    got = run_dispatcher(LocalDispatcher(E), x, r, w, g)
+    ref32, ref64 = reference(x, r, w, g, torch.float32), reference(x, r, w, g, torch.float64)
+    ys = Yardstick(TOL)
+    ys.check_all(got, ref32, ref64)
+    ys.assert_ok()
+    assert (got["out"][-2:] == 0).all()  # padding routes nowhere
+
+
+def test_bad_routing_is_a_mimo_error():
+    r = make_routing(4, 0, set(), torch.Generator().manual_seed(3))
+    with pytest.raises(MimoError, match="moe.dispatch"):
+        LocalDispatcher(E).dispatch(torch.zeros(5, D), r)
+    with pytest.raises(MimoError, match="int64"):
+        LocalDispatcher(E).dispatch(torch.zeros(4, D), Routing(r.idx_TK.int(), r.gate_TK))
+
+
+def test_deepep_says_why_it_cannot_run():
+    with pytest.raises(MimoError, match="train.moe_dispatcher: deepep"):
+        DeepEPDispatcher(E, None)
+
+
+# ---------------------------------------------------------------- EP over gloo
+EP_CASES = {  # ep: (tokens per rank, padding per rank, idle experts)
+    2: ([9, 4], [2, 0], {3}),
+    3: ([7, 0, 12], [1, 0, 12], {2, 3}),  # rank 1: no token; rank 2: only padding (sends nothing)
+    4: ([5, 0, 11, 6], [0, 0, 3, 6], {9, 10, 11, 1}),  # rank 3's experts receive no token
+}
+
+
+def ep_case(ep, x_TD, routing, w_EDD, g_TD, counts):
+    group = dist.new_group(list(range(ep)))  # on every rank, in the same order
+    rank = dist.get_rank()
+    if rank >= ep:
+        return None
+    with pytest.raises(LayoutError, match="experts % ep"):
+        AllToAllDispatcher(E + 1, group)
+    start = sum(counts[:rank])
+    rows = slice(start, start + counts[rank])
+    disp = AllToAllDispatcher(E, group)
+    loc = E // ep
+    local = Routing(routing.idx_TK[rows], routing.gate_TK[rows])
+    calls, real = count_host_copies()
+    try:
+        with HostReads() as mode:
+            out = run_dispatcher(disp, x_TD[rows], local, w_EDD[rank * loc:(rank + 1) * loc], g_TD[rows])
+    finally:
+        dispatch_mod._to_host = real
+    assert not mode.reads, mode.reads  # no host read but the one copy
+    assert "c10d.alltoall_base_.default" in mode.ops and any("backward" in o for o in mode.ops)
+    return {**out, "rows": rows, "payload_bytes": disp.stats.payload_bytes, "d2h": len(calls),
+            "min_bytes": min_forward_bytes(local.idx_TK, E, ep, rank, 1, D * 4)}
+
+
+def remote_pairs(idx_TK, owner, rank) -> list[int]:
+    """Per destination: the distinct (token, destination) pairs of ``rank``'s tokens, its own
+    rank excluded (counted in Python, apart from the dispatcher)."""
+    out = [0] * (max(owner) + 1)
+    for row in idx_TK.tolist():
+        for p in {owner[e] for e in row if e < E} - {rank}:
+            out[p] += 1
+    return out
+
+
+@pytest.mark.parametrize("ep", sorted(EP_CASES))
+def test_all_to_all_dispatch_equals_one_process(pools, ep):
+    counts, pads, idle = EP_CASES[ep]
+    gen = torch.Generator().manual_seed(10 + ep)
+    parts = [make_routing(t, p, idle, gen) for t, p in zip(counts, pads)]
+    routing = Routing(torch.cat([p.idx_TK for p in parts]), torch.cat([p.gate_TK for p in parts]))
+    total = sum(counts)
+    x = torch.randn(total, D, generator=gen, dtype=torch.float64)
+    g = torch.randn(total, D, generator=gen, dtype=torch.float64)
+    w = torch.randn(E, D, D, generator=gen, dtype=torch.float64) / D ** 0.5
+    loc = E // ep
+    owner = [e // loc for e in range(E)]
+    # the case is meaningful: some token has two experts on one remote rank
+    assert any(len({owner[e] for e in row}) < K for row in routing.idx_TK.tolist() if row[0] < E)
+    ref32, ref64 = reference(x, routing, w, g, torch.float32), reference(x, routing, w, g, torch.float64)
+    ys = Yardstick(TOL)
+    results = [r for r in pools(WORLD).run(ep_case, ep, x, routing, w, g, counts) if r]
+    assert len(results) == ep
+    pairs = [remote_pairs(routing.idx_TK[r["rows"]], owner, rank) for rank, r in enumerate(results)]
+    for rank, r in enumerate(results):
+        rows, block = r["rows"], slice(rank * loc, (rank + 1) * loc)
+        for key in ("out", "x", "gate"):
+            ys.check(f"{key} (rank {rank})", r[key], ref32[key][rows], ref64[key][rows])
+        ys.check(f"w (rank {rank})", r["w"], ref32["w"][block], ref64["w"][block])
+    ys.assert_ok(f"ep {ep}")
+    row_bytes = D * 4
+    for rank, r in enumerate(results):
+        assert r["min_bytes"] == 2 * sum(pairs[rank]) * row_bytes
+        # a rank sends its tokens' rows (dispatch) and the summed rows of others' tokens
+        # (combine), each (token, remote rank) pair once; the backward the same again
+        mine, theirs = sum(pairs[rank]), sum(p[rank] for p in pairs)
+        assert r["payload_bytes"] == 2 * (mine + theirs) * row_bytes, (rank, r["payload_bytes"], mine, theirs)
+        assert r["d2h"] == 1
+    sent, minimum = sum(r["payload_bytes"] for r in results), sum(r["min_bytes"] for r in results)
+    assert minimum > 0 and sent / minimum == 2.0  # bytes_ratio 1.0 each pass (forward, backward)
+    pad_rows = torch.cat([torch.arange(s + c - p, s + c) for s, c, p in zip([sum(counts[:i]) for i in range(ep)], counts, pads)])
+    assert (ref64["out"][pad_rows] == 0).all()
+
+
+# ---------------------------------------------------------------- ETP inside EP over gloo
+FF = 12  # the experts' inner size, split over etp
+
+
+def mlp_oracle(x_TD, routing, up_EFD, down_EDF):
+    """Token by token: ``sum_k gate * down_e tanh(up_e x)`` (linear in each F-slice's share)."""
+    rows = []
+    for t in range(x_TD.shape[0]):
+        acc = torch.zeros(D, dtype=x_TD.dtype)
+        for e, g in zip(routing.idx_TK[t].tolist(), routing.gate_TK[t]):
+            if e < E:
+                acc = acc + g * (down_EDF[e] @ torch.tanh(up_EFD[e] @ x_TD[t]))
+        rows.append(acc)
+    return torch.stack(rows) if rows else x_TD.new_zeros(0, D)
+
+
+def mlp_reference(x_TD, routing, up, down, g_TD, dtype):
+    x, gate = x_TD.to(dtype, copy=True).requires_grad_(), routing.gate_TK.to(dtype, copy=True).requires_grad_()
+    u, w = up.to(dtype, copy=True).requires_grad_(), down.to(dtype, copy=True).requires_grad_()
+    y = mlp_oracle(x, Routing(routing.idx_TK, gate), u, w)
+    (y * g_TD.to(dtype)).sum().backward()
+    return {"out": y.detach(), "x": x.grad, "gate": gate.grad, "up": u.grad, "down": w.grad}
+
+
+def etp_case(ep, etp, x_TD, routing, up, down, g_TD, counts):
+    """World 4 as etp (fastest) x ep x edp, as the expert view numbers ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = {}
+    for axis, stride, size in (("etp", 1, etp), ("ep", etp, ep)):
+        for first in range(world):
+            ranks = [first + i * stride for i in range(size)]
+            if (first // stride) % size == 0 and max(ranks) < world and len(ranks) > 1:
+                g = dist.new_group(ranks)  # every rank creates every group, in one order
+                if rank in ranks:
+                    groups[axis] = g
+    a, b = rank % etp, (rank // etp) % ep
+    start = sum(counts[:rank])
+    rows = slice(start, start + counts[rank])
+    loc, f = E // ep, FF // etp
+    block, fslice = slice(b * loc, (b + 1) * loc), slice(a * f, (a + 1) * f)
+    disp = AllToAllDispatcher(E, groups.get("ep"), groups.get("etp"))
+    disp.audit = True
+    x = x_TD[rows].float().clone().requires_grad_()
+    gate = routing.gate_TK[rows].float().clone().requires_grad_()
+    u = up[block, fslice].float().clone().requires_grad_()
+    w = down[block, :, fslice].float().clone().requires_grad_()
+    local = Routing(routing.idx_TK[rows], gate)
+    calls, real = count_host_copies()
+    try:
+        d = disp.dispatch(x, local, while_in_flight=lambda: "ran")
+        h = torch.tanh(gemm.grouped_linear(d.x_RD, u, d.ends_L))
+        y = disp.combine(gemm.grouped_linear(h, w, d.ends_L), d)
+        (y * g_TD[rows].float()).sum().backward()
+    finally:
+        dispatch_mod._to_host = real
+    return {"rows": rows, "block": block, "fslice": fslice, "out": y.detach(), "x": x.grad,
+            "gate": real_slots(gate.grad, Routing(routing.idx_TK[rows], gate)), "up": u.grad, "down": w.grad,
+            "d2h": len(calls), "overlapped": d.overlapped, "fwd": disp.stats.forward_bytes,
+            "bwd": disp.stats.backward_bytes, "min": disp.stats.min_forward_bytes}
+
+
+ETP_CASES = {  # (ep, etp): tokens per rank, padding per rank, idle experts
+    (2, 2): ([6, 0, 9, 5], [1, 0, 2, 5], {0, 1, 2}),  # rank 1 no token, rank 3 only padding, block 0 idle
+    (1, 4): ([4, 7, 3, 5], [0, 2, 0, 1], {7}),
+    (4, 1): ([5, 8, 0, 6], [0, 1, 0, 0], {6, 7, 8}),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(ETP_CASES), ids=lambda l: f"ep{l[0]}-etp{l[1]}")
+def test_etp_inside_ep_equals_one_process(pools, layout):
+    ep, etp = layout
+    counts, pads, idle = ETP_CASES[layout]
+    gen = torch.Generator().manual_seed(20 + ep)
+    parts = [make_routing(t, p, idle, gen) for t, p in zip(counts, pads)]
+    routing = Routing(torch.cat([p.idx_TK for p in parts]), torch.cat([p.gate_TK for p in parts]))
+    total = sum(counts)
+    x = torch.randn(total, D, generator=gen, dtype=torch.float64)
+    g = torch.randn(total, D, generator=gen, dtype=torch.float64)
+    up = torch.randn(E, FF, D, generator=gen, dtype=torch.float64) / D ** 0.5
+    down = torch.randn(E, D, FF, generator=gen, dtype=torch.float64) / FF ** 0.5
+    ref32, ref64 = (mlp_reference(x, routing, up, down, g, dt) for dt in (torch.float32, torch.float64))
+    results = pools(WORLD).run(etp_case, ep, etp, x, routing, up, down, g, counts)
+    ys = Yardstick(TOL)
+    for rank, r in enumerate(results):
+        for key in ("out", "x", "gate"):
+            ys.check(f"{key} (rank {rank})", r[key], ref32[key][r["rows"]], ref64[key][r["rows"]])
+    # expert gradients: summed over the ranks holding the same (block, F-slice) (edp)
+    for name, index in (("up", lambda r: (r["block"], r["fslice"])), ("down", lambda r: (r["block"], slice(None), r["fslice"]))):
+        for rank, r in enumerate(results):
+            same = [q[name] for q in results if (q["block"], q["fslice"]) == (r["block"], r["fslice"])]
+            ys.check(f"{name} (rank {rank})", torch.stack(same).sum(0), ref32[name][index(r)], ref64[name][index(r)])
+    ys.assert_ok(f"ep {ep} etp {etp}")
+    assert all(r["d2h"] == 1 and r["overlapped"] == "ran" for r in results)
+    fwd, bwd, minimum = (sum(r[k] for r in results) for k in ("fwd", "bwd", "min"))
+    assert minimum > 0 and fwd == minimum and bwd == fwd, (fwd, bwd, minimum)  # bytes_ratio 1.0 each way
+
+
+def overlap_case():
+    """The shared-expert callable runs after the row all-to-all starts and before it is waited."""
+    events = []
+    real_a2a, real_wait = dispatch_mod._a2a, dispatch_mod._Wait.forward
+
+    def a2a(x, send, recv, group, async_op=False):
+        out = real_a2a(x, send, recv, group, async_op)
+        if async_op:
+            events.append("start")
+        return out
+
+    def wait(ctx, x, flight):
+        events.append("wait")
+        return real_wait(ctx, x, flight)
+
+    dispatch_mod._a2a, dispatch_mod._Wait.forward = a2a, staticmethod(wait)
+    try:
+        gen = torch.Generator().manual_seed(4)
+        r = make_routing(6, 0, set(), gen)
+        disp = AllToAllDispatcher(E, dist.group.WORLD)
+        d = disp.dispatch(torch.randn(6, D, generator=gen).double(), r, while_in_flight=lambda: events.append("shared"))
+    finally:
+        dispatch_mod._a2a, dispatch_mod._Wait.forward = real_a2a, staticmethod(real_wait)
+    return events, d.x_RD.shape[0]
+
+
+def test_shared_expert_runs_while_the_dispatch_is_in_flight(pools):
+    for events, _ in pools(WORLD).run(overlap_case):
+        assert events[-3:] == ["start", "shared", "wait"], events
+
+
+# ---------------------------------------------------------------- CUDA: the one host copy
+def cuda_sync_case():
+    """World 1 over NCCL: dispatch + bf16 grouped experts + combine + backward with CUDA's
+    sync debug mode at "error" everywhere but inside ``_to_host``."""
+    gen = torch.Generator().manual_seed(5)
+    r = make_routing(64, 8, {3}, gen)
+    dev = torch.device("cuda")
+    routing = Routing(r.idx_TK.to(dev), r.gate_TK.float().to(dev).requires_grad_())
+    x = torch.randn(64, 64, generator=gen).to(dev, torch.bfloat16).requires_grad_()
+    w = (torch.randn(E, 64, 64, generator=gen) / 8).to(dev, torch.bfloat16).requires_grad_()
+    disp = AllToAllDispatcher(E, dist.group.WORLD)
+    real, copies = dispatch_mod._to_host, []
+
+    def allowed(t):
+        torch.cuda.set_sync_debug_mode(0)
+        copies.append(t.numel())
+        try:
+            return real(t)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    dispatch_mod._to_host = allowed
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            d = disp.dispatch(x, routing)
+            y = disp.combine(gemm.grouped_linear(d.x_RD, w, d.ends_L), d)
+            y.float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        dispatch_mod._to_host = real
+    torch.cuda.synchronize()
+    return {"copies": len(copies), "grad_ok": bool(torch.isfinite(x.grad.float()).all() and w.grad.abs().sum() > 0)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode needs a GPU (this machine has none)")
+def test_one_host_copy_per_dispatch_on_cuda():
+    from mimo.training.launch import WorkerPool
+
+    with WorkerPool(1, device="cuda") as pool:
+        (got,) = pool.run(cuda_sync_case)
+    assert got == {"copies": 2, "grad_ok": True}
