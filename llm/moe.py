@@ -116,10 +116,10 @@ class MoE(nn.Module):
         complete for those rows; the shared expert's is a partial sum over TP of the pack.
         ``x_TD``: this rank's rows under SP, else the whole (replicated) pack."""
         tp, sp, tp_size = self.ctx.tp, self.ctx.sequence_parallel, self.ctx.tp_size
-        t = routing.idx_TK.shape[0]
-        bounds = [len(r) for r in torch.arange(t).tensor_split(tp_size)]
-        lo = sum(bounds[:self.ctx.tp_rank])
-        rows = slice(lo, lo + bounds[self.ctx.tp_rank])
+        t, rank = routing.idx_TK.shape[0], self.ctx.tp_rank
+        q, extra = divmod(t, tp_size)  # torch.tensor_split's parts: the first t % tp one row longer
+        lo = rank * q + min(rank, extra)
+        rows = slice(lo, lo + q + (rank < extra))
         mine = Routing(routing.idx_TK[rows], routing.gate_TK[rows])
         x_RD = x_TD if sp else x_TD[rows]
         y_RD, s_TD = self.experts.run(self.latent_in(x_RD) if self.cfg.latent else x_RD, mine, shared)
