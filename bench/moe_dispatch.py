@@ -15,8 +15,10 @@ each destination rank once); ``meta_bytes``: the expert ids and gates beside the
 load: rows each rank's experts process (max and mean over ranks) and tokens sent per rank.
 
     python bench/moe_dispatch.py [--world 4] [--tokens 2048] [--hidden 512] [--experts 16] [--topk 4] [--iters 10]
+                                 [--dispatcher alltoall|deepep] [--device cpu|cuda]
 
-Prints one JSON line. gloo (CPU) now; NCCL in the multi-GPU issue.
+Prints one JSON line. gloo on the CPU; ``--device cuda``: one rank per GPU over NCCL, bf16
+rows (``--dispatcher deepep`` needs it, and the deep_ep package).
 """
 
 from __future__ import annotations
@@ -30,19 +32,33 @@ import time
 import torch
 import torch.distributed as dist
 
-from mimo.llm.dispatch import AllToAllDispatcher, min_forward_bytes
+from mimo.llm.dispatch import AllToAllDispatcher, DeepEPDispatcher, min_forward_bytes
 from mimo.llm.router import Routing, topk_lowest_index
 from mimo.training.launch import WorkerPool
 
 
-def _timed(fn, iters: int) -> float:
+def _timed(fn, iters: int, sync) -> float:
     times = []
     for _ in range(iters):
+        sync()
         dist.barrier()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _splits(idx_TK: torch.Tensor, experts: int, world: int) -> tuple[list[int], list[int]]:
+    """Rows to and from each peer when each (token, rank) pair travels once (host arithmetic)."""
+    loc = experts // world
+    send = [0] * world
+    for row in idx_TK.tolist():
+        for p in {e // loc for e in row if e < experts}:
+            send[p] += 1
+    got = torch.empty(world, dtype=torch.int64)
+    dist.all_to_all_single(got, torch.tensor(send, dtype=torch.int64))
+    return send, got.tolist()
 
 
 def _routing(t: int, experts: int, topk: int, skew: float, gen: torch.Generator) -> Routing:
@@ -51,14 +67,19 @@ def _routing(t: int, experts: int, topk: int, skew: float, gen: torch.Generator)
     return Routing(idx, gate / gate.sum(-1, keepdim=True))
 
 
-def _bench_rank(tokens: int, hidden: int, experts: int, topk: int, skew: float, iters: int) -> dict:
+def _bench_rank(tokens: int, hidden: int, experts: int, topk: int, skew: float, iters: int, kind: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    dev, dtype = (torch.device("cuda", torch.cuda.current_device()), torch.bfloat16) if cuda else ("cpu", torch.float32)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     gen = torch.Generator().manual_seed(rank)
     t = tokens * (4 + rank % 3) // 5  # ragged: 0.8, 1.0, 1.2 x tokens
-    routing = _routing(t, experts, topk, skew, gen)
-    x_TD = torch.randn(t, hidden, generator=gen)
-    g_TD = torch.randn(t, hidden, generator=gen)
-    disp = AllToAllDispatcher(experts, dist.group.WORLD)
+    cpu_routing = _routing(t, experts, topk, skew, gen)
+    routing = Routing(cpu_routing.idx_TK.to(dev), cpu_routing.gate_TK.to(dev))
+    x_TD = torch.randn(t, hidden, generator=gen).to(dev, dtype)
+    g_TD = torch.randn(t, hidden, generator=gen).to(dev, dtype)
+    disp = (DeepEPDispatcher if kind == "deepep" else AllToAllDispatcher)(experts, dist.group.WORLD)
+    disp.audit = True  # bytes and their minimum (reads the routing on the host: outside the timed calls)
 
     def forward(x):
         d = disp.dispatch(x, routing)
@@ -71,9 +92,10 @@ def _bench_rank(tokens: int, hidden: int, experts: int, topk: int, skew: float, 
 
     disp.stats.reset()
     _, d = forward(x_TD)
-    sent, meta = disp.stats.payload_bytes, disp.stats.meta_bytes
-    send, recv = d.plan.send, d.plan.recv
-    bufs = (torch.randn(sum(send), hidden), torch.empty(sum(recv), hidden))
+    sent, meta, minimum = disp.stats.payload_bytes, disp.stats.meta_bytes, disp.stats.min_forward_bytes
+    disp.audit = False
+    send, recv = _splits(cpu_routing.idx_TK, experts, world)
+    bufs = (torch.randn(sum(send), hidden).to(dev, dtype), torch.empty(sum(recv), hidden, device=dev, dtype=dtype))
 
     def raw():
         dist.all_to_all_single(bufs[1], bufs[0], recv, send)  # there ...
@@ -82,10 +104,10 @@ def _bench_rank(tokens: int, hidden: int, experts: int, topk: int, skew: float, 
     steps = {"dispatch_combine": lambda: forward(x_TD), "fwd_bwd": fwd_bwd, "raw": raw}
     for fn in steps.values():  # warm-up
         fn()
-    times = {k: _timed(fn, iters) for k, fn in steps.items()}
+    times = {k: _timed(fn, iters, sync) for k, fn in steps.items()}
+    assert minimum == min_forward_bytes(cpu_routing.idx_TK, experts, world, rank, 1, hidden * x_TD.element_size())
     return {**times, "bytes_sent": sent, "meta_bytes": meta, "tokens": t, "expert_rows": d.x_RD.shape[0],
-            "rows_sent": sum(n for p, n in enumerate(send) if p != rank),
-            "bytes_min": min_forward_bytes(routing.idx_TK, experts, world, rank, 1, hidden * x_TD.element_size())}
+            "rows_sent": sum(n for p, n in enumerate(send) if p != rank), "bytes_min": minimum}
 
 
 def main() -> None:
@@ -97,14 +119,18 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--skew", type=float, default=2.0, help="router bias towards high expert ids")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--dispatcher", choices=("alltoall", "deepep"), default="alltoall")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one rank per GPU, NCCL, bf16 rows")
     args = ap.parse_args()
-    with WorkerPool(args.world, timeout_s=600) as pool:
-        per_rank = pool.run(_bench_rank, args.tokens, args.hidden, args.experts, args.topk, args.skew, args.iters)
+    with WorkerPool(args.world, timeout_s=600, device=args.device) as pool:
+        per_rank = pool.run(_bench_rank, args.tokens, args.hidden, args.experts, args.topk, args.skew, args.iters,
+                            args.dispatcher)
     t = {k: max(r[k] for r in per_rank) for k in ("dispatch_combine", "fwd_bwd", "raw")}
     sent, minimum = sum(r["bytes_sent"] for r in per_rank), sum(r["bytes_min"] for r in per_rank)
     rows = [r["expert_rows"] for r in per_rank]
     print(json.dumps({
-        "bench": "moe_dispatch", "backend": "gloo", "world": args.world, "hidden": args.hidden, "experts": args.experts,
+        "bench": "moe_dispatch", "dispatcher": args.dispatcher, "backend": "nccl" if args.device == "cuda" else "gloo",
+        "world": args.world, "hidden": args.hidden, "experts": args.experts,
         "topk": args.topk, "skew": args.skew, "iters": args.iters, "torch": torch.__version__, "host": platform.node(),
         "tokens_per_rank": [r["tokens"] for r in per_rank],
         "dispatch_combine_ms": round(t["dispatch_combine"] * 1e3, 3), "fwd_bwd_ms": round(t["fwd_bwd"] * 1e3, 3),

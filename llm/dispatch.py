@@ -43,13 +43,14 @@ independently from the routing alone (module function; it reads the routing on t
 training leaves it off). bytes_ratio = (forward + backward) / (2 x minimum), 1.0 when every
 (token, rank) pair crossed once each way.
 
-``make_dispatcher`` picks one per layer (``train.moe_dispatcher``); ``DeepEPDispatcher`` is
-not implemented yet and says so.
+``DeepEPDispatcher`` drives ``deep_ep.Buffer`` (DeepEP's normal kernels: NVLink within a node,
+RDMA across) through the same interface: DeepEP does steps 1-4 itself (one send per (token,
+rank), local expert ids with -1 elsewhere); the expert side and the gates on it are shared with
+``alltoall``. ``make_dispatcher`` picks one per layer (``train.moe_dispatcher``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -74,7 +75,7 @@ class Dispatched:
     gate_R: torch.Tensor
     row_R: torch.Tensor  # the row (token, or received (token, rank) row) each expert row sums into
     rows: int  # tokens (local), or received rows (all-to-all)
-    plan: "_Plan | None" = None
+    plan: object = None  # the dispatcher's record for combine (``_Plan``, DeepEP's state)
     overlapped: object = None  # what ``while_in_flight()`` returned (the shared expert's output)
 
 
@@ -137,8 +138,7 @@ class LocalDispatcher:
                           overlapped=while_in_flight() if while_in_flight is not None else None)
 
     def combine(self, y_RD: torch.Tensor, d: Dispatched) -> torch.Tensor:
-        y_RD = y_RD * d.gate_R[:, None].to(y_RD.dtype)
-        return y_RD.new_zeros(d.rows, y_RD.shape[1]).index_add(0, d.row_R, y_RD)
+        return _sum_rows(y_RD, d)
 
 
 # ---------------------------------------------------------------- all-to-all
@@ -215,6 +215,7 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, flight):
         flight.work.wait()
+        flight.work = _Done()  # waited once: a second output of the same exchange passes through
         return x.view_as(x)
 
     @staticmethod
@@ -277,6 +278,23 @@ def _reduce_scatter_v(x, sizes, group, stats, backward):
     return _a2a(x, sizes, [mine] * n, group).view(n, mine, *x.shape[1:]).sum(0)
 
 
+def _to_local_experts(x_ND, gate_NK, local_NK, ends_L, assigned: int, plan, overlapped) -> Dispatched:
+    """The expert side of a dispatch: each received row once per local expert it chose, grouped
+    by local expert (a stable sort: rows keep their arrival order). ``local_NK``: the local
+    expert of each slot, ``L`` (sorting last, dropped) where the slot's expert lives elsewhere
+    or is padding; ``assigned``: the host-known number of local slots."""
+    k = local_NK.shape[1] if local_NK.dim() == 2 else 1
+    order_A = torch.argsort(local_NK.reshape(-1), stable=True)[:assigned]
+    row_A = order_A // k
+    return Dispatched(x_ND[row_A], ends_L, gate_NK.reshape(-1)[order_A], row_A, x_ND.shape[0], plan, overlapped)
+
+
+def _sum_rows(y_AD: torch.Tensor, d: Dispatched) -> torch.Tensor:
+    """The gates applied on the expert side and one summed row per received row."""
+    y_AD = y_AD * d.gate_R[:, None].to(y_AD.dtype)
+    return y_AD.new_zeros(d.rows, y_AD.shape[1]).index_add(0, d.row_R, y_AD)
+
+
 @dataclass
 class _Plan:
     send: list[int]  # rows to each EP peer
@@ -286,23 +304,32 @@ class _Plan:
     etp_rows: list[int]  # rows each ETP peer received over EP (this rank's: etp_rows[etp rank])
 
 
-class AllToAllDispatcher:
-    """EP over ``ep_group`` and ETP over ``etp_group`` (see module doc); this rank's experts
-    are the contiguous block ``ep_rank * E/ep .. (ep_rank+1) * E/ep - 1``, shared (their
-    inner size split) by its ETP peers."""
+class _OverEP:
+    """What a dispatcher over an EP group knows: its size, this rank's place, its experts
+    (the contiguous block ``rank * E/ep ..``), its counters."""
 
-    def __init__(self, experts: int, ep_group, etp_group=None):
-        self.ep_group, self.etp_group = ep_group, etp_group
+    def __init__(self, experts: int, ep_group):
+        self.ep_group = ep_group
         self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
         self.rank = 0 if ep_group is None else dist.get_rank(ep_group)
-        self.etp = 1 if etp_group is None else dist.get_world_size(etp_group)
-        self.etp_rank = 0 if etp_group is None else dist.get_rank(etp_group)
         if experts % self.ep:
             raise LayoutError(f"parallel.ep: {experts} experts do not split over ep = {self.ep} ranks "
                               f"(experts % ep must be 0)")
         self.experts, self.local = experts, experts // self.ep
         self.stats = DispatchStats()
         self.audit = False  # also count the independent minimum (reads the routing on the host)
+
+
+class AllToAllDispatcher(_OverEP):
+    """EP over ``ep_group`` and ETP over ``etp_group`` (see module doc); this rank's experts
+    are the contiguous block ``ep_rank * E/ep .. (ep_rank+1) * E/ep - 1``, shared (their
+    inner size split) by its ETP peers."""
+
+    def __init__(self, experts: int, ep_group, etp_group=None):
+        super().__init__(experts, ep_group)
+        self.etp_group = etp_group
+        self.etp = 1 if etp_group is None else dist.get_world_size(etp_group)
+        self.etp_rank = 0 if etp_group is None else dist.get_rank(etp_group)
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing, while_in_flight=None) -> Dispatched:
         _check_routing(x_TD, routing, self.experts)
@@ -343,22 +370,16 @@ class AllToAllDispatcher:
             x_ND = _GatherV.apply(x_ND, etp_rows, self.etp_group, self.stats)
             gate_NK = _GatherV.apply(gate_NK, etp_rows, self.etp_group, None)
             idx_NK = _gather_v(idx_NK, etp_rows, self.etp_group, None, False)
-        # expand to the local experts: non-local slots get the sentinel loc and sort last
         local_NK = idx_NK - self.rank * loc
-        local_NK = torch.where((local_NK >= 0) & (local_NK < loc), local_NK, loc).reshape(-1)
-        order_A = torch.argsort(local_NK, stable=True)[:assigned]
-        row_A = order_A // k
-        d = Dispatched(x_ND[row_A], counts_L.cumsum(0), gate_NK.reshape(-1)[order_A], row_A, x_ND.shape[0],
-                       _Plan(send, recv, token_S, t, etp_rows))
-        d.overlapped = overlapped
-        return d
+        local_NK = torch.where((local_NK >= 0) & (local_NK < loc), local_NK, loc)
+        return _to_local_experts(x_ND, gate_NK, local_NK, counts_L.cumsum(0), assigned,
+                                 _Plan(send, recv, token_S, t, etp_rows), overlapped)
 
     def combine(self, y_AD: torch.Tensor, d: Dispatched) -> torch.Tensor:
         # 5. gates on the expert side (on ETP partial sums: linear, and the gate's gradient is
         #    summed back by the all-gather's adjoint), one summed row per received (token,
         #    rank) pair, summed over ETP, back over EP, summed per token
-        y_AD = y_AD * d.gate_R[:, None].to(y_AD.dtype)
-        z_ND = y_AD.new_zeros(d.rows, y_AD.shape[1]).index_add(0, d.row_R, y_AD)
+        z_ND = _sum_rows(y_AD, d)
         if self.etp > 1:
             z_ND = _ReduceScatterV.apply(z_ND, d.plan.etp_rows, self.etp_group, self.stats)
         z_SD = all_to_all(z_ND, d.plan.recv, d.plan.send, self.ep_group, self.stats)
@@ -379,26 +400,169 @@ def min_forward_bytes(idx_TK: torch.Tensor, experts: int, ep: int, rank: int, et
 
 def make_dispatcher(kind: str, experts: int, ctx):
     """The dispatcher of one MoE layer on ``ctx`` (``train.moe_dispatcher``): ``local``
-    without an expert view; on it ``alltoall``, or ``deepep``; ``auto`` is ``alltoall`` (the
-    DeepEP path is exercised in the multi-GPU issue)."""
+    without an expert view; on it ``alltoall``, or ``deepep``. ``auto`` is ``alltoall``: the
+    DeepEP path is taken only when asked for until it has been verified on several GPUs (the
+    multi-GPU issue)."""
     if kind not in DISPATCHERS:
         raise MimoError(f"train.moe_dispatcher: {kind!r} is not one of {', '.join(DISPATCHERS)}")
     if ctx.expert is None:
         return LocalDispatcher(experts)
     ep_group, etp_group = ctx.expert.group("ep"), ctx.expert.group("etp")
     if kind == "deepep":
-        return DeepEPDispatcher(experts, ep_group, etp_group)
+        return DeepEPDispatcher(experts, ep_group, etp_group, ctx.expert.resources)
     return AllToAllDispatcher(experts, ep_group, etp_group)
 
 
 DISPATCHERS = ("auto", "alltoall", "deepep")
 
 
-class DeepEPDispatcher:
-    """The ``deep_ep`` package's buffers behind the same interface: not implemented yet (issue 22)."""
+# ---------------------------------------------------------------- DeepEP
+def import_deep_ep():
+    """The ``deep_ep`` package, or a MimoError saying why the ``deepep`` dispatcher cannot run."""
+    try:
+        import deep_ep
+    except (ImportError, OSError) as e:  # absent, or built against another torch / CUDA
+        raise MimoError(f"train.moe_dispatcher: deepep needs the deep_ep package (https://github.com/deepseek-ai/DeepEP), "
+                        f"which does not import here ({e}); use alltoall or auto") from None
+    if not hasattr(deep_ep, "Buffer"):
+        raise MimoError("train.moe_dispatcher: this deep_ep has no Buffer (its normal-kernel interface, "
+                        "which mimo drives); use alltoall or auto")
+    return deep_ep
 
-    def __init__(self, experts: int, ep_group, etp_group=None):
-        if importlib.util.find_spec("deep_ep") is None:
-            raise MimoError("train.moe_dispatcher: deepep needs the deep_ep package (not importable here); "
-                            "use alltoall or auto")
-        raise MimoError("train.moe_dispatcher: deepep is not implemented yet (issue 22); use alltoall or auto")
+
+class _EventWork:
+    """A DeepEP event as a work handle (``_Wait`` calls ``wait``): the compute stream waits
+    for DeepEP's communication stream."""
+
+    def __init__(self, event):
+        self.event = event
+
+    def wait(self) -> None:
+        self.event.current_stream_wait()
+
+
+@dataclass
+class _DeepEPState:
+    buffer: object
+    experts: int
+    stats: DispatchStats
+    handle: object = None
+    recv_idx_NK: torch.Tensor | None = None
+    counts_L: list | None = None
+    out_bytes: int = 0  # audited: bytes of this rank's rows to other ranks (dispatch; combine's backward)
+    back_bytes: int = 0  # audited: bytes of other ranks' summed rows sent back (combine; dispatch's backward)
+
+
+class _DeepEPDispatch(torch.autograd.Function):
+    """DeepEP's dispatch, started (``flight.work``: its event; ``_Wait`` waits for it).
+    Backward: DeepEP's combine of the rows' and the gates' gradients through the handle."""
+
+    @staticmethod
+    def forward(ctx, x_TD, gate_TK, idx_TK, state, flight):
+        buf = state.buffer
+        per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx_TK, state.experts)
+        recv_x, recv_idx, recv_gate, counts, handle, event = buf.dispatch(
+            x_TD, topk_idx=idx_TK, topk_weights=gate_TK, num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            async_finish=True)
+        state.handle, state.recv_idx_NK, state.counts_L = handle, recv_idx, list(counts)
+        flight.work = _EventWork(event)
+        ctx.state = state
+        return recv_x, recv_gate
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_gate):
+        buf, handle = ctx.state.buffer, ctx.state.handle
+        grad_gate = torch.zeros_like(ctx.state.recv_idx_NK, dtype=torch.float32) if grad_gate is None else grad_gate
+        grad_x_TD, grad_gate_TK, _ = buf.combine(grad_x.contiguous(), handle, topk_weights=grad_gate.float().contiguous())
+        ctx.state.stats.backward_bytes += ctx.state.back_bytes
+        return grad_x_TD, grad_gate_TK, None, None, None
+
+
+class _DeepEPCombine(torch.autograd.Function):
+    """DeepEP's combine (each token's returned rows summed, no weights); backward: its
+    dispatch through the same handle."""
+
+    @staticmethod
+    def forward(ctx, z_ND, state):
+        ctx.state = state
+        combined_TD, _, _ = state.buffer.combine(z_ND.contiguous(), state.handle)
+        state.stats.forward_bytes += state.back_bytes
+        return combined_TD
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        grad_ND = ctx.state.buffer.dispatch(grad_TD.contiguous(), handle=ctx.state.handle)[0]
+        ctx.state.stats.backward_bytes += ctx.state.out_bytes
+        return grad_ND, None
+
+
+class DeepEPDispatcher(_OverEP):
+    """``deep_ep.Buffer``'s normal (high-throughput) kernels over the EP group, behind the same
+    interface: DeepEP finds each token's destination ranks (``get_dispatch_layout``), sends each
+    (token, rank) pair once with its ``k`` expert ids (local ids; -1 where the expert lives
+    elsewhere or the slot is padding) and gates, and its combine sums the rows that come back per
+    token, without weights: the gates are applied on the expert side, as ``alltoall`` does.
+    Combine is dispatch's adjoint and dispatch combine's, through the dispatch's handle.
+    DeepEP's dispatch waits on the host for the receive counts: that is this dispatcher's one
+    device-to-host copy. It moves bf16 rows, needs ``etp = 1`` (ETP inside EP runs with
+    ``alltoall``) and NCCL ranks on GPUs connected by NVLink (RDMA across nodes). One buffer per
+    EP group, sized for the widest rows seen, is shared by every layer (``resources``)."""
+
+    def __init__(self, experts: int, ep_group, etp_group=None, resources: dict | None = None):
+        self.deep_ep = import_deep_ep()
+        if etp_group is not None and dist.get_world_size(etp_group) > 1:
+            raise MimoError("train.moe_dispatcher: deepep needs parallel.etp = 1 (expert tensor parallelism "
+                            "inside EP runs with alltoall)")
+        super().__init__(experts, ep_group)
+        self.resources = {} if resources is None else resources
+
+    def _buffer(self, row_bytes: int):
+        """The EP group's DeepEP buffer, large enough for rows of ``row_bytes`` (collective:
+        every EP rank reaches it at the same layer)."""
+        have = self.resources.get("deepep")
+        if have is not None and have[0] >= row_bytes:
+            return have[1]
+        Buffer = self.deep_ep.Buffer
+        nvl = rdma = 0
+        for cfg in (Buffer.get_dispatch_config(self.ep), Buffer.get_combine_config(self.ep)):
+            nvl = max(nvl, cfg.get_nvl_buffer_size_hint(row_bytes, self.ep))
+            rdma = max(rdma, cfg.get_rdma_buffer_size_hint(row_bytes, self.ep))
+        buffer = Buffer(self.ep_group, nvl, rdma)
+        self.resources["deepep"] = (row_bytes, buffer)
+        return buffer
+
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing, while_in_flight=None) -> Dispatched:
+        _check_routing(x_TD, routing, self.experts)
+        if x_TD.dtype != torch.bfloat16:
+            raise MimoError(f"train.moe_dispatcher: deepep moves bf16 rows, got {x_TD.dtype} (train.precision bf16, "
+                            f"or alltoall)")
+        idx_TK = torch.where(routing.idx_TK < self.experts, routing.idx_TK, -1)  # padding: no selection
+        state = _DeepEPState(self._buffer(_row_bytes(x_TD)), self.experts, self.stats)
+        flight = _InFlight()
+        x_ND, gate_NK = _DeepEPDispatch.apply(x_TD.contiguous(), routing.gate_TK.float().contiguous(), idx_TK,
+                                              state, flight)
+        overlapped = while_in_flight() if while_in_flight is not None else None
+        x_ND, gate_NK = _Wait.apply(x_ND, flight), _Wait.apply(gate_NK, flight)
+        self.stats.d2h += 1  # DeepEP's own wait for the receive counts
+        self.stats.calls += 1
+        counts_L = state.counts_L
+        if self.audit:
+            self._count(routing.idx_TK, x_ND.shape[0], _row_bytes(x_TD), state)
+        local_NK = torch.where(state.recv_idx_NK >= 0, state.recv_idx_NK, self.local)
+        ends_L = torch.tensor(counts_L, dtype=torch.int64, device=x_ND.device).cumsum(0)
+        return _to_local_experts(x_ND, gate_NK, local_NK, ends_L, sum(counts_L), state, overlapped)
+
+    def combine(self, y_AD: torch.Tensor, d: Dispatched) -> torch.Tensor:
+        return _DeepEPCombine.apply(_sum_rows(y_AD, d).to(torch.bfloat16), d.plan)
+
+    def _count(self, idx_TK: torch.Tensor, received: int, row_bytes: int, state: _DeepEPState) -> None:
+        """Audit only (reads the routing on the host): the rows this rank puts on a wire, as
+        ``alltoall`` counts them (its tokens' rows out in dispatch, the summed rows of other
+        ranks' tokens back in combine; the backward the same again), and the minimum."""
+        pairs = {(t, e // self.local) for t, row in enumerate(idx_TK.tolist()) for e in row if e < self.experts}
+        mine = sum(1 for _, p in pairs if p == self.rank)
+        state.out_bytes = (len(pairs) - mine) * row_bytes
+        state.back_bytes = (received - mine) * row_bytes
+        self.stats.forward_bytes += state.out_bytes
+        self.stats.min_forward_bytes += min_forward_bytes(idx_TK, self.experts, self.ep, self.rank, 1, row_bytes)

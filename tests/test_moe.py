@@ -399,6 +399,10 @@ TRAIN_LAYOUTS = {
     "tp2 dp2 sp, ep4 etp1": ("moe_tp", [LANG + "arch.moe.experts=8", LANG + "parallel.ep=4", LANG + "parallel.etp=1"]),
     "tp2 dp2 no sp, ep2 etp2": ("moe_tp", [LANG + "arch.moe.experts=8", LANG + "parallel.ep=2", LANG + "parallel.etp=2",
                                            LANG + "parallel.sequence_parallel=false"]),
+    # a non-colocated encoder (rank 0) feeding an EP LLM on ranks 1:4 (ep 3: non-power-of-two)
+    "non-colocated vision, llm tp1 dp3 ep3": ("moe_tp", [
+        "modules.vision.parallel.dp=1", "modules.vision.parallel.ranks=0:1", LANG + "parallel.tp=1", LANG + "parallel.dp=3",
+        LANG + "parallel.ranks=1:4", LANG + "parallel.sequence_parallel=false", LANG + "parallel.ep=3", LANG + "parallel.etp=1"]),
 }
 
 
@@ -430,6 +434,53 @@ def test_verify_train_moe(pools, moe_configs, name):
         assert report["moe_dispatch"]["bytes_ratio"] == 1.0 and report["moe_dispatch"]["min_forward_bytes"] > 0
     else:
         assert "moe_dispatch" not in report
+
+
+def _resume_case(config_path: str, overrides: list[str], root: str) -> dict:
+    """Rank function: 4 steps straight through, and 2 steps, a checkpoint, a fresh run loading
+    it (weights, optimizer states, expert biases, RNG), 2 more steps; both save step 4."""
+    from mimo.compose.config import load_config
+    from mimo.training.checkpoint import load_checkpoint, save_checkpoint
+    from mimo.training.run import build_run
+    from mimo.training.step import train_step
+
+    config = load_config(config_path, overrides)
+
+    def steps(run, numbers):
+        return [train_step(run.model, run.pipeline, s, run.optimizers, run.policy).loss for s in numbers]
+
+    whole = build_run(config, dist.get_rank())
+    straight = steps(whole, range(1, 5))
+    save_checkpoint(whole.model, whole.optimizers, 4, os.path.join(root, "straight"))
+    first = build_run(config, dist.get_rank())
+    head = steps(first, range(1, 3))
+    path = save_checkpoint(first.model, first.optimizers, 2, os.path.join(root, "cut"))
+    resumed = build_run(config, dist.get_rank())
+    load_checkpoint(resumed.model, path, resumed.optimizers)
+    tail = steps(resumed, range(3, 5))
+    save_checkpoint(resumed.model, resumed.optimizers, 4, os.path.join(root, "cut"))
+    for run in (whole, first, resumed):
+        run.pipeline.close()
+    return {"straight": straight, "resumed": head + tail}
+
+
+def test_resume_at_an_ep_layout_reproduces_the_uninterrupted_run(pools, moe_configs, tmp_path):
+    """tp2 dp2 with ep2 etp1 (expert gradients over edp 2), expert bias on: the losses and every
+    saved weight and optimizer state of step 4 equal bit for bit."""
+    from safetensors.torch import load_file
+
+    overrides = [LANG + "parallel.ep=2", LANG + "parallel.etp=1"]
+    results = pools(4).run(_resume_case, moe_configs["moe_tp"], overrides, str(tmp_path))
+    for r in results:
+        assert r["resumed"] == r["straight"], r
+    a, b = tmp_path / "straight" / "step-00000004", tmp_path / "cut" / "step-00000004"
+    files = sorted(f for f in os.listdir(a) if f.endswith((".model.safetensors", ".optim.safetensors")))
+    assert files == sorted(f for f in os.listdir(b) if f.endswith((".model.safetensors", ".optim.safetensors")))
+    assert any(f.startswith("language-") for f in files)
+    for f in files:
+        want, got = load_file(a / f), load_file(b / f)
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), f
+    assert any("expert_bias" in k for f in files for k in load_file(a / f))
 
 
 # ---------------------------------------------------------------- config checks

@@ -52,6 +52,10 @@ BAD = {
                                         "parallel.ep: ep=2 needs MoE layers"),
     "etp on an encoder": (["modules.vision.parallel.etp=2"], "modules.vision.parallel.etp: etp=2 applies only to the LLM"),
     "ep on an encoder": (["modules.vision.parallel.ep=2"], "modules.vision.parallel.ep: ep=2 applies only to the LLM"),
+    "deepep with etp > 1": ([LANG + "parallel.ep=2", LANG + "parallel.etp=2", "train.moe_dispatcher=deepep",
+                             "train.precision=bf16"], "train.moe_dispatcher: deepep needs modules.language.parallel.etp = 1, got etp=2"),
+    "deepep in fp32": ([LANG + "parallel.ep=2", LANG + "parallel.etp=1", "train.moe_dispatcher=deepep"],
+                       "train.moe_dispatcher: deepep moves bf16 rows; train.precision is fp32"),
 }
 
 
@@ -79,6 +83,7 @@ def test_impossible_expert_layouts_fail_check_config(case, capsys, monkeypatch):
     [LANG + "parallel.ep=2", LANG + "parallel.etp=1", LANG + "arch.moe.ffn=15"],  # etp 1: tp need not divide moe.ffn
     [LANG + "parallel.ep=2", LANG + "parallel.etp=2"],
     [LANG + "arch.moe.experts=8", LANG + "parallel.ep=4", LANG + "parallel.etp=1"],  # EP > DP
+    [LANG + "parallel.ep=2", LANG + "parallel.etp=1", "train.moe_dispatcher=deepep", "train.precision=bf16"],
 ])
 def test_possible_expert_layouts_pass_check_config(overrides, capsys, monkeypatch):
     monkeypatch.chdir(CONFIGS)

@@ -87,6 +87,7 @@ class TrainConfig:
     grad_bucket_mb: float = 25.0  # DP gradient sums run in buckets of this many MiB, overlapping backward
     # MoE token dispatch where experts are folded (ep > 1 or etp != tp; mimo.llm.dispatch):
     # auto (alltoall for now), alltoall (all_to_all_single over EP, all-gather-v over ETP), deepep
+    # (DeepEP's kernels: GPUs, bf16, etp 1)
     moe_dispatcher: Literal["auto", "alltoall", "deepep"] = "auto"
     trace_steps: list[int] = field(default_factory=list)  # steps whose per-rank event traces `mimo train` writes
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -262,6 +263,21 @@ class MimoConfig:
                     f"modules.{llms[0]}.arch.max_seq_len={max_len}"
                 )
             problems += self._tokenizer_problems(llms[0])
+            problems += self._dispatcher_problems(llms[0])
+        return problems
+
+    def _dispatcher_problems(self, llm: str) -> list[str]:
+        """``train.moe_dispatcher: deepep`` against what DeepEP's kernels move (bf16 rows, no
+        expert tensor parallelism inside EP)."""
+        folded = self.modules[llm].expert_layout()
+        if self.train.moe_dispatcher != "deepep" or folded is None:
+            return []
+        problems = []
+        if folded[0] != 1:
+            problems.append(f"train.moe_dispatcher: deepep needs modules.{llm}.parallel.etp = 1, got etp={folded[0]} "
+                            f"(expert tensor parallelism inside EP runs with alltoall)")
+        if self.train.precision == "fp32":
+            problems.append("train.moe_dispatcher: deepep moves bf16 rows; train.precision is fp32 (use bf16, or alltoall)")
         return problems
 
     def _tokenizer_problems(self, llm: str) -> list[str]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from mimo.compose.config import MimoConfig
+from mimo.core.errors import MimoError
 from mimo.encoders.model import VisionEncoder
 from mimo.llm.model import LLMStage, build_stage, embedding_group
 from mimo.llm.moe import set_dispatchers
@@ -82,6 +83,9 @@ class MimoModel:
                 load_hf_checkpoint(self.stage, llm_cfg.init.hf)
             if llm_cfg.freeze:
                 self.stage.requires_grad_(False)
+            if config.train.moe_dispatcher == "deepep" and self.llm_ctx.expert is not None and self.device.type != "cuda":
+                raise MimoError("train.moe_dispatcher: deepep runs DeepEP's GPU kernels; this run is on the CPU "
+                                "(--device cuda with a GPU per rank, or alltoall)")
             set_dispatchers(self.stage, config.train.moe_dispatcher)
         # the run's gradient buffers (``mimo.training.optim.GradSync``), built once by the
         # training side on its first step and kept

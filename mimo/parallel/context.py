@@ -31,6 +31,7 @@ class AxisView:
     grid: ParallelGrid
     rank: int
     groups: dict[str, object] = field(default_factory=dict)
+    resources: dict[str, object] = field(default_factory=dict)  # communication state built once per view (DeepEP's buffer)
 
     @property
     def member(self) -> bool:
