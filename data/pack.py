@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from mimo.core.batch import PackedBatch
+from mimo.core.batch import CPSlice, PackedBatch
 from mimo.parallel.layout import PackLayout
 
 
@@ -59,6 +59,38 @@ def pack(items: Sequence[PackItem], rows_per_image: dict[str, int], tp: int, cp:
         loss_mask=torch.tensor(mask, dtype=torch.bool),
         image_slots={p: torch.tensor(v, dtype=torch.int64) for p, v in slots.items()},
         sample_ids=torch.tensor([it.id for it in items], dtype=torch.int64),
+        cp=CPSlice(cp, None, tuple(layout.chunk_lens()), tuple(len(it.tokens) for it in items)) if cp > 1 else None,
+    )
+
+
+def cp_share(batch: PackedBatch, cp_rank: int) -> PackedBatch:
+    """CP rank ``cp_rank``'s share of a whole pack (``pack`` with cp > 1): its two chunks of every
+    sample, in ``PackLayout``'s local order, each chunk a segment of its own (positions stay the
+    sample's, for RoPE; the layers join the chunks across CP ranks: ``mimo.llm.cp``); image slots
+    become local positions; tokens, labels and loss mask are its positions'. A pack without CP
+    comes back as it is."""
+    info = batch.cp
+    if info is None:
+        return batch
+    if info.rank is not None:
+        raise ValueError(f"this pack is already CP rank {info.rank}'s share")
+    cp = info.cp
+    # the whole pack's samples are padded already: a layout of those lengths adds nothing
+    index = PackLayout(tuple(2 * cp * c for c in info.chunk_lens), 1, cp, False).cp_local_index(cp_rank)
+    cu = [0]
+    for c in info.chunk_lens:
+        cu.extend((cu[-1] + c, cu[-1] + 2 * c))
+    idx = torch.tensor(index, dtype=torch.int64)
+    local_of = torch.full((batch.num_tokens,), -1, dtype=torch.int64)
+    local_of[idx] = torch.arange(idx.numel())
+    slots = {}
+    for key, full in batch.image_slots.items():
+        local = local_of[full]
+        slots[key] = local[local >= 0]
+    return PackedBatch(
+        tokens=batch.tokens[idx], positions=batch.positions[idx], cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        labels=batch.labels[idx], loss_mask=batch.loss_mask[idx], image_slots=slots, sample_ids=batch.sample_ids,
+        cp=CPSlice(cp, cp_rank, info.chunk_lens, info.real_lens),
     )
 
 

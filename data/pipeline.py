@@ -6,7 +6,8 @@ and decodes the samples of block d — in background threads, a bounded number o
 ahead — then:
 
 * packs them and broadcasts tokens, labels and loss mask over its DP group's other ranks
-  (everything else of the pack follows from the plan, so nothing else travels);
+  (everything else of the pack follows from the plan, so nothing else travels); under context
+  parallelism each rank keeps its CP rank's share (``mimo.data.pack.cp_share``);
 * moves the preprocessed pixels to the encoder ranks that own them by a transfer plan
   (``mimo.bridges``), for any pair of DP sizes, colocated or not.
 
@@ -29,7 +30,7 @@ from mimo.core.batch import PackedBatch, to_device
 from mimo.bridges.executor import Bridge
 from mimo.data.images import ImageSpec, preprocess
 from mimo.data.index import Index, TextSpec
-from mimo.data.pack import PackItem, pack
+from mimo.data.pack import PackItem, cp_share, pack
 from mimo.data.plan import DataPlan, PlannedSample
 from mimo.data.shards import SampleLocation, decode_image, image_keys, parse_text, read_files
 from mimo.data.text import TextEncoder, load_tokenizer, turns_from_caption, turns_from_json
@@ -158,6 +159,7 @@ class DataPipeline:
         self.encoder_tp = {f.name: f.grid.group("tp") for f in feeds}
         self.readers = [llm_grid.rank_at(dp=d) for d in range(self.dp)]
         self.my_dp = llm_grid.coords(self.rank)["dp"] if self.rank in llm_grid else None
+        self.my_cp = llm_grid.coords(self.rank).get("cp", 0) if self.rank in llm_grid else None
         self.is_reader = self.rank in self.readers
         make_reader = make_reader or (lambda: SampleReader(plan.index, text, feeds))
         self.reader = make_reader() if self.is_reader else None
@@ -245,7 +247,7 @@ class DataPipeline:
             flat = torch.cat([batch.tokens, batch.labels, batch.loss_mask.long()])
             dist.broadcast(flat, src=self.readers[self.my_dp], group=self.pack_group)
             batch.tokens, batch.labels, batch.loss_mask = flat[:t].clone(), flat[t : 2 * t].clone(), flat[2 * t :].bool()
-        return batch
+        return cp_share(batch, self.my_cp)  # under context parallelism: this CP rank's chunks
 
     def _route_pixels(self, mb: Microbatch, feed: EncoderFeed, read: list[ReadSample]) -> torch.Tensor | None:
         group = self.pixel_groups[feed.name]

@@ -29,6 +29,7 @@ from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
 from mimo.llm.norm import RMSNorm, ShardedRMSNorm
 from mimo.llm.rope import RopeConfig, apply_rope, inv_freq, rope_tables
+from mimo.parallel.collectives import all_gather_along, reduce_scatter_along
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import FusedColumnParallelLinear, RowParallelLinear
 from mimo.parallel.params import init_params_, param_table
@@ -113,17 +114,22 @@ class Attention(nn.Module):
 
 
 def packed_attention(q_THD, k_THD, v_THD, ctx: SeqContext, scale: float, impl: str = "auto") -> torch.Tensor:
-    """Causal attention within each ``ctx.cu_seqlens`` segment. ``impl``: auto | exact | varlen."""
-    if impl == "exact":
-        return exact_attention(q_THD, k_THD, v_THD, ctx, scale)
-    if impl not in ("auto", "varlen"):
+    """Causal attention within each ``ctx.cu_seqlens`` segment. ``impl``: auto | exact | varlen.
+    Under context parallelism each segment is a chunk of a sample and attends to the sample's
+    prefix up to its own end, gathered over the CP ranks (``mimo.llm.cp``)."""
+    if impl not in ("auto", "varlen", "exact"):
         raise ValueError(f"unknown attention impl {impl!r}")
-    usable = q_THD.is_cuda and q_THD.dtype in (torch.bfloat16, torch.float16) and _varlen_attn() is not None
-    if usable:
-        return varlen_attention(q_THD, k_THD, v_THD, ctx, scale)
-    if impl == "varlen":
+    usable = (impl != "exact" and q_THD.is_cuda and q_THD.dtype in (torch.bfloat16, torch.float16)
+              and _varlen_attn() is not None)
+    if impl == "varlen" and not usable:
         raise RuntimeError("varlen attention needs CUDA, bf16/fp16 and torch.nn.attention.varlen with window_size")
-    return exact_attention(q_THD, k_THD, v_THD, ctx, scale)
+    if ctx.cp is None:
+        return (varlen_attention if usable else exact_attention)(q_THD, k_THD, v_THD, ctx, scale)
+    if not usable:  # K/V gathered again in backward, not kept: activation memory O(local tokens)
+        return _CPAttention.apply(q_THD, k_THD, v_THD, ctx.cp, scale)
+    rows, cu_k, max_k = ctx.cp.key_rows
+    k_THD, v_THD = (ctx.cp.gather(x).index_select(0, rows) for x in (k_THD, v_THD))
+    return varlen_attention(q_THD, k_THD, v_THD, ctx, scale, (cu_k, max_k))
 
 
 def exact_attention(q_THD, k_THD, v_THD, ctx: SeqContext, scale: float) -> torch.Tensor:
@@ -142,6 +148,106 @@ def exact_attention(q_THD, k_THD, v_THD, ctx: SeqContext, scale: float) -> torch
     if not out:
         return q_THD.new_zeros(q_THD.shape[0], q_THD.shape[1], v_THD.shape[2])
     return torch.cat(out) if len(out) > 1 else out[0]
+
+
+# ---------------------------------------------------------------- context parallelism, exact
+TILE = 512  # queries / keys per tile of the exact CP path (memory O(tile^2 * heads) at a time)
+
+
+def _tiles(lq: int, lk: int, tile: int):
+    """(query tile, key tile, needs a mask) pairs of a bottom-right causal run: query i sees
+    keys 0 .. i + lk - lq."""
+    off = lk - lq
+    for qs in range(0, lq, tile):
+        qe = min(qs + tile, lq)
+        for ks in range(0, min(lk, qe + off), tile):
+            ke = min(ks + tile, lk, qe + off)
+            yield slice(qs, qe), slice(ks, ke), ke - 1 > qs + off
+
+
+def _scores(q_GQD, k_KD, qs: slice, ks: slice, off: int, masked: bool, scale: float):
+    """Scores of a tile, ``[kv heads, group, q, k]``, -inf where the key is in the future."""
+    s = torch.einsum("hgqd,hkd->hgqk", q_GQD[:, :, qs], k_KD[:, ks]) * scale
+    if masked:
+        qi = torch.arange(qs.start, qs.stop, device=s.device)[:, None] + off
+        ki = torch.arange(ks.start, ks.stop, device=s.device)[None, :]
+        s = s.masked_fill(ki > qi, float("-inf"))
+    return s
+
+
+def _run_forward(q_GQD, k_KD, v_KD, scale: float):
+    """Bottom-right causal attention of one run by tiles with an online softmax:
+    (out ``[h, g, q, d]``, logsumexp ``[h, g, q]``)."""
+    lq, lk = q_GQD.shape[2], k_KD.shape[1]
+    out = q_GQD.new_zeros(*q_GQD.shape[:3], v_KD.shape[-1])
+    lse = q_GQD.new_full(q_GQD.shape[:3], float("-inf"))
+    for qs, ks, masked in _tiles(lq, lk, TILE):
+        s = _scores(q_GQD, k_KD, qs, ks, lk - lq, masked, scale)
+        m_old = lse[:, :, qs]
+        m = torch.maximum(m_old, s.amax(-1))
+        p = torch.exp(s - m[..., None])
+        keep = torch.exp(m_old - m)  # the old sum's share, exp(lse_old - m)
+        total = keep + p.sum(-1)
+        out[:, :, qs] = (out[:, :, qs] * keep[..., None] + p @ v_KD[:, ks][:, None]) / total[..., None]
+        lse[:, :, qs] = m + torch.log(total)
+    return out, lse
+
+
+def _run_backward(q_GQD, k_KD, v_KD, out, lse, dout, scale: float):
+    lq, lk = q_GQD.shape[2], k_KD.shape[1]
+    delta = (dout * out).sum(-1)
+    dq, dk, dv = torch.zeros_like(q_GQD), torch.zeros_like(k_KD), torch.zeros_like(v_KD)
+    for qs, ks, masked in _tiles(lq, lk, TILE):
+        p = torch.exp(_scores(q_GQD, k_KD, qs, ks, lk - lq, masked, scale) - lse[:, :, qs, None])
+        dv[:, ks] += torch.einsum("hgqk,hgqd->hkd", p, dout[:, :, qs])
+        ds = p * (torch.einsum("hgqd,hkd->hgqk", dout[:, :, qs], v_KD[:, ks]) - delta[:, :, qs, None]) * scale
+        dq[:, :, qs] += torch.einsum("hgqk,hkd->hgqd", ds, k_KD[:, ks])
+        dk[:, ks] += torch.einsum("hgqk,hgqd->hkd", ds, q_GQD[:, :, qs])
+    return dq, dk, dv
+
+
+class _CPAttention(torch.autograd.Function):
+    """Exact causal attention of one CP rank's chunks against their samples' prefixes: K and V
+    all-gathered over CP, each chunk's queries attending to ``CPChunks.key_rows`` by tiles
+    (bottom-right causal, online softmax). Only the local q, k, v, output and logsumexp are
+    kept; backward gathers K and V again and reduce-scatters their gradients to their owners."""
+
+    @staticmethod
+    def forward(ctx, q_THD, k_THD, v_THD, cp, scale: float):
+        kv = k_THD.shape[1]
+        k_all, v_all = (all_gather_along(x, 0, cp.group) for x in (k_THD, v_THD))
+        rows, cu_k, _ = cp.key_rows
+        cu_q, cu_kl, rows = cp.ends_host(), cu_k.tolist(), rows
+        out, lse = torch.empty_like(q_THD), q_THD.new_empty(q_THD.shape[:2])
+        for i, (qs, qe) in enumerate(zip(cu_q[:-1], cu_q[1:])):
+            sel = rows[cu_kl[i]:cu_kl[i + 1]]
+            q = q_THD[qs:qe].view(qe - qs, kv, -1, q_THD.shape[-1]).permute(1, 2, 0, 3)  # [h, g, q, d]
+            o, l = _run_forward(q, k_all[sel].transpose(0, 1), v_all[sel].transpose(0, 1), scale)
+            out[qs:qe] = o.permute(2, 0, 1, 3).reshape(qe - qs, *q_THD.shape[1:])
+            lse[qs:qe] = l.permute(2, 0, 1).reshape(qe - qs, -1)
+        ctx.save_for_backward(q_THD, k_THD, v_THD, out, lse)
+        ctx.cp, ctx.scale = cp, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q_THD, k_THD, v_THD, out, lse = ctx.saved_tensors
+        cp, scale, kv, d = ctx.cp, ctx.scale, k_THD.shape[1], q_THD.shape[-1]
+        k_all, v_all = (all_gather_along(x, 0, cp.group) for x in (k_THD, v_THD))
+        dk_all, dv_all = torch.zeros_like(k_all), torch.zeros_like(v_all)
+        dq = torch.empty_like(q_THD)
+        rows, cu_k, _ = cp.key_rows
+        cu_q, cu_kl = cp.ends_host(), cu_k.tolist()
+        as_run = lambda t, n: t.view(n, kv, -1, t.shape[-1]).permute(1, 2, 0, 3)  # noqa: E731
+        for i, (qs, qe) in enumerate(zip(cu_q[:-1], cu_q[1:])):
+            sel, n = rows[cu_kl[i]:cu_kl[i + 1]], qe - qs
+            g = lse[qs:qe].view(n, kv, -1).permute(1, 2, 0)
+            dq_run, dk, dv = _run_backward(as_run(q_THD[qs:qe], n), k_all[sel].transpose(0, 1), v_all[sel].transpose(0, 1),
+                                           as_run(out[qs:qe], n), g, as_run(dout[qs:qe].contiguous(), n), scale)
+            dq[qs:qe] = dq_run.permute(2, 0, 1, 3).reshape(n, -1, d)
+            dk_all.index_add_(0, sel, dk.transpose(0, 1))
+            dv_all.index_add_(0, sel, dv.transpose(0, 1))
+        return dq, reduce_scatter_along(dk_all, 0, cp.group), reduce_scatter_along(dv_all, 0, cp.group), None, None
 
 
 def _find_varlen_attn():
@@ -165,8 +271,11 @@ def _varlen_attn():
     return _VARLEN_ATTN
 
 
-def varlen_attention(q_THD, k_THD, v_THD, ctx: SeqContext, scale: float) -> torch.Tensor:
-    """GPU fast path: flash attention over ``cu_seqlens``, causal, bf16/fp16 (see module doc)."""
+def varlen_attention(q_THD, k_THD, v_THD, ctx: SeqContext, scale: float, keys=None) -> torch.Tensor:
+    """GPU fast path: flash attention over ``cu_seqlens``, causal, bf16/fp16 (see module doc).
+    ``keys``: (int32 cu_seqlens of the keys, the longest run) when keys are segmented otherwise
+    than queries (context parallelism: each chunk's queries against its sample's prefix; flash
+    attention aligns causality at the bottom right, the last query seeing the whole run)."""
     fn, params = _varlen_attn()
     kwargs = {}
     if "window_size" in params:
@@ -184,7 +293,8 @@ def varlen_attention(q_THD, k_THD, v_THD, ctx: SeqContext, scale: float) -> torc
         else:
             k_THD, v_THD = k_THD.repeat_interleave(groups, 1), v_THD.repeat_interleave(groups, 1)
     cu = ctx.cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
-    return fn(q_THD, k_THD, v_THD, cu, cu, ctx.max_seqlen, ctx.max_seqlen, **kwargs)
+    cu_k, max_k = (cu, ctx.max_seqlen) if keys is None else (keys[0].to(q_THD.device), keys[1])
+    return fn(q_THD, k_THD, v_THD, cu, cu_k, ctx.max_seqlen, max_k, **kwargs)
 
 
 def build_attention(arch: HybridArch, spec, ctx: ParallelContext | None = None) -> Attention:

@@ -294,8 +294,6 @@ class LLMModuleConfig:
         arch, par = self.arch, self.parallel
         pkey = lambda name: join_path(path, "parallel", name)  # noqa: E731
         problems = []
-        if par.cp > 1:
-            problems.append(f"{pkey('cp')}: context parallelism (cp={par.cp}) is not supported yet; use cp: 1")
         try:
             pattern = arch.layer_pattern()
         except ConfigError:

@@ -26,9 +26,16 @@ class SeqContext:
     # the step's global loss-token count, in a training forward (aux losses are divided by it
     # as the LM loss is); None: no aux losses join (eval, verification forwards)
     loss_norm: float | None = None
+    # context parallelism: this rank's chunks of the pack (``mimo.llm.cp.CPChunks``): every
+    # segment of cu_seqlens is a chunk of a sample whose other chunks live on other CP ranks,
+    # positions are the sample's, padding sits inside samples (``num_real`` counts the real
+    # tokens, ``real_mask`` says where they are)
+    cp: object = None
 
     def real_mask(self) -> torch.Tensor | None:
         """``[T]`` bool, True at real tokens; None when every position is real."""
+        if self.cp is not None:
+            return self.cp.real_T
         t = self.positions.numel()
         if self.num_real is None or self.num_real >= t:
             return None
@@ -43,6 +50,20 @@ class SeqContext:
     @property
     def seqlens(self) -> list[int]:
         return torch.diff(self.cu_seqlens).tolist()
+
+    @property
+    def num_samples(self) -> int:
+        """Samples of the pack (segments, the padding's included; under CP a sample's two
+        chunks count once)."""
+        n = len(self.cu_seqlens) - 1
+        return n // 2 if self.cp is not None else n
+
+    def sample_ids(self) -> torch.Tensor:
+        """``[T]`` index of the sample each position belongs to (``segment_ids``; under CP a
+        chunk's sample)."""
+        if self.cp is not None:
+            return torch.div(self.cp.chunk_T, 2, rounding_mode="floor")
+        return self.segment_ids()
 
     def segment_ids(self) -> torch.Tensor:
         """``[T]`` index of the segment each position belongs to."""

@@ -36,14 +36,14 @@ from mimo.core.errors import LayoutError
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
 from mimo.llm.recurrence import conv1d_naive, gated_delta_naive
-from mimo.llm.ssm import PreNormResidual, causal_conv1d, find_kernel, init_constant, init_conv, init_dt_bias, init_uniform_log, segments, segsum
+from mimo.llm.ssm import PreNormResidual, causal_conv1d, conv_over_chunks, find_kernel, init_constant, init_conv, init_dt_bias, init_uniform_log, segments, segsum
 from mimo.parallel import gemm
 from mimo.parallel.collectives import copy_to_group, gather_seq
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import RowParallelLinear, TPModule
 from mimo.parallel.placement import ParamPlacement, replicated, sharded
 
-__all__ = ["GDNConfig", "gated_delta_chunked", "l2norm", "GatedDeltaNetMixer", "GatedDeltaNet", "build_gdn"]
+__all__ = ["GDNConfig", "gated_delta_chunked", "gated_delta_over_chunks", "l2norm", "GatedDeltaNetMixer", "GatedDeltaNet", "build_gdn"]
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,37 @@ def gated_delta_chunked(
     return o_chlv.transpose(1, 2).reshape(nc * q, n_heads, dv)[:t]
 
 
+def gated_delta_over_chunks(rule, q_THK, k_THK, v_THV, g_TH, beta_TH, cp) -> torch.Tensor:
+    """The gated delta rule over one CP rank's chunks (``mimo.llm.cp``), equal to the unsplit
+    rule of each sample. ``rule(q, k, v, g, beta, seg_T, cu_seqlens)`` runs each segment from a
+    zero state (any implementation).
+
+    The state is affine in the state entering a chunk, ``S_out = M S_in + b``, and so is each
+    output, ``o_t = o0_t + S_in^T r_t`` with ``r_t = (A_t ... A_1)^T q_t``. One run of the rule
+    gives all of it: the values widened to ``[v | 0]`` and, before each chunk, ``K`` virtual rows
+    (k = e_i, beta = 1, g = 0, value ``[0 | e_i]``) that set the state to ``[0 | I]``; the outputs
+    are then ``[o0 | r]``, and ``K`` virtual rows after the chunk (q = e_i, beta = 0, g = 0) read
+    out the rows of ``[b | M]``. ``CPChunks.states_in`` gives ``S_in`` (the exclusive scan of
+    ``S <- M S + b``); its share is one grouped GEMM per head over the chunks."""
+    t, n_heads, dk = q_THK.shape
+    dv = v_THV.shape[-1]
+    ext = cp.extend(dk, dk)
+    eye_KHK = torch.eye(dk, dtype=q_THK.dtype, device=q_THK.device)[:, None, :].expand(dk, n_heads, dk)
+    v_aug = torch.cat([v_THV, v_THV.new_zeros(t, n_heads, dk)], -1)
+    inject = torch.cat([v_THV.new_zeros(dk, n_heads, dv), eye_KHK.to(v_THV.dtype)], -1)
+    seg_X, _ = segments(ext.cu_seqlens, ext.length)
+    o_X = rule(ext.place(q_THK, after=eye_KHK), ext.place(k_THK, before=eye_KHK), ext.place(v_aug, before=inject),
+               ext.place(g_TH), ext.place(beta_TH, before=beta_TH.new_ones(dk, n_heads)), seg_X, ext.cu_seqlens)
+    o0_THV, r_THK = o_X.index_select(0, ext.real).split([dv, dk], -1)
+    end_LHKX = o_X.index_select(0, ext.after).view(cp.chunks, dk, n_heads, dv + dk).transpose(1, 2)
+    b_LHKV, M_LHKK = end_LHKX.split([dv, dk], -1)
+    S_in_LHKV = cp.states_in(lambda M, b, S: M @ S + b, M_LHKK, b_LHKV)
+    r_THK = r_THK.to(S_in_LHKV.dtype)
+    corr = [gemm.grouped_linear(r_THK[:, h].contiguous(), S_in_LHKV[:, h].transpose(-1, -2).contiguous(), cp.ends_L)
+            for h in range(n_heads)]
+    return o0_THV + torch.stack(corr, 1).to(o0_THV.dtype)
+
+
 class GatedDeltaNetMixer(TPModule):
     """The Gated DeltaNet mixer on normed input, projections ... out_proj (no pre-norm, no residual).
 
@@ -190,8 +221,7 @@ class GatedDeltaNetMixer(TPModule):
         qkv_TC, z_TC, b_TH, a_TH = gemm.linear(x_TD, self.in_proj_weight, None, self.recipe).split(
             [2 * dql + dvl, dvl, vhl, vhl], dim=-1)
 
-        seg_T, offset_T = segments(seq.cu_seqlens, t)
-        qkv_TC = self._conv(qkv_TC, self.conv_weight, seg_T, offset_T, seq)
+        qkv_TC = conv_over_chunks(lambda x, *s: self._conv(x, self.conv_weight, *s), qkv_TC, cfg.conv_kernel, seq)
         q_TC, k_TC, v_TC = qkv_TC.split([dql, dql, dvl], dim=-1)
 
         cdt = torch.promote_types(x_TD.dtype, torch.float32)  # the recurrence and norms run in fp32 at least
@@ -202,7 +232,11 @@ class GatedDeltaNetMixer(TPModule):
         g_TH = -torch.exp(self.A_log.to(cdt)) * F.softplus(a_TH.to(cdt) + self.dt_bias.to(cdt))
         if vhl != hl:  # value head j reads q/k head j // (v_heads / heads)
             q_THK, k_THK = (x.repeat_interleave(vhl // hl, dim=1) for x in (q_THK, k_THK))
-        o_THV = self._rule(q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, seq, x_TD).to(cdt)
+        rule = lambda *a: self._rule(*a, x_TD)  # noqa: E731
+        if seq.cp is None:
+            o_THV = rule(q_THK, k_THK, v_THV, g_TH, beta_TH, segments(seq.cu_seqlens, t)[0], seq.cu_seqlens).to(cdt)
+        else:
+            o_THV = gated_delta_over_chunks(rule, q_THK, k_THK, v_THV, g_TH, beta_TH, seq.cp).to(cdt)
 
         # per-head RMSNorm, weight, then gate (fla / Qwen3-Next order: norm before gate)
         o_THV = o_THV * torch.rsqrt(o_THV.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
@@ -210,18 +244,18 @@ class GatedDeltaNetMixer(TPModule):
         o_THV = o_THV * F.silu(z_TC.to(cdt)).reshape(t, vhl, cfg.v_head_dim)
         return self.out_proj(o_THV.reshape(t, dvl).to(x_TD.dtype))
 
-    def _conv(self, x_TC, w_CK, seg_T, offset_T, seq):
+    def _conv(self, x_TC, w_CK, seg_T, offset_T, cu_seqlens):
         if self.impl == "naive":
-            return F.silu(conv1d_naive(x_TC, w_CK, None, seq.cu_seqlens))
+            return F.silu(conv1d_naive(x_TC, w_CK, None, cu_seqlens))
         fn = find_kernel("conv", self.impl, x_TC)
         if fn is not None:  # channel-last [1, C, T] view; seq_idx restarts the conv per sample
             y = fn(x_TC.unsqueeze(0).transpose(1, 2), w_CK, None, seq_idx=seg_T.to(torch.int32).unsqueeze(0), activation="silu")
             return y.transpose(1, 2).squeeze(0)
         return F.silu(causal_conv1d(x_TC, w_CK, None, offset_T))
 
-    def _rule(self, q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, seq, x_TD):
+    def _rule(self, q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, cu_seqlens, x_TD):
         if self.impl == "naive":
-            return gated_delta_naive(q_THK, k_THK, v_THV, g_TH, beta_TH, seq.cu_seqlens)
+            return gated_delta_naive(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens)
         fn = find_kernel("gated_delta", self.impl, x_TD)
         if fn is None and self.impl == "kernel":
             raise RuntimeError("Gated DeltaNet impl='kernel' needs the flash-linear-attention (fla) package (and CUDA)")
@@ -229,7 +263,7 @@ class GatedDeltaNetMixer(TPModule):
             dt = x_TD.dtype
             o, _ = fn(q_THK.to(dt).unsqueeze(0), k_THK.to(dt).unsqueeze(0), v_THV.to(dt).unsqueeze(0),
                       g_TH.unsqueeze(0), beta_TH.to(dt).unsqueeze(0), scale=1.0,
-                      cu_seqlens=seq.cu_seqlens.to(device=q_THK.device, dtype=torch.long))
+                      cu_seqlens=cu_seqlens.to(device=q_THK.device, dtype=torch.long))
             return o.squeeze(0)
         return gated_delta_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, self.cfg.chunk)
 

@@ -35,14 +35,14 @@ from mimo.core.errors import LayoutError
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
 from mimo.llm.recurrence import conv1d_naive, ssd_naive
-from mimo.llm.ssm import PreNormResidual, causal_conv1d, find_kernel, init_constant, init_conv, init_dt_bias, init_uniform_log, segments, segsum
+from mimo.llm.ssm import PreNormResidual, causal_conv1d, conv_over_chunks, find_kernel, init_constant, init_conv, init_dt_bias, init_uniform_log, segments, segsum
 from mimo.parallel import gemm
 from mimo.parallel.collectives import copy_to_group, gather_seq, reduce_from_group
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import RowParallelLinear, TPModule
 from mimo.parallel.placement import ParamPlacement, replicated, sharded
 
-__all__ = ["Mamba2Config", "ssd_chunked", "Mamba2Mixer", "Mamba2", "build_mamba2"]
+__all__ = ["Mamba2Config", "ssd_chunked", "ssd_over_chunks", "Mamba2Mixer", "Mamba2", "build_mamba2"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,39 @@ def ssd_chunked(
     return y_clgep.reshape(nc * q, n_heads, p)[:t]
 
 
+def ssd_over_chunks(scan, x_THP, dt_TH, A_H, B_TGN, C_TGN, cp) -> torch.Tensor:
+    """The SSM (as ``ssd_chunked``) over one CP rank's chunks (``mimo.llm.cp``), equal to the
+    unsplit scan of each sample. ``scan(x, dt, A, B, C, seg_T, cu_seqlens)`` scans each segment
+    from a zero state (any implementation: chunked, kernel, naive).
+
+    Each chunk is scanned from zero with ``N`` virtual rows after it (dt = 0: no decay, no input;
+    C = e_n) whose outputs are the columns of the state it leaves, ``b``; its transfer is the
+    scalar decay ``exp(sum dt A)`` per head. ``CPChunks.states_in`` gives the true entering state
+    ``S_in``, whose effect on token t is ``exp(sum_{s<=t} dt_s A) S_in C_t`` (cumulative log-decay
+    within the chunk, in fp64), one grouped GEMM per B/C group over the chunks."""
+    t, n_heads, p = x_THP.shape
+    n_groups, n = B_TGN.shape[1:]
+    e = n_heads // n_groups
+    ext = cp.extend(0, n)
+    eye_NGN = torch.eye(n, dtype=C_TGN.dtype, device=C_TGN.device)[:, None, :].expand(n, n_groups, n)
+    seg_X, _ = segments(ext.cu_seqlens, ext.length)
+    y_X = scan(ext.place(x_THP), ext.place(dt_TH), A_H, ext.place(B_TGN), ext.place(C_TGN, after=eye_NGN), seg_X,
+               ext.cu_seqlens)
+    y_THP = y_X.index_select(0, ext.real)
+    b_LHPN = y_X.index_select(0, ext.after).view(cp.chunks, n, n_heads, p).permute(0, 2, 3, 1)
+    # log-decays in fp64: a chunk's total (its transfer) and each token's running sum in it
+    la_TH = (dt_TH * A_H).double()
+    a_LH = la_TH.new_zeros(cp.chunks, n_heads).index_add(0, cp.chunk_T, la_TH)
+    before_TH = la_TH.cumsum(0) - la_TH
+    start_L = cp.ends_L - torch.tensor(cp.chunk_lens_L, dtype=torch.int64, device=cp.ends_L.device)
+    acum_TH = before_TH + la_TH - before_TH.index_select(0, start_L).index_select(0, cp.chunk_T)
+    S_in_LHPN = cp.states_in(lambda a, b, S: torch.exp(a).to(S.dtype)[..., None, None] * S + b, a_LH, b_LHPN)
+    C_TGN = C_TGN.to(S_in_LHPN.dtype)
+    corr = [gemm.grouped_linear(C_TGN[:, g].contiguous(), S_in_LHPN[:, g * e:(g + 1) * e].reshape(cp.chunks, e * p, n),
+                                cp.ends_L).view(t, e, p) for g in range(n_groups)]
+    return y_THP + torch.exp(acum_TH).to(y_THP.dtype)[..., None] * torch.cat(corr, 1)
+
+
 class Mamba2Mixer(TPModule):
     """The Mamba-2 mixer on normed input, in_proj ... out_proj (no pre-norm, no residual).
 
@@ -187,9 +220,9 @@ class Mamba2Mixer(TPModule):
         # replicated B/C weights feed only this rank's heads: partial gradients (their placement)
         bc_TC = gemm.linear(x_TD, self.in_bc_weight, None, self.recipe)
 
-        seg_T, offset_T = segments(seq.cu_seqlens, t)
-        x_TC = self._conv(x_TC, self.conv_x_weight, self.conv_x_bias, seg_T, offset_T, seq)
-        bc_TC = self._conv(bc_TC, self.conv_bc_weight, self.conv_bc_bias, seg_T, offset_T, seq)
+        k = cfg.conv_kernel
+        x_TC = conv_over_chunks(lambda x, *s: self._conv(x, self.conv_x_weight, self.conv_x_bias, *s), x_TC, k, seq)
+        bc_TC = conv_over_chunks(lambda x, *s: self._conv(x, self.conv_bc_weight, self.conv_bc_bias, *s), bc_TC, k, seq)
         B_TC, C_TC = bc_TC.split([bcl, bcl], dim=-1)
 
         cdt = torch.promote_types(x_TD.dtype, torch.float32)  # the scan and norms run in fp32 at least
@@ -201,24 +234,28 @@ class Mamba2Mixer(TPModule):
         if cfg.dt_min > 0:  # Nemotron-H's time_step_min (mamba_ssm's dt_limit): no gradient below it
             dt_TH = dt_TH.clamp_min(cfg.dt_min)
         A_H = -torch.exp(self.A_log.to(cdt))
-        y_THP = self._scan(x_THP, dt_TH, A_H, B_TGN, C_TGN, seg_T, seq, cdt)
+        if seq.cp is None:
+            seg_T, _ = segments(seq.cu_seqlens, t)
+            y_THP = self._scan(x_THP, dt_TH, A_H, B_TGN, C_TGN, seg_T, seq.cu_seqlens, cdt)
+        else:
+            y_THP = ssd_over_chunks(lambda *a: self._scan(*a, cdt), x_THP, dt_TH, A_H, B_TGN, C_TGN, seq.cp)
         y_THP = y_THP + x_THP.to(cdt) * self.D.to(cdt)[:, None]
 
         y_TC = self._gated_norm(y_THP, z_TC.to(cdt)).to(x_TD.dtype)
         return self.out_proj(y_TC)
 
-    def _conv(self, x_TC, w_CK, b_C, seg_T, offset_T, seq):
+    def _conv(self, x_TC, w_CK, b_C, seg_T, offset_T, cu_seqlens):
         if self.impl == "naive":
-            return F.silu(conv1d_naive(x_TC, w_CK, b_C, seq.cu_seqlens))
+            return F.silu(conv1d_naive(x_TC, w_CK, b_C, cu_seqlens))
         fn = find_kernel("conv", self.impl, x_TC)
         if fn is not None:  # channel-last [1, C, T] view; seq_idx restarts the conv per sample
             y = fn(x_TC.unsqueeze(0).transpose(1, 2), w_CK, b_C, seq_idx=seg_T.to(torch.int32).unsqueeze(0), activation="silu")
             return y.transpose(1, 2).squeeze(0)
         return F.silu(causal_conv1d(x_TC, w_CK, b_C, offset_T))
 
-    def _scan(self, x_THP, dt_TH, A_H, B_TGN, C_TGN, seg_T, seq, cdt):
+    def _scan(self, x_THP, dt_TH, A_H, B_TGN, C_TGN, seg_T, cu_seqlens, cdt):
         if self.impl == "naive":
-            return ssd_naive(x_THP.to(cdt), dt_TH, A_H, B_TGN.to(cdt), C_TGN.to(cdt), seq.cu_seqlens)
+            return ssd_naive(x_THP.to(cdt), dt_TH, A_H, B_TGN.to(cdt), C_TGN.to(cdt), cu_seqlens)
         fn = find_kernel("ssd", self.impl, x_THP)
         if fn is None and self.impl == "kernel":
             raise RuntimeError("Mamba-2 impl='kernel' needs the mamba_ssm package (and CUDA)")

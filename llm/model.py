@@ -133,9 +133,17 @@ class LLMStage(nn.Module):
             return t // self.tp_size
         return t
 
-    @staticmethod
-    def context(batch: PackedBatch, loss_norm: float | None = None) -> SeqContext:
-        return SeqContext(batch.cu_seqlens, batch.positions, batch.max_seqlen, batch.num_real_tokens, loss_norm)
+    def context(self, batch: PackedBatch, loss_norm: float | None = None) -> SeqContext:
+        """What every layer sees of ``batch`` (under context parallelism: this rank's chunks,
+        joined across the CP group by the sequence-mixing layers)."""
+        cp = None
+        if batch.cp is not None:
+            from mimo.llm.cp import CPChunks
+
+            if batch.cp.cp != self.ctx.dense.size("cp"):
+                raise LayoutError(f"a pack cut for cp={batch.cp.cp} on an LLM with cp={self.ctx.dense.size('cp')}")
+            cp = CPChunks(batch.cp, self.ctx.cp, batch.tokens.device)
+        return SeqContext(batch.cu_seqlens, batch.positions, batch.max_seqlen, batch.num_real_tokens, loss_norm, cp)
 
     def image_placement(self, grid: ParallelGrid, samples: Sequence[tuple[int, Sequence[int]]],
                         blocks: Sequence[range]) -> tuple[Placement, dict[int, list[int]]]:

@@ -93,7 +93,7 @@ class MoE(nn.Module):
             x_TD = copy_to_group(x_TD, tp)
             logits_TE = self.router.logits(x_TD)
         valid_T = seq.real_mask()
-        routing = self.router.route(logits_TE, valid_T, seq.num_real)
+        routing = self.router.route(logits_TE, valid_T, seq.num_real, seq.cp)
         shared = (lambda: self.shared(x_TD)) if self.cfg.shared_ffn else (lambda: None)
         if self.experts.folded:
             y_TD = self._routed_on_expert_view(x_mine if sp else x_TD, routing, shared)
@@ -103,8 +103,8 @@ class MoE(nn.Module):
             y_TD = y_TD if s_TD is None else y_TD + s_TD
             y_TD = reduce_scatter_seq(y_TD, tp) if sp else reduce_from_group(y_TD, tp)
         if self.training and seq.loss_norm is not None:
-            aux = self.router.aux_loss(logits_TE, routing, valid_T, seq.segment_ids(), len(seq.cu_seqlens) - 1,
-                                       seq.loss_norm, self.ctx.grad_group)
+            aux = self.router.aux_loss(logits_TE, routing, valid_T, seq.sample_ids(), seq.num_samples,
+                                       seq.loss_norm, self.ctx.grad_group, None if seq.cp is None else seq.cp.group)
             if aux is not None:
                 y_TD = attach_loss(y_TD, aux)
         return h_TD + y_TD.to(h_TD.dtype)

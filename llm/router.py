@@ -177,10 +177,13 @@ class Router(nn.Module):
     def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
         return logits_TE.softmax(-1) if self.cfg.score == "softmax" else logits_TE.sigmoid()
 
-    def route(self, logits_TE: torch.Tensor, valid_T: torch.Tensor | None, num_valid: int | None = None) -> Routing:
+    def route(self, logits_TE: torch.Tensor, valid_T: torch.Tensor | None, num_valid: int | None = None,
+              cp=None) -> Routing:
         """Experts and gates of every token of the pack (see module doc); updates the step
         accumulators in a training forward. ``valid_T``: real tokens (None: all);
-        ``num_valid``: their count, known on the host (quantile balancing needs it)."""
+        ``num_valid``: their count, known on the host (quantile balancing needs it); ``cp``:
+        under context parallelism this rank's chunks (``mimo.llm.cp.CPChunks``), the pack's
+        quantile being taken over every CP rank's tokens."""
         cfg = self.cfg
         k, e = cfg.topk, cfg.experts
         scores_TE = self.scores(logits_TE)
@@ -206,30 +209,44 @@ class Router(nn.Module):
             with torch.no_grad():
                 self.step_counts += assignment_counts(idx_TK, e)
                 if cfg.quantile_balancing:
-                    self._accumulate_quantiles(scores_TE.detach(), sel_vals_TK1[:, k:], valid_T, num_valid)
+                    self._accumulate_quantiles(scores_TE.detach(), sel_vals_TK1[:, k:], valid_T, num_valid, cp)
         return Routing(idx_TK, gate_TK)
 
-    def _accumulate_quantiles(self, scores_TE, alpha_T1, valid_T, num_valid) -> None:
+    def _accumulate_quantiles(self, scores_TE, alpha_T1, valid_T, num_valid, cp=None) -> None:
         """Megatron-Core 0.19's per-microbatch column quantile: each expert's
         ``(m*k // n + 1)``-th largest ``score - alpha`` over the m real tokens (alpha: the
         token's (k+1)-th selection score). Megatron requires m*k divisible by n; here the
         target is ``floor(m*k/n)`` tokens per expert otherwise. A pack without real tokens
-        adds nothing."""
-        m = scores_TE.shape[0] if num_valid is None else int(num_valid)
+        adds nothing. Under context parallelism the pack's tokens are every CP rank's: their
+        values are all-gathered (padding at -inf) and m is the whole pack's."""
+        if cp is not None:
+            m = cp.real_tokens
+            vals_TE = scores_TE - alpha_T1
+            if valid_T is not None:
+                vals_TE = vals_TE.masked_fill(~valid_T[:, None], float("-inf"))
+            got = torch.empty((cp.cp * vals_TE.shape[0], vals_TE.shape[1]), dtype=vals_TE.dtype, device=vals_TE.device)
+            dist.all_gather_into_tensor(got, vals_TE.contiguous(), group=cp.group)
+            vals_TE = got
+        else:
+            m = scores_TE.shape[0] if num_valid is None else int(num_valid)
+            if valid_T is not None:
+                scores_TE, alpha_T1 = scores_TE[valid_T], alpha_T1[valid_T]
+            vals_TE = scores_TE - alpha_T1
         if m == 0:
             return
-        if valid_T is not None:
-            scores_TE, alpha_T1 = scores_TE[valid_T], alpha_T1[valid_T]
         target = m * self.cfg.topk // self.cfg.experts
-        beta_E = (scores_TE - alpha_T1).topk(target + 1, dim=0).values[-1]
+        beta_E = vals_TE.topk(target + 1, dim=0).values[-1]
         self.qb_sum += beta_E.float()
         self.qb_n += 1
 
     def aux_loss(self, logits_TE: torch.Tensor, routing: Routing, valid_T: torch.Tensor | None,
-                 segment_T: torch.Tensor | None, num_segments: int, loss_norm: float, dp_group=None) -> torch.Tensor | None:
+                 segment_T: torch.Tensor | None, num_segments: int, loss_norm: float, dp_group=None,
+                 cp_group=None) -> torch.Tensor | None:
         """This rank's share of the aux losses of one pack (a scalar to ``attach_loss``), or
         None when there are none. ``segment_T``: each token's sample (``per_sample``);
-        ``dp_group``: the group the ``global`` counts are summed over (DP; CP and EP later)."""
+        ``dp_group``: the group the ``global`` counts are summed over (the LLM's gradient group,
+        cp x dp); ``cp_group``: under context parallelism, the ranks holding the other chunks
+        of the pack's samples (``per_sample`` counts are summed over it)."""
         cfg = self.cfg
         kind, e, k = cfg.aux_loss.kind, cfg.experts, cfg.topk
         if kind == "none" and cfg.z_loss_coeff == 0:
@@ -266,6 +283,8 @@ class Router(nn.Module):
                     flat = rows * (e + 1) + routing.idx_TK.reshape(-1)
                     counts_SE = torch.zeros(n_seg * (e + 1), dtype=logits_TE.dtype, device=logits_TE.device)
                     counts_SE.scatter_add_(0, flat, torch.ones_like(flat, dtype=logits_TE.dtype))
+                    if cp_group is not None:  # a sample's tokens are spread over the CP ranks
+                        dist.all_reduce(counts_SE, group=cp_group)
                     counts_SE = counts_SE.view(n_seg, e + 1)[:, :e]
                     f_SE = counts_SE / counts_SE.sum(-1, keepdim=True).clamp_min(1)  # of the sample's k * n_s
                 p_SE = torch.zeros(n_seg, e, dtype=p_TE.dtype, device=p_TE.device).index_add(0, seg, p_TE)

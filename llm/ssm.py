@@ -23,7 +23,7 @@ from mimo.parallel.context import ParallelContext
 from mimo.parallel.params import init_params_, param_table
 
 __all__ = [
-    "PreNormResidual", "segments", "causal_conv1d", "segsum", "kernel", "find_kernel", "KERNELS", "IMPLS",
+    "PreNormResidual", "segments", "causal_conv1d", "conv_over_chunks", "segsum", "kernel", "find_kernel", "KERNELS", "IMPLS",
     "init_dt_bias", "init_conv", "init_uniform_log", "init_constant",
 ]
 
@@ -56,6 +56,19 @@ def causal_conv1d(x_TC: torch.Tensor, w_CK: torch.Tensor, bias_C: torch.Tensor |
         keep_T1 = (offset_T >= s).unsqueeze(-1)
         y_TC = y_TC + torch.where(keep_T1, shifted_TC, 0.0) * w_CK[:, k - 1 - s]
     return y_TC if bias_C is None else y_TC + bias_C
+
+
+def conv_over_chunks(conv, x_TC: torch.Tensor, kernel: int, seq) -> torch.Tensor:
+    """``conv(x_TC, seg_T, offset_T, cu_seqlens)``, a causal convolution of ``kernel`` taps
+    that restarts at each segment, over the pack of ``seq``. Under context parallelism a segment
+    is a chunk of a sample: each chunk first gets the ``kernel - 1`` positions before it in its
+    sample from the CP ranks holding them (``mimo.llm.cp.CPChunks.with_halo``), and the
+    offsets are positions in the sample, so the taps stop only at the sample's start."""
+    if seq.cp is None or kernel == 1:
+        seg_T, offset_T = segments(seq.cu_seqlens, x_TC.shape[0])
+        return conv(x_TC, seg_T, offset_T, seq.cu_seqlens)
+    ext_TC, offset_T, seg_T, keep, cu = seq.cp.with_halo(x_TC, kernel - 1)
+    return conv(ext_TC, seg_T, offset_T, cu).index_select(0, keep)
 
 
 def segsum(a: torch.Tensor) -> torch.Tensor:

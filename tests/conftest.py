@@ -57,17 +57,17 @@ def write_demo_config():
 
 @pytest.fixture(scope="session")
 def write_moe_configs():
-    """``write(root, train_samples, seed)``: tests/configs/moe_tp.yaml and moe_pp.yaml over fresh
-    demo shards (two) under ``root``, their index prepared: {"moe_tp": path, "moe_pp": path}."""
+    """``write(root, train_samples, seed, names=("moe_tp", "moe_pp"))``: those tests/configs/*.yaml
+    over fresh demo shards (two) under ``root``, their index prepared: {name: path}."""
     from mimo.compose.config import load_config
     from mimo.compose.inputs import ensure_index
     from mimo.data.demo import make_demo_data
 
-    def write(root, train_samples: int, seed: int) -> dict[str, str]:
+    def write(root, train_samples: int, seed: int, names=("moe_tp", "moe_pp")) -> dict[str, str]:
         data = root / "data"
         make_demo_data(str(data), train_samples=train_samples, heldout_samples=4, shard_size=train_samples // 2, seed=seed)
         out = {}
-        for name in ("moe_tp", "moe_pp"):
+        for name in names:
             with open(os.path.join(os.path.dirname(__file__), "configs", f"{name}.yaml")) as f:
                 cfg = yaml.safe_load(f)
             cfg["data"].update(shards=str(data / "train-{000000..000001}.tar"), tokenizer=str(data / "tokenizer"))

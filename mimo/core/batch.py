@@ -9,6 +9,25 @@ import torch
 from mimo.core.errors import DataError
 
 
+@dataclass(frozen=True)
+class CPSlice:
+    """What a context-parallel pack needs beyond its tensors (``mimo.parallel.layout.PackLayout``):
+    ``cp`` ranks, ``rank`` (the CP rank whose local share this pack is; None: the whole pack,
+    before slicing), each sample's chunk length (its padded length / 2cp) and real length."""
+
+    cp: int
+    rank: int | None
+    chunk_lens: tuple[int, ...]
+    real_lens: tuple[int, ...]
+
+    def real_tokens(self) -> int:
+        """Real (non-padding) positions of this share (of the whole pack when ``rank`` is None)."""
+        if self.rank is None:
+            return sum(self.real_lens)
+        own = (self.rank, 2 * self.cp - 1 - self.rank)
+        return sum(min(max(n - j * c, 0), c) for n, c in zip(self.real_lens, self.chunk_lens) for j in own)
+
+
 @dataclass
 class PackedBatch:
     """Samples laid end to end, ``T`` positions in all (padding included).
@@ -28,6 +47,10 @@ class PackedBatch:
     loss_mask: torch.Tensor
     image_slots: dict[str, torch.Tensor] = field(default_factory=dict)
     sample_ids: torch.Tensor | None = None
+    # cp > 1: chunk and real lengths; on a CP rank's share (``mimo.data.pack.cp_share``) the
+    # tensors hold its local sequence: each sample's two chunks, every chunk a segment of
+    # cu_seqlens, positions those of the whole sample (RoPE), padding inside the last chunks
+    cp: CPSlice | None = None
     # host copy of the sample lengths, taken while cu_seqlens is on the CPU, so that a pack
     # moved to a GPU answers seqlens / max_seqlen without waiting for the device
     _host_seqlens: list[int] | None = field(default=None, repr=False, compare=False)
@@ -58,7 +81,10 @@ class PackedBatch:
     @property
     def num_real_tokens(self) -> int | None:
         """Positions before the trailing padding segment (known on the host), or None when
-        the pack has no such segment (or no ``sample_ids`` to tell it by)."""
+        the pack has no such segment (or no ``sample_ids`` to tell it by). Under context
+        parallelism: the real positions of this share, padding being inside samples."""
+        if self.cp is not None:
+            return self.cp.real_tokens()
         if self.sample_ids is None:
             return None
         n = int(self.sample_ids.numel())
@@ -95,7 +121,7 @@ class PackedBatch:
             raise DataError("PackedBatch.cu_seqlens must be non-decreasing")
         starts = torch.zeros(t, dtype=torch.bool)
         starts[cu[:-1][torch.diff(cu) > 0].long()] = True
-        if t and ((self.positions == 0) != starts).any():
+        if t and self.cp is None and ((self.positions == 0) != starts).any():
             raise DataError("PackedBatch.positions must restart at 0 exactly at each sample start")
         for key, slots in self.image_slots.items():
             if slots.numel() and (slots.min() < 0 or slots.max() >= t or (torch.diff(slots) <= 0).any()):

@@ -331,16 +331,34 @@ class PackLayout:
         n = self.total_len // self.cp
         return n // self.tp if self.sequence_parallel else n
 
-    def locate(self, sample: int, position: int) -> tuple[int, int | None, int]:
-        """(cp rank, tp rank or None when replicated over TP, local index) of a position."""
+    def chunk_lens(self) -> list[int]:
+        """cp > 1: each sample's chunk length (its padded length / 2cp)."""
+        return [n // (2 * self.cp) for n in self.padded_lens]
+
+    def cp_local_index(self, cp_rank: int) -> list[int]:
+        """Positions of the whole pack (padding included) that CP rank ``cp_rank`` holds, in its
+        local order: sample after sample, its chunk ``cp_rank`` then its chunk ``2cp-1-cp_rank``
+        (``locate``'s local index of a position is its place in this list)."""
+        first, second = cp_chunks(cp_rank, self.cp)
+        out: list[int] = []
+        for start, c in zip(self._offsets, self.chunk_lens()):
+            out.extend(range(start + first * c, start + (first + 1) * c))
+            out.extend(range(start + second * c, start + (second + 1) * c))
+        return out
+
+    def locate_cp(self, sample: int, position: int) -> tuple[int, int]:
+        """(cp rank, index in that CP rank's share of the pack, before any SP split)."""
         if not 0 <= position < self.seq_lens[sample]:
             raise LayoutError(f"position {position} outside sample {sample} of length {self.seq_lens[sample]}")
         before = self._offsets[sample]
         if self.cp == 1:
-            cp_rank, idx = 0, before + position
-        else:
-            cp_rank, off = cp_owner(position, self.padded_lens[sample], self.cp)
-            idx = before // self.cp + off
+            return 0, before + position
+        cp_rank, off = cp_owner(position, self.padded_lens[sample], self.cp)
+        return cp_rank, before // self.cp + off
+
+    def locate(self, sample: int, position: int) -> tuple[int, int | None, int]:
+        """(cp rank, tp rank or None when replicated over TP, local index) of a position."""
+        cp_rank, idx = self.locate_cp(sample, position)
         if not self.sequence_parallel:
             return cp_rank, None, idx
         return cp_rank, idx // self.local_len, idx % self.local_len

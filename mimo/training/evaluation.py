@@ -29,6 +29,7 @@ counted as ``captions``. Samples that fail to read are counted as ``read_failure
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from mimo.compose.config import MimoConfig
 from mimo.core.errors import ConfigError
@@ -247,11 +248,12 @@ class _Scorer:
         answers: dict[int, list[int]] = {}
         tokens: dict[int, list[int]] = {}  # on LLM ranks: this DP block's full sample tokens
         if mb.pack is not None:
-            cu = mb.pack.cu_seqlens.tolist()
+            whole = self._whole(mb.pack)
+            cu = whole.cu_seqlens.tolist()
             for j, i in enumerate(mb.llm_blocks[self.dp]):
                 s = mb.samples[i]
-                toks = mb.pack.tokens[cu[j] : cu[j] + s.tokens].tolist()
-                mask = mb.pack.loss_mask[cu[j] : cu[j] + s.tokens].tolist()
+                toks = whole.tokens[cu[j] : cu[j] + s.tokens].tolist()
+                mask = whole.loss_mask[cu[j] : cu[j] + s.tokens].tolist()
                 span = last_answer([False] + mask[:-1])  # loss_mask[t] marks token t+1 as a target
                 tokens[i] = toks
                 if self.is_scorer:
@@ -283,13 +285,35 @@ class _Scorer:
             self._score(answers, generated)
             self.generated.update({mb.samples[i].id: generated[i] for i in answers})
 
+    def _whole(self, batch):
+        """The whole DP pack's tokens and loss mask (under context parallelism every CP rank
+        holds only its chunks: gathered over the CP group and put back in order)."""
+        import torch
+
+        from mimo.parallel.collectives import all_gather_along
+        from mimo.parallel.layout import PackLayout
+
+        info = batch.cp
+        if info is None:
+            return batch
+        model = self.model
+        tp = model.llm_ctx.tp_size
+        lens = [2 * info.cp * c for c in info.chunk_lens]
+        layout = PackLayout(tuple(lens), tp, info.cp, model.llm_ctx.sequence_parallel)
+        got = all_gather_along(torch.stack([batch.tokens, batch.loss_mask.long()]).cpu(), 1, model.llm_ctx.cp)
+        order = torch.tensor([p for r in range(info.cp) for p in layout.cp_local_index(r)], dtype=torch.int64)
+        tokens, mask = torch.empty_like(got).index_copy_(1, order, got)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        return SimpleNamespace(tokens=tokens, loss_mask=mask.bool(), cu_seqlens=cu)
+
     def _round(self, mb, active: list[int], prompt, tokens: dict, generated: dict) -> dict[int, int] | None:
         """One forward of the active samples (prompt + generated so far); the last stage's TP
         rank 0 returns the argmax at each of its samples' last position."""
         import torch
 
-        from mimo.data.pack import pack
+        from mimo.data.pack import cp_share, pack
         from mimo.data.pipeline import Microbatch
+        from mimo.parallel.layout import PackLayout
         from mimo.data.plan import PlannedSample
         from mimo.parallel import gather_along
         from mimo.training.schedule_run import forward_only
@@ -315,17 +339,26 @@ class _Scorer:
             order = [i for i in mb.llm_blocks[self.dp] if i in keep]
             items = [_item(mb.samples[i], tokens[i][: int(prompt[i])] + generated[i]) for i in order]
             rows = {e.placeholder: e.rows_per_image for e in cfg.encoders.values()}
-            batch = pack(items, rows, par.tp, par.cp, model.llm_ctx.sequence_parallel, self.pipeline.pad_id)
-            batch = batch.to(model.device)  # packed on the CPU; the pixels are on the device already
+            whole = pack(items, rows, par.tp, par.cp, model.llm_ctx.sequence_parallel, self.pipeline.pad_id)
+            cp_rank = model.llm_ctx.dense.coord("cp")
+            batch = cp_share(whole, cp_rank).to(model.device)  # packed on the CPU; the pixels are on the device already
         logits = forward_only(model, Microbatch(samples, llm_blocks, enc_blocks, batch, pixels), self.runner)
         if logits is None:
             return None
-        cu = batch.cu_seqlens.tolist()
-        last = torch.tensor([cu[j] + lengths[i] - 1 for j, i in enumerate(order)], dtype=torch.int64, device=logits.device)
+        cu = whole.cu_seqlens.tolist()
+        if batch.cp is None:
+            mine = list(enumerate(order))
+            last = [cu[j] + lengths[i] - 1 for j, i in mine]
+        else:  # each sample's last position lives on one CP rank: that rank answers for it
+            layout = PackLayout(tuple(lengths[i] for i in order), par.tp, par.cp, model.llm_ctx.sequence_parallel)
+            where = [(j, i, layout.locate_cp(j, lengths[i] - 1)) for j, i in enumerate(order)]
+            mine = [(j, i) for j, i, (c, _) in where if c == cp_rank]
+            last = [local for _, _, (c, local) in where if c == cp_rank]
+        last = torch.tensor(last, dtype=torch.int64, device=logits.device)
         full = gather_along(logits.index_select(0, last), -1, model.stage.tp_group)[:, : cfg.llm.arch.vocab]
         if not self.is_last_tp0:
             return None
-        return dict(zip(order, full.argmax(-1).tolist()))
+        return dict(zip([i for _, i in mine], full.argmax(-1).tolist()))
 
     def _score(self, answers: dict[int, list[int]], generated: dict[int, list[int]]) -> None:
         tok = self.pipeline.reader.tokenizer
