@@ -85,6 +85,9 @@ class EncoderModuleConfig:
     freeze: list[EncoderPart] = field(default_factory=list)
     lr: float | None = None  # this module's AdamW learning rate (None: train.lr)
     weight_decay: float | None = None  # None: train.weight_decay
+    # activation recompute of this module (mimo.parallel.recompute); None: train.recompute / recompute_layers
+    recompute: Literal["none", "selective", "full"] | None = None
+    recompute_layers: int | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property

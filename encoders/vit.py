@@ -35,6 +35,7 @@ from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import ColumnParallelLinear, FusedColumnParallelLinear, RowParallelLinear
 from mimo.parallel.params import ParamInfo
 from mimo.parallel.placement import ParamPlacement, replicated
+from mimo.parallel.recompute import checkpoint, maybe, set_selective
 
 __all__ = ["VisionTransformer", "resolve_feature_layer", "patch_bias"]
 
@@ -98,8 +99,10 @@ class LayerNorm(nn.Module):
         partial = ("tp",) if self.sequence_parallel else ()
         return {"weight": replicated((self.dim,), partial), "bias": replicated((self.dim,), partial)}
 
+    selective = False  # recompute in backward (mimo.parallel.recompute)
+
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x_TD, (self.dim,), self.weight, self.bias, self.eps)
+        return maybe(self.selective, lambda x: F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps), x_TD)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
@@ -136,9 +139,14 @@ class Attention(nn.Module):
         self.qkv = FusedColumnParallelLinear(dim, {"q": dim, "k": dim, "v": dim}, True, ctx, device=device, dtype=dtype)
         self.proj = RowParallelLinear(dim, dim, True, ctx, input_is_parallel=True, device=device, dtype=dtype)
 
+    selective = False  # recompute the attention core in backward (mimo.parallel.recompute)
+
     def forward(self, x_TD: torch.Tensor, n_images: int, tokens: int) -> torch.Tensor:
-        H, K = self.heads_local, self.head_dim
         q_TX, k_TX, v_TX = self.qkv(x_TD)  # all T rows (gathered under SP), this rank's heads
+        return self.proj(maybe(self.selective, lambda q, k, v: self._core(q, k, v, n_images, tokens), q_TX, k_TX, v_TX))
+
+    def _core(self, q_TX, k_TX, v_TX, n_images: int, tokens: int) -> torch.Tensor:
+        H, K = self.heads_local, self.head_dim
         T, real = q_TX.shape[0], n_images * tokens
         # one attention per image: [N, L] rows; padding rows (SP) take no part
         q_NHLK, k_NHLK, v_NHLK = (t_TX[:real].view(n_images, tokens, H, K).transpose(1, 2) for t_TX in (q_TX, k_TX, v_TX))
@@ -146,7 +154,7 @@ class Attention(nn.Module):
         o_TX = o_NHLK.transpose(1, 2).reshape(real, H * K)
         if T > real:
             o_TX = F.pad(o_TX, (0, 0, 0, T - real))
-        return self.proj(o_TX)
+        return o_TX
 
 
 class Mlp(nn.Module):
@@ -156,8 +164,10 @@ class Mlp(nn.Module):
         self.fc1 = ColumnParallelLinear(dim, hidden, True, ctx, device=device, dtype=dtype)
         self.fc2 = RowParallelLinear(hidden, dim, True, ctx, input_is_parallel=True, device=device, dtype=dtype)
 
+    selective = False  # recompute the activation in backward (mimo.parallel.recompute)
+
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x_TD)))
+        return self.fc2(maybe(self.selective, self.act, self.fc1(x_TD)))
 
 
 class Block(nn.Module):
@@ -222,6 +232,15 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(arch, ctx, **dd) for _ in range(self.num_blocks))
         self.norm = LayerNorm(D, arch.norm_eps, ctx, **dd) if self.post_norm else None
 
+    def set_recompute(self, mode: str, layers: int | None = None) -> None:
+        """Activation recompute for the first ``layers`` blocks (all when None), as
+        ``mimo.llm.model.LLMStage.set_recompute``."""
+        chosen = list(self.blocks)[:layers]
+        for block in self.blocks:
+            on = any(block is c for c in chosen)
+            block.recompute_full = on and mode == "full"
+            set_selective(block, on and mode == "selective")
+
     # ---- weights ----
     def init_weights(self, seed: int) -> None:
         """TP-invariant: every parameter's local shard of the full tensor ``param_seed(seed, name)`` draws."""
@@ -266,7 +285,7 @@ class VisionTransformer(nn.Module):
         if self.norm_pre is not None:
             x_TD = self.norm_pre(x_TD)
         for block in self.blocks:
-            x_TD = block(x_TD, N, L)
+            x_TD = checkpoint(block, x_TD, N, L) if getattr(block, "recompute_full", False) else block(x_TD, N, L)
         if self.norm is not None:
             x_TD = self.norm(x_TD)
         if self.sequence_parallel:

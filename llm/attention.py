@@ -33,6 +33,7 @@ from mimo.parallel.collectives import all_gather_along, reduce_scatter_along
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import FusedColumnParallelLinear, RowParallelLinear
 from mimo.parallel.params import init_params_, param_table
+from mimo.parallel.recompute import maybe
 
 
 @dataclass(frozen=True)
@@ -95,9 +96,16 @@ class Attention(nn.Module):
             self._inv_freq[device] = inv_freq(self.cfg.rope).to(device)
         return self._inv_freq[device]
 
+    selective = False  # recompute the attention core in backward (mimo.parallel.recompute)
+
     def forward(self, h_TD: torch.Tensor, seq: SeqContext) -> torch.Tensor:
         x_TD = self.norm(h_TD)
         q_TF, k_TF, v_TF = self.qkv(x_TD)  # the full local sequence (gathered under SP)
+        o_TF = maybe(self.selective, lambda q, k, v: self._core(q, k, v, seq), q_TF, k_TF, v_TF)
+        return h_TD + self.o_proj(o_TF)
+
+    def _core(self, q_TF, k_TF, v_TF, seq: SeqContext) -> torch.Tensor:
+        """From the projections to the attention output: QK-norm, RoPE, attention."""
         t, hd = q_TF.shape[0], self.cfg.head_dim
         if self.cfg.qk_norm and self.cfg.qk_norm_full:
             q_TF, k_TF = self.q_norm(q_TF), self.k_norm(k_TF)
@@ -110,7 +118,7 @@ class Attention(nn.Module):
             cos_TD, sin_TD = rope_tables(seq.positions, self.inv_freq(seq.positions.device))
             q_THD, k_THD = apply_rope(q_THD, cos_TD, sin_TD), apply_rope(k_THD, cos_TD, sin_TD)
         o_THD = packed_attention(q_THD, k_THD, v_THD, seq, scale=hd ** -0.5, impl=self.impl)
-        return h_TD + self.o_proj(o_THD.reshape(t, self.heads_local * hd))
+        return o_THD.reshape(t, self.heads_local * hd)
 
 
 def packed_attention(q_THD, k_THD, v_THD, ctx: SeqContext, scale: float, impl: str = "auto") -> torch.Tensor:

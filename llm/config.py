@@ -284,6 +284,9 @@ class LLMModuleConfig:
     freeze: bool = False  # true: the whole LLM is frozen (LLaVA stage 1 trains only projectors)
     lr: float | None = None  # this module's AdamW learning rate (None: train.lr)
     weight_decay: float | None = None  # None: train.weight_decay
+    # activation recompute of this module (mimo.parallel.recompute); None: train.recompute / recompute_layers
+    recompute: Literal["none", "selective", "full"] | None = None
+    recompute_layers: int | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def stages(self) -> list[tuple[LayerSpec, ...]]:

@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from mimo.core.errors import LayoutError, MimoError
 from mimo.llm.router import Routing
+from mimo.parallel.recompute import replaying
 
 __all__ = ["Dispatched", "DispatchStats", "LocalDispatcher", "AllToAllDispatcher", "DeepEPDispatcher",
            "min_forward_bytes", "make_dispatcher", "all_to_all"]
@@ -77,6 +78,7 @@ class Dispatched:
     rows: int  # tokens (local), or received rows (all-to-all)
     plan: object = None  # the dispatcher's record for combine (``_Plan``, DeepEP's state)
     overlapped: object = None  # what ``while_in_flight()`` returned (the shared expert's output)
+    gathered_from: tuple | None = None  # (source, index): ``x_RD`` is ``source[index]`` (recomputable)
 
 
 @dataclass
@@ -86,6 +88,7 @@ class DispatchStats:
 
     forward_bytes: int = 0
     backward_bytes: int = 0
+    recompute_bytes: int = 0  # what recomputed forwards sent again (``mimo.parallel.recompute``)
     min_forward_bytes: int = 0  # the independent minimum (``min_forward_bytes``), where audited
     meta_bytes: int = 0
     d2h: int = 0
@@ -97,6 +100,7 @@ class DispatchStats:
 
     def reset(self) -> None:
         self.forward_bytes = self.backward_bytes = self.min_forward_bytes = self.meta_bytes = self.d2h = self.calls = 0
+        self.recompute_bytes = 0
 
 
 def _check_routing(x_TD: torch.Tensor, routing: Routing, experts: int) -> None:
@@ -135,7 +139,8 @@ class LocalDispatcher:
         token_R = order_R // k
         self.stats.calls += 1
         return Dispatched(x_TD[token_R], ends_E, gate_TK.reshape(-1)[order_R], token_R, x_TD.shape[0],
-                          overlapped=while_in_flight() if while_in_flight is not None else None)
+                          overlapped=while_in_flight() if while_in_flight is not None else None,
+                          gathered_from=(x_TD, token_R))
 
     def combine(self, y_RD: torch.Tensor, d: Dispatched) -> torch.Tensor:
         return _sum_rows(y_RD, d)
@@ -179,7 +184,9 @@ class _Done:
 def _count(stats: DispatchStats | None, x: torch.Tensor, send: list[int], group, backward: bool) -> None:
     if stats is not None:
         nbytes = _remote(send, _rank(group)) * _row_bytes(x)
-        if backward:
+        if replaying():
+            stats.recompute_bytes += nbytes
+        elif backward:
             stats.backward_bytes += nbytes
         else:
             stats.forward_bytes += nbytes
@@ -286,7 +293,8 @@ def _to_local_experts(x_ND, gate_NK, local_NK, ends_L, assigned: int, plan, over
     k = local_NK.shape[1] if local_NK.dim() == 2 else 1
     order_A = torch.argsort(local_NK.reshape(-1), stable=True)[:assigned]
     row_A = order_A // k
-    return Dispatched(x_ND[row_A], ends_L, gate_NK.reshape(-1)[order_A], row_A, x_ND.shape[0], plan, overlapped)
+    return Dispatched(x_ND[row_A], ends_L, gate_NK.reshape(-1)[order_A], row_A, x_ND.shape[0], plan, overlapped,
+                      gathered_from=(x_ND, row_A))
 
 
 def _sum_rows(y_AD: torch.Tensor, d: Dispatched) -> torch.Tensor:
@@ -355,7 +363,7 @@ class AllToAllDispatcher(_OverEP):
         self.stats.d2h += 1
         self.stats.calls += 1
         send, recv, etp_rows, assigned = host[:ep], host[ep:2 * ep], host[2 * ep:-1], host[-1]
-        if self.audit:
+        if self.audit and not replaying():
             self.stats.min_forward_bytes += min_forward_bytes(idx_TK, self.experts, ep, self.rank, self.etp,
                                                               _row_bytes(x_TD))
         # 4. rows and their metadata to the destinations (the rows asynchronously: the caller's
@@ -547,7 +555,7 @@ class DeepEPDispatcher(_OverEP):
         self.stats.d2h += 1  # DeepEP's own wait for the receive counts
         self.stats.calls += 1
         counts_L = state.counts_L
-        if self.audit:
+        if self.audit and not replaying():
             self._count(routing.idx_TK, x_ND.shape[0], _row_bytes(x_TD), state)
         local_NK = torch.where(state.recv_idx_NK >= 0, state.recv_idx_NK, self.local)
         ends_L = torch.tensor(counts_L, dtype=torch.int64, device=x_ND.device).cumsum(0)

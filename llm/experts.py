@@ -31,11 +31,13 @@ expert's own weights, as Hugging Face's eager MoE does.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
 from mimo.llm.dispatch import make_dispatcher
-from mimo.llm.mlp import activate
+from mimo.llm.mlp import activate, activate_maybe_recomputed
 from mimo.llm.router import Routing
 from mimo.parallel import gemm
 from mimo.parallel.context import ParallelContext
@@ -87,19 +89,23 @@ class GroupedExperts(nn.Module):
         partial sum over TP on the dense view; complete on the expert view (see ``run``)."""
         return self.run(x_TI, routing)[0]
 
+    selective = False  # recompute the permutation and the activation in backward (mimo.parallel.recompute)
+
     def run(self, x_TI: torch.Tensor, routing: Routing, while_in_flight=None) -> tuple[torch.Tensor, object]:
         """The routed experts' output through this layer's dispatcher, and what
         ``while_in_flight()`` returned: it runs while the tokens are in flight to the experts'
         ranks (the shared expert's GEMMs). On the expert view each rank passes tokens no other
         rank of its EP group passes (the MoE layer: its TP slice of the pack)."""
         d = self.dispatcher.dispatch(x_TI, routing, while_in_flight)
-        return self.dispatcher.combine(self.compute(d.x_RD, d.ends_L), d), d.overlapped
+        with regathered(d.x_RD, d.gathered_from if self.selective else None):
+            y_RI = self.compute(d.x_RD, d.ends_L)
+        return self.dispatcher.combine(y_RI, d), d.overlapped
 
     def compute(self, x_RI: torch.Tensor, ends_L: torch.Tensor) -> torch.Tensor:
         """The local experts on rows grouped by expert (``ends_L``: cumulative row ends): the
         expert GEMM seam (one grouped GEMM per projection)."""
         h_RF = gemm.grouped_linear(x_RI, self.up_proj, ends_L, self.recipe)
-        a_RF = activate(h_RF.chunk(2, dim=-1) if self.gated else (h_RF,), self.act)
+        a_RF = activate_maybe_recomputed(self.selective, h_RF.chunk(2, dim=-1) if self.gated else (h_RF,), self.act)
         return gemm.grouped_linear(a_RF, self.down_proj, ends_L, self.recipe)
 
     def extra_repr(self) -> str:
@@ -108,8 +114,38 @@ class GroupedExperts(nn.Module):
         return f"experts={self.experts}, dim={self.dim}, ffn={self.ffn}, act={self.act}, {where}"
 
 
+def regathered(x_RD: torch.Tensor, gathered_from: tuple | None):
+    """Selective recompute of the MoE permutation: while it is active, ``x_RD`` (the permuted
+    rows, ``source[index]``) is not kept for backward by what consumes it; ``source`` and
+    ``index`` are, and the rows are gathered again when backward needs them. ``None``: nothing
+    changes."""
+    if gathered_from is None:
+        return contextlib.nullcontext()
+    source, index = gathered_from
+    ptr = x_RD.untyped_storage().data_ptr()
+
+    def pack(t):
+        if t.numel() and t.untyped_storage().data_ptr() == ptr:  # x_RD or a view of it
+            return (_Regather, source, index, t.size(), t.stride(), t.storage_offset() - x_RD.storage_offset())
+        return t
+
+    def unpack(packed):
+        if isinstance(packed, tuple) and packed[0] is _Regather:
+            _, src, idx, size, stride, offset = packed
+            return src.detach().index_select(0, idx).as_strided(size, stride, offset)
+        return packed
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+class _Regather:
+    """Marks a saved tensor replaced by its gather (``regathered``)."""
+
+
 class SharedExpert(nn.Module):
     """A dense MLP on every token, inner size split over TP; output a partial sum over TP."""
+
+    selective = False  # recompute the activation in backward (mimo.parallel.recompute)
 
     def __init__(self, dim: int, ffn: int, act: str, gate: bool, ctx: ParallelContext | None = None):
         super().__init__()
@@ -132,7 +168,7 @@ class SharedExpert(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         h_TF = gemm.linear(x_TD, self.up_proj, None, self.recipe)
-        a_TF = activate(h_TF.chunk(2, dim=-1) if self.gated else (h_TF,), self.act)
+        a_TF = activate_maybe_recomputed(self.selective, h_TF.chunk(2, dim=-1) if self.gated else (h_TF,), self.act)
         y_TD = gemm.linear(a_TF, self.down_proj, None, self.recipe)
         if self.has_gate:
             y_TD = y_TD * torch.sigmoid(gemm.linear(x_TD, self.gate, None, self.recipe))

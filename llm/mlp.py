@@ -22,6 +22,7 @@ from mimo.llm.norm import RMSNorm
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import FusedColumnParallelLinear, RowParallelLinear
 from mimo.parallel.params import init_params_, param_table
+from mimo.parallel.recompute import maybe
 
 ACTIVATIONS = ("swiglu", "relu2", "gelu")
 
@@ -40,6 +41,12 @@ def activate(parts: tuple[torch.Tensor, ...], act: str) -> torch.Tensor:
     raise ValueError(f"unknown MLP activation {act!r}; one of {ACTIVATIONS}")
 
 
+def activate_maybe_recomputed(recompute: bool, parts: tuple[torch.Tensor, ...], act: str) -> torch.Tensor:
+    """``activate``, recomputed in backward when ``recompute`` (selective recompute): only its
+    inputs are kept, not what the activation keeps for its own backward."""
+    return maybe(recompute, lambda *p: activate(p, act), *parts)
+
+
 @dataclass(frozen=True)
 class MLPConfig:
     hidden: int
@@ -55,6 +62,8 @@ class MLPConfig:
 
 class MLP(nn.Module):
     """``forward(h_TD, seq) -> h_TD``: ``h + down(act(up(norm(h))))``."""
+
+    selective = False  # recompute the activation in backward (mimo.parallel.recompute)
 
     def __init__(self, cfg: MLPConfig, ctx: ParallelContext | None = None):
         super().__init__()
@@ -73,7 +82,7 @@ class MLP(nn.Module):
         init_params_(param_table(self), seed, std, {"down_proj.weight": std if out_std is None else out_std})
 
     def forward(self, h_TD: torch.Tensor, seq: SeqContext) -> torch.Tensor:
-        a_TF = activate(self.up_proj(self.norm(h_TD)), self.cfg.act)
+        a_TF = activate_maybe_recomputed(self.selective, self.up_proj(self.norm(h_TD)), self.cfg.act)
         return h_TD + self.down_proj(a_TF)
 
 

@@ -49,6 +49,7 @@ from mimo.parallel.init import param_seed
 from mimo.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from mimo.parallel.layout import Placement, packed_placement
 from mimo.parallel.params import ParamInfo, full_tensors, load_full_, main_grad, param_table
+from mimo.parallel.recompute import checkpoint, set_selective
 
 
 class LLMStage(nn.Module):
@@ -121,6 +122,16 @@ class LLMStage(nn.Module):
         if not self.tied or self.num_stages == 1:
             return None
         return self.embed.weight if self.is_first else (self.head.weight if self.is_last else None)
+
+    def set_recompute(self, mode: str, layers: int | None = None) -> None:
+        """Activation recompute (``mimo.parallel.recompute``) for this stage's first ``layers``
+        layers (all when None): ``full`` re-runs each one's forward in backward, ``selective``
+        the memory-heavy cheap parts inside it, ``none`` nothing."""
+        chosen = list(self.layers.values())[:layers]
+        for layer in self.layers.values():
+            on = any(layer is c for c in chosen)
+            layer.recompute_full = on and mode == "full"
+            set_selective(layer, on and mode == "selective")
 
     # ---------------------------------------------------------------- inputs
     def local_len(self, batch: PackedBatch) -> int:
@@ -204,7 +215,7 @@ class LLMStage(nn.Module):
             h_TD = hidden
         seq = self.context(batch, loss_norm)
         for layer in self.layers.values():
-            h_TD = layer(h_TD, seq)
+            h_TD = checkpoint(layer, h_TD, seq) if getattr(layer, "recompute_full", False) else layer(h_TD, seq)
         if not self.is_last:
             return h_TD
         return self.logits(self.norm(h_TD))

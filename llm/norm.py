@@ -16,9 +16,12 @@ import torch.nn as nn
 from mimo.parallel.collectives import copy_to_group, reduce_from_group
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.placement import ParamPlacement, replicated, sharded
+from mimo.parallel.recompute import maybe
 
 
 class RMSNorm(nn.Module):
+    selective = False  # recompute in backward instead of keeping the fp32 intermediates (mimo.parallel.recompute)
+
     def __init__(self, dim: int, eps: float = 1e-5, ctx: ParallelContext | None = None, *, partial: bool = False,
                  device=None, dtype=None):
         super().__init__()
@@ -39,6 +42,9 @@ class RMSNorm(nn.Module):
         return lambda t, gen: t.fill_(1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return maybe(self.selective, self._norm, x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.to(torch.promote_types(dtype, torch.float32))  # fp32 at least (fp64 references stay fp64)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -61,7 +67,7 @@ class ShardedRMSNorm(RMSNorm):
     def placements(self) -> dict[str, ParamPlacement]:
         return {"weight": sharded((self.dim,), 0)}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.to(torch.promote_types(dtype, torch.float32))
         ss = x32.pow(2).sum(-1, keepdim=True)

@@ -60,6 +60,7 @@ from mimo.llm.config import MoEArch
 from mimo.parallel import gemm
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.placement import ParamPlacement, replicated
+from mimo.parallel.recompute import replaying, stash
 
 
 @dataclass
@@ -165,8 +166,9 @@ class Router(nn.Module):
 
     @property
     def accumulating(self) -> bool:
-        """Whether this forward updates the step accumulators (a training forward)."""
-        return self.training and torch.is_grad_enabled()
+        """Whether this forward updates the step accumulators (a training forward, not the
+        recompute of one: ``mimo.parallel.recompute``)."""
+        return self.training and torch.is_grad_enabled() and not replaying()
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         """fp32 (at least) router logits ``[T, E]`` of ``x_TD``."""
@@ -261,7 +263,8 @@ class Router(nn.Module):
             with torch.no_grad():
                 counts_E = assignment_counts(routing.idx_TK, e).to(logits_TE.dtype)
             if kind == "global":
-                with torch.no_grad():
+                @torch.no_grad()
+                def running_fractions():  # a recompute reads them back: the running counts move on
                     stats = torch.cat([counts_E, (counts_E.sum() / k).reshape(1)])  # + tokens routed
                     if dp_group is not None:
                         dist.all_reduce(stats, group=dp_group)
@@ -271,13 +274,17 @@ class Router(nn.Module):
                         running_E, tokens = self.aux_counts.to(stats.dtype), self.aux_tokens.to(stats.dtype)
                     else:
                         running_E, tokens = stats[:e], stats[e]
-                    f_E = running_E / (k * tokens.clamp_min(1))
+                    return running_E / (k * tokens.clamp_min(1))
+
+                f_E = stash(running_fractions)
                 total = total + cfg.aux_loss.coeff * e * (f_E * p_TE.sum(0)).sum()
             else:  # per_sample
                 seg = segment_T if segment_T is not None else torch.zeros(logits_TE.shape[0], dtype=torch.long,
                                                                           device=logits_TE.device)
                 n_seg = max(1, num_segments)
-                with torch.no_grad():
+
+                @torch.no_grad()
+                def sample_fractions():
                     tok = routing.idx_TK.shape[0]
                     rows = seg[:, None].expand(tok, k).reshape(-1)
                     flat = rows * (e + 1) + routing.idx_TK.reshape(-1)
@@ -286,7 +293,9 @@ class Router(nn.Module):
                     if cp_group is not None:  # a sample's tokens are spread over the CP ranks
                         dist.all_reduce(counts_SE, group=cp_group)
                     counts_SE = counts_SE.view(n_seg, e + 1)[:, :e]
-                    f_SE = counts_SE / counts_SE.sum(-1, keepdim=True).clamp_min(1)  # of the sample's k * n_s
+                    return counts_SE / counts_SE.sum(-1, keepdim=True).clamp_min(1)  # of the sample's k * n_s
+
+                f_SE = stash(sample_fractions)
                 p_SE = torch.zeros(n_seg, e, dtype=p_TE.dtype, device=p_TE.device).index_add(0, seg, p_TE)
                 total = total + cfg.aux_loss.coeff * e * (f_SE * p_SE).sum()
         if cfg.z_loss_coeff:

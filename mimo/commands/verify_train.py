@@ -37,11 +37,14 @@ VERIFY_ADAM_EPS = 1e-5
 
 
 def one_process(config: MimoConfig) -> MimoConfig:
-    """The same model and data on one rank: every module tp=cp=dp=pp=1."""
+    """The same model and data on one rank, computed plainly: every module tp=cp=dp=pp=1, no
+    activation recompute (a layout's recompute is checked against the computation it repeats)."""
     ref = copy.deepcopy(config)
     ref.world_size = 1
+    ref.train.recompute = "none"
     for module in ref.modules.values():
         module.parallel = dataclasses.replace(module.parallel, tp=1, cp=1, dp=1, pp=1, ep=1, etp=1, ranks="0:1", sequence_parallel=False)
+        module.recompute = None
     return ref
 
 

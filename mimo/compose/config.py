@@ -85,6 +85,10 @@ class TrainConfig:
     encoder_prefetch: int = 1  # microbatches whose encoder forward is done by stage 0's F(k) (1f1b)
     compile: bool = False  # torch.compile each LLM layer and vision block (fused elementwise work; GPU runs)
     grad_bucket_mb: float = 25.0  # DP gradient sums run in buckets of this many MiB, overlapping backward
+    # activation recompute (mimo.parallel.recompute) of every module's first recompute_layers
+    # layers of each pipeline stage (ViT blocks; None: all); modules.<name>.recompute overrides
+    recompute: Literal["none", "selective", "full"] = "none"
+    recompute_layers: int | None = None
     # MoE token dispatch where experts are folded (ep > 1 or etp != tp; mimo.llm.dispatch):
     # auto (alltoall for now), alltoall (all_to_all_single over EP, all-gather-v over ETP), deepep
     # (DeepEP's kernels: GPUs, bf16, etp 1)
@@ -104,6 +108,8 @@ class TrainConfig:
             if value is not None and value <= 0:
                 problems.append(f"{join_path(path, name)}: must be > 0, got {value}")
         problems += [f"{join_path(path, 'trace_steps')}: steps are 1-based, got {s}" for s in self.trace_steps if s < 1]
+        if self.recompute_layers is not None and self.recompute_layers < 1:
+            problems.append(f"{join_path(path, 'recompute_layers')}: must be >= 1 (or unset: all layers), got {self.recompute_layers}")
         return problems + self._lr_schedule_problems(path)
 
     @property
@@ -203,6 +209,13 @@ class MimoConfig:
                     f"data.tokens_per_microbatch={d.tokens_per_microbatch}"]
         return []
 
+    def recompute_for(self, name: str) -> tuple[str, int | None]:
+        """(mode, first layers) of module ``name``'s activation recompute: its own setting, else train's."""
+        module = self.modules[name]
+        mode = module.recompute if module.recompute is not None else self.train.recompute
+        layers = module.recompute_layers if module.recompute_layers is not None else self.train.recompute_layers
+        return mode, layers
+
     def rank_range(self, name: str) -> range:
         return self.modules[name].parallel.rank_range(self.world_size)
 
@@ -237,6 +250,8 @@ class MimoConfig:
     def validate(self, path: str) -> list[str]:
         problems = at_least(self, path, 1, "world_size")
         for name, module in self.modules.items():
+            if module.recompute_layers is not None and module.recompute_layers < 1:
+                problems.append(f"{join_path(path, 'modules', name, 'recompute_layers')}: must be >= 1, got {module.recompute_layers}")
             for key in ("lr", "weight_decay"):
                 value = getattr(module, key)
                 if value is not None and (value < 0 or (key == "lr" and value == 0)):

@@ -70,6 +70,7 @@ class MimoModel:
             if ctx.member:
                 module = VisionEncoder(enc, llm_cfg.arch.hidden, ctx).to(device=device, dtype=dtype)
                 module.init_weights(param_seed(config.train.seed, name))
+                module.tower.set_recompute(*config.recompute_for(name))
             self.encoders[name] = EncoderPart(name, ctx, bridge, module)
         # the encoders' "trains" must be known on every rank (bridges run backward or not)
         self.encoder_trains = {name: "tower" not in enc.freeze or "projector" not in enc.freeze for name, enc in config.encoders.items()}
@@ -87,6 +88,7 @@ class MimoModel:
                 raise MimoError("train.moe_dispatcher: deepep runs DeepEP's GPU kernels; this run is on the CPU "
                                 "(--device cuda with a GPU per rank, or alltoall)")
             set_dispatchers(self.stage, config.train.moe_dispatcher)
+            self.stage.set_recompute(*config.recompute_for(self.llm_name))
         # the run's gradient buffers (``mimo.training.optim.GradSync``), built once by the
         # training side on its first step and kept
         self.grad_sync = None
