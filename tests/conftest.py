@@ -79,3 +79,48 @@ def write_moe_configs():
         return out
 
     return write
+
+
+def _resume_case(config_path: str, overrides: list[str], root: str, other: list[str] | None = None) -> dict:
+    """Rank function: 4 training steps straight through, and 2 steps, a checkpoint, a fresh run
+    loading it (weights, optimizer states, balancing buffers, RNG), 2 more steps; both save step
+    4 (``root/straight``, ``root/cut``). ``other``: overrides of a run that then tries to load
+    the step-2 checkpoint (its error message, or "")."""
+    import torch.distributed as dist
+
+    from mimo.compose.config import load_config
+    from mimo.training.checkpoint import load_checkpoint, save_checkpoint
+    from mimo.training.run import build_run
+    from mimo.training.step import train_step
+
+    config = load_config(config_path, overrides)
+
+    def steps(run, numbers):
+        return [train_step(run.model, run.pipeline, s, run.optimizers, run.policy).loss for s in numbers]
+
+    whole = build_run(config, dist.get_rank())
+    straight = steps(whole, range(1, 5))
+    save_checkpoint(whole.model, whole.optimizers, 4, os.path.join(root, "straight"))
+    first = build_run(config, dist.get_rank())
+    head = steps(first, range(1, 3))
+    path = save_checkpoint(first.model, first.optimizers, 2, os.path.join(root, "cut"))
+    resumed = build_run(config, dist.get_rank())
+    load_checkpoint(resumed.model, path, resumed.optimizers)
+    tail = steps(resumed, range(3, 5))
+    save_checkpoint(resumed.model, resumed.optimizers, 4, os.path.join(root, "cut"))
+    runs, refused = [whole, first, resumed], ""
+    if other is not None:
+        runs.append(build_run(load_config(config_path, other), dist.get_rank()))
+        try:
+            load_checkpoint(runs[-1].model, path, runs[-1].optimizers)
+        except Exception as e:
+            refused = str(e)
+    for run in runs:
+        run.pipeline.close()
+    return {"straight": straight, "resumed": head + tail, "refused": refused}
+
+
+@pytest.fixture(scope="session")
+def resume_case():
+    """The rank function ``_resume_case`` (for a worker pool)."""
+    return _resume_case

@@ -436,41 +436,13 @@ def test_verify_train_moe(pools, moe_configs, name):
         assert "moe_dispatch" not in report
 
 
-def _resume_case(config_path: str, overrides: list[str], root: str) -> dict:
-    """Rank function: 4 steps straight through, and 2 steps, a checkpoint, a fresh run loading
-    it (weights, optimizer states, expert biases, RNG), 2 more steps; both save step 4."""
-    from mimo.compose.config import load_config
-    from mimo.training.checkpoint import load_checkpoint, save_checkpoint
-    from mimo.training.run import build_run
-    from mimo.training.step import train_step
-
-    config = load_config(config_path, overrides)
-
-    def steps(run, numbers):
-        return [train_step(run.model, run.pipeline, s, run.optimizers, run.policy).loss for s in numbers]
-
-    whole = build_run(config, dist.get_rank())
-    straight = steps(whole, range(1, 5))
-    save_checkpoint(whole.model, whole.optimizers, 4, os.path.join(root, "straight"))
-    first = build_run(config, dist.get_rank())
-    head = steps(first, range(1, 3))
-    path = save_checkpoint(first.model, first.optimizers, 2, os.path.join(root, "cut"))
-    resumed = build_run(config, dist.get_rank())
-    load_checkpoint(resumed.model, path, resumed.optimizers)
-    tail = steps(resumed, range(3, 5))
-    save_checkpoint(resumed.model, resumed.optimizers, 4, os.path.join(root, "cut"))
-    for run in (whole, first, resumed):
-        run.pipeline.close()
-    return {"straight": straight, "resumed": head + tail}
-
-
-def test_resume_at_an_ep_layout_reproduces_the_uninterrupted_run(pools, moe_configs, tmp_path):
+def test_resume_at_an_ep_layout_reproduces_the_uninterrupted_run(pools, moe_configs, tmp_path, resume_case):
     """tp2 dp2 with ep2 etp1 (expert gradients over edp 2), expert bias on: the losses and every
     saved weight and optimizer state of step 4 equal bit for bit."""
     from safetensors.torch import load_file
 
     overrides = [LANG + "parallel.ep=2", LANG + "parallel.etp=1"]
-    results = pools(4).run(_resume_case, moe_configs["moe_tp"], overrides, str(tmp_path))
+    results = pools(4).run(resume_case, moe_configs["moe_tp"], overrides, str(tmp_path))
     for r in results:
         assert r["resumed"] == r["straight"], r
     a, b = tmp_path / "straight" / "step-00000004", tmp_path / "cut" / "step-00000004"

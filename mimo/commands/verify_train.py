@@ -24,6 +24,7 @@ import torch.distributed as dist
 from mimo.compose.config import MimoConfig, load_config
 from mimo.core.testing import Yardstick, rel_err
 from mimo.llm.moe import dispatchers
+from mimo.training.bucket_optim import finish_updates
 
 KINDS = ("loss", "grad_norm", "grads", "params")
 REFERENCE_PRECISIONS = ("fp32", "fp64")
@@ -38,10 +39,12 @@ VERIFY_ADAM_EPS = 1e-5
 
 def one_process(config: MimoConfig) -> MimoConfig:
     """The same model and data on one rank, computed plainly: every module tp=cp=dp=pp=1, no
-    activation recompute (a layout's recompute is checked against the computation it repeats)."""
+    activation recompute, torch's AdamW (a layout's recompute and sharded or offloaded optimizer
+    are checked against the computation they stand for)."""
     ref = copy.deepcopy(config)
     ref.world_size = 1
     ref.train.recompute = "none"
+    ref.train.distributed_optimizer = ref.train.optimizer_offload = False
     for module in ref.modules.values():
         module.parallel = dataclasses.replace(module.parallel, tp=1, cp=1, dp=1, pp=1, ep=1, etp=1, ranks="0:1", sequence_parallel=False)
         module.recompute = None
@@ -90,6 +93,7 @@ def train_case(config_path: str, overrides: list[str], steps: int, reference: bo
         d.audit = not reference
 
     def grab(model, norm):
+        model.grad_sync.gather_shards()  # (a sharded optimizer's ranks hold only their shard of the sums)
         full = model.full_grads()  # collective over each TP group
         mine = {}
         for name, tensors in full.items():
@@ -102,6 +106,7 @@ def train_case(config_path: str, overrides: list[str], steps: int, reference: bo
         record["steps"].append({})
         result = train_step(model, pipeline, step, optimizers, run.policy, on_grads=grab)
         record["steps"][-1].update(loss=result.loss, loss_tokens=result.loss_tokens)
+    finish_updates(optimizers)  # weights a sharded optimizer is still gathering
     full = model.full_params()
     record["params"] = _to_cpu({
         name: tensors for name, tensors in full.items()

@@ -89,6 +89,10 @@ class TrainConfig:
     # layers of each pipeline stage (ViT blocks; None: all); modules.<name>.recompute overrides
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_layers: int | None = None
+    # ZeRO-1 (mimo.training.bucket_optim): gradients reduce-scattered over each parameter's
+    # data-parallel group (EDP for experts), each rank's AdamW on its shard, weights all-gathered
+    distributed_optimizer: bool = False
+    optimizer_offload: bool = False  # fp32 masters and moments in pinned host memory, the update on the host
     # MoE token dispatch where experts are folded (ep > 1 or etp != tp; mimo.llm.dispatch):
     # auto (alltoall for now), alltoall (all_to_all_single over EP, all-gather-v over ETP), deepep
     # (DeepEP's kernels: GPUs, bf16, etp 1)
@@ -108,6 +112,10 @@ class TrainConfig:
             if value is not None and value <= 0:
                 problems.append(f"{join_path(path, name)}: must be > 0, got {value}")
         problems += [f"{join_path(path, 'trace_steps')}: steps are 1-based, got {s}" for s in self.trace_steps if s < 1]
+        for key in ("distributed_optimizer", "optimizer_offload"):
+            if getattr(self, key) and self.precision == "bf16-pure":
+                problems.append(f"{join_path(path, key)}: keeps fp32 masters and moments; train.precision bf16-pure has none "
+                                f"(use bf16)")
         if self.recompute_layers is not None and self.recompute_layers < 1:
             problems.append(f"{join_path(path, 'recompute_layers')}: must be >= 1 (or unset: all layers), got {self.recompute_layers}")
         return problems + self._lr_schedule_problems(path)

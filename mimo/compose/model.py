@@ -109,6 +109,15 @@ class MimoModel:
     def encoder_grids(self) -> dict[str, ParallelGrid]:
         return {name: part.grid for name, part in self.encoders.items()}
 
+    def wait_roots(self, module: str) -> list[torch.nn.Module]:
+        """The submodules of ``module`` on this rank whose forwards first use its weights, outer
+        before inner: the LLM stage and its layers; an encoder and its tower's blocks (a sharded
+        optimizer's weight gathers are waited for there)."""
+        if module == self.llm_name:
+            return [] if self.stage is None else [self.stage, *self.stage.layers.values()]
+        part = self.encoders[module].module
+        return [] if part is None else [part, *part.tower.blocks]
+
     # ---- views ----
     @property
     def sequence_parallel(self) -> bool:
@@ -129,7 +138,7 @@ class MimoModel:
             infos = _describe(self.llm_name, self.stage.param_table(), self.llm_ctx)
             for info in infos:  # a tied embedding's last-stage copy is the same parameter: count it once
                 if tied is not None and info.param is tied and not self.stage.is_first:
-                    info.counts_in_norm = False
+                    info.counts_in_norm = info.counts_in_shard_norm = False
             out += infos
         return out
 
@@ -160,5 +169,5 @@ def _describe(module_name: str, table, ctx: ParallelContext) -> list[TrainParam]
         group = info.view.group("grad")
         # no weight decay on biases, norms and other vectors (the usual AdamW practice)
         out.append(TrainParam(module_name, name, info.param, group, info.is_owner, info.param.dim() >= 2,
-                              partial_groups=info.partial_groups))
+                              partial_groups=info.partial_groups, counts_in_shard_norm=info.is_owner_but_data_parallel))
     return out

@@ -54,6 +54,8 @@ class TrainParam:
     counts_in_norm: bool
     weight_decay: bool = True
     partial_groups: tuple = ()  # groups over which each rank's gradient is a partial sum (TP): summed first
+    # counts in the norm but for its data-parallel copies (a sharded optimizer's shards decide those)
+    counts_in_shard_norm: bool = False
 
 
 def main_grad(param: nn.Parameter) -> torch.Tensor | None:
@@ -82,6 +84,14 @@ class ParamInfo:
     def is_owner(self) -> bool:
         """This rank's copy is the one counted in the global norm and written to checkpoints."""
         return self.placement.is_owner(tuple(self.view.grid.shape), self.view.grid.coords(self.view.rank))
+
+    @property
+    def is_owner_but_data_parallel(self) -> bool:
+        """``is_owner`` over every axis but those its gradient is summed over (dp and cp; edp on
+        the expert view): the copies a sharded optimizer's shards do not tell apart already."""
+        grad_axes = ("edp",) if "edp" in self.view.grid.shape else ("cp", "dp")
+        axes = tuple(a for a in self.view.grid.shape if a not in grad_axes)
+        return self.placement.is_owner(axes, self.view.grid.coords(self.view.rank))
 
     def record(self) -> dict:
         return self.placement.record(self.sizes, self.coords)

@@ -65,6 +65,7 @@ from mimo.compose.model import MimoModel
 from mimo.core.errors import CheckpointError
 from mimo.parallel.params import ParamInfo, param_table
 from mimo.parallel.placement import replicated
+from mimo.training.bucket_optim import BucketAdamW, finish_updates
 
 log = logging.getLogger("mimo.training.checkpoint")
 
@@ -435,18 +436,23 @@ def _barrier() -> None:
 
 def _write_part(part: _Part, opt: torch.optim.Optimizer | None, directory: str, rank: int, step: int) -> list[str]:
     """This rank's files of ``part``: the tensors it owns with their placement records, and
-    their optimizer state (none where it owns nothing)."""
+    their optimizer state (none where it owns nothing); a bucketed optimizer's shard, every rank."""
+    paths = []
+    if isinstance(opt, BucketAdamW):
+        paths.append(os.path.join(directory, _file(part.module, rank, "dopt")))
+        _save_bucket_optimizer(opt, part, paths[-1])
+        opt = None
     names = [n for n in part.table if part.writes(n)]
     if not names:
-        return []
+        return paths
     stray = [n for n in names if part.owner(n) != rank]
     if stray:  # a parameter whose context does not place this rank where the module's grid does
         raise CheckpointError(f"module {part.module!r}: rank {rank} owns {stray[0]!r} by its placement, but its grid "
                               f"puts the owner at rank {part.owner(stray[0])} (a parameter on the wrong ParallelContext?)")
     tensors = {n: part.table[n].param.detach().to("cpu", copy=True).contiguous() for n in names}
     records = {n: part.table[n].record() for n in names}
-    paths = [os.path.join(directory, _file(part.module, rank, "model"))]
-    save_file(tensors, paths[0], metadata={"module": part.module, "step": str(step), "rank": str(rank),
+    paths.append(os.path.join(directory, _file(part.module, rank, "model")))
+    save_file(tensors, paths[-1], metadata={"module": part.module, "step": str(step), "rank": str(rank),
                                            "placements": json.dumps(records)})
     if opt is not None:
         paths.append(os.path.join(directory, _file(part.module, rank, "optim")))
@@ -463,6 +469,7 @@ def save_checkpoint(model: MimoModel, optimizers: dict[str, torch.optim.Optimize
     """
     rank, final = model.rank, step_dir(directory, step)
     tmp = final + ".tmp"
+    finish_updates(optimizers)  # a sharded optimizer's weights still in flight
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed save of the same step
@@ -545,6 +552,33 @@ def _read_part(part: _Part, files: _Files) -> None:
                                   f"unexpected tensors {extra[:3]}{' ...' if len(extra) > 3 else ''}")
 
 
+def _save_bucket_optimizer(opt: BucketAdamW, part: _Part, path: str) -> None:
+    """A ``BucketAdamW``'s shard: its pieces of every parameter with the flat range they cover,
+    and the parameters' placement records (``mimo.training.bucket_optim``)."""
+    tensors, meta = opt.state_pieces()
+    names = part.names_by_param()
+    meta["placements"] = {pc.name: part.table[names[id(pc.param)]].record() for s in opt.states for pc in s.pieces
+                          if pc.name in meta["ranges"]}
+    save_file(tensors, path, metadata={"optimizer": type(opt).__name__, "shard": json.dumps(meta)})
+
+
+def _read_bucket_optimizer(part: _Part, opt: BucketAdamW, path: str, rank: int) -> None:
+    file = os.path.join(path, _file(part.module, rank, "dopt"))
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{file}: missing; this checkpoint holds no sharded optimizer state for rank {rank} "
+                              f"(written without train.distributed_optimizer / optimizer_offload?)")
+    with open_tensors(file) as f:
+        meta = json.loads(f.metadata()["shard"])
+        names = part.names_by_param()
+        for s in opt.states:
+            for pc in s.pieces:
+                rec = meta["placements"].get(pc.name)
+                if rec is not None and rec != part.table[names[id(pc.param)]].record():
+                    raise CheckpointError(f"{file}: {pc.name!r} was written with placement {rec}, this rank holds "
+                                          f"{part.table[names[id(pc.param)]].record()}")
+        opt.load_state_pieces({k: f.get_tensor(k) for k in f.keys()}, meta, file)
+
+
 def _read_optimizer(part: _Part, opt: torch.optim.Optimizer, path: str) -> None:
     """The state of each parameter ``opt`` trains, from its owner's file."""
     owner_file = {n: os.path.join(path, _file(part.module, part.owner(n), "optim")) for n in part.table}
@@ -570,7 +604,10 @@ def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.opt
         for part in parts.values():
             _read_part(part, files)
     for module, opt in (optimizers or {}).items():
-        _read_optimizer(parts[module], opt, path)
+        if isinstance(opt, BucketAdamW):
+            _read_bucket_optimizer(parts[module], opt, path, model.rank)
+        else:
+            _read_optimizer(parts[module], opt, path)
     if rng:
         _restore_rng(os.path.join(path, f"rng-rank{model.rank:05d}.safetensors"))
     return meta

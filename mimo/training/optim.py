@@ -297,6 +297,22 @@ class GradSync:
                 if self.note is not None:
                     self.note("bucket_reduce_end", module, bucket=b.index)
 
+    def module_buckets(self, module: str) -> list[_Bucket]:
+        """Every bucket of ``module`` (summed over a DP group or not), in the order they were made."""
+        return [b for b in self._all if b.module == module]
+
+    def gather_shards(self, params: Iterable[torch.nn.Parameter] | None = None) -> None:
+        """Reduce-scatter mode, after ``finish``: all-gather the summed shards of the buckets
+        holding ``params`` (default: all) so that their main gradients hold the whole sums (a
+        tied embedding's copies summed across stages; verification reading full gradients)."""
+        if self.mode != "reduce_scatter":
+            return
+        wanted = None if params is None else {id(p) for p in params}
+        for b in self._all:
+            if b.shard is None or (wanted is not None and not any(id(p) in wanted for p in b.params)):
+                continue
+            dist.all_gather_into_tensor(b.flat, b.shard.clone(), group=b.group)
+
     def shards(self, module: str) -> list[tuple[torch.Tensor, int]]:
         """Reduce-scatter mode: (this rank's summed shard, its offset in the bucket) of each DP
         bucket of ``module``, in launch order (after ``finish``)."""
@@ -356,12 +372,20 @@ def global_grad_norm(params: Iterable[TrainParam], device: torch.device | str, w
     return total.sqrt()
 
 
+def clip_scale(max_norm: float | None, norm: torch.Tensor) -> torch.Tensor:
+    """The factor clipping multiplies gradients by: ``min(1, max_norm / (norm + 1e-6))`` (1
+    without clipping), where ``norm`` lives."""
+    if max_norm is None:
+        return torch.ones_like(norm)
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
 def clip_grads_(params: Iterable[TrainParam], max_norm: float | None, norm: torch.Tensor) -> None:
     """Scale gradients so the global norm is at most ``max_norm``: by
     ``min(1, max_norm / (norm + 1e-6))``, computed where ``norm`` lives (no host read)."""
     if max_norm is None:
         return
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    scale = clip_scale(max_norm, norm)
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     seen: set[int] = set()  # a parameter listed under two names is scaled once
     for p in params:

@@ -16,6 +16,7 @@ from mimo.data.index import Index
 from mimo.data.pipeline import DataPipeline
 from mimo.compose.inputs import data_plan, encoder_feeds, ensure_index, sample_reader, text_spec
 from mimo.compose.model import MimoModel
+from mimo.training.bucket_optim import build_bucket_optimizers
 from mimo.training.optim import GradSync, PrecisionPolicy, build_optimizers
 from mimo.training.step import grad_sync_for
 
@@ -46,8 +47,15 @@ def build_run(config: MimoConfig, rank: int, index: Index | None = None, policy:
     if index is None:
         index, _ = ensure_index(config)
     pipeline = data_pipeline(config, model, data_plan(config, index), config.train.micro_batches)
-    optimizers = build_optimizers(model.train_params(), *config.optimizer_settings(), policy=policy)
-    grad_sync_for(model, policy)  # the run's main-gradient buffers, once
+    train = config.train
+    grad_sync = grad_sync_for(model, policy)  # the run's main-gradient buffers, once
+    if train.distributed_optimizer or train.optimizer_offload:
+        optimizers = build_bucket_optimizers(model.train_params(), grad_sync, *config.optimizer_settings(),
+                                             sharded=train.distributed_optimizer, offload=train.optimizer_offload)
+        for name, opt in optimizers.items():  # each layer waits for its weights' gather, not the whole model
+            opt.wait_hooks(model.wait_roots(name))
+    else:
+        optimizers = build_optimizers(model.train_params(), *config.optimizer_settings(), policy=policy)
     if config.train.compile:
         compile_blocks(model)
     return Run(config, model, pipeline, optimizers, policy)

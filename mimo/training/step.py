@@ -30,7 +30,8 @@ from mimo.compose.model import MimoModel
 from mimo.data.pipeline import DataPipeline
 from mimo.llm.balance import STATS, balance_step, reset_accumulators, stats_metrics
 from mimo.llm.model import sync_tied_grads
-from mimo.training.optim import GradSync, PrecisionPolicy, bucket_numel, clip_grads_, global_grad_norm, lr_for
+from mimo.training.bucket_optim import BucketAdamW, bucket_grad_norm
+from mimo.training.optim import GradSync, PrecisionPolicy, bucket_numel, clip_grads_, clip_scale, global_grad_norm, lr_for
 from mimo.training.schedule_run import run_schedule
 from mimo.training.trace import Trace
 
@@ -94,7 +95,9 @@ def grad_sync_for(model: MimoModel, policy: PrecisionPolicy | None = None) -> Gr
     makes it) and kept on the model, the same buffers every step."""
     if model.grad_sync is None:
         reduce_dtype = policy.grad_reduce if policy else torch.float32
-        model.grad_sync = GradSync(model.train_params(), policy, bucket_numel(model.config.train.grad_bucket_mb, reduce_dtype))
+        mode = "reduce_scatter" if model.config.train.distributed_optimizer else "all_reduce"
+        model.grad_sync = GradSync(model.train_params(), policy, bucket_numel(model.config.train.grad_bucket_mb, reduce_dtype),
+                                   mode=mode)
     return model.grad_sync
 
 
@@ -121,13 +124,25 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
                               grad_sync)
     grad_sync.finish()
     if model.stage is not None:
+        tied = model.stage.tied_weight()
+        if tied is not None and model.llm_embedding_group is not None:
+            grad_sync.gather_shards([tied])  # (sharded: the two copies' buckets are cut differently)
         sync_tied_grads(model.stage, model.llm_embedding_group)
     # on the rank's device, also where no parameter trains (one backend for the all-reduce);
     # read below, after the optimizer's launches
-    norm_t = global_grad_norm(params, model.device)
+    bucketed = [o for o in optimizers.values() if isinstance(o, BucketAdamW)]
+    if bucketed:  # every module's: their shards hold the gradients
+        norm_t = bucket_grad_norm(bucketed, model.device)
+    else:
+        norm_t = global_grad_norm(params, model.device)
     if on_grads is not None:
         on_grads(model, float(norm_t))
-    clip_grads_(params, cfg.train.grad_clip, norm_t)
+    if bucketed:
+        scale = clip_scale(cfg.train.grad_clip, norm_t)
+        for opt in bucketed:
+            opt.clip_(scale)
+    else:
+        clip_grads_(params, cfg.train.grad_clip, norm_t)
     lrs = {}
     for module, opt in optimizers.items():
         # each module's own base lr (AdamW keeps it in defaults), on the shared schedule
