@@ -113,6 +113,11 @@ class EncoderModuleConfig:
         if par.tp >= 1:
             sizes = {name: getattr(arch, name) for name in ("heads", "hidden", "mlp")}
             problems += tp_divides(par.tp, sizes, pkey("tp"))
+            n = par.tp * par.gtp
+            bad = [f"arch.{k}={getattr(arch, k)}" for k in ("hidden", "mlp") if getattr(arch, k) % n]
+            if par.gtp > 1 and bad:
+                problems.append(f"{pkey('gtp')}: tp*gtp = {n} must divide {', '.join(bad)} (GTP splits each weight's "
+                                f"output rows over tp x gtp)")
         layer = self.feature_layer
         if isinstance(layer, int) and not -arch.layers <= layer <= arch.layers:
             problems.append(

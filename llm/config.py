@@ -321,7 +321,29 @@ class LLMModuleConfig:
                 if arch.moe.shared_ffn:
                     sizes["moe.shared_ffn"] = arch.moe.shared_ffn
             problems += tp_divides(par.tp, sizes, pkey("tp"))
+        if par.gtp > 1 and par.tp >= 1:
+            problems += self._gtp_problems(pattern, pkey("gtp"))
         return problems
+
+    def _gtp_problems(self, pattern: LayerPattern, key: str) -> list[str]:
+        """GTP splits each large weight's output rows (every fused part on its own) over tp x gtp."""
+        arch, n = self.arch, self.parallel.tp * self.parallel.gtp
+        sizes = {"hidden": arch.hidden}
+        if "attention" in pattern.kinds:
+            sizes.update({"heads*head_dim": arch.heads * arch.head_dim, "kv_heads*head_dim": arch.kv_heads * arch.head_dim})
+        if "mlp" in pattern.kinds:
+            sizes["ffn"] = arch.ffn
+        if "mamba" in pattern.kinds:
+            sizes.update({"mamba_heads*mamba_head_dim": arch.mamba_heads * arch.mamba_head_dim,
+                          "mamba_heads": arch.mamba_heads, "mamba_groups*mamba_state": arch.mamba_groups * arch.mamba_state})
+        if "gdn" in pattern.kinds:
+            sizes.update({"gdn_heads*gdn_head_dim": arch.gdn_heads * arch.gdn_head_dim,
+                          "gdn_v_heads*gdn_v_head_dim": arch.gdn_v_heads * arch.gdn_v_head_dim, "gdn_v_heads": arch.gdn_v_heads})
+        if "moe" in pattern.kinds and arch.moe is not None and arch.moe.shared_ffn:
+            sizes["moe.shared_ffn"] = arch.moe.shared_ffn
+        bad = [f"arch.{k}={v}" for k, v in sizes.items() if v and v % n]
+        return [f"{key}: tp*gtp = {n} must divide {', '.join(bad)} (GTP splits each weight's output rows over "
+                f"tp x gtp)"] if bad else []
 
     def expert_layout(self) -> tuple[int, int] | None:
         """``(etp, ep)`` of the experts' own view of the grid (parallel folding), or None where
@@ -346,8 +368,8 @@ class LLMModuleConfig:
             problems.append(f"{pkey('ep')}: ep={par.ep} must divide arch.moe.experts={moe.experts}")
         if par.expert_tp != par.tp and moe.ffn >= 1 and moe.ffn % par.expert_tp:  # etp = tp: the tp check says it
             problems.append(f"{pkey('etp')}: etp={par.expert_tp} must divide arch.moe.ffn={moe.ffn}")
-        stage = par.tp * par.cp * par.dp
+        stage = par.tp * par.cp * par.replicas
         if stage % (par.expert_tp * par.ep):
             problems.append(f"{pkey('ep')}: etp*ep = {par.expert_tp}*{par.ep} = {par.expert_tp * par.ep} does not divide "
-                            f"the {stage} ranks of a pipeline stage (tp*cp*dp = {par.tp}*{par.cp}*{par.dp})")
+                            f"the {stage} ranks of a pipeline stage (tp*cp*dp = {par.tp}*{par.cp}*{par.replicas})")
         return problems

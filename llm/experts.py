@@ -153,13 +153,14 @@ class SharedExpert(nn.Module):
         self.ffn, self.act, self.gated = ffn, act, act == "swiglu"
         width = 2 * ffn if self.gated else ffn
         partial = ("tp",) if ctx.tp_size > 1 else ()
-        self._placements = {"up_proj": _up_placement((width, dim), ffn, self.gated, 0),
-                            "down_proj": sharded((dim, ffn), 1)}
+        self._placements = {"up_proj": ctx.gtp_shard(_up_placement((width, dim), ffn, self.gated, 0)),
+                            "down_proj": ctx.gtp_shard(sharded((dim, ffn), 1))}
         if gate:  # applied to partial outputs: its gradient is a partial sum over TP
             self._placements["gate"] = replicated((1, dim), partial=partial)
-        sizes = {"tp": ctx.tp_size}
         for name, pl in self._placements.items():
-            setattr(self, name, nn.Parameter(torch.empty(pl.local_shape(sizes))))
+            view = ctx.view(pl.axes)
+            setattr(self, name, nn.Parameter(torch.empty(pl.local_shape({a: view.size(a) for a in pl.axes}))))
+            ctx.gtp_register(getattr(self, name), pl)
         self.has_gate = gate
         self.recipe = gemm.DEFAULT_RECIPE
 

@@ -191,7 +191,7 @@ class GatedDeltaNetMixer(TPModule):
         dq, dv, k = cfg.heads * cfg.head_dim, cfg.v_heads * cfg.v_head_dim, cfg.conv_kernel
         in_parts = (dq, dq, dv, dv, cfg.v_heads, cfg.v_heads)
         self._placements = {
-            "in_proj_weight": sharded((sum(in_parts), cfg.hidden), 0, parts=in_parts),
+            "in_proj_weight": self.ctx.gtp_shard(sharded((sum(in_parts), cfg.hidden), 0, parts=in_parts)),
             "conv_weight": sharded((2 * dq + dv, k), 0, parts=(dq, dq, dv)),
             "dt_bias": sharded((cfg.v_heads,), 0),
             "A_log": sharded((cfg.v_heads,), 0),

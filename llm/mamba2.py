@@ -187,8 +187,8 @@ class Mamba2Mixer(TPModule):
             return replicated(shape, partial=("tp",))  # each rank's heads read all of B, C: partial grads
 
         self._placements = {
-            "in_proj_weight": sharded((2 * d_inner + cfg.heads, cfg.hidden), 0, parts=(d_inner, d_inner, cfg.heads)),
-            "in_bc_weight": bc_placement((2 * bc, cfg.hidden)),
+            "in_proj_weight": self.ctx.gtp_shard(sharded((2 * d_inner + cfg.heads, cfg.hidden), 0, parts=(d_inner, d_inner, cfg.heads))),
+            "in_bc_weight": self.ctx.gtp_shard(bc_placement((2 * bc, cfg.hidden))),
             "conv_x_weight": sharded((d_inner, k), 0),
             "conv_x_bias": sharded((d_inner,), 0),
             "conv_bc_weight": bc_placement((2 * bc, k)),

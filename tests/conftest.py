@@ -124,3 +124,20 @@ def _resume_case(config_path: str, overrides: list[str], root: str, other: list[
 def resume_case():
     """The rank function ``_resume_case`` (for a worker pool)."""
     return _resume_case
+
+
+def _verify_layout(pools, config: str, overrides: list[str], steps: int, world: int = 4, tol: float = 1e-5) -> dict:
+    """``mimo verify-train``'s report for ``overrides`` of ``config`` on a ``world``-rank pool
+    against the one-process run (of the overrides that are not about the layout)."""
+    from mimo.commands.verify_train import compare, references, train_case
+
+    layout = pools(world).run(train_case, config, overrides, steps, False)
+    model = [o for o in overrides if "parallel" not in o and not o.startswith("world_size")]
+    ref32, ref64 = references(pools(1), config, model, steps)
+    return compare(layout, ref32, tol, fp64=ref64)
+
+
+@pytest.fixture(scope="session")
+def verify_layout():
+    """``verify(pools, config, overrides, steps, world=4, tol=1e-5) -> report`` (``_verify_layout``)."""
+    return _verify_layout

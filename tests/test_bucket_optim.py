@@ -39,20 +39,10 @@ def cp_config(tmp_path_factory, write_moe_configs):
     return write_moe_configs(tmp_path_factory.mktemp("bucket_optim"), train_samples=160, seed=11, names=("cp",))["cp"]
 
 
-def _verify(pools, config, overrides, world=4):
-    from mimo.commands.verify_train import compare, references, train_case
-
-    layout = pools(world).run(train_case, config, overrides, STEPS, False)
-    ref32, ref64 = references(pools(1), config, [o for o in overrides if "parallel" not in o and "world_size" not in o],
-                              STEPS)
-    return compare(layout, ref32, 1e-5, fp64=ref64)
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_verify_train_with_a_bucketed_optimizer(pools, cp_config, name):
+def test_verify_train_with_a_bucketed_optimizer(pools, cp_config, name, verify_layout):
     overrides = LAYOUTS[name]
-    world = 3 if "world_size=3" in overrides else 4
-    report = _verify(pools, cp_config, overrides, world)
+    report = verify_layout(pools, cp_config, overrides, STEPS, world=3 if "world_size=3" in overrides else 4)
     assert report["ok"], report
 
 

@@ -142,11 +142,6 @@ def cp_config(tmp_path_factory, write_moe_configs):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_verify_train_with_recompute(pools, cp_config, name):
-    from mimo.commands.verify_train import compare, references, train_case
-
-    overrides = LAYOUTS[name]
-    layout = pools(4).run(train_case, cp_config, overrides, STEPS, False)
-    ref32, ref64 = references(pools(1), cp_config, [o for o in overrides if "parallel" not in o], STEPS)
-    report = compare(layout, ref32, 1e-5, fp64=ref64)
+def test_verify_train_with_recompute(pools, cp_config, name, verify_layout):
+    report = verify_layout(pools, cp_config, LAYOUTS[name], STEPS)
     assert report["ok"], report

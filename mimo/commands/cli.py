@@ -60,6 +60,10 @@ def format_layout(rows: list[dict[str, Any]]) -> str:
         [r["module"], r["kind"], r["ranks"], *(str(r[k]) for k in ("tp", "cp", "dp", "pp")), ", ".join(r["colocated_with"]) or "-"]
         for r in rows
     ]
+    if any(r.get("gtp") for r in rows):
+        header.insert(4, "gtp")
+        for line, r in zip(cells, rows):
+            line.insert(4, str(r.get("gtp", 1)))
     if any(r.get("experts") for r in rows):
         header.append("experts etp x ep x edp")
         for line, r in zip(cells, rows):

@@ -245,9 +245,11 @@ class MimoConfig:
                     "pp": par.pp,
                     "colocated_with": [o for o in self.modules if o != name and self.rank_range(o) == ranks],
                     "experts": None if folded is None else {
-                        "etp": folded[0], "ep": folded[1], "edp": par.tp * par.cp * par.dp // (folded[0] * folded[1])},
+                        "etp": folded[0], "ep": folded[1], "edp": par.tp * par.cp * par.replicas // (folded[0] * folded[1])},
                 }
             )
+            if par.gtp > 1:  # (only where used: the rows of other layouts stay as they were)
+                rows[-1]["gtp"] = par.gtp
         return rows
 
     def as_dict(self) -> dict[str, Any]:
@@ -336,12 +338,11 @@ class MimoConfig:
                 problems.append(f"{key}.ranks: {par.ranks!r} exceeds world_size={self.world_size} (ranks 0:{self.world_size})")
                 continue
             ranges[name] = ranks
-            if min(par.tp, par.cp, par.dp, par.pp) >= 1 and par.size != len(ranks):
+            if min(par.tp, par.cp, par.dp, par.pp, par.gtp) >= 1 and par.size != len(ranks):
                 where = f"ranks {par.ranks!r} hold" if par.ranks is not None else "the whole world (no parallel.ranks) holds"
-                problems.append(
-                    f"{key}: tp*cp*dp*pp = {par.tp}*{par.cp}*{par.dp}*{par.pp} = {par.size}, "
-                    f"but {where} {len(ranks)} ranks"
-                )
+                names, sizes = ("tp", "gtp", "cp", "dp", "pp") if par.gtp > 1 else ("tp", "cp", "dp", "pp"), []
+                sizes = [str(getattr(par, n)) for n in names]
+                problems.append(f"{key}: {'*'.join(names)} = {'*'.join(sizes)} = {par.size}, but {where} {len(ranks)} ranks")
         for (a, ra), (b, rb) in itertools.combinations(ranges.items(), 2):
             shared = set(ra) & set(rb)
             if shared and ra != rb:

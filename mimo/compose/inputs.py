@@ -117,7 +117,7 @@ def read_packs(reader, samples: list, llm_parallel, rows_per_image: dict[str, in
 
     par = llm_parallel
     out = []
-    for block in llm_blocks(samples, par.dp):
+    for block in llm_blocks(samples, par.replicas):
         got = list(map_fn(reader.read, [samples[i] for i in block]))
         out.append((got, pack([r.item for r in got], rows_per_image, par.tp, par.cp, par.sequence_parallel, reader.pad_id)))
     return out
@@ -155,7 +155,7 @@ def inspect(config: MimoConfig, batches: int) -> dict:
         mean = sum(per_rank) / len(per_rank)
         ratios.append(max(per_rank) / mean if mean else 1.0)
     capacity = config.data.tokens_per_microbatch / llm.dp
-    mean_tokens = real / (batches * llm.dp)
+    mean_tokens = real / (batches * llm.replicas)
     return {
         "index": status,
         "samples_indexed": len(index.entries) if index is not None else None,

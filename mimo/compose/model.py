@@ -58,13 +58,13 @@ class MimoModel:
         par = llm_cfg.parallel
         # the experts' own view (parallel folding) where they are laid out unlike the dense layers
         self.llm_ctx = ParallelContext(par.grid(config.world_size, registry), rank, registry,
-                                       sequence_parallel=par.sequence_parallel, expert=llm_cfg.expert_layout())
+                                       sequence_parallel=par.sequence_parallel, expert=llm_cfg.expert_layout(), gtp=par.gtp)
         self.llm_grid = self.llm_ctx.grid
         self.llm_embedding_group = embedding_group(self.llm_ctx)
         self.encoders: dict[str, EncoderPart] = {}
         for name, enc in config.encoders.items():
             ctx = ParallelContext(enc.parallel.grid(config.world_size, registry), rank, registry,
-                                  sequence_parallel=enc.parallel.sequence_parallel)
+                                  sequence_parallel=enc.parallel.sequence_parallel, gtp=enc.parallel.gtp)
             bridge = registry.group(set(ctx.grid.ranks) | set(self.llm_grid.ranks), rank)
             module = None
             if ctx.member:
@@ -108,6 +108,12 @@ class MimoModel:
 
     def encoder_grids(self) -> dict[str, ParallelGrid]:
         return {name: part.grid for name, part in self.encoders.items()}
+
+    def gtp_chains(self) -> dict:
+        """Module name -> its GTP chain on this rank (``mimo.parallel.gtp``), where it has one."""
+        out = {name: part.ctx.gtp_chain for name, part in self.encoders.items() if part.module is not None}
+        out[self.llm_name] = self.llm_ctx.gtp_chain if self.stage is not None else None
+        return {name: chain for name, chain in out.items() if chain is not None}
 
     def wait_roots(self, module: str) -> list[torch.nn.Module]:
         """The submodules of ``module`` on this rank whose forwards first use its weights, outer

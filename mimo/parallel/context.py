@@ -52,7 +52,7 @@ class ParallelContext:
     the same point: it creates its groups (collective) in a fixed order."""
 
     def __init__(self, grid: ParallelGrid, rank: int, registry: GroupRegistry, *, sequence_parallel: bool = False,
-                 expert: tuple[int, int] | None = None):
+                 expert: tuple[int, int] | None = None, gtp: int = 1):
         self.grid, self.rank, self.registry = grid, rank, registry
         dense = AxisView(grid, rank)
         for axis in ("tp", "cp", "dp", "pp"):
@@ -71,6 +71,21 @@ class ParallelContext:
             ev.groups["grad"] = ev.groups["edp"]
             self.expert = ev
         self.sequence_parallel = bool(sequence_parallel) and self.tp_size > 1
+        self.gtp: AxisView | None = None
+        self.gtp_chain = None
+        if gtp > 1:  # the data replicas re-factored gtp x dp; weights split over gtp (mimo.parallel.gtp)
+            from mimo.parallel.gtp import GTPChain
+
+            view = grid.gtp_view(gtp)
+            gv = AxisView(view, rank)
+            for axis in ("gtp", "dp"):
+                gv.groups[axis] = registry.partition(view.partition(axis), rank) if view.shape[axis] > 1 else None
+            for axis in ("tp", "cp", "pp"):
+                gv.groups[axis] = dense.groups[axis]
+            dims = tuple(d for d in ("cp", "dp") if view.shape.get(d, 1) > 1)
+            gv.groups["grad"] = registry.partition(view.partition(dims), rank) if dims else None
+            self.gtp = gv
+            self.gtp_chain = GTPChain(gv.groups["gtp"], gtp, gv.coord("gtp"))
 
     @classmethod
     def for_tp(cls, tp_group=None, sequence_parallel: bool = False) -> "ParallelContext":
@@ -89,6 +104,7 @@ class ParallelContext:
         ctx.grid, ctx.rank, ctx.registry = grid, rank, None
         ctx.dense = AxisView(grid, rank, {"tp": tp_group, "cp": None, "dp": None, "pp": None, "grad": None})
         ctx.expert = None
+        ctx.gtp, ctx.gtp_chain = None, None
         ctx.sequence_parallel = bool(sequence_parallel) and ctx.tp_size > 1
         return ctx
 
@@ -143,9 +159,29 @@ class ParallelContext:
         return self.dense.groups["grad"]
 
     # ---- any axis (what placements use) ----
+    @property
+    def gtp_size(self) -> int:
+        return 1 if self.gtp is None else self.gtp.size("gtp")
+
+    def gtp_shard(self, placement):
+        """``placement`` as GTP keeps it on this context (``mimo.parallel.gtp.gtp_placement``)."""
+        from mimo.parallel.gtp import gtp_placement
+
+        return gtp_placement(placement, self.gtp_size)
+
+    def gtp_register(self, param, placement) -> None:
+        """Gather ``param`` just in time when ``placement`` shards it over gtp."""
+        if "gtp" in placement.axes:
+            self.gtp_chain.register(param, placement, self.tp_size)
+
     def view(self, axes: Iterable[str]) -> AxisView:
-        """The view whose axes these are: the expert view for etp / ep / edp, else the dense one."""
+        """The view whose axes these are: the expert view for etp / ep / edp, the GTP view for
+        gtp, else the dense one."""
         axes = tuple(axes)
+        if "gtp" in axes:
+            if self.gtp is None:
+                raise LayoutError(f"axes {axes} need the GTP view, which this module does not have")
+            return self.gtp
         if any(a in ("etp", "ep", "edp") for a in axes):
             if self.expert is None:
                 raise LayoutError(f"axes {axes} need the expert view, which this module does not have")

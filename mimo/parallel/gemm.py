@@ -37,7 +37,12 @@ DEFAULT_RECIPE = GemmRecipe()
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            recipe: GemmRecipe = DEFAULT_RECIPE) -> torch.Tensor:
-    """``x @ weight.T + bias`` (``weight`` is ``[out, in]``, as ``torch.nn.Linear``)."""
+    """``x @ weight.T + bias`` (``weight`` is ``[out, in]``, as ``torch.nn.Linear``); a weight
+    GTP shards is gathered just in time (``mimo.parallel.gtp``)."""
+    if getattr(weight, "gtp", None) is not None:
+        from mimo.parallel.gtp import gtp_linear
+
+        return gtp_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

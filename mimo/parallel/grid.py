@@ -157,6 +157,20 @@ class ParallelGrid:
         return dims
 
     # ---- views ----
+    def gtp_view(self, gtp: int) -> "ParallelGrid":
+        """GTP: the same ranks with the data replicas split as gtp (fastest) x dp; its gtp
+        groups shard the large weights (``mimo.parallel.gtp``)."""
+        dp = self.shape.get("dp", 1)
+        if gtp < 1 or dp % gtp:
+            raise LayoutError(f"gtp={gtp} does not divide the grid's {dp} data replicas")
+        shape = {d: n for d, n in self.shape.items() if d != "dp" and d != "pp"}
+        shape.update(gtp=gtp, dp=dp // gtp)
+        if "pp" in self.shape:
+            shape["pp"] = self.shape["pp"]
+        if self.dims != tuple(d for d in ("tp", "cp", "dp", "pp") if d in self.shape):
+            raise LayoutError("the GTP view needs a tp, cp, dp, pp grid")
+        return ParallelGrid(shape, self.offset, registry=self.registry)
+
     def expert_view(self, etp: int, ep: int) -> "ParallelGrid":
         """MoE parallel folding: ETP x EP x EDP x PP over the same ranks, sharing PP groups.
 
@@ -204,6 +218,7 @@ class ParallelConfig:
     dp: int = 1
     pp: int = 1
     cp: int = 1
+    gtp: int = 1  # GTP: large weights further split inside TP over gtp data replicas (mimo.parallel.gtp)
     ep: int = 1  # expert parallel size (MoE LLM): experts split over ep ranks of a stage
     etp: int | None = None  # expert tensor parallel size; None: tp
     sequence_parallel: bool = False
@@ -211,7 +226,12 @@ class ParallelConfig:
 
     @property
     def size(self) -> int:
-        return self.tp * self.cp * self.dp * self.pp
+        return self.tp * self.gtp * self.cp * self.dp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: dp, times gtp (each GTP rank takes its own share of the data)."""
+        return self.gtp * self.dp
 
     @property
     def expert_tp(self) -> int:
@@ -231,7 +251,7 @@ class ParallelConfig:
     def grid(self, world_size: int, registry: GroupRegistry | None = None) -> ParallelGrid:
         """The module's grid; ``registry``: the run's (its groups), else a private one."""
         r = self.rank_range(world_size)
-        return ParallelGrid({"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}, r.start, registry=registry)
+        return ParallelGrid({"tp": self.tp, "cp": self.cp, "dp": self.replicas, "pp": self.pp}, r.start, registry=registry)
 
     def validate(self, path: str) -> list[str]:
         """Config problems of this section alone (mimo.core.schema calls it; the fit of the rank
@@ -239,7 +259,7 @@ class ParallelConfig:
         key = (lambda name: f"{path}.{name}" if path else name)
         problems = [
             f"{key(name)}: must be >= 1, got {getattr(self, name)}"
-            for name in ("tp", "dp", "pp", "cp", "ep", "etp")
+            for name in ("tp", "dp", "pp", "cp", "ep", "etp", "gtp")
             if getattr(self, name) is not None and getattr(self, name) < 1
         ]
         if self.ranks is not None:

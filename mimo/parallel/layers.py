@@ -57,7 +57,9 @@ class TPModule(nn.Module):
 
     def _new_param(self, placement: ParamPlacement, device, dtype) -> nn.Parameter:
         sizes, _ = self._sizes_coords(placement)
-        return nn.Parameter(torch.empty(placement.local_shape(sizes), device=device, dtype=dtype))
+        param = nn.Parameter(torch.empty(placement.local_shape(sizes), device=device, dtype=dtype))
+        self.ctx.gtp_register(param, placement)  # a GTP-sharded weight is gathered when used
+        return param
 
     @torch.no_grad()
     def init_weights(self, seed: int, std: float, bias_std: float = 0.0) -> None:
@@ -98,12 +100,12 @@ class ColumnParallelLinear(TPModule):
                  device=None, dtype=None):
         super().__init__(ctx, sequence_parallel)
         self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
-        self._placements = {"weight": sharded((out_features, in_features), 0, pad=pad_out_features)}
+        self._placements = {"weight": self.ctx.gtp_shard(sharded((out_features, in_features), 0, pad=pad_out_features))}
         if bias:
             self._placements["bias"] = sharded((out_features,), 0, pad=pad_out_features)
         self.weight = self._new_param(self._placements["weight"], device, dtype)
         self.bias = self._new_param(self._placements["bias"], device, dtype) if bias else None
-        self.padded_out_features = self.weight.shape[0] * self.tp_size
+        self.padded_out_features = self._placements["weight"].padded_shape({"tp": self.tp_size})[0]
 
     def placements(self) -> dict[str, ParamPlacement]:
         return self._placements
@@ -137,7 +139,7 @@ class FusedColumnParallelLinear(TPModule):
         super().__init__(ctx, sequence_parallel)
         self.in_features, self.parts, self.has_bias = in_features, dict(parts), bias
         sizes = tuple(self.parts.values())
-        self._placements = {"weight": sharded((sum(sizes), in_features), 0, parts=sizes)}
+        self._placements = {"weight": self.ctx.gtp_shard(sharded((sum(sizes), in_features), 0, parts=sizes))}
         if bias:
             self._placements["bias"] = sharded((sum(sizes),), 0, parts=sizes)
         self.weight = self._new_param(self._placements["weight"], device, dtype)
@@ -170,7 +172,7 @@ class RowParallelLinear(TPModule):
                  input_is_parallel: bool = True, sequence_parallel: bool | None = None, *, device=None, dtype=None):
         super().__init__(ctx, sequence_parallel)
         self.in_features, self.out_features, self.input_is_parallel = in_features, out_features, input_is_parallel
-        self._placements = {"weight": sharded((out_features, in_features), 1)}
+        self._placements = {"weight": self.ctx.gtp_shard(sharded((out_features, in_features), 1))}
         if bias:
             self._placements["bias"] = replicated((out_features,), partial=("tp",) if self.sequence_parallel else ())
         self.weight = self._new_param(self._placements["weight"], device, dtype)

@@ -89,6 +89,8 @@ def layout_of(config: MimoConfig) -> dict:
         par, ranks = m.parallel, config.rank_range(name)
         modules[name] = {"ranks": f"{ranks.start}:{ranks.stop}", **{d: getattr(par, d) for d in ("tp", "cp", "dp", "pp", "ep")},
                          "etp": par.expert_tp}  # resolved: etp unset and etp = tp are one layout
+        if par.gtp > 1:  # (recorded only where used: earlier checkpoints have none)
+            modules[name]["gtp"] = par.gtp
     return {"world_size": config.world_size, "modules": modules, "expert_layout": True}  # etp resolved
 
 
@@ -107,7 +109,7 @@ def describe_layout(layout: dict) -> str:
     """``[world_size=4; vision tp=1,dp=4,ranks=0:4; language tp=2,dp=2,ranks=0:4]`` (sizes of 1 left out but tp)."""
     parts = []
     for name, m in layout["modules"].items():
-        sizes = [f"{d}={m[d]}" for d in ("tp", "cp", "dp", "pp", "ep", "etp") if d == "tp" or m.get(d, 1) != (m["tp"] if d == "etp" else 1)]
+        sizes = [f"{d}={m[d]}" for d in ("tp", "gtp", "cp", "dp", "pp", "ep", "etp") if d == "tp" or m.get(d, 1) != (m["tp"] if d == "etp" else 1)]
         parts.append(f"{name} {','.join(sizes)},ranks={m['ranks']}")
     return f"[world_size={layout['world_size']}; " + "; ".join(parts) + "]"
 

@@ -123,6 +123,7 @@ class GradSync:
         self._next: dict[str, int] = {}  # per module: the index of the next bucket to launch
         self._armed: set[str] = set()
         self._hooks = []
+        self._before_accumulate: dict[str, list] = defaultdict(list)
         by_module: dict[str, list[TrainParam]] = defaultdict(list)
         seen: set[int] = set()  # a parameter listed twice (shared by two names) is reduced once
         for p in params:
@@ -175,7 +176,11 @@ class GradSync:
                 p.grad = view if p.dtype == dtype else None
                 self._views.append((p, view))
                 if b.group is not None:  # its DP sum launches when every gradient of it is final
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(b, view)))
+                    p.grad_sync_hook = self._hook(b, view)
+                    # a GTP weight's gradient is handed over outside autograd (mimo.parallel.gtp calls
+                    # the hook then); autograd would call it, gradient-less, at its backward already
+                    if getattr(p, "gtp", None) is None:
+                        self._hooks.append(p.register_post_accumulate_grad_hook(p.grad_sync_hook))
                 else:
                     self._bulk[b.module].append((p, view))
 
@@ -221,6 +226,8 @@ class GradSync:
         not their main gradients (bf16 weights; a replaced ``.grad``) into the main gradients (the
         first microbatch of a step copies), ``.grad`` freed or pointed at the main gradient again.
         Buckets with a DP sum do this in their per-parameter hooks, which also launch them."""
+        for fn in self._before_accumulate.get(module, ()):
+            fn()
         # fp32 weights' .grad is their main gradient already, unless someone replaced it
         pairs = [(p, main) for p, main in self._bulk.get(module, ())
                  if p.grad is not None and p.grad.data_ptr() != main.data_ptr()]
@@ -236,6 +243,11 @@ class GradSync:
                 torch._foreach_add_([m for _, m in added], [p.grad for p, _ in added])
         for p, main in pairs:
             p.grad = main if p.dtype == main.dtype else None
+
+    def before_accumulate(self, module: str, fn) -> None:
+        """Run ``fn()`` after each backward of ``module``, before its gradients are taken in
+        (GTP's gradient reduce-scatters still in flight are finished there)."""
+        self._before_accumulate[module].append(fn)
 
     def _settle(self, b: _Bucket) -> None:
         """Zero the main gradients of ``b`` that no microbatch wrote this step."""
@@ -337,6 +349,8 @@ class GradSync:
         for p, _ in self._views:
             if getattr(p, "main_grad", None) is not None:
                 del p.main_grad
+            if getattr(p, "grad_sync_hook", None) is not None:
+                del p.grad_sync_hook
         self._views.clear()
 
 

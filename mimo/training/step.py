@@ -98,6 +98,8 @@ def grad_sync_for(model: MimoModel, policy: PrecisionPolicy | None = None) -> Gr
         mode = "reduce_scatter" if model.config.train.distributed_optimizer else "all_reduce"
         model.grad_sync = GradSync(model.train_params(), policy, bucket_numel(model.config.train.grad_bucket_mb, reduce_dtype),
                                    mode=mode)
+        for module, chain in model.gtp_chains().items():  # GTP gradients still on their way, each backward
+            model.grad_sync.before_accumulate(module, chain.finish_grads)
     return model.grad_sync
 
 
