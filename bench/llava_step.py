@@ -88,6 +88,17 @@ def profile_steps(run, policy, steps: list[int], path: str) -> dict:
     return {"profiled_steps": len(steps), "wall_s": wall, "kernel_s": kernels, "gpu_busy_fraction": kernels / wall}
 
 
+def set_recompute(model, mode: str) -> None:
+    """``train.recompute = mode`` on a built model: the LLM stage's layers and each tower's blocks."""
+    if mode not in ("none", "selective", "full"):
+        raise SystemExit(f"unknown recompute mode {mode!r} (none, selective, full)")
+    if model.stage is not None:
+        model.stage.set_recompute(mode)
+    for part in model.encoders.values():
+        if part.module is not None:
+            part.module.tower.set_recompute(mode)
+
+
 def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: list[str], profile_to: str | None = None,
              sync_steps: bool = False) -> dict:
     """Build the run once; train steps 1..steps for each variant in turn (``eager``: as built;
@@ -132,11 +143,15 @@ def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: li
     try:
         for n, variant in enumerate(variants):
             data_s.clear()
+            variant, _, recompute = variant.partition(":")
             if variant == "compile" and not compiled:
                 compile_blocks(run.model)
                 compiled = True
             elif variant not in ("eager", "compile") or (variant == "eager" and compiled):
                 raise SystemExit(f"unknown variant {variant!r} (eager, compile; eager before compile)")
+            if recompute:  # every module's layers from now on (mimo.parallel.recompute)
+                set_recompute(run.model, recompute)
+                variant = f"{variant}:{recompute}"
             if variant in out:  # the same variant again: a second measurement in this process
                 variant = f"{variant}#{n + 1}"
             if cuda:
@@ -180,7 +195,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--sync-steps", action="store_true", help="read each step's loss before starting the next "
                         "(the default reads them after the timed steps, as the baseline does)")
     parser.add_argument("--variants", default="eager", help="comma-separated, run in turn on one model: eager, compile "
-                        "(a repeated name measures again)")
+                        "(a repeated name measures again); NAME:MODE also sets activation recompute (none, selective, full)")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")

@@ -106,7 +106,7 @@ class EncoderModuleConfig:
         ):
             if getattr(par, name) > 1:
                 problems.append(f"{pkey(name)}: {what} for encoders ({name}={getattr(par, name)}) is not supported yet; use {name}: 1")
-        for name in ("ep", "etp"):  # expert layouts belong to the LLM's MoE layers
+        for name in ("ep", "etp", "egtp"):  # expert layouts belong to the LLM's MoE layers
             if getattr(par, name) is not None and getattr(par, name) > 1:
                 problems.append(f"{pkey(name)}: {name}={getattr(par, name)} applies only to the LLM's MoE experts; "
                                 f"an encoder has none (remove it)")

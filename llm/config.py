@@ -361,7 +361,8 @@ class LLMModuleConfig:
             return []  # reported by ParallelConfig.validate
         if "moe" not in pattern.kinds or moe is None:
             bad = [f"{pkey(n)}: {n}={getattr(par, n)} needs MoE layers ('E' in arch.pattern); this LLM has none"
-                   for n in ("ep", "etp") if getattr(par, n) is not None and getattr(par, n) != (1 if n == "ep" else par.tp)]
+                   for n in ("ep", "etp", "egtp")
+                   if getattr(par, n) is not None and getattr(par, n) != (par.tp if n == "etp" else 1)]
             return bad
         problems = []
         if moe.experts >= 1 and moe.experts % par.ep:
@@ -372,4 +373,13 @@ class LLMModuleConfig:
         if stage % (par.expert_tp * par.ep):
             problems.append(f"{pkey('ep')}: etp*ep = {par.expert_tp}*{par.ep} = {par.expert_tp * par.ep} does not divide "
                             f"the {stage} ranks of a pipeline stage (tp*cp*dp = {par.tp}*{par.cp}*{par.replicas})")
+        elif par.egtp > 1:  # egtp splits the experts' data replicas (edp) and each expert's output rows
+            edp = stage // (par.expert_tp * par.ep)
+            out = moe.latent or self.arch.hidden
+            if edp % par.egtp:
+                problems.append(f"{pkey('egtp')}: egtp={par.egtp} must divide the experts' {edp} data replicas "
+                                f"(edp = tp*cp*dp / (etp*ep))")
+            if moe.ffn % (par.expert_tp * par.egtp) or out % par.egtp:
+                problems.append(f"{pkey('egtp')}: etp*egtp = {par.expert_tp * par.egtp} must divide arch.moe.ffn={moe.ffn} "
+                                f"and egtp={par.egtp} the experts' output size {out}")
         return problems

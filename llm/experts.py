@@ -48,17 +48,19 @@ def _up_placement(shape: tuple[int, ...], ffn: int, gated: bool, dim: int) -> Pa
     return sharded(shape, dim, parts=(ffn, ffn) if gated else ())
 
 
-def expert_placements(experts: int, dim: int, ffn: int, gated: bool, folded: bool) -> dict[str, ParamPlacement]:
+def expert_placements(experts: int, dim: int, ffn: int, gated: bool, folded: bool, egtp: int = 1) -> dict[str, ParamPlacement]:
     """The two weights' placements: F over tp (EP = 1, ETP = TP: the dense view), or, on the
     expert view (parallel folding), E over ep (contiguous blocks of ``E / ep`` experts) and F
-    over etp (gate and up each split)."""
+    over etp (gate and up each split); with ``egtp`` each expert's output rows split further
+    over egtp inside ETP (GTP for experts: ``mimo.parallel.gtp``)."""
     width = 2 * ffn if gated else ffn
     if not folded:
         return {"up_proj": _up_placement((experts, width, dim), ffn, gated, 1),
                 "down_proj": sharded((experts, dim, ffn), 2)}
-    return {"up_proj": sharded_dims((experts, width, dim), (("ep", 0), ("etp", 1)), parts=(ffn, ffn) if gated else (),
+    split = (("egtp", 1),) if egtp > 1 else ()
+    return {"up_proj": sharded_dims((experts, width, dim), (("ep", 0), ("etp", 1), *split), parts=(ffn, ffn) if gated else (),
                                     parts_dim=1),
-            "down_proj": sharded_dims((experts, dim, ffn), (("ep", 0), ("etp", 2)))}
+            "down_proj": sharded_dims((experts, dim, ffn), (("ep", 0), ("etp", 2), *split))}
 
 
 class GroupedExperts(nn.Module):
@@ -71,10 +73,11 @@ class GroupedExperts(nn.Module):
         self.gated = act == "swiglu"
         # a context with the expert view lays the experts out on it (see module doc)
         self.folded = ctx.expert is not None
-        self._placements = expert_placements(experts, dim, ffn, self.gated, self.folded)
+        self._placements = expert_placements(experts, dim, ffn, self.gated, self.folded, ctx.egtp_size)
         view = ctx.view(self._placements["down_proj"].axes)
         for name, pl in self._placements.items():
             setattr(self, name, nn.Parameter(torch.empty(pl.local_shape({a: view.size(a) for a in pl.axes}))))
+            ctx.gtp_register(getattr(self, name), pl)  # split over egtp: gathered when used
         ep = view.size("ep") if self.folded else 1
         self.local_experts = experts // ep  # this rank's experts: first_expert .. first_expert + local_experts - 1
         self.first_expert = (view.coord("ep") if self.folded else 0) * self.local_experts

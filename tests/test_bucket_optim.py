@@ -90,3 +90,38 @@ def test_resume_with_the_distributed_optimizer_is_bit_exact(pools, cp_config, tm
     for f in files:
         want, got = load_file(a / f), load_file(b / f)
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), f
+
+
+def _offload_case(config_path: str, overrides: list[str]) -> dict:
+    from mimo.compose.config import load_config
+    from mimo.training.run import build_run
+    from mimo.training.step import train_step
+
+    out = {}
+    for offload in (False, True):
+        run = build_run(load_config(config_path, overrides + [f"train.optimizer_offload={str(offload).lower()}"]), 0,
+                        device=torch.device("cuda", torch.cuda.current_device()))
+        losses = [train_step(run.model, run.pipeline, s, run.optimizers, run.policy).loss for s in (1, 2, 3)]
+        where = {(s.master.device.type, s.master.is_pinned()) for opt in run.optimizers.values() if hasattr(opt, "states")
+                 for s in opt.states}
+        out[offload] = {"losses": losses, "where": sorted(where),
+                        "params": {n: p.detach().float().cpu() for n, p in run.model.stage.named_parameters()}}
+        run.close()
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="offload to pinned host memory needs a GPU (this machine has none)")
+def test_offloaded_optimizer_state_on_the_gpu(cp_config):
+    """One rank on the GPU: the masters and moments in pinned host memory, the update there; the
+    same losses and weights as the state on the device (fp32, AdamW's CPU and GPU kernels)."""
+    from mimo.core.testing import rel_err
+    from mimo.training.launch import WorkerPool
+
+    one = ["world_size=1", "modules.vision.parallel.dp=1", "modules.vision.parallel.ranks=0:1", LANG + "parallel.cp=1",
+           LANG + "parallel.dp=1", LANG + "parallel.ranks=0:1", "train.distributed_optimizer=true"]
+    with WorkerPool(1, device="cuda") as pool:
+        (got,) = pool.run(_offload_case, cp_config, one)
+    assert got[True]["where"] == [("cpu", True)] and got[False]["where"] == [("cuda", False)]
+    for a, b in zip(got[True]["losses"], got[False]["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    assert max(rel_err(got[True]["params"][n], p) for n, p in got[False]["params"].items()) <= 1e-5

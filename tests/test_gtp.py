@@ -1,5 +1,6 @@
 """GTP (``parallel.gtp``, ``mimo.parallel.gtp``): large weights split further inside TP over
-gtp data replicas, gathered just in time with the next gather in flight.
+gtp data replicas, gathered just in time with the next gather in flight; ``parallel.egtp`` the
+same for the routed experts inside ETP over their data replicas.
 
 * ``mimo verify-train`` against the one-process run: the LLM (Mamba-2, attention, GDN, MLP, MoE
   with a shared expert) at gtp 2 and 4, with TP and sequence parallelism, with CP, and the ViT
@@ -28,6 +29,11 @@ LAYOUTS = {  # tests/configs/cp.yaml, world 4
     "llm gtp4": [LANG + "cp=1", LANG + "gtp=4", LANG + "dp=1"],
     "llm tp2 gtp2 sp": [LANG + "cp=1", LANG + "tp=2", LANG + "gtp=2", LANG + "dp=1", LANG + "sequence_parallel=true"],
     "llm cp2 gtp2": [LANG + "gtp=2", LANG + "dp=1"],
+    "llm gtp2 dp2, full recompute (gathers again inside backward)": [LANG + "cp=1", LANG + "gtp=2", "train.recompute=full"],
+    # experts split over egtp inside ETP (their own view: etp x ep x egtp x edp)
+    "llm dp4, experts egtp2": [LANG + "cp=1", LANG + "dp=4", LANG + "egtp=2"],
+    "llm cp2 dp2, experts ep2 etp1 egtp2, gtp2": [LANG + "gtp=2", LANG + "dp=1", "modules.language.arch.moe.experts=8",
+                                                  LANG + "ep=2", LANG + "etp=1", LANG + "egtp=2"],
 }
 CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
 

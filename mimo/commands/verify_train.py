@@ -46,7 +46,7 @@ def one_process(config: MimoConfig) -> MimoConfig:
     ref.train.recompute = "none"
     ref.train.distributed_optimizer = ref.train.optimizer_offload = False
     for module in ref.modules.values():
-        module.parallel = dataclasses.replace(module.parallel, tp=1, cp=1, dp=1, pp=1, ep=1, etp=1, gtp=1, ranks="0:1",
+        module.parallel = dataclasses.replace(module.parallel, tp=1, cp=1, dp=1, pp=1, ep=1, etp=1, gtp=1, egtp=1, ranks="0:1",
                                               sequence_parallel=False)
         module.recompute = None
     return ref

@@ -58,7 +58,8 @@ class MimoModel:
         par = llm_cfg.parallel
         # the experts' own view (parallel folding) where they are laid out unlike the dense layers
         self.llm_ctx = ParallelContext(par.grid(config.world_size, registry), rank, registry,
-                                       sequence_parallel=par.sequence_parallel, expert=llm_cfg.expert_layout(), gtp=par.gtp)
+                                       sequence_parallel=par.sequence_parallel, expert=llm_cfg.expert_layout(), gtp=par.gtp,
+                                       egtp=par.egtp if llm_cfg.expert_layout() is not None else 1)
         self.llm_grid = self.llm_ctx.grid
         self.llm_embedding_group = embedding_group(self.llm_ctx)
         self.encoders: dict[str, EncoderPart] = {}
@@ -109,11 +110,12 @@ class MimoModel:
     def encoder_grids(self) -> dict[str, ParallelGrid]:
         return {name: part.grid for name, part in self.encoders.items()}
 
-    def gtp_chains(self) -> dict:
-        """Module name -> its GTP chain on this rank (``mimo.parallel.gtp``), where it has one."""
-        out = {name: part.ctx.gtp_chain for name, part in self.encoders.items() if part.module is not None}
-        out[self.llm_name] = self.llm_ctx.gtp_chain if self.stage is not None else None
-        return {name: chain for name, chain in out.items() if chain is not None}
+    def gtp_chains(self) -> list[tuple[str, object]]:
+        """(module name, a GTP chain of it on this rank: ``mimo.parallel.gtp``) for each one."""
+        contexts = [(name, part.ctx) for name, part in self.encoders.items() if part.module is not None]
+        if self.stage is not None:
+            contexts.append((self.llm_name, self.llm_ctx))
+        return [(name, chain) for name, ctx in contexts for chain in (ctx.gtp_chain, ctx.egtp_chain) if chain is not None]
 
     def wait_roots(self, module: str) -> list[torch.nn.Module]:
         """The submodules of ``module`` on this rank whose forwards first use its weights, outer

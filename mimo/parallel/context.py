@@ -47,12 +47,26 @@ class AxisView:
         return self.groups.get(axis)
 
 
+def _split_view(view: AxisView, axis: str, inner: str, n: int, registry: GroupRegistry, rank: int):
+    """(the view with ``axis`` split as ``inner`` x ``axis``, its groups; the chain that gathers
+    the weights split over ``inner``): GTP's views (``mimo.parallel.gtp``)."""
+    from mimo.parallel.gtp import GTPChain
+
+    grid = view.grid.split_view(axis, inner, n)
+    sv = AxisView(grid, rank, dict(view.groups))
+    for a in (inner, axis):
+        sv.groups[a] = registry.partition(grid.partition(a), rank) if grid.shape[a] > 1 else None
+    grad = tuple(d for d in (("cp", "dp") if axis == "dp" else (axis,)) if grid.shape.get(d, 1) > 1)
+    sv.groups["grad"] = registry.partition(grid.partition(grad), rank) if grad else None
+    return sv, GTPChain(sv.groups[inner], n, sv.coord(inner))
+
+
 class ParallelContext:
     """A module's parallel context (see module doc). Build it on every rank of the world at
     the same point: it creates its groups (collective) in a fixed order."""
 
     def __init__(self, grid: ParallelGrid, rank: int, registry: GroupRegistry, *, sequence_parallel: bool = False,
-                 expert: tuple[int, int] | None = None, gtp: int = 1):
+                 expert: tuple[int, int] | None = None, gtp: int = 1, egtp: int = 1):
         self.grid, self.rank, self.registry = grid, rank, registry
         dense = AxisView(grid, rank)
         for axis in ("tp", "cp", "dp", "pp"):
@@ -70,22 +84,12 @@ class ParallelContext:
             ev.groups["pp"] = dense.groups["pp"]  # the same ranks: the very same groups
             ev.groups["grad"] = ev.groups["edp"]
             self.expert = ev
+        self.gtp = self.gtp_chain = self.egtp = self.egtp_chain = None
+        if egtp > 1:  # the experts' data replicas re-factored egtp x edp; expert weights split over egtp
+            self.egtp, self.egtp_chain = _split_view(self.expert, "edp", "egtp", egtp, registry, rank)
         self.sequence_parallel = bool(sequence_parallel) and self.tp_size > 1
-        self.gtp: AxisView | None = None
-        self.gtp_chain = None
         if gtp > 1:  # the data replicas re-factored gtp x dp; weights split over gtp (mimo.parallel.gtp)
-            from mimo.parallel.gtp import GTPChain
-
-            view = grid.gtp_view(gtp)
-            gv = AxisView(view, rank)
-            for axis in ("gtp", "dp"):
-                gv.groups[axis] = registry.partition(view.partition(axis), rank) if view.shape[axis] > 1 else None
-            for axis in ("tp", "cp", "pp"):
-                gv.groups[axis] = dense.groups[axis]
-            dims = tuple(d for d in ("cp", "dp") if view.shape.get(d, 1) > 1)
-            gv.groups["grad"] = registry.partition(view.partition(dims), rank) if dims else None
-            self.gtp = gv
-            self.gtp_chain = GTPChain(gv.groups["gtp"], gtp, gv.coord("gtp"))
+            self.gtp, self.gtp_chain = _split_view(dense, "dp", "gtp", gtp, registry, rank)
 
     @classmethod
     def for_tp(cls, tp_group=None, sequence_parallel: bool = False) -> "ParallelContext":
@@ -104,7 +108,29 @@ class ParallelContext:
         ctx.grid, ctx.rank, ctx.registry = grid, rank, None
         ctx.dense = AxisView(grid, rank, {"tp": tp_group, "cp": None, "dp": None, "pp": None, "grad": None})
         ctx.expert = None
-        ctx.gtp, ctx.gtp_chain = None, None
+        ctx.gtp = ctx.gtp_chain = ctx.egtp = ctx.egtp_chain = None
+        ctx.sequence_parallel = bool(sequence_parallel) and ctx.tp_size > 1
+        return ctx
+
+    @classmethod
+    def plan(cls, grid: ParallelGrid, *, sequence_parallel: bool = False, expert: tuple[int, int] | None = None,
+             gtp: int = 1, egtp: int = 1) -> "ParallelContext":
+        """The context of ``grid``'s first rank without process groups: what a module built on
+        it holds (shapes, placements), for planning and memory prediction — never to run."""
+        from mimo.parallel.gtp import GTPChain
+
+        ctx = cls.__new__(cls)
+        ctx.grid, ctx.rank, ctx.registry = grid, grid.offset, None
+        none = dict.fromkeys(("tp", "cp", "dp", "pp", "grad", "etp", "ep", "edp", "gtp"))  # no process groups
+        ctx.dense = AxisView(grid, grid.offset, dict(none))
+        ctx.expert = None if expert is None else AxisView(grid.expert_view(*expert), grid.offset, dict(none))
+        ctx.gtp = ctx.gtp_chain = ctx.egtp = ctx.egtp_chain = None
+        if gtp > 1:
+            ctx.gtp = AxisView(grid.split_view("dp", "gtp", gtp), grid.offset, dict(none))
+            ctx.gtp_chain = GTPChain(None, gtp, 0)
+        if egtp > 1:
+            ctx.egtp = AxisView(ctx.expert.grid.split_view("edp", "egtp", egtp), grid.offset, dict(none))
+            ctx.egtp_chain = GTPChain(None, egtp, 0)
         ctx.sequence_parallel = bool(sequence_parallel) and ctx.tp_size > 1
         return ctx
 
@@ -163,6 +189,10 @@ class ParallelContext:
     def gtp_size(self) -> int:
         return 1 if self.gtp is None else self.gtp.size("gtp")
 
+    @property
+    def egtp_size(self) -> int:
+        return 1 if self.egtp is None else self.egtp.size("egtp")
+
     def gtp_shard(self, placement):
         """``placement`` as GTP keeps it on this context (``mimo.parallel.gtp.gtp_placement``)."""
         from mimo.parallel.gtp import gtp_placement
@@ -170,14 +200,20 @@ class ParallelContext:
         return gtp_placement(placement, self.gtp_size)
 
     def gtp_register(self, param, placement) -> None:
-        """Gather ``param`` just in time when ``placement`` shards it over gtp."""
-        if "gtp" in placement.axes:
-            self.gtp_chain.register(param, placement, self.tp_size)
+        """Gather ``param`` just in time when ``placement`` shards it over gtp (or egtp)."""
+        for axis, chain in (("gtp", self.gtp_chain), ("egtp", self.egtp_chain)):
+            if axis in placement.axes:
+                view = self.view(placement.axes)
+                chain.register(param, placement, axis, {a: view.size(a) for a in placement.axes})
 
     def view(self, axes: Iterable[str]) -> AxisView:
         """The view whose axes these are: the expert view for etp / ep / edp, the GTP view for
         gtp, else the dense one."""
         axes = tuple(axes)
+        if "egtp" in axes:
+            if self.egtp is None:
+                raise LayoutError(f"axes {axes} need the expert GTP view, which this module does not have")
+            return self.egtp
         if "gtp" in axes:
             if self.gtp is None:
                 raise LayoutError(f"axes {axes} need the GTP view, which this module does not have")

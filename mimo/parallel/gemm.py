@@ -64,7 +64,16 @@ def grouped_linear(x_RI: torch.Tensor, weight_EOI: torch.Tensor, offsets_E: torc
 
     One ``torch._grouped_mm`` (no host synchronisation) where it takes the dtype and sizes;
     otherwise (fp64 references, sizes off its 16-byte rule, fp32 on CUDA) one product per
-    group, which reads the offsets on the host."""
+    group, which reads the offsets on the host. An expert weight split over egtp is gathered
+    just in time (``mimo.parallel.gtp``)."""
+    if getattr(weight_EOI, "gtp", None) is not None:
+        from mimo.parallel.gtp import gtp_grouped_linear
+
+        return gtp_grouped_linear(x_RI, weight_EOI, offsets_E, _grouped)
+    return _grouped(x_RI, weight_EOI, offsets_E)
+
+
+def _grouped(x_RI: torch.Tensor, weight_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     if _grouped_mm_takes(x_RI, weight_EOI):
         return torch._grouped_mm(x_RI, weight_EOI.transpose(-2, -1), offs=offsets_E.to(torch.int32))
     ends = offsets_E.tolist()

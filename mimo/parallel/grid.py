@@ -157,18 +157,19 @@ class ParallelGrid:
         return dims
 
     # ---- views ----
-    def gtp_view(self, gtp: int) -> "ParallelGrid":
-        """GTP: the same ranks with the data replicas split as gtp (fastest) x dp; its gtp
-        groups shard the large weights (``mimo.parallel.gtp``)."""
-        dp = self.shape.get("dp", 1)
-        if gtp < 1 or dp % gtp:
-            raise LayoutError(f"gtp={gtp} does not divide the grid's {dp} data replicas")
-        shape = {d: n for d, n in self.shape.items() if d != "dp" and d != "pp"}
-        shape.update(gtp=gtp, dp=dp // gtp)
-        if "pp" in self.shape:
-            shape["pp"] = self.shape["pp"]
-        if self.dims != tuple(d for d in ("tp", "cp", "dp", "pp") if d in self.shape):
-            raise LayoutError("the GTP view needs a tp, cp, dp, pp grid")
+    def split_view(self, axis: str, inner: str, n: int) -> "ParallelGrid":
+        """The same ranks with ``axis`` split as ``inner`` (n, fastest) x ``axis`` (the rest), in
+        its place: GTP's view of the data replicas (``dp`` -> gtp x dp; ``edp`` -> egtp x edp),
+        whose ``inner`` groups shard the large weights (``mimo.parallel.gtp``)."""
+        size = self.shape.get(axis, 1)
+        if n < 1 or size % n:
+            raise LayoutError(f"{inner}={n} does not divide the grid's {size} {axis} ranks")
+        shape: dict[str, int] = {}
+        for d, k in self.shape.items():
+            if d == axis:
+                shape[inner], shape[axis] = n, k // n
+            else:
+                shape[d] = k
         return ParallelGrid(shape, self.offset, registry=self.registry)
 
     def expert_view(self, etp: int, ep: int) -> "ParallelGrid":
@@ -219,6 +220,7 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     gtp: int = 1  # GTP: large weights further split inside TP over gtp data replicas (mimo.parallel.gtp)
+    egtp: int = 1  # GTP for the MoE experts: their weights split inside ETP over egtp expert data replicas
     ep: int = 1  # expert parallel size (MoE LLM): experts split over ep ranks of a stage
     etp: int | None = None  # expert tensor parallel size; None: tp
     sequence_parallel: bool = False
@@ -240,8 +242,9 @@ class ParallelConfig:
 
     @property
     def folded(self) -> bool:
-        """Whether experts are laid out differently from the dense layers (ep > 1 or etp != tp)."""
-        return self.ep > 1 or self.expert_tp != self.tp
+        """Whether experts are laid out differently from the dense layers (ep > 1, etp != tp, or
+        their weights split over egtp, which lives on their own view)."""
+        return self.ep > 1 or self.expert_tp != self.tp or self.egtp > 1
 
     def rank_range(self, world_size: int) -> range:
         if self.ranks is None:
@@ -259,7 +262,7 @@ class ParallelConfig:
         key = (lambda name: f"{path}.{name}" if path else name)
         problems = [
             f"{key(name)}: must be >= 1, got {getattr(self, name)}"
-            for name in ("tp", "dp", "pp", "cp", "ep", "etp", "gtp")
+            for name in ("tp", "dp", "pp", "cp", "ep", "etp", "gtp", "egtp")
             if getattr(self, name) is not None and getattr(self, name) < 1
         ]
         if self.ranks is not None:

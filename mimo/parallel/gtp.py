@@ -57,13 +57,16 @@ class GTPChain:
         self._grads: list[tuple[torch.nn.Parameter, object, torch.Tensor]] = []  # reduce-scatters in flight
         self.trace: list | None = None
 
-    def register(self, param: torch.nn.Parameter, placement, tp_size: int) -> None:
-        """Mark ``param`` (its placement ``gtp_placement`` made) as gathered by this chain."""
-        if placement.parts and placement.parts_dim == 0:
-            local = [p // (tp_size * self.size) for p in placement.parts]
+    def register(self, param: torch.nn.Parameter, placement, axis: str, sizes: dict[str, int]) -> None:
+        """Mark ``param``, which ``placement`` splits over this chain's ``axis``, as gathered by
+        this chain (along the dim that axis splits; a fused weight's parts each on their own)."""
+        dim = dict(placement.shards)[axis]
+        if placement.parts and placement.parts_dim == dim:
+            n = placement.count(dim, sizes)
+            local = [p // n for p in placement.parts]
         else:
-            local = [param.shape[0]]
-        param.gtp = (self, local)
+            local = [param.shape[dim]]
+        param.gtp = (self, local, dim)
 
     # ---- gathers ----
     def _note(self, event: str, param) -> None:
@@ -93,18 +96,18 @@ class GTPChain:
             j = i - 1 if backward else i + 1
             if 0 <= j < len(self.order) and id(self.order[j]) not in self._pending:
                 self._launch(self.order[j])
-        return _assemble(bufs, param.gtp[1])
+        return _assemble(bufs, param.gtp[1], param.gtp[2])
 
     def scatter_grad(self, grad: torch.Tensor, param) -> None:
         """Start summing this rank's GTP shard of ``grad`` (a full TP shard) over the gtp group;
         it reaches ``param`` when finished (``finish_grads``)."""
-        pieces = _split(grad, param.gtp[1], self.size)  # [rank g's shard of it, for every g]
+        pieces = _split(grad, param.gtp[1], self.size, param.gtp[2])  # [rank g's shard of it, for every g]
         self._note("scatter_start", param)
         if grad.is_cuda and "nccl" in str(dist.get_backend(self.group)).lower():
             out = torch.empty_like(pieces[0])
-            work = dist.reduce_scatter_tensor(out, torch.cat(pieces), group=self.group, async_op=True)
+            work = dist.reduce_scatter_tensor(out, torch.stack(pieces), group=self.group, async_op=True)
         else:  # gloo: no reduce-scatter; all-reduce and keep this rank's piece
-            out = torch.cat(pieces)
+            out = torch.stack(pieces)
             work = dist.all_reduce(out, group=self.group, async_op=True)
         self._grads.append((param, work, out))
 
@@ -115,7 +118,7 @@ class GTPChain:
         for param, work, out in grads:
             work.wait()
             self._note("scatter_end", param)
-            g = out.view_as(param) if out.numel() == param.numel() else out.view(self.size, *param.shape)[self.rank].clone()
+            g = out.view_as(param) if out.numel() == param.numel() else out[self.rank].clone()
             if param.grad is None:
                 param.grad = g
             else:
@@ -131,37 +134,41 @@ class GTPChain:
         self._pending.clear()
 
 
-def _assemble(bufs: list[torch.Tensor], local: list[int]) -> torch.Tensor:
-    """The TP shard from the gtp ranks' shards: part by part, rank after rank."""
+def _assemble(bufs: list[torch.Tensor], local: list[int], dim: int = 0) -> torch.Tensor:
+    """The TP shard from the gtp ranks' shards along ``dim``: part by part, rank after rank."""
     if len(local) == 1:
-        return torch.cat(bufs)
-    chunks = [b.split(local) for b in bufs]
-    return torch.cat([c[p] for p in range(len(local)) for c in chunks])
+        return torch.cat(bufs, dim)
+    chunks = [b.split(local, dim) for b in bufs]
+    return torch.cat([c[p] for p in range(len(local)) for c in chunks], dim)
 
 
-def _split(full: torch.Tensor, local: list[int], n: int) -> list[torch.Tensor]:
-    """``_assemble``'s inverse: each gtp rank's shard of a TP shard."""
+def _split(full: torch.Tensor, local: list[int], n: int, dim: int = 0) -> list[torch.Tensor]:
+    """``_assemble``'s inverse: each gtp rank's shard of a TP shard (contiguous)."""
     if len(local) == 1:
-        return list(full.chunk(n))
-    by_part = [p.chunk(n) for p in full.split([k * n for k in local])]
-    return [torch.cat([by_part[p][g] for p in range(len(local))]) for g in range(n)]
+        return [c.contiguous() for c in full.chunk(n, dim)]
+    by_part = [p.chunk(n, dim) for p in full.split([k * n for k in local], dim)]
+    return [torch.cat([by_part[p][g] for p in range(len(local))], dim) for g in range(n)]
 
 
 class _GTPLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shard, bias):
         chain = shard.gtp[0]
-        w = chain.full(shard, backward=False)
+        # a forward recomputed inside backward (mimo.parallel.recompute) prefetches backward's way
+        w = chain.full(shard, backward=torch._C._current_graph_task_id() != -1)
         chain._note("gemm_start", shard)
         y = F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
         chain._note("gemm_end", shard)
-        ctx.save_for_backward(x, shard)
-        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x)
+        # the parameter itself, not a saved tensor: saved-tensor hooks (recompute's, say) hand back
+        # an alias without the parameter's ``gtp`` record
+        ctx.shard, ctx.has_bias = shard, bias is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, shard = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
+        shard = ctx.shard
         chain = shard.gtp[0]
         chain._note("backward_start", shard)
         chain.finish_grads()  # the previous weights' reduce-scatters: they ran meanwhile
@@ -177,3 +184,38 @@ class _GTPLinear(torch.autograd.Function):
 def gtp_linear(x: torch.Tensor, weight: torch.nn.Parameter, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + b`` for a GTP weight (see module doc)."""
     return _GTPLinear.apply(x, weight, bias)
+
+
+class _GTPGroupedLinear(torch.autograd.Function):
+    """The experts' grouped GEMM on a weight split over egtp: gathered in forward, kept as its
+    shard, gathered again in backward, where the product is recomputed under autograd for the
+    input's and the (full ETP shard's) weight's gradients; the weight's reduce-scattered as a
+    dense GTP weight's is."""
+
+    @staticmethod
+    def forward(ctx, x, shard, offsets, grouped):
+        chain = shard.gtp[0]
+        w = chain.full(shard, backward=torch._C._current_graph_task_id() != -1)
+        ctx.save_for_backward(x, offsets)
+        ctx.shard, ctx.grouped = shard, grouped
+        return grouped(x, w.to(x.dtype), offsets)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, offsets = ctx.saved_tensors
+        shard = ctx.shard
+        chain = shard.gtp[0]
+        chain._note("backward_start", shard)
+        chain.finish_grads()
+        w = chain.full(shard, backward=True)
+        with torch.enable_grad():
+            xr, wr = x.detach().requires_grad_(), w.detach().to(x.dtype).requires_grad_()
+            dx, dw = torch.autograd.grad(ctx.grouped(xr, wr, offsets), (xr, wr), dy)
+        if shard.requires_grad:
+            chain.scatter_grad(dw.to(shard.dtype), shard)
+        return dx, None, None, None
+
+
+def gtp_grouped_linear(x: torch.Tensor, weight: torch.nn.Parameter, offsets: torch.Tensor, grouped) -> torch.Tensor:
+    """``grouped(x, W, offsets)`` (``mimo.parallel.gemm.grouped_linear``'s product) for an egtp weight."""
+    return _GTPGroupedLinear.apply(x, weight, offsets, grouped)

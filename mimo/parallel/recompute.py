@@ -59,10 +59,13 @@ def checkpoint(fn, *args):
 
 
 def maybe(recompute: bool, fn, *args):
-    """``checkpoint(fn, *args)`` when ``recompute``, else ``fn(*args)``; inside a piece already
-    being checkpointed (a selective piece of a fully recomputed layer) it just runs."""
-    if recompute and torch.is_grad_enabled() and _CURRENT.get() is None:
-        return checkpoint(fn, *args)
+    """``fn(*args)``, recomputed in backward when ``recompute`` (a selective piece: nothing in it
+    reads moving state or adds to accumulators, so no stash). Plain ``torch.utils.checkpoint``,
+    which ``torch.compile`` traces into the compiled layer (its partitioner does the recompute),
+    where the stash's context variable would break the graph. A layer is recomputed whole or by
+    pieces, never both (``set_recompute``)."""
+    if recompute and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
     return fn(*args)
 
 

@@ -98,7 +98,7 @@ def grad_sync_for(model: MimoModel, policy: PrecisionPolicy | None = None) -> Gr
         mode = "reduce_scatter" if model.config.train.distributed_optimizer else "all_reduce"
         model.grad_sync = GradSync(model.train_params(), policy, bucket_numel(model.config.train.grad_bucket_mb, reduce_dtype),
                                    mode=mode)
-        for module, chain in model.gtp_chains().items():  # GTP gradients still on their way, each backward
+        for module, chain in model.gtp_chains():  # GTP gradients still on their way, each backward
             model.grad_sync.before_accumulate(module, chain.finish_grads)
     return model.grad_sync
 
@@ -125,6 +125,8 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     loss_local = run_schedule(model, mbs, max(num_loss_tokens, 1.0), cfg.train.schedule, cfg.train.encoder_prefetch, events,
                               grad_sync)
     grad_sync.finish()
+    for _, chain in model.gtp_chains():  # no weight gather may outlive the weights it read
+        chain.drop()
     if model.stage is not None:
         tied = model.stage.tied_weight()
         if tied is not None and model.llm_embedding_group is not None:
