@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mimo.core.errors import LayoutError
+from mimo.llm.cache import pad_rows
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
 from mimo.llm.norm import RMSNorm, ShardedRMSNorm
@@ -117,7 +118,10 @@ class Attention(nn.Module):
         if self.cfg.rope is not None:
             cos_TD, sin_TD = rope_tables(seq.positions, self.inv_freq(seq.positions.device))
             q_THD, k_THD = apply_rope(q_THD, cos_TD, sin_TD), apply_rope(k_THD, cos_TD, sin_TD)
-        o_THD = packed_attention(q_THD, k_THD, v_THD, seq, scale=hd ** -0.5, impl=self.impl)
+        if seq.cache is None:
+            o_THD = packed_attention(q_THD, k_THD, v_THD, seq, scale=hd ** -0.5, impl=self.impl)
+        else:
+            o_THD = cached_attention(seq.cache.state(self), q_THD, k_THD, v_THD, seq, hd ** -0.5, self.impl)
         return o_THD.reshape(t, self.heads_local * hd)
 
 
@@ -138,6 +142,25 @@ def packed_attention(q_THD, k_THD, v_THD, ctx: SeqContext, scale: float, impl: s
     rows, cu_k, max_k = ctx.cp.key_rows
     k_THD, v_THD = (ctx.cp.gather(x).index_select(0, rows) for x in (k_THD, v_THD))
     return varlen_attention(q_THD, k_THD, v_THD, ctx, scale, (cu_k, max_k))
+
+
+def cached_attention(state: dict, q_THD, k_THD, v_THD, seq: SeqContext, scale: float, impl: str = "auto") -> torch.Tensor:
+    """``packed_attention`` under a generation cache (``mimo.llm.cache``; ``state``: the layer's
+    entry): the prefill attends as without one and keeps every sample's keys and values (local
+    heads, RoPE applied); a decode step writes each row's new key / value at the row's length and
+    attends its query over the row's keys (one batched SDPA, the unused room masked)."""
+    cache = seq.cache
+    if not cache.decoding:
+        state["k"], state["v"] = cache.prefill_buffer(k_THD), cache.prefill_buffer(v_THD)
+        return packed_attention(q_THD, k_THD, v_THD, seq, scale, impl)
+    n = cache.rows
+    state["k"], state["v"] = cache.append(state["k"], k_THD[:n]), cache.append(state["v"], v_THD[:n])
+    span, mask_N11L = cache.key_mask()
+    o_NH1D = F.scaled_dot_product_attention(
+        q_THD[:n, :, None], state["k"][:, :, :span], state["v"][:, :, :span], attn_mask=mask_N11L, scale=scale,
+        enable_gqa=q_THD.shape[1] != k_THD.shape[1],
+    )
+    return pad_rows(o_NH1D[:, :, 0], q_THD.shape[0])
 
 
 def exact_attention(q_THD, k_THD, v_THD, ctx: SeqContext, scale: float) -> torch.Tensor:

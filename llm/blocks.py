@@ -21,6 +21,9 @@ device and dtype. ``register_layer(kind, build)`` installs a builder; kinds list
   (``RowParallelLinear``). ``seq`` describes the full local pack.
 * Every sequence-mixing op honours ``seq.cu_seqlens``: nothing crosses a sample boundary
   (padding is its own trailing segment).
+* With ``seq.cache`` (greedy generation, ``mimo.llm.cache``) a sequence-mixing layer keeps its
+  per-sample state in ``seq.cache.state(self)`` in the prefill and, in a decode step, mixes each
+  row's one new token with it; per-token layers (MLP, MoE) ignore it.
 * Parameters: every sharded one is declared by its module's ``placements()``
   (``mimo.parallel.placement``); all others are replicated over TP. A replicated weight
   applied to TP-split activations (norm weights under sequence parallel, QK-norm over split

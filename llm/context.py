@@ -31,6 +31,9 @@ class SeqContext:
     # positions are the sample's, padding sits inside samples (``num_real`` counts the real
     # tokens, ``real_mask`` says where they are)
     cp: object = None
+    # greedy generation: the stage's ``mimo.llm.cache.GenerationCache`` (a prefill, or a decode
+    # step of one token per sample); None: a plain forward
+    cache: object = None
 
     def real_mask(self) -> torch.Tensor | None:
         """``[T]`` bool, True at real tokens; None when every position is real."""

@@ -33,17 +33,18 @@ import torch
 import torch.nn.functional as F
 
 from mimo.core.errors import LayoutError
+from mimo.llm.cache import pad_rows
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
-from mimo.llm.recurrence import conv1d_naive, gated_delta_naive
-from mimo.llm.ssm import PreNormResidual, causal_conv1d, conv_over_chunks, find_kernel, init_constant, init_conv, init_dt_bias, init_uniform_log, segments, segsum
+from mimo.llm.recurrence import gated_delta_naive
+from mimo.llm.ssm import PreNormResidual, find_kernel, init_constant, init_conv, init_dt_bias, init_uniform_log, segments, segsum, short_conv
 from mimo.parallel import gemm
 from mimo.parallel.collectives import copy_to_group, gather_seq
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import RowParallelLinear, TPModule
 from mimo.parallel.placement import ParamPlacement, replicated, sharded
 
-__all__ = ["GDNConfig", "gated_delta_chunked", "gated_delta_over_chunks", "l2norm", "GatedDeltaNetMixer", "GatedDeltaNet", "build_gdn"]
+__all__ = ["GDNConfig", "gated_delta_chunked", "gated_delta_step", "gated_delta_over_chunks", "l2norm", "GatedDeltaNetMixer", "GatedDeltaNet", "build_gdn"]
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,10 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def gated_delta_chunked(
     q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor, beta_TH: torch.Tensor,
-    seg_T: torch.Tensor, chunk: int,
-) -> torch.Tensor:
-    """The gated delta rule over a packed sequence, by chunks of ``chunk`` tokens.
+    seg_T: torch.Tensor, chunk: int, ends_N: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over a packed sequence, by chunks of ``chunk`` tokens; with
+    ``ends_N`` (token indices) also the state after each of those tokens, ``[N, H, K, V]``.
 
     Per head, with S [K, V] reset to zero at each change of ``seg_T``:
     ``S <- exp(g_t) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T q_t``.
@@ -89,7 +91,8 @@ def gated_delta_chunked(
     t, n_heads, dk = q_THK.shape
     dv = v_THV.shape[-1]
     if t == 0:
-        return v_THV.new_zeros(v_THV.shape)
+        o_THV = v_THV.new_zeros(v_THV.shape)
+        return o_THV if ends_N is None else (o_THV, v_THV.new_zeros(0, n_heads, dk, dv))
     pad = -t % chunk
     if pad:  # padding: its own segment (-1), k = v = 0, no decay: it changes nothing
         q_THK, k_THK, v_THV = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q_THK, k_THK, v_THV))
@@ -136,7 +139,24 @@ def gated_delta_chunked(
     d_chlv = u_chlv - w_chlk @ s_in_chkv  # the deltas
     attn_chij = q_chlk @ k_chlk.transpose(-1, -2) * gamma_chij
     o_chlv = (q_chlk * decay_in_chl.unsqueeze(-1)) @ s_in_chkv + attn_chij @ d_chlv
-    return o_chlv.transpose(1, 2).reshape(nc * q, n_heads, dv)[:t]
+    o_THV = o_chlv.transpose(1, 2).reshape(nc * q, n_heads, dv)[:t]
+    if ends_N is None:
+        return o_THV
+    # the state after token i (chunk c, row l) of its sample: what entered the chunk, decayed to
+    # i if i continues that sample, plus the chunk's own deltas up to i (Gamma's row l)
+    c_N, l_N = ends_N // q, ends_N % q
+    own_NHKV = torch.einsum("nhj,nhjk,nhjv->nhkv", gamma_chij[c_N, :, l_N], k_chlk[c_N], d_chlv[c_N])
+    return o_THV, decay_in_chl[c_N, :, l_N][..., None, None] * s_in_chkv[c_N] + own_NHKV
+
+
+def gated_delta_step(S_NHKV: torch.Tensor, q_NHK: torch.Tensor, k_NHK: torch.Tensor, v_NHV: torch.Tensor,
+                     g_NH: torch.Tensor, beta_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule per row (``gated_delta_naive``'s recurrence): (o
+    ``[N, H, V]``, the state after it)."""
+    S_NHKV = S_NHKV * torch.exp(g_NH)[..., None, None]
+    delta_NHV = beta_NH[..., None] * (v_NHV - torch.einsum("nhkv,nhk->nhv", S_NHKV, k_NHK))
+    S_NHKV = S_NHKV + k_NHK[..., None] * delta_NHV[:, :, None, :]
+    return torch.einsum("nhkv,nhk->nhv", S_NHKV, q_NHK), S_NHKV
 
 
 def gated_delta_over_chunks(rule, q_THK, k_THK, v_THV, g_TH, beta_TH, cp) -> torch.Tensor:
@@ -221,7 +241,9 @@ class GatedDeltaNetMixer(TPModule):
         qkv_TC, z_TC, b_TH, a_TH = gemm.linear(x_TD, self.in_proj_weight, None, self.recipe).split(
             [2 * dql + dvl, dvl, vhl, vhl], dim=-1)
 
-        qkv_TC = conv_over_chunks(lambda x, *s: self._conv(x, self.conv_weight, *s), qkv_TC, cfg.conv_kernel, seq)
+        cache = seq.cache
+        state = None if cache is None else cache.state(self)  # its generation cache entry (mimo.llm.cache)
+        qkv_TC = short_conv(self.impl, qkv_TC, self.conv_weight, None, seq, state, "conv")
         q_TC, k_TC, v_TC = qkv_TC.split([dql, dql, dvl], dim=-1)
 
         cdt = torch.promote_types(x_TD.dtype, torch.float32)  # the recurrence and norms run in fp32 at least
@@ -232,9 +254,18 @@ class GatedDeltaNetMixer(TPModule):
         g_TH = -torch.exp(self.A_log.to(cdt)) * F.softplus(a_TH.to(cdt) + self.dt_bias.to(cdt))
         if vhl != hl:  # value head j reads q/k head j // (v_heads / heads)
             q_THK, k_THK = (x.repeat_interleave(vhl // hl, dim=1) for x in (q_THK, k_THK))
-        rule = lambda *a: self._rule(*a, x_TD)  # noqa: E731
-        if seq.cp is None:
-            o_THV = rule(q_THK, k_THK, v_THV, g_TH, beta_TH, segments(seq.cu_seqlens, t)[0], seq.cu_seqlens).to(cdt)
+        rule = lambda *a, **kw: self._rule(*a, x_TD, **kw)  # noqa: E731
+        if cache is not None and cache.decoding:  # one token per row, from the state the row left
+            n = cache.rows
+            o_NHV, state["state"] = gated_delta_step(state["state"], q_THK[:n], k_THK[:n], v_THV[:n], g_TH[:n], beta_TH[:n])
+            o_THV = pad_rows(o_NHV, t)
+        elif seq.cp is None:
+            seg_T = segments(seq.cu_seqlens, t)[0]
+            if cache is None:
+                o_THV = rule(q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, seq.cu_seqlens).to(cdt)
+            else:  # the prefill: each sample's state after its last token too
+                o_THV, S_NHKV = rule(q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, seq.cu_seqlens, ends_N=cache.ends_N)
+                o_THV, state["state"] = o_THV.to(cdt), S_NHKV.to(cdt)
         else:
             o_THV = gated_delta_over_chunks(rule, q_THK, k_THK, v_THV, g_TH, beta_TH, seq.cp).to(cdt)
 
@@ -244,28 +275,25 @@ class GatedDeltaNetMixer(TPModule):
         o_THV = o_THV * F.silu(z_TC.to(cdt)).reshape(t, vhl, cfg.v_head_dim)
         return self.out_proj(o_THV.reshape(t, dvl).to(x_TD.dtype))
 
-    def _conv(self, x_TC, w_CK, seg_T, offset_T, cu_seqlens):
+    def _rule(self, q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, cu_seqlens, x_TD, ends_N=None):
+        """The outputs; with ``ends_N`` (token indices) also the state after each of them (a
+        prefill's sample ends: one per leading segment of ``cu_seqlens``)."""
         if self.impl == "naive":
-            return F.silu(conv1d_naive(x_TC, w_CK, None, cu_seqlens))
-        fn = find_kernel("conv", self.impl, x_TC)
-        if fn is not None:  # channel-last [1, C, T] view; seq_idx restarts the conv per sample
-            y = fn(x_TC.unsqueeze(0).transpose(1, 2), w_CK, None, seq_idx=seg_T.to(torch.int32).unsqueeze(0), activation="silu")
-            return y.transpose(1, 2).squeeze(0)
-        return F.silu(causal_conv1d(x_TC, w_CK, None, offset_T))
-
-    def _rule(self, q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, cu_seqlens, x_TD):
-        if self.impl == "naive":
-            return gated_delta_naive(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens)
+            o = gated_delta_naive(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens)
+            if ends_N is None:
+                return o
+            return o, gated_delta_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, self.cfg.chunk, ends_N)[1]
         fn = find_kernel("gated_delta", self.impl, x_TD)
         if fn is None and self.impl == "kernel":
             raise RuntimeError("Gated DeltaNet impl='kernel' needs the flash-linear-attention (fla) package (and CUDA)")
         if fn is not None:  # inputs in the layer's dtype, gates in fp32; q is already scaled
             dt = x_TD.dtype
-            o, _ = fn(q_THK.to(dt).unsqueeze(0), k_THK.to(dt).unsqueeze(0), v_THV.to(dt).unsqueeze(0),
-                      g_TH.unsqueeze(0), beta_TH.to(dt).unsqueeze(0), scale=1.0,
-                      cu_seqlens=cu_seqlens.to(device=q_THK.device, dtype=torch.long))
-            return o.squeeze(0)
-        return gated_delta_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, self.cfg.chunk)
+            o, S_final = fn(q_THK.to(dt).unsqueeze(0), k_THK.to(dt).unsqueeze(0), v_THV.to(dt).unsqueeze(0),
+                            g_TH.unsqueeze(0), beta_TH.to(dt).unsqueeze(0), scale=1.0, output_final_state=ends_N is not None,
+                            cu_seqlens=cu_seqlens.to(device=q_THK.device, dtype=torch.long))
+            # fla's final states: one [H, K, V] per segment, the samples' first
+            return o.squeeze(0) if ends_N is None else (o.squeeze(0), S_final[: ends_N.numel()])
+        return gated_delta_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, seg_T, self.cfg.chunk, ends_N)
 
     def extra_repr(self) -> str:
         c = self.cfg

@@ -32,17 +32,18 @@ import torch
 import torch.nn.functional as F
 
 from mimo.core.errors import LayoutError
+from mimo.llm.cache import pad_rows
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
-from mimo.llm.recurrence import conv1d_naive, ssd_naive
-from mimo.llm.ssm import PreNormResidual, causal_conv1d, conv_over_chunks, find_kernel, init_constant, init_conv, init_dt_bias, init_uniform_log, segments, segsum
+from mimo.llm.recurrence import ssd_naive
+from mimo.llm.ssm import PreNormResidual, find_kernel, init_constant, init_conv, init_dt_bias, init_uniform_log, segments, segsum, short_conv
 from mimo.parallel import gemm
 from mimo.parallel.collectives import copy_to_group, gather_seq, reduce_from_group
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import RowParallelLinear, TPModule
 from mimo.parallel.placement import ParamPlacement, replicated, sharded
 
-__all__ = ["Mamba2Config", "ssd_chunked", "ssd_over_chunks", "Mamba2Mixer", "Mamba2", "build_mamba2"]
+__all__ = ["Mamba2Config", "ssd_chunked", "ssd_over_chunks", "ssd_states", "ssd_step", "Mamba2Mixer", "Mamba2", "build_mamba2"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,32 @@ def ssd_chunked(
     decay_in_clge = torch.exp(a_cgel.cumsum(-1)).permute(0, 3, 1, 2) * cont_cl[:, :, None, None]
     y_clgep = y_clgep + torch.einsum("clgn,cgepn->clgep", C_clgn, S_in_cgepn) * decay_in_clge.unsqueeze(-1)
     return y_clgep.reshape(nc * q, n_heads, p)[:t]
+
+
+def ssd_states(x_THP: torch.Tensor, dt_TH: torch.Tensor, A_H: torch.Tensor, B_THS: torch.Tensor,
+               spans: list[tuple[int, int]]) -> torch.Tensor:
+    """``[N, H, P, S]``: the SSM state (``ssd_naive``'s h) after the last token of each sample
+    ``spans[n] = (start, end)``, B per head. The decay is a scalar per head and token, so the state
+    is a plain weighted sum, ``h = sum_j exp(sum_{s>j} dt_s A) dt_j x_j B_j^T``; the log-decays
+    to the end are summed in fp64 (a reverse cumsum minus each term must not cancel)."""
+    la_TH = (dt_TH * A_H).double()
+    out = []
+    for s, e in spans:  # once per sample in the prefill: one einsum each
+        la_LH = la_TH[s:e]
+        to_end_LH = torch.exp(la_LH.flip(0).cumsum(0).flip(0) - la_LH).to(x_THP.dtype) * dt_TH[s:e]
+        out.append(torch.einsum("lhp,lhs->hps", x_THP[s:e] * to_end_LH[..., None], B_THS[s:e]))
+    if not out:
+        return x_THP.new_zeros(0, x_THP.shape[1], x_THP.shape[2], B_THS.shape[2])
+    return torch.stack(out)
+
+
+def ssd_step(h_NHPS: torch.Tensor, x_NHP: torch.Tensor, dt_NH: torch.Tensor, A_H: torch.Tensor, B_NHS: torch.Tensor,
+             C_NHS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of Mamba-2's SSM per row (``ssd_naive``'s recurrence, B and C per head, no D
+    skip): (y ``[N, H, P]``, the state after it)."""
+    decay_NH = torch.exp(dt_NH * A_H)
+    h_NHPS = decay_NH[..., None, None] * h_NHPS + (dt_NH[..., None] * x_NHP)[..., None] * B_NHS[:, :, None, :]
+    return torch.einsum("nhps,nhs->nhp", h_NHPS, C_NHS), h_NHPS
 
 
 def ssd_over_chunks(scan, x_THP, dt_TH, A_H, B_TGN, C_TGN, cp) -> torch.Tensor:
@@ -220,9 +247,10 @@ class Mamba2Mixer(TPModule):
         # replicated B/C weights feed only this rank's heads: partial gradients (their placement)
         bc_TC = gemm.linear(x_TD, self.in_bc_weight, None, self.recipe)
 
-        k = cfg.conv_kernel
-        x_TC = conv_over_chunks(lambda x, *s: self._conv(x, self.conv_x_weight, self.conv_x_bias, *s), x_TC, k, seq)
-        bc_TC = conv_over_chunks(lambda x, *s: self._conv(x, self.conv_bc_weight, self.conv_bc_bias, *s), bc_TC, k, seq)
+        cache = seq.cache
+        state = None if cache is None else cache.state(self)  # its generation cache entry (mimo.llm.cache)
+        x_TC = short_conv(self.impl, x_TC, self.conv_x_weight, self.conv_x_bias, seq, state, "conv_x")
+        bc_TC = short_conv(self.impl, bc_TC, self.conv_bc_weight, self.conv_bc_bias, seq, state, "conv_bc")
         B_TC, C_TC = bc_TC.split([bcl, bcl], dim=-1)
 
         cdt = torch.promote_types(x_TD.dtype, torch.float32)  # the scan and norms run in fp32 at least
@@ -234,24 +262,23 @@ class Mamba2Mixer(TPModule):
         if cfg.dt_min > 0:  # Nemotron-H's time_step_min (mamba_ssm's dt_limit): no gradient below it
             dt_TH = dt_TH.clamp_min(cfg.dt_min)
         A_H = -torch.exp(self.A_log.to(cdt))
-        if seq.cp is None:
+        per_head = lambda v_TGS: v_TGS.repeat_interleave(hl // v_TGS.shape[1], dim=1).to(cdt)  # noqa: E731 (B, C of each head)
+        if cache is not None and cache.decoding:  # one token per row, from the state the row left
+            n = cache.rows
+            y_NHP, state["ssm"] = ssd_step(state["ssm"], x_THP[:n].to(cdt), dt_TH[:n], A_H, per_head(B_TGN[:n]),
+                                           per_head(C_TGN[:n]))
+            y_THP = pad_rows(y_NHP, t)
+        elif seq.cp is None:
             seg_T, _ = segments(seq.cu_seqlens, t)
             y_THP = self._scan(x_THP, dt_TH, A_H, B_TGN, C_TGN, seg_T, seq.cu_seqlens, cdt)
+            if cache is not None:  # the prefill: each sample's state after its last token
+                state["ssm"] = ssd_states(x_THP.to(cdt), dt_TH, A_H, per_head(B_TGN), cache.spans)
         else:
             y_THP = ssd_over_chunks(lambda *a: self._scan(*a, cdt), x_THP, dt_TH, A_H, B_TGN, C_TGN, seq.cp)
         y_THP = y_THP + x_THP.to(cdt) * self.D.to(cdt)[:, None]
 
         y_TC = self._gated_norm(y_THP, z_TC.to(cdt)).to(x_TD.dtype)
         return self.out_proj(y_TC)
-
-    def _conv(self, x_TC, w_CK, b_C, seg_T, offset_T, cu_seqlens):
-        if self.impl == "naive":
-            return F.silu(conv1d_naive(x_TC, w_CK, b_C, cu_seqlens))
-        fn = find_kernel("conv", self.impl, x_TC)
-        if fn is not None:  # channel-last [1, C, T] view; seq_idx restarts the conv per sample
-            y = fn(x_TC.unsqueeze(0).transpose(1, 2), w_CK, b_C, seq_idx=seg_T.to(torch.int32).unsqueeze(0), activation="silu")
-            return y.transpose(1, 2).squeeze(0)
-        return F.silu(causal_conv1d(x_TC, w_CK, b_C, offset_T))
 
     def _scan(self, x_THP, dt_TH, A_H, B_TGN, C_TGN, seg_T, cu_seqlens, cdt):
         if self.impl == "naive":

@@ -144,17 +144,20 @@ class LLMStage(nn.Module):
             return t // self.tp_size
         return t
 
-    def context(self, batch: PackedBatch, loss_norm: float | None = None) -> SeqContext:
+    def context(self, batch: PackedBatch, loss_norm: float | None = None, cache=None) -> SeqContext:
         """What every layer sees of ``batch`` (under context parallelism: this rank's chunks,
-        joined across the CP group by the sequence-mixing layers)."""
+        joined across the CP group by the sequence-mixing layers; ``cache``: a
+        ``mimo.llm.cache.GenerationCache``, not under context parallelism)."""
         cp = None
         if batch.cp is not None:
+            if cache is not None:
+                raise LayoutError("greedy generation with a cache needs cp=1 (generate without one under context parallelism)")
             from mimo.llm.cp import CPChunks
 
             if batch.cp.cp != self.ctx.dense.size("cp"):
                 raise LayoutError(f"a pack cut for cp={batch.cp.cp} on an LLM with cp={self.ctx.dense.size('cp')}")
             cp = CPChunks(batch.cp, self.ctx.cp, batch.tokens.device)
-        return SeqContext(batch.cu_seqlens, batch.positions, batch.max_seqlen, batch.num_real_tokens, loss_norm, cp)
+        return SeqContext(batch.cu_seqlens, batch.positions, batch.max_seqlen, batch.num_real_tokens, loss_norm, cp, cache)
 
     def image_placement(self, grid: ParallelGrid, samples: Sequence[tuple[int, Sequence[int]]],
                         blocks: Sequence[range]) -> tuple[Placement, dict[int, list[int]]]:
@@ -192,14 +195,17 @@ class LLMStage(nn.Module):
 
     # ---------------------------------------------------------------- compute
     def forward(self, batch: PackedBatch, hidden: torch.Tensor | None = None,
-                image_rows: Mapping[str, torch.Tensor] | None = None, loss_norm: float | None = None) -> torch.Tensor:
+                image_rows: Mapping[str, torch.Tensor] | None = None, loss_norm: float | None = None,
+                cache=None) -> torch.Tensor:
         """Hidden states ``[T_local, D]`` for the next stage, or, on the last stage, this rank's
         vocab-parallel logits ``[T, V_padded / tp]`` (see ``loss`` and ``gather_logits``).
 
         ``batch``: the rank's whole pack; ``hidden``: the previous stage's output (not on the
         first stage); ``image_rows``: per placeholder key, this rank's compact rows
         ``[R_local, D]`` in the order of ``local_image_slots`` (first stage only);
-        ``loss_norm``: in a training forward, the step's loss-token count (MoE aux losses).
+        ``loss_norm``: in a training forward, the step's loss-token count (MoE aux losses);
+        ``cache``: greedy generation's ``mimo.llm.cache.GenerationCache`` of this stage (its
+        first forward the prefill of the samples' prompts, then one decode step per forward).
         """
         t_local = self.local_len(batch)
         if self.is_first:
@@ -213,12 +219,24 @@ class LLMStage(nn.Module):
             if image_rows:
                 raise ValueError("only the first stage takes image rows")
             h_TD = hidden
-        seq = self.context(batch, loss_norm)
-        for layer in self.layers.values():
-            h_TD = checkpoint(layer, h_TD, seq) if getattr(layer, "recompute_full", False) else layer(h_TD, seq)
+        seq = self.context(batch, loss_norm, cache)
+        if cache is None:
+            h_TD = self._layers(h_TD, seq)
+        else:
+            cache.begin(batch)
+            # compiled layers (train.compile) run eagerly: a decode step's shapes and the cache's
+            # host-side lengths change every step, and each change would compile them again
+            with torch.compiler.set_stance("force_eager"):
+                h_TD = self._layers(h_TD, seq)
+            cache.end()
         if not self.is_last:
             return h_TD
         return self.logits(self.norm(h_TD))
+
+    def _layers(self, h_TD: torch.Tensor, seq: SeqContext) -> torch.Tensor:
+        for layer in self.layers.values():
+            h_TD = checkpoint(layer, h_TD, seq) if getattr(layer, "recompute_full", False) else layer(h_TD, seq)
+        return h_TD
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "head"):

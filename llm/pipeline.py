@@ -89,9 +89,10 @@ class StageRunner:
         return buf
 
     def forward(self, batch: PackedBatch, k: int = 0, image_rows: Mapping[str, torch.Tensor] | None = None,
-                tick: int | None = None) -> PipelineResult:
+                tick: int | None = None, cache=None) -> PipelineResult:
         """Microbatch ``k`` through this stage: receive from the previous stage, compute, post
-        the send to the next. ``image_rows`` reach the first stage only."""
+        the send to the next. ``image_rows`` reach the first stage only; ``cache``: this
+        stage's generation cache (``LLMStage.forward``), without autograd."""
         stage, grad = self.stage, torch.is_grad_enabled()
         h_in = None
         if self.prev is not None:
@@ -100,7 +101,7 @@ class StageRunner:
         start = time.perf_counter()
         # aux losses (MoE) join a training forward, normalised as the loss is
         out = stage(batch, hidden=h_in, image_rows=image_rows if stage.is_first else None,
-                    loss_norm=self.num_loss_tokens if grad else None)
+                    loss_norm=self.num_loss_tokens if grad else None, cache=cache)
         # alive: the microbatches whose activations this stage holds, this one included
         self._note(tick, "forward", k, start=start, alive=len(self.alive) + int(grad))
         if self.next is not None:

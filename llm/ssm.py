@@ -18,12 +18,14 @@ import math
 import torch
 import torch.nn.functional as F
 
+from mimo.llm.cache import pad_rows
 from mimo.llm.norm import RMSNorm
+from mimo.llm.recurrence import conv1d_naive
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.params import init_params_, param_table
 
 __all__ = [
-    "PreNormResidual", "segments", "causal_conv1d", "conv_over_chunks", "segsum", "kernel", "find_kernel", "KERNELS", "IMPLS",
+    "PreNormResidual", "segments", "causal_conv1d", "conv_over_chunks", "silu_conv", "short_conv", "conv_step", "segsum", "kernel", "find_kernel", "KERNELS", "IMPLS",
     "init_dt_bias", "init_conv", "init_uniform_log", "init_constant",
 ]
 
@@ -69,6 +71,49 @@ def conv_over_chunks(conv, x_TC: torch.Tensor, kernel: int, seq) -> torch.Tensor
         return conv(x_TC, seg_T, offset_T, seq.cu_seqlens)
     ext_TC, offset_T, seg_T, keep, cu = seq.cp.with_halo(x_TC, kernel - 1)
     return conv(ext_TC, seg_T, offset_T, cu).index_select(0, keep)
+
+
+def conv_step(state_NKC: torch.Tensor, x_NC: torch.Tensor, w_CK: torch.Tensor, bias_C: torch.Tensor | None):
+    """``causal_conv1d`` at one new token per row: ``state_NKC`` holds the row's previous
+    ``K - 1`` inputs, oldest first (zeros before its sample's start). Returns (the output, the
+    state after the token). The taps are summed in ``causal_conv1d``'s order, so a decode step
+    rounds as the whole-sequence convolution does."""
+    k = w_CK.shape[1]
+    y_NC = x_NC * w_CK[:, k - 1]
+    for s in range(1, k):
+        y_NC = y_NC + state_NKC[:, k - 1 - s] * w_CK[:, k - 1 - s]
+    state_NKC = torch.cat([state_NKC[:, 1:], x_NC[:, None]], 1)
+    return (y_NC if bias_C is None else y_NC + bias_C), state_NKC
+
+
+def silu_conv(impl: str, x_TC, w_CK, bias_C, seg_T, offset_T, cu_seqlens) -> torch.Tensor:
+    """SiLU(the short causal convolution, restarting at each segment) by ``impl`` (``IMPLS``):
+    causal-conv1d's kernel where ``find_kernel`` allows it, ``conv1d_naive`` for "naive", else
+    ``causal_conv1d``."""
+    if impl == "naive":
+        return F.silu(conv1d_naive(x_TC, w_CK, bias_C, cu_seqlens))
+    fn = find_kernel("conv", impl, x_TC)
+    if fn is not None:  # channel-last [1, C, T] view; seq_idx restarts the conv per sample
+        y = fn(x_TC.unsqueeze(0).transpose(1, 2), w_CK, bias_C, seq_idx=seg_T.to(torch.int32).unsqueeze(0), activation="silu")
+        return y.transpose(1, 2).squeeze(0)
+    return F.silu(causal_conv1d(x_TC, w_CK, bias_C, offset_T))
+
+
+def short_conv(impl: str, x_TC: torch.Tensor, w_CK: torch.Tensor, bias_C: torch.Tensor | None, seq, state: dict | None,
+               key: str) -> torch.Tensor:
+    """A recurrent layer's short convolution (``silu_conv`` by ``impl``) over ``seq``'s pack
+    (``conv_over_chunks``). Under a generation cache (``mimo.llm.cache``; ``state``: the layer's
+    entry) the prefill also keeps each sample's last ``K - 1`` inputs under ``key``, and a
+    decode step convolves each row's new input with them (``conv_step``)."""
+    cache, k = seq.cache, w_CK.shape[1]
+    if cache is not None and cache.decoding:
+        y_NC, state[key] = conv_step(state[key], x_TC[: cache.rows], w_CK, bias_C)
+        return pad_rows(F.silu(y_NC), x_TC.shape[0])
+    if cache is not None:
+        at_NK = cache.ends_N[:, None] + torch.arange(2 - k, 1, device=x_TC.device)  # the last K-1 positions
+        inside_NK1 = (at_NK >= cache.starts_N[:, None])[..., None]
+        state[key] = torch.where(inside_NK1, x_TC[at_NK.clamp_min(0)], 0.0)
+    return conv_over_chunks(lambda x, *s: silu_conv(impl, x, w_CK, bias_C, *s), x_TC, k, seq)
 
 
 def segsum(a: torch.Tensor) -> torch.Tensor:

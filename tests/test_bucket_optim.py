@@ -5,7 +5,7 @@
   that do not split evenly: padded shards), experts sharded over EDP; with offload;
 * optimizer bytes per rank fall by dp (up to the padding);
 * resume with the distributed optimizer reproduces the uninterrupted run bit for bit, and a
-  checkpoint written without it says so when loaded with it;
+  checkpoint written with it also loads without it (tests/test_reshard.py: and trains on the same);
 * mutations fail: weight decay on every element, a shard not gathered back.
 """
 
@@ -82,7 +82,7 @@ def test_resume_with_the_distributed_optimizer_is_bit_exact(pools, cp_config, tm
     results = pools(4).run(resume_case, cp_config, overrides, str(tmp_path), plain)
     for r in results:
         assert r["resumed"] == r["straight"], r
-        assert "optimizer" in r["refused"] and "missing" in r["refused"], r["refused"]
+        assert r["refused"] == "", r["refused"]  # without it, the same checkpoint loads (its shards joined)
     a, b = tmp_path / "straight" / "step-00000004", tmp_path / "cut" / "step-00000004"
     files = sorted(f for f in os.listdir(a) if f.endswith((".model.safetensors", ".dopt.safetensors")))
     assert sum(f.endswith(".dopt.safetensors") for f in files) == 8  # every rank's shard, of both modules

@@ -86,10 +86,15 @@ def test_llava_stage2_starts_from_stage1_weights(tmp_path):
     # state covers the projector alone
     assert os.path.exists(s1 / "step-00000002" / "language-rank00000.model.safetensors")
     assert not os.path.exists(s1 / "step-00000002" / "language-rank00000.optim.safetensors")
-    # at another layout, stage 2 refuses stage 1's weights before any process starts
-    wrong = mimo("train", stage2, *TWO_RANKS, "modules.language.parallel.tp=1", "modules.language.parallel.dp=2",
-                 "modules.language.parallel.sequence_parallel=false", f"train.checkpoint.dir={tmp_path / 'other'}", cwd=tmp_path)
-    assert wrong.returncode == 2 and "resharding is not supported" in last_json(wrong)["errors"][0]
+    # at another layout (the LLM dp 2 instead of tp 2), stage 2 starts from stage 1's weights resharded
+    other = tmp_path / "other"
+    moved = mimo("train", stage2, *TWO_RANKS, "train.steps=1", "train.seed=7", "modules.language.parallel.tp=1",
+                 "modules.language.parallel.dp=2", "modules.language.parallel.sequence_parallel=false",
+                 f"train.checkpoint.dir={other}", cwd=tmp_path)
+    assert moved.returncode == 0, moved.stderr[-3000:]
+    assert "resharding it on load" in moved.stderr
+    tower3 = shard(other, 1, "vision-rank00000.model.safetensors")
+    assert all((tower1[k] == tower3[k]).all() for k in tower_keys)
 
 
 def test_init_from_nothing_is_a_clear_error(tmp_path):

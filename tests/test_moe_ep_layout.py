@@ -409,17 +409,20 @@ def test_checkpoint_round_trip_at_an_ep_layout(pools, tmp_path, name):
 
 def test_checkpoints_from_before_folding_still_load_at_etp_tp():
     """Checkpoints written before parallel folding recorded etp: 1 for every module (the only
-    value then), meaning experts laid out like the dense layers: they load at etp = tp, and
-    still not at a folded layout."""
+    value then), meaning experts laid out like the dense layers: they load at etp = tp as
+    written, and at a folded layout resharded."""
     from mimo.core.errors import CheckpointError
-    from mimo.training.checkpoint import check_layout, layout_of
+    from mimo.training.checkpoint import check_layout, layout_change, layout_of
 
     config = _config([])
     old = layout_of(config)
     old.pop("expert_layout")
     for m in old["modules"].values():
         m["etp"] = 1
-    check_layout({"layout": old}, config, "old")
-    with pytest.raises(CheckpointError, match="etp=1"):
-        check_layout({"layout": old}, _config(["modules.language.parallel.etp=1"]), "old")
-    check_layout({"layout": layout_of(config)}, config, "new")
+    assert check_layout({"layout": old}, config, "old") is True
+    folded = _config(["modules.language.parallel.etp=1"])
+    assert check_layout({"layout": old}, folded, "old") is False
+    assert "etp=1" in layout_change({"layout": old}, folded, "old") and "resharding" in layout_change({"layout": old}, folded, "old")
+    assert check_layout({"layout": layout_of(config)}, config, "new") is True
+    with pytest.raises(CheckpointError, match="modules"):  # another model altogether
+        check_layout({"layout": {**old, "modules": {"other": {}}}}, config, "old")

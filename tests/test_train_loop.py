@@ -1,5 +1,5 @@
 """`mimo train` end to end (real processes, CPU, fp32): progress and metrics, atomic checkpoints,
-exact resume after a kill -9 during a save or a clean stop, colocated and non-colocated,
+exact resume after a kill -9 during a save (synchronous or asynchronous) or a clean stop, colocated and non-colocated,
 keep-last-N, a clear error at another layout, and failing / hung ranks ending the run.
 
 Each `mimo train` here is a subprocess that spawns its own ranks, so runs are few and short.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,6 +146,36 @@ def test_kill_during_save_then_resume_is_exact(config, colocated, tmp_path):
     assert steps_of(run) == [2, STEPS] and not saving.exists()
 
 
+def test_kill_during_async_save_then_resume_is_exact(config, colocated, tmp_path):
+    run = tmp_path / "run"
+    ckpt = run / "ckpt"
+    saving = ckpt / "step-00000003.tmp"
+    args = ("train.checkpoint.every=1", "train.checkpoint.async_save=true")
+    with open(tmp_path / "out", "w") as out:
+        # rank 1's background writer stalls after writing its files of step 3, before its done
+        # mark: step 3 cannot commit, training goes on (step 3 reported) until step 4's save waits
+        proc = subprocess.Popen(_command(config, run, *args), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=_env("stall-save:1:3"))
+        deadline = time.monotonic() + 240
+        try:
+            while not ((saving / "rng-rank00001.safetensors").exists() and (run / "metrics.jsonl").exists()
+                       and '{"step": 3,' in (run / "metrics.jsonl").read_text()):
+                assert proc.poll() is None, (tmp_path / "out").read_text()
+                assert time.monotonic() < deadline, "the save of step 3 never started"
+                time.sleep(0.1)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank, mid-write
+            proc.wait()
+    assert steps_of(run) == [1, 2] and saving.is_dir() and not (saving / "meta.json").exists()
+    assert not (saving / "done-rank00001").exists()
+    proc, result = train(config, run, *args)
+    assert proc.returncode == 0, proc.stderr
+    assert result["resumed_from"] == 2 and result["steps_run"] == STEPS - 2
+    assert losses(run) == losses(colocated.run)  # bit for bit
+    assert steps_of(run) == [STEPS - 1, STEPS] and not saving.exists() and result["checkpoint"] == str(ckpt / f"step-{STEPS:08d}")
+    assert "written in the background" in (run / "logs" / "rank0.log").read_text()
+
+
 def test_clean_stop_then_resume_is_exact_non_colocated(config, tmp_path):
     reference, run = tmp_path / "reference", tmp_path / "run"
     proc, _ = train(config, reference, *NON_COLOCATED)
@@ -159,13 +190,19 @@ def test_clean_stop_then_resume_is_exact_non_colocated(config, tmp_path):
     assert [m["step"] for m in metrics(run)] == list(range(1, STEPS + 1))
 
 
-def test_another_layout_is_a_clear_error(config, colocated):
-    proc, result = train(config, colocated.run, "modules.language.parallel.tp=1", "modules.language.parallel.dp=4", timeout=60)
-    assert proc.returncode == 2 and not result["ok"]
-    (message,) = result["errors"]
-    assert "checkpoint written at layout [world_size=4; vision tp=1,dp=4,ranks=0:4; language tp=2,dp=2,ranks=0:4]" in message
-    assert "config asks for [world_size=4; vision tp=1,dp=4,ranks=0:4; language tp=1,dp=4,ranks=0:4]" in message
-    assert "resharding is not supported yet" in message and "Traceback" not in proc.stderr
+def test_another_layout_is_resharded_with_a_warning(config, colocated, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(colocated.run, run)
+    proc, result = train(config, run, "modules.language.parallel.tp=1", "modules.language.parallel.dp=4",
+                         f"train.steps={STEPS + 1}", timeout=120)
+    assert proc.returncode == 0 and result["ok"], proc.stderr[-3000:]
+    assert "checkpoint written at layout [world_size=4; vision tp=1,dp=4,ranks=0:4; language tp=2,dp=2,ranks=0:4]" in proc.stderr
+    assert ("the config asks for [world_size=4; vision tp=1,dp=4,ranks=0:4; language tp=1,dp=4,ranks=0:4]: resharding it on load"
+            in proc.stderr)
+    assert result["resumed_from"] == STEPS and result["steps_run"] == 1 and "Traceback" not in proc.stderr
+    # (the layout keys are not "a config that differs": only train.steps is named)
+    (differs,) = [line for line in proc.stderr.splitlines() if "with a config that differs at" in line]
+    assert "differs at train.steps:" in differs and "parallel" not in differs, differs
 
 
 def test_sigterm_stops_cleanly_with_a_checkpoint(config, tmp_path):

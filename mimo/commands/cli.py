@@ -424,6 +424,23 @@ def run_export_hf(args: argparse.Namespace) -> dict[str, Any]:
     return export_hf(args.checkpoint, args.out, args.llm_only, int(args.max_shard_gib * 2**30))
 
 
+# ---------------------------------------------------------------- convert-checkpoint
+
+
+def convert_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CKPT", help="a step-N checkpoint, or a folder of them: its latest")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides of --config")
+    parser.add_argument("--config", required=True, metavar="CONFIG", help="the config whose layout to write it at")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the checkpoint folder to write (step-N inside)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds the conversion may take")
+
+
+def run_convert_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
+    from mimo.commands.convert_checkpoint import convert_checkpoint
+
+    return convert_checkpoint(args.checkpoint, args.config, args.overrides, args.out, args.timeout)
+
+
 # ---------------------------------------------------------------- eval, demo
 
 
@@ -469,7 +486,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("demo", "make demo data, train the demo config on 4 local processes, evaluate it", demo_arguments, run_demo),
     Command("check-config", "validate a config (and overrides) without starting anything", config_arguments, run_check_config),
     Command("train", "train a config: launch its ranks, log, checkpoint, resume", train_arguments, run_train),
-    Command("eval", "held-out loss and exact match of greedy answers, at a checkpoint's layout", eval_arguments, run_eval),
+    Command("eval", "held-out loss and exact match of greedy answers (a checkpoint at any layout)", eval_arguments, run_eval),
     Command("make-demo-data", "write learnable demo shards and a local tokenizer", make_demo_data_arguments, run_make_demo_data),
     Command("prepare-data", "index the shards of a config (once; train prepares a missing index itself)", prepare_data_arguments, run_prepare_data),
     Command("inspect-data", "read packed microbatches through the real pipeline and report counts", inspect_data_arguments, run_inspect_data),
@@ -481,6 +498,8 @@ COMMANDS: tuple[Command, ...] = (
             run_import_hf_llava),
     Command("export-hf", "write a checkpoint as a Hugging Face LLaVA (or, --llm-only, causal LM) directory", export_hf_arguments,
             run_export_hf),
+    Command("convert-checkpoint", "rewrite a checkpoint at another config's layout (offline resharding)",
+            convert_checkpoint_arguments, run_convert_checkpoint),
 )
 
 

@@ -1,8 +1,8 @@
-"""``mimo eval``: held-out loss and exact-match accuracy of greedy answers, at a checkpoint's layout.
+"""``mimo eval``: held-out loss and exact-match accuracy of greedy answers, at the config's layout.
 
 The launcher resolves the checkpoint (a ``step-N`` folder, or a folder of them: its latest),
-checks its layout against the config before any process starts, indexes the held-out shards
-(``eval.shards`` or ``--shards``) and runs ``eval_rank`` on ``world_size`` local processes.
+compares its layout with the config's before any process starts (another one: resharded on
+load, with a warning), indexes the held-out shards (``eval.shards`` or ``--shards``) and runs ``eval_rank`` on ``world_size`` local processes.
 Every rank builds the model exactly as training does (``mimo.compose.model``; on its own GPU
 with ``--device cuda``, as ``mimo train``), loads its shards, and evaluates it
 (``mimo.training.evaluation.Evaluator``).

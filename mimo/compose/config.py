@@ -36,6 +36,9 @@ class CheckpointConfig:
     dir: str | None = None
     every: int | None = None  # steps between checkpoints; None: only at the end of training
     keep: int | None = None  # how many recent checkpoints to keep; None: all
+    # the step only snapshots the state (host copies); a thread per rank writes and commits it
+    # while training goes on (mimo.training.async_save)
+    async_save: bool = False
 
     def validate(self, path: str) -> list[str]:
         return at_least(self, path, 1, "every", "keep")
@@ -160,6 +163,9 @@ class EvalConfig:
     samples: int | None = None  # the first N usable held-out samples in shard order; None: all
     every: int | None = None  # `mimo train` evaluates every N steps (metrics.jsonl lines with "eval": true)
     max_new_tokens: int = 16  # greedy generation stops here or at the end-of-turn token
+    # greedy generation keeps a cache (attention K/V, Mamba-2 / GDN states): one prefill, then one
+    # token per sample and step; false: every step runs the whole sequence again (cp > 1 always does)
+    cache: bool = True
 
     def validate(self, path: str) -> list[str]:
         problems = at_least(self, path, 1, "samples", "max_new_tokens", "every")

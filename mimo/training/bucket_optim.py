@@ -23,14 +23,15 @@ applied first per element (the bucket mixes parameters with and without decay), 
 AdamW applies it. The global gradient norm and clipping read the shards (``grad_norm_sq`` counts
 each element once in the world: its data-parallel copies by shard, its other copies by the
 placement's owner rule); the checkpoint holds each rank's shard, parameter by parameter with the
-flat range it covers and the parameter's placement record (``state_pieces`` /
-``load_state_pieces``).
+flat range it covers and the parameter's placement record (``state_pieces``), read back at any
+layout through those records (``load_local_states``, ``mimo.training.reshard``).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -194,9 +195,10 @@ class BucketAdamW(torch.optim.Optimizer):
             s.grad.mul_(scale.to(device=s.grad.device, dtype=s.grad.dtype))
 
     # ---- checkpoints ----
-    def state_pieces(self) -> tuple[dict[str, torch.Tensor], dict]:
+    def state_pieces(self, copy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
         """This rank's state, parameter by parameter: ``{name}.{master|exp_avg|exp_avg_sq}``
-        1-d tensors of the elements ``lo .. hi`` of its flat local tensor, and the ranges."""
+        1-d tensors of the elements ``lo .. hi`` of its flat local tensor, and the ranges.
+        ``copy`` takes each piece off the optimizer's buffers (default: a CPU clone)."""
         self.finish()
         tensors, ranges, steps = {}, {}, {}
         for i, s in enumerate(self.states):
@@ -206,27 +208,28 @@ class BucketAdamW(torch.optim.Optimizer):
                     continue
                 a, b = pc.start + pc.lo - s.lo, pc.start + pc.hi - s.lo
                 for key, buf in (("master", s.master), ("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq)):
-                    tensors[f"{pc.name}.{key}"] = buf[a:b].detach().cpu().clone()
+                    tensors[f"{pc.name}.{key}"] = buf[a:b].detach().cpu().clone() if copy is None else copy(buf[a:b])
                 ranges[pc.name] = {"range": [pc.lo, pc.hi], "numel": pc.param.numel(), "bucket": i}
         return tensors, {"ranges": ranges, "steps": steps, "sharded": self.sharded}
 
     @torch.no_grad()
-    def load_state_pieces(self, tensors, meta: dict, where: str) -> None:
-        ranges, steps = meta["ranges"], {int(k): v for k, v in meta["steps"].items()}
+    def load_local_states(self, states: Callable[[str], dict], step: Callable[[str], float], where: str) -> None:
+        """Every bucket's state from whole local tensors (a checkpoint of another layout):
+        ``states(name)`` gives ``master`` / ``exp_avg`` / ``exp_avg_sq`` shaped like the
+        parameter, ``step(name)`` its step count (one per bucket: they must agree)."""
         for i, s in enumerate(self.states):
-            if i not in steps:
-                raise CheckpointError(f"{where}: no optimizer state for bucket {i} of this rank (another layout?)")
-            s.step.fill_(steps[i])
+            counts = {step(pc.name) for pc in s.pieces}
+            if len(counts) > 1:
+                raise CheckpointError(f"{where}: the parameters of bucket {i} were written at different step counts {sorted(counts)}")
+            if counts:
+                s.step.fill_(counts.pop())
             for pc in s.pieces:
                 if pc.hi <= pc.lo:
                     continue
-                got = ranges.get(pc.name)
-                if got is None or got["range"] != [pc.lo, pc.hi] or got["numel"] != pc.param.numel():
-                    raise CheckpointError(f"{where}: the optimizer shard of {pc.name!r} covers {got and got['range']}, "
-                                          f"this rank holds [{pc.lo}, {pc.hi}] (another layout?)")
+                got = states(pc.name)
                 a, b = pc.start + pc.lo - s.lo, pc.start + pc.hi - s.lo
                 for key, buf in (("master", s.master), ("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq)):
-                    buf[a:b].copy_(tensors[f"{pc.name}.{key}"])
+                    buf[a:b].copy_(got[key].reshape(-1)[pc.lo:pc.hi])
 
     def state_dict(self):
         raise NotImplementedError("BucketAdamW's state is saved per shard (state_pieces)")

@@ -24,8 +24,8 @@ full shape, shards, sizes, coordinates, local shape) is stored in its file's met
 (``placements``), so a later reader can reshard. Loading at the same layout, a rank finds each
 of its parameters in the file of that parameter's owner (its own shard coordinates and stage, 0
 on the replica axes), checks the stored record against its own, and copies the tensor in. A
-checkpoint records the layout it was written at, and loading it at another layout is a
-``CheckpointError`` until resharding exists.
+checkpoint records the layout it was written at; loading it at another layout reads each local
+tensor from the stored pieces that overlap it (``mimo.training.reshard``).
 
 Finding one to load: ``usable_checkpoint`` takes the newest complete checkpoint whose files are all
 there and readable (each safetensors header parses and covers its file; ``validate_checkpoint``),
@@ -36,7 +36,10 @@ Atomicity: all ranks write into ``step-N.tmp``; after a barrier rank 0 writes ``
 last, fsyncs, and renames the folder to ``step-N``. A crash at any point (kill -9 included)
 leaves either no ``step-N`` or a complete one; a complete checkpoint is a ``step-N`` folder
 with ``meta.json``. Old checkpoints beyond ``keep`` are renamed to ``.old`` before deletion,
-so a crash while pruning never leaves a half-deleted folder that looks complete.
+so a crash while pruning never leaves a half-deleted folder that looks complete. An
+asynchronous save (``train.checkpoint.async_save``, ``mimo.training.async_save``) writes the
+same files from a background thread per rank: each rank marks its files done with a file in
+``step-N.tmp`` instead of the barrier, and rank 0's thread commits as above once every mark is there.
 
 The checkpoint folder must be visible to every rank (a shared filesystem across nodes).
 """
@@ -53,7 +56,7 @@ import time
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -114,14 +117,25 @@ def describe_layout(layout: dict) -> str:
     return f"[world_size={layout['world_size']}; " + "; ".join(parts) + "]"
 
 
-def check_layout(meta: dict, config: MimoConfig, path: str) -> None:
-    want = layout_of(config)
-    if _resolved_etp(meta.get("layout")) != want:
-        raise CheckpointError(
-            f"{path}: checkpoint written at layout {describe_layout(_resolved_etp(meta['layout']))}, config asks for "
-            f"{describe_layout(want)}; resharding is not supported yet (train at the checkpoint's layout, "
-            f"or start a new run with another train.checkpoint.dir)"
-        )
+def check_layout(meta: dict, config: MimoConfig, path: str) -> bool:
+    """Whether the checkpoint at ``path`` was written at ``config``'s layout (False: it is
+    resharded on load, ``mimo.training.reshard``). Other modules are a CheckpointError."""
+    stored, want = _resolved_etp(meta.get("layout")), layout_of(config)
+    if stored == want:
+        return True
+    modules = sorted(stored["modules"]) if isinstance(stored, dict) and isinstance(stored.get("modules"), dict) else None
+    if modules != sorted(want["modules"]):
+        raise CheckpointError(f"{path}: checkpoint of modules {modules}, config has {sorted(want['modules'])} "
+                              f"(another model: start a new run with another train.checkpoint.dir)")
+    return False
+
+
+def layout_change(meta: dict, config: MimoConfig, path: str) -> str | None:
+    """None at the checkpoint's own layout, else a warning saying it will be resharded."""
+    if check_layout(meta, config, path):
+        return None
+    return (f"{path}: checkpoint written at layout {describe_layout(_resolved_etp(meta['layout']))}, the config asks for "
+            f"{describe_layout(layout_of(config))}: resharding it on load")
 
 
 # ---------------------------------------------------------------- finding checkpoints
@@ -328,9 +342,15 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _save_optimizer(opt: torch.optim.Optimizer, names: list[str], path: str, only: set[str] | None = None) -> None:
-    """``names``: the optimizer's parameters in state_dict order; ``only``: the ones whose state
-    is written here (default: all)."""
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in CPU memory of their own (what a save writes: training may change ``t`` next)."""
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+def _optimizer_state(opt: torch.optim.Optimizer, names: list[str], only: set[str] | None = None,
+                     copy: Callable[[torch.Tensor], torch.Tensor] = _host_copy) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of ``opt``'s state file. ``names``: the optimizer's parameters in
+    state_dict order; ``only``: the ones whose state is written here (default: all)."""
     tensors, scalars = {}, {}
     for i, state in opt.state_dict()["state"].items():
         if only is not None and names[i] not in only:
@@ -338,11 +358,16 @@ def _save_optimizer(opt: torch.optim.Optimizer, names: list[str], path: str, onl
         for key, value in state.items():
             if torch.is_tensor(value):
                 # a copy: entries may share memory (MasterWeightAdamW's group step count, buffer views)
-                tensors[f"{names[i]}/{key}"] = value.detach().to("cpu", copy=True).contiguous()
+                tensors[f"{names[i]}/{key}"] = copy(value)
             else:
                 scalars[f"{names[i]}/{key}"] = value
     written = [n for n in names if only is None or n in only]
-    save_file(tensors, path, metadata={"optimizer": type(opt).__name__, "params": json.dumps(written), "scalars": json.dumps(scalars)})
+    return tensors, {"optimizer": type(opt).__name__, "params": json.dumps(written), "scalars": json.dumps(scalars)}
+
+
+def _save_optimizer(opt: torch.optim.Optimizer, names: list[str], path: str, only: set[str] | None = None) -> None:
+    tensors, metadata = _optimizer_state(opt, names, only)
+    save_file(tensors, path, metadata=metadata)
 
 
 def _load_optimizer(opt: torch.optim.Optimizer, names: list[str], files: str | Mapping[str, str],
@@ -436,76 +461,113 @@ def _barrier() -> None:
 # ---------------------------------------------------------------- save / load
 
 
-def _write_part(part: _Part, opt: torch.optim.Optimizer | None, directory: str, rank: int, step: int) -> list[str]:
-    """This rank's files of ``part``: the tensors it owns with their placement records, and
-    their optimizer state (none where it owns nothing); a bucketed optimizer's shard, every rank."""
-    paths = []
+# one file of a checkpoint: its name in the folder, its tensors (host copies) and metadata
+_File = tuple[str, dict[str, torch.Tensor], dict[str, str]]
+
+
+def _part_files(part: _Part, opt: torch.optim.Optimizer | None, rank: int, step: int,
+                copy: Callable[[torch.Tensor], torch.Tensor] = _host_copy) -> Iterator[_File]:
+    """This rank's files of ``part``, each copied when asked for (a synchronous save holds one
+    file's copy at a time): the tensors it owns with their placement records, and their
+    optimizer state (none where it owns nothing); a bucketed optimizer's shard, every rank."""
     if isinstance(opt, BucketAdamW):
-        paths.append(os.path.join(directory, _file(part.module, rank, "dopt")))
-        _save_bucket_optimizer(opt, part, paths[-1])
+        yield (_file(part.module, rank, "dopt"), *_bucket_optimizer_state(opt, part, copy))
         opt = None
     names = [n for n in part.table if part.writes(n)]
     if not names:
-        return paths
+        return
     stray = [n for n in names if part.owner(n) != rank]
     if stray:  # a parameter whose context does not place this rank where the module's grid does
         raise CheckpointError(f"module {part.module!r}: rank {rank} owns {stray[0]!r} by its placement, but its grid "
                               f"puts the owner at rank {part.owner(stray[0])} (a parameter on the wrong ParallelContext?)")
-    tensors = {n: part.table[n].param.detach().to("cpu", copy=True).contiguous() for n in names}
+    tensors = {n: copy(part.table[n].param) for n in names}
     records = {n: part.table[n].record() for n in names}
-    paths.append(os.path.join(directory, _file(part.module, rank, "model")))
-    save_file(tensors, paths[-1], metadata={"module": part.module, "step": str(step), "rank": str(rank),
-                                           "placements": json.dumps(records)})
+    yield _file(part.module, rank, "model"), tensors, {"module": part.module, "step": str(step), "rank": str(rank),
+                                                       "placements": json.dumps(records)}
     if opt is not None:
-        paths.append(os.path.join(directory, _file(part.module, rank, "optim")))
-        _save_optimizer(opt, _ordered_names(opt, part.names_by_param()), paths[-1], only=set(names))
+        yield (_file(part.module, rank, "optim"),
+               *_optimizer_state(opt, _ordered_names(opt, part.names_by_param()), set(names), copy))
+
+
+def _rank_files(model: MimoModel, optimizers: dict[str, torch.optim.Optimizer], step: int,
+                copy: Callable[[torch.Tensor], torch.Tensor] = _host_copy) -> Iterator[_File]:
+    """Every file this rank writes into the checkpoint of ``step``, its RNG state last."""
+    for part in _local_parts(model):
+        yield from _part_files(part, optimizers.get(part.module), model.rank, step, copy)
+    tensors, meta = _rng_state()
+    yield f"rng-rank{model.rank:05d}.safetensors", tensors, meta
+
+
+def _write_files(files: Iterable[_File], directory: str) -> list[str]:
+    """``files`` written into ``directory`` and fsynced; their paths."""
+    paths = []
+    for name, tensors, metadata in files:
+        paths.append(os.path.join(directory, name))
+        save_file(tensors, paths[-1], metadata=metadata)
+    for path in paths:
+        _fsync(path)
     return paths
+
+
+def _write_part(part: _Part, opt: torch.optim.Optimizer | None, directory: str, rank: int, step: int) -> list[str]:
+    """This rank's files of ``part`` (``_part_files``) written into ``directory``; their paths."""
+    return _write_files(_part_files(part, opt, rank, step), directory)
+
+
+def _begin_save(model: MimoModel, optimizers: dict[str, torch.optim.Optimizer], step: int, directory: str) -> tuple[str, str]:
+    """Every rank, at the same point: the weights still in flight landed, ``step-N.tmp`` made
+    afresh by rank 0 before any rank writes there. Returns (the tmp folder, the final one)."""
+    final = step_dir(directory, step)
+    tmp = final + ".tmp"
+    finish_updates(optimizers)  # a sharded optimizer's weights still in flight
+    if model.rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed save of the same step
+        os.makedirs(tmp)
+    _barrier()
+    return tmp, final
+
+
+def _about(model: MimoModel, step: int, extra_meta: dict | None) -> dict:
+    """meta.json but its file list and time, taken when the save starts."""
+    return {"format": FORMAT, "step": step, "layout": layout_of(model.config), "torch": torch.__version__,
+            "config": model.config.as_dict(), **(extra_meta or {})}
+
+
+def _commit(tmp: str, final: str, keep: int | None, about: dict) -> None:
+    """Rank 0, once every rank's files are on disk in ``tmp``: meta.json last, fsynced, the
+    rename to ``final`` (the commit), then old checkpoints beyond ``keep`` pruned."""
+    directory = os.path.dirname(final)
+    meta = {**about, "files": sorted(os.listdir(tmp)), "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync(tmp)
+    if os.path.exists(final):  # the same step saved again (e.g. after a config change): replace it
+        os.rename(final, final + ".old")
+        shutil.rmtree(final + ".old", ignore_errors=True)
+    os.rename(tmp, final)  # the commit
+    _fsync(directory)
+    for path in prune(directory, keep):
+        log.info("deleted old checkpoint %s (keep=%s)", path, keep)
 
 
 def save_checkpoint(model: MimoModel, optimizers: dict[str, torch.optim.Optimizer], step: int, directory: str,
                     keep: int | None = None, extra_meta: dict | None = None,
                     after_write: Callable[[], None] | None = None) -> str:
     """Write the checkpoint of ``step``; every rank calls it at the same point. Returns its path.
+    (``mimo.training.async_save`` writes the same files in the background.)
 
     ``after_write`` runs on each rank after its files are written, before the commit (a test hook).
     """
-    rank, final = model.rank, step_dir(directory, step)
-    tmp = final + ".tmp"
-    finish_updates(optimizers)  # a sharded optimizer's weights still in flight
-    if rank == 0:
-        os.makedirs(directory, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a crashed save of the same step
-        os.makedirs(tmp)
-    _barrier()
-    written = []
-    for part in _local_parts(model):
-        written += _write_part(part, optimizers.get(part.module), tmp, rank, step)
-    tensors, meta = _rng_state()
-    written.append(os.path.join(tmp, f"rng-rank{rank:05d}.safetensors"))
-    save_file(tensors, written[-1], metadata=meta)
-    for path in written:
-        _fsync(path)
+    tmp, final = _begin_save(model, optimizers, step, directory)
+    _write_files(_rank_files(model, optimizers, step), tmp)
     if after_write is not None:
         after_write()
     _barrier()  # every rank's files are on disk
-    if rank == 0:
-        meta = {
-            "format": FORMAT, "step": step, "layout": layout_of(model.config), "files": sorted(os.listdir(tmp)),
-            "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
-            "config": model.config.as_dict(), **(extra_meta or {}),
-        }
-        with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync(tmp)
-        if os.path.exists(final):  # the same step saved again (e.g. after a config change): replace it
-            os.rename(final, final + ".old")
-            shutil.rmtree(final + ".old", ignore_errors=True)
-        os.rename(tmp, final)  # the commit
-        _fsync(directory)
-        for path in prune(directory, keep):
-            log.info("deleted old checkpoint %s (keep=%s)", path, keep)
+    if model.rank == 0:
+        _commit(tmp, final, keep, _about(model, step, extra_meta))
     _barrier()
     return final
 
@@ -554,31 +616,15 @@ def _read_part(part: _Part, files: _Files) -> None:
                                   f"unexpected tensors {extra[:3]}{' ...' if len(extra) > 3 else ''}")
 
 
-def _save_bucket_optimizer(opt: BucketAdamW, part: _Part, path: str) -> None:
-    """A ``BucketAdamW``'s shard: its pieces of every parameter with the flat range they cover,
-    and the parameters' placement records (``mimo.training.bucket_optim``)."""
-    tensors, meta = opt.state_pieces()
+def _bucket_optimizer_state(opt: BucketAdamW, part: _Part,
+                            copy: Callable[[torch.Tensor], torch.Tensor] = _host_copy) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of a ``BucketAdamW``'s shard file: its pieces of every parameter
+    with the flat range they cover, and the parameters' placement records (``mimo.training.bucket_optim``)."""
+    tensors, meta = opt.state_pieces(copy)
     names = part.names_by_param()
     meta["placements"] = {pc.name: part.table[names[id(pc.param)]].record() for s in opt.states for pc in s.pieces
                           if pc.name in meta["ranges"]}
-    save_file(tensors, path, metadata={"optimizer": type(opt).__name__, "shard": json.dumps(meta)})
-
-
-def _read_bucket_optimizer(part: _Part, opt: BucketAdamW, path: str, rank: int) -> None:
-    file = os.path.join(path, _file(part.module, rank, "dopt"))
-    if not os.path.isfile(file):
-        raise CheckpointError(f"{file}: missing; this checkpoint holds no sharded optimizer state for rank {rank} "
-                              f"(written without train.distributed_optimizer / optimizer_offload?)")
-    with open_tensors(file) as f:
-        meta = json.loads(f.metadata()["shard"])
-        names = part.names_by_param()
-        for s in opt.states:
-            for pc in s.pieces:
-                rec = meta["placements"].get(pc.name)
-                if rec is not None and rec != part.table[names[id(pc.param)]].record():
-                    raise CheckpointError(f"{file}: {pc.name!r} was written with placement {rec}, this rank holds "
-                                          f"{part.table[names[id(pc.param)]].record()}")
-        opt.load_state_pieces({k: f.get_tensor(k) for k in f.keys()}, meta, file)
+    return tensors, {"optimizer": type(opt).__name__, "shard": json.dumps(meta)}
 
 
 def _read_optimizer(part: _Part, opt: torch.optim.Optimizer, path: str) -> None:
@@ -594,22 +640,92 @@ def _read_optimizer(part: _Part, opt: torch.optim.Optimizer, path: str) -> None:
 def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.optim.Optimizer] | None = None,
                     rng: bool = True) -> dict:
     """Restore this rank's model shards (and optimizer states, RNG) from the checkpoint at
-    ``path``; returns its meta. Raises CheckpointError for another layout or missing files."""
+    ``path``; returns its meta. At the checkpoint's layout each tensor is copied in from its
+    owner's file; at another one (and for a bucketed optimizer's state, or a plain optimizer's
+    from one: their flat ranges follow the buckets) every tensor is assembled from the stored
+    pieces that overlap it (``mimo.training.reshard``). Missing or unfitting files are a
+    CheckpointError. Every rank of the world calls it (a resharded load checks, world-wide,
+    that every stored tensor found a reader)."""
+    from mimo.training.reshard import StoredModule
+
     meta = read_meta(path)
-    check_layout(meta, model.config, path)
+    same = check_layout(meta, model.config, path)
     missing = [f for f in meta["files"] if not os.path.isfile(os.path.join(path, f))]
     if missing:
         raise CheckpointError(f"{path}: incomplete, missing {missing[:3]}{' ...' if len(missing) > 3 else ''}")
     parts = {part.module: part for part in _local_parts(model)}
+    stored: dict[str, StoredModule] = {}
     with ExitStack() as stack:
         files = _Files(path, stack)
-        for part in parts.values():
-            _read_part(part, files)
-    for module, opt in (optimizers or {}).items():
-        if isinstance(opt, BucketAdamW):
-            _read_bucket_optimizer(parts[module], opt, path, model.rank)
-        else:
-            _read_optimizer(parts[module], opt, path)
+
+        def pieces(module: str) -> StoredModule:
+            if module not in stored:
+                stored[module] = StoredModule(path, meta["files"], module, files.get)
+            return stored[module]
+
+        for module, part in parts.items():
+            if same:
+                _read_part(part, files)
+            else:
+                _reshard_part(part, pieces(module))
+        for module, opt in (optimizers or {}).items():
+            bucketed = isinstance(opt, BucketAdamW) or any(f.startswith(f"{module}-rank") and f.endswith(".dopt.safetensors")
+                                                             for f in meta["files"])
+            if same and not bucketed:
+                _read_optimizer(parts[module], opt, path)
+            else:
+                _reshard_optimizer(parts[module], opt, pieces(module), path)
+    if not same:
+        _check_all_read({m: set(p.table) for m, p in parts.items()}, {m: s.names() for m, s in stored.items()}, path)
     if rng:
-        _restore_rng(os.path.join(path, f"rng-rank{model.rank:05d}.safetensors"))
+        rng_file = os.path.join(path, f"rng-rank{model.rank:05d}.safetensors")
+        if same or os.path.isfile(rng_file):  # (training draws from seeded generators of its own: see reshard)
+            _restore_rng(rng_file)
     return meta
+
+
+@torch.no_grad()
+def _reshard_part(part: _Part, stored) -> None:
+    for name, info in part.table.items():
+        info.param.copy_(stored.read(name, "param", info))
+
+
+@torch.no_grad()
+def _reshard_optimizer(part: _Part, opt: torch.optim.Optimizer, stored, path: str) -> None:
+    """``opt``'s state for ``part``'s parameters at this rank's layout, from the stored pieces."""
+    from mimo.training.optim import MasterWeightAdamW
+
+    infos = {name: part.table[name] for name in part.names_by_param().values()}
+    if isinstance(opt, BucketAdamW):
+        opt.load_local_states(lambda n: stored.adam_state(n, infos[n], master=True), stored.step, path)
+        return
+    kind = type(opt).__name__
+    clash = stored.optimizers - {kind, "BucketAdamW"}
+    if clash:
+        raise CheckpointError(
+            f"{path}: optimizer state of a {sorted(clash)[0]}, this run uses a {kind} (train.precision changed between "
+            "bf16 and bf16-pure?); resume with the precision it was written with, or start from its weights with "
+            "train.init_from")
+    names = _ordered_names(opt, part.names_by_param())
+    master = isinstance(opt, MasterWeightAdamW)
+    sd = opt.state_dict()
+    sd["state"] = {i: {**stored.adam_state(n, infos[n], master), "step": torch.tensor(stored.step(n), dtype=torch.float32)}
+                   for i, n in enumerate(names)}
+    opt.load_state_dict(sd)
+
+
+def _check_all_read(loaded: dict[str, set[str]], stored: dict[str, set[str]], path: str) -> None:
+    """Collective over the world: every tensor the checkpoint holds was read by some rank
+    (else the model lacks it: another architecture, fewer layers)."""
+    import torch.distributed as dist
+
+    everyone = [loaded]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, loaded)
+    for module, names in stored.items():
+        read = set().union(*(got.get(module, set()) for got in everyone))
+        extra = sorted(names - read)
+        if extra:
+            raise CheckpointError(f"{path}: module {module!r} of the checkpoint holds tensors this model does not have: "
+                                  f"{extra[:3]}{' ...' if len(extra) > 3 else ''} (another architecture?)")

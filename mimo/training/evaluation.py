@@ -11,13 +11,20 @@ Loss: the training loss — token losses on the assistant tokens, summed over ev
 divided by their count — computed by the same encoder + bridge + LLM stage forward
 (``mimo.training.schedule_run.forward_only``: training's runners, without autograd).
 
-Generation: greedy, without a KV cache. A sample's prompt is everything before its *last*
-assistant answer; each round runs the whole distributed forward (encoders, bridges, every LLM
-stage) on the still-unfinished samples, each LLM DP rank on its own samples, and appends the
-argmax at each sample's last position (the vocab-parallel logits gathered over TP). The new
-tokens are summed over the world (one small all-reduce), so every rank knows every sample's
-length and which samples are done (end-of-turn token or ``eval.max_new_tokens``), and all
-ranks run the same rounds.
+Generation: greedy. A sample's prompt is everything before its *last* assistant answer; each
+round appends the argmax at each still-unfinished sample's last position (the vocab-parallel
+logits gathered over TP), each LLM DP rank for its own samples. The new tokens are summed over
+the world (one small all-reduce), so every rank knows every sample's length and which samples
+are done (end-of-turn token or ``eval.max_new_tokens``), and all ranks run the same rounds.
+
+With ``eval.cache`` (the default) the first round is a *prefill*: the whole distributed forward
+(encoders, bridges, every LLM stage) on the prompts, each LLM stage rank keeping a
+``mimo.llm.cache.GenerationCache`` (attention keys / values of its local heads, Mamba-2 / GDN
+states); every later round is a *decode step*: one token per unfinished sample, all of a DP
+rank's in one pack, through the LLM stages only (the encoders ran once, in the prefill). Under
+context parallelism (LLM cp > 1: a sample's positions are spread over the CP ranks), and with
+``eval.cache: false``, every round instead runs the whole forward again on prompt + generated
+tokens; both give the same greedy tokens (up to float rounding of the logits).
 
 Exact match: the generated text up to the end-of-turn marker, normalised (whitespace
 collapsed, surrounding whitespace stripped, lower case), equals the normalised reference
@@ -28,11 +35,14 @@ counted as ``captions``. Samples that fail to read are counted as ``read_failure
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 from mimo.compose.config import MimoConfig
 from mimo.core.errors import ConfigError
+
+log = logging.getLogger("mimo.training.evaluation")
 
 EXAMPLES = 5  # generated answers shown per scoring rank
 COUNTS = ("matched", "scored", "captions", "read_failures", "generated_tokens")  # per rank; summed over the world
@@ -92,7 +102,7 @@ def end_marker(config: MimoConfig, tokenizer) -> tuple[str, int | None]:
 
 def request_for(config: MimoConfig, checkpoint: str | None, shards: str | None) -> EvalRequest:
     """Check everything a user can get wrong, before any process starts."""
-    from mimo.training.checkpoint import check_layout, read_meta, resolve_checkpoint
+    from mimo.training.checkpoint import layout_change, read_meta, resolve_checkpoint
     from mimo.data.config import missing_shards
     from mimo.data.text import load_tokenizer
 
@@ -106,7 +116,9 @@ def request_for(config: MimoConfig, checkpoint: str | None, shards: str | None) 
         raise ConfigError(problems)
     if checkpoint is not None:
         checkpoint = resolve_checkpoint(checkpoint)
-        check_layout(read_meta(checkpoint), config, checkpoint)
+        change = layout_change(read_meta(checkpoint), config, checkpoint)
+        if change:
+            log.warning(change)
     marker, stop_id = end_marker(config, load_tokenizer(config.data.tokenizer))
     return EvalRequest(checkpoint, shards, config.eval.samples, config.eval.max_new_tokens, marker, stop_id)
 
@@ -163,6 +175,8 @@ class Evaluator:
         self.batches = eval_batches(self.plan, req.samples)
         self.pipeline = data_pipeline(config, model, _Batches(index, self.batches), 1)  # training's, on these microbatches
         self.runner = stage_runner(model)  # this rank's LLM stage, as training runs it (None without one)
+        # generation with a cache (module doc); it cannot follow a sample spread over CP ranks
+        self.cache = config.eval.cache and config.llm.parallel.cp == 1
 
     def run(self) -> dict:
         """Collective (every rank): the global loss, this rank's counts (``COUNTS``), examples
@@ -170,7 +184,7 @@ class Evaluator:
         import torch
         import torch.distributed as dist
 
-        scorer = _Scorer(self.model, self.pipeline, self.runner, self.req)
+        scorer = _Scorer(self.model, self.pipeline, self.runner, self.req, self.cache)
         loss_sum = loss_tokens = 0.0
         with torch.no_grad():
             for k in range(len(self.batches)):
@@ -222,8 +236,8 @@ def _loss(model, runner, mb) -> tuple[float, float]:
 class _Scorer:
     """Greedy generation over the distributed model and exact-match scoring (module doc)."""
 
-    def __init__(self, model, pipeline, runner, req: EvalRequest):
-        self.model, self.pipeline, self.runner, self.req = model, pipeline, runner, req
+    def __init__(self, model, pipeline, runner, req: EvalRequest, cache: bool = False):
+        self.model, self.pipeline, self.runner, self.req, self.cache = model, pipeline, runner, req, cache
         grid, rank = model.llm_grid, model.rank
         c = grid.coords(rank) if rank in grid else None
         self.dp = c["dp"] if c is not None else None
@@ -242,15 +256,18 @@ class _Scorer:
         import torch
         import torch.distributed as dist
 
+        from mimo.llm.cache import GenerationCache
+
         n = len(mb.samples)
         # each sample's prompt length (0: not generated), from the DP block's pack holders
         prompt = torch.zeros(n, dtype=torch.int64)
         answers: dict[int, list[int]] = {}
         tokens: dict[int, list[int]] = {}  # on LLM ranks: this DP block's full sample tokens
+        self.block = mb.llm_blocks[self.dp] if mb.pack is not None else range(0)
         if mb.pack is not None:
             whole = self._whole(mb.pack)
             cu = whole.cu_seqlens.tolist()
-            for j, i in enumerate(mb.llm_blocks[self.dp]):
+            for j, i in enumerate(self.block):
                 s = mb.samples[i]
                 toks = whole.tokens[cu[j] : cu[j] + s.tokens].tolist()
                 mask = whole.loss_mask[cu[j] : cu[j] + s.tokens].tolist()
@@ -267,9 +284,16 @@ class _Scorer:
         dist.all_reduce(prompt)
         active = [i for i in range(n) if prompt[i] > 0]
         generated: dict[int, list[int]] = {i: [] for i in active}
+        # this stage's cache of this DP block's unfinished samples, row r = the r-th in block order
+        cache = GenerationCache(self.req.max_new_tokens) if self.cache and self.runner is not None else None
+        prefilled = False
         while active:
             nxt = torch.zeros(n, dtype=torch.int64)
-            logits_at = self._round(mb, active, prompt, tokens, generated)
+            if prefilled:
+                logits_at = self._step(mb, active, prompt, generated, cache)
+            else:
+                logits_at = self._round(mb, active, prompt, tokens, generated, cache)
+                prefilled = self.cache
             if logits_at is not None:
                 for i, tok in logits_at.items():
                     nxt[i] = tok + 1  # 0 means "not mine"
@@ -280,6 +304,9 @@ class _Scorer:
                 generated[i].append(tok)
                 if tok != self.req.stop_id and len(generated[i]) < self.req.max_new_tokens:
                     still.append(i)
+            if cache is not None:  # finished samples leave the cache
+                going = set(still)
+                cache.keep([r for r, i in enumerate(self._mine(active)) if i in going])
             active = still
         if self.is_scorer:
             self._score(answers, generated)
@@ -306,16 +333,21 @@ class _Scorer:
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         return SimpleNamespace(tokens=tokens, loss_mask=mask.bool(), cu_seqlens=cu)
 
-    def _round(self, mb, active: list[int], prompt, tokens: dict, generated: dict) -> dict[int, int] | None:
+    def _mine(self, active: list[int]) -> list[int]:
+        """This LLM rank's DP block's samples among ``active``, in block order (its pack's order)."""
+        keep = set(active)
+        return [i for i in self.block if i in keep]
+
+    def _round(self, mb, active: list[int], prompt, tokens: dict, generated: dict, cache=None) -> dict[int, int] | None:
         """One forward of the active samples (prompt + generated so far); the last stage's TP
-        rank 0 returns the argmax at each of its samples' last position."""
+        rank 0 returns the argmax at each of its samples' last position. With ``cache`` (this
+        stage's, empty) the forward is its prefill."""
         import torch
 
         from mimo.data.pack import cp_share, pack
         from mimo.data.pipeline import Microbatch
         from mimo.parallel.layout import PackLayout
         from mimo.data.plan import PlannedSample
-        from mimo.parallel import gather_along
         from mimo.training.schedule_run import forward_only
 
         model, cfg = self.model, self.model.config
@@ -336,13 +368,13 @@ class _Scorer:
         batch, order = None, []
         if mb.pack is not None:
             par = cfg.llm.parallel
-            order = [i for i in mb.llm_blocks[self.dp] if i in keep]
+            order = self._mine(active)
             items = [_item(mb.samples[i], tokens[i][: int(prompt[i])] + generated[i]) for i in order]
             rows = {e.placeholder: e.rows_per_image for e in cfg.encoders.values()}
             whole = pack(items, rows, par.tp, par.cp, model.llm_ctx.sequence_parallel, self.pipeline.pad_id)
             cp_rank = model.llm_ctx.dense.coord("cp")
             batch = cp_share(whole, cp_rank).to(model.device)  # packed on the CPU; the pixels are on the device already
-        logits = forward_only(model, Microbatch(samples, llm_blocks, enc_blocks, batch, pixels), self.runner)
+        logits = forward_only(model, Microbatch(samples, llm_blocks, enc_blocks, batch, pixels), self.runner, cache)
         if logits is None:
             return None
         cu = whole.cu_seqlens.tolist()
@@ -354,11 +386,37 @@ class _Scorer:
             where = [(j, i, layout.locate_cp(j, lengths[i] - 1)) for j, i in enumerate(order)]
             mine = [(j, i) for j, i, (c, _) in where if c == cp_rank]
             last = [local for _, _, (c, local) in where if c == cp_rank]
-        last = torch.tensor(last, dtype=torch.int64, device=logits.device)
-        full = gather_along(logits.index_select(0, last), -1, model.stage.tp_group)[:, : cfg.llm.arch.vocab]
+        return self._argmax(logits, last, [i for _, i in mine])
+
+    def _step(self, mb, active: list[int], prompt, generated: dict, cache) -> dict[int, int] | None:
+        """A decode step (with the cache the prefill filled): each of this DP block's active
+        samples' latest token at its position, through this rank's LLM stage only; the last
+        stage's TP rank 0 returns the argmax of each."""
+        from mimo.llm.cache import decode_pack
+
+        if self.runner is None:  # encoders ran in the prefill: nothing to do here
+            return None
+        model = self.model
+        order = self._mine(active)
+        batch = decode_pack([generated[i][-1] for i in order], [int(prompt[i]) + len(generated[i]) - 1 for i in order],
+                            [mb.samples[i].id for i in order], model.llm_ctx.tp_size, model.llm_ctx.sequence_parallel,
+                            self.pipeline.pad_id)
+        logits = self.runner.forward(batch.to(model.device), cache=cache).logits
+        self.runner.finish()
+        return None if logits is None else self._argmax(logits, list(range(len(order))), order)
+
+    def _argmax(self, logits, rows: list[int], samples: list[int]) -> dict[int, int] | None:
+        """The greedy token of each of ``samples`` from its row of this rank's vocab-parallel
+        logits (gathered over TP: a collective); on the last stage's TP rank 0, else None."""
+        import torch
+
+        from mimo.parallel import gather_along
+
+        rows = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        full = gather_along(logits.index_select(0, rows), -1, self.model.stage.tp_group)[:, : self.model.config.llm.arch.vocab]
         if not self.is_last_tp0:
             return None
-        return dict(zip([i for _, i in mine], full.argmax(-1).tolist()))
+        return dict(zip(samples, full.argmax(-1).tolist()))
 
     def _score(self, answers: dict[int, list[int]], generated: dict[int, list[int]]) -> None:
         tok = self.pipeline.reader.tokenizer

@@ -47,18 +47,24 @@ def build_run(config: MimoConfig, rank: int, index: Index | None = None, policy:
     if index is None:
         index, _ = ensure_index(config)
     pipeline = data_pipeline(config, model, data_plan(config, index), config.train.micro_batches)
+    optimizers = model_optimizers(config, model, policy)
+    if config.train.compile:
+        compile_blocks(model)
+    return Run(config, model, pipeline, optimizers, policy)
+
+
+def model_optimizers(config: MimoConfig, model: MimoModel, policy: PrecisionPolicy) -> dict[str, torch.optim.Optimizer]:
+    """The optimizer of each module ``model`` trains on this rank, over the run's gradient
+    buffers (``grad_sync_for``: made here once)."""
     train = config.train
-    grad_sync = grad_sync_for(model, policy)  # the run's main-gradient buffers, once
+    grad_sync = grad_sync_for(model, policy)
     if train.distributed_optimizer or train.optimizer_offload:
         optimizers = build_bucket_optimizers(model.train_params(), grad_sync, *config.optimizer_settings(),
                                              sharded=train.distributed_optimizer, offload=train.optimizer_offload)
         for name, opt in optimizers.items():  # each layer waits for its weights' gather, not the whole model
             opt.wait_hooks(model.wait_roots(name))
-    else:
-        optimizers = build_optimizers(model.train_params(), *config.optimizer_settings(), policy=policy)
-    if config.train.compile:
-        compile_blocks(model)
-    return Run(config, model, pipeline, optimizers, policy)
+        return optimizers
+    return build_optimizers(model.train_params(), *config.optimizer_settings(), policy=policy)
 
 
 def data_pipeline(config: MimoConfig, model: MimoModel, plan, micro_batches: int) -> DataPipeline:

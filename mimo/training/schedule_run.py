@@ -126,16 +126,16 @@ def stage_runner(model: MimoModel, num_loss_tokens: float | None = None, trace: 
     return StageRunner(model.stage, model.llm_grid, model.rank, num_loss_tokens, notes if trace is not None else None)
 
 
-def forward_only(model: MimoModel, mb: Microbatch, runner: StageRunner | None) -> torch.Tensor | None:
+def forward_only(model: MimoModel, mb: Microbatch, runner: StageRunner | None, cache=None) -> torch.Tensor | None:
     """Microbatch ``mb`` forward without autograd on every rank of the world (``mimo eval``):
-    encoders, bridges, this rank's stage (``runner``, from ``stage_runner``); the last
-    stage's vocab-parallel logits, else None. Stages run in order: each receive waits for a
-    send posted by a stage that has already run."""
+    encoders, bridges, this rank's stage (``runner``, from ``stage_runner``; ``cache``: its
+    generation cache, ``mimo.llm.cache``); the last stage's vocab-parallel logits, else None.
+    Stages run in order: each receive waits for a send posted by a stage that has already run."""
     with torch.no_grad():
         _, image_rows = encode_and_bridge(model, mb)
         if runner is None:
             return None
-        result = runner.forward(mb.pack, image_rows=image_rows)
+        result = runner.forward(mb.pack, image_rows=image_rows, cache=cache)
         runner.finish()
     return result.logits
 

@@ -26,8 +26,9 @@ Resuming is automatic: ``mimo train`` continues from the newest usable checkpoin
 ``train.checkpoint.dir`` (complete, every file there and readable; a newer damaged one is skipped
 with a warning naming its bad file), or from ``--resume-from DIR`` (a ``step-N`` folder: an error
 when it is damaged). The launcher picks it before any process starts and every rank loads that
-one. A checkpoint written at another layout is an error before any process starts; a config
-that differs otherwise (``train.checkpoint`` and data loader settings aside) is resumed with a
+one. A checkpoint written at another layout (any module's tp, pp, dp, cp, ep, etp, gtp, its
+ranks, the distributed optimizer) is resharded on load, with a warning; a config that differs
+otherwise (``train.checkpoint`` and data loader settings aside) is resumed with a
 warning naming the keys, as it will not reproduce an uninterrupted run.
 
 Exact resume: the step number fixes the data (DESIGN §2), the learning rate is a function of
@@ -36,7 +37,9 @@ therefore computes the uninterrupted run's steps bit for bit (CPU, fp32).
 
 Test hook: ``MIMO_TRAIN_FAULT=KIND:RANK:STEP`` makes rank RANK, at step STEP, ``raise`` an
 exception, ``hang`` (stop responding before the step's collectives), or ``stall-save`` (stop
-after writing its checkpoint files, before the checkpoint is committed).
+after writing its checkpoint files, before the checkpoint is committed; with
+``train.checkpoint.async_save`` the rank's background writer stalls, before its done mark,
+and training goes on until the next save waits for it).
 """
 
 from __future__ import annotations
@@ -148,21 +151,29 @@ def _resume_point(config: MimoConfig, options: TrainOptions) -> str | None:
 
 def _preflight(config: MimoConfig, options: TrainOptions) -> dict | None:
     """Before any process starts (``options.resume_from`` picked): a checkpoint at another
-    layout is an error; a run that is already done returns its summary."""
-    from mimo.training.checkpoint import check_layout, read_meta, resolve_checkpoint
+    layout is announced (it is resharded on load); a run that is already done returns its summary."""
+    from mimo.training.checkpoint import layout_change, read_meta, resolve_checkpoint
 
     path = options.resume_from
     if path is None:
         if config.train.init_from:  # a new run starting from another run's weights
             start = resolve_checkpoint(config.train.init_from)
-            check_layout(read_meta(start), config, start)
+            change = layout_change(read_meta(start), config, start)
+            if change:
+                log.warning(change)
         return None
     meta = read_meta(path)
-    check_layout(meta, config, path)
+    change = layout_change(meta, config, path)
+    if change:
+        log.warning(change)
     step = meta["step"]
     log.info("resuming from %s (step %d)", path, step)
-    changed = _changed_keys(meta.get("config", {}), _plain(config))
-    changed = [k for k in changed if not k.startswith(("train.checkpoint.", "data.workers", "data.prefetch", "eval.", "train.log."))]
+    changed = changed_keys(meta.get("config", {}), plain_config(config))
+    ignored = ("train.checkpoint.", "data.workers", "data.prefetch", "eval.", "train.log.")
+    if change:  # the layout (announced above): data, model and optimizer settings still matter
+        ignored += ("world_size", *(f"modules.{m}.parallel." for m in config.modules),
+                    "train.distributed_optimizer", "train.optimizer_offload", "train.recompute", "train.moe_dispatcher")
+    changed = [k for k in changed if not k.startswith(ignored)]
     if changed:
         log.warning("resuming from %s with a config that differs at %s: the run will not reproduce an uninterrupted one",
                     path, ", ".join(changed[:8]))
@@ -173,16 +184,16 @@ def _preflight(config: MimoConfig, options: TrainOptions) -> dict | None:
     return None
 
 
-def _plain(config: MimoConfig) -> dict:
+def plain_config(config: MimoConfig) -> dict:
     """The resolved config as plain dicts and lists (as JSON and YAML write it)."""
     return json.loads(json.dumps(config.as_dict(), default=str))
 
 
-def _changed_keys(a, b, prefix: str = "") -> list[str]:
+def changed_keys(a, b, prefix: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
         for k in sorted(set(a) | set(b)):
-            out += _changed_keys(a.get(k), b.get(k), f"{prefix}{k}.")
+            out += changed_keys(a.get(k), b.get(k), f"{prefix}{k}.")
         return out
     return [] if a == b else [prefix.rstrip(".")]
 
@@ -204,7 +215,7 @@ def _prepare_run_dir(config: MimoConfig, run_dir: str, config_path: str, overrid
     tmp = os.path.join(run_dir, "config.yaml.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(f"# resolved from `{command}`\n")
-        yaml.safe_dump(_plain(config), f, sort_keys=False)
+        yaml.safe_dump(plain_config(config), f, sort_keys=False)
     os.replace(tmp, os.path.join(run_dir, "config.yaml"))
 
 
@@ -286,7 +297,8 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions) ->
     worker of the local launch ends with its launcher (``mimo.training.launch``)."""
     import torch.distributed as dist
 
-    from mimo.training.checkpoint import latest_checkpoint, load_checkpoint, remove_leftovers, resolve_checkpoint, save_checkpoint
+    from mimo.training.async_save import CheckpointSaver
+    from mimo.training.checkpoint import latest_checkpoint, load_checkpoint, remove_leftovers, resolve_checkpoint
     from mimo.training.evaluation import Evaluator, request_for
     from mimo.training.metrics import Reporter, StepTimer
     from mimo.training.run import build_run
@@ -321,6 +333,7 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions) ->
         if rank == 0:
             for path in remove_leftovers(ckpt_dir):
                 log.info("removed an incomplete checkpoint: %s", path)
+        saver = CheckpointSaver(ckpt_dir, ckpt.keep, async_save=ckpt.async_save, timeout_s=options.timeout_s)
         timer = StepTimer(run)
         report = Reporter(run, options.run_dir, options.log_every, start, last_step) if rank == 0 else None
         if config.eval.every:  # built on every rank at the same point (its data pipeline's groups)
@@ -340,8 +353,8 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions) ->
                 saved_at = None
                 if (ckpt.every and step % ckpt.every == 0) or step == config.train.steps or stats["stop"]:
                     t0 = time.perf_counter()
-                    path = save_checkpoint(run.model, run.optimizers, step, ckpt_dir, ckpt.keep,
-                                           after_write=(lambda s=step: fault.during_save(s)))
+                    path = saver.save(run.model, run.optimizers, step, after_write=(lambda s=step: fault.during_save(s)))
+                    # what the step paid: the whole save, or (async_save) waiting for the previous one and the snapshot
                     stats["time_s"]["checkpoint"] = time.perf_counter() - t0
                     saved_at = path
             loss = result.loss
@@ -355,6 +368,8 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions) ->
                     report.eval(step, evaluated, time.perf_counter() - t0)
             if stats["stop"]:
                 break
+        with _name_timeouts(rank, step, options.timeout_s):
+            saver.wait()  # an asynchronous save of the last step committed before anything reads it
         if report is not None:
             report.close()
         if stopped and rank == 0:

@@ -1,0 +1,222 @@
+"""Loading a checkpoint written at another layout: each local tensor assembled from the stored pieces that overlap it.
+
+Every stored tensor carries the placement record of the local tensor it was (``ParamInfo.record``:
+full shape, the axes that split which dims, their sizes and the writer's coordinates): model
+weights and persistent buffers in ``*.model`` files, AdamW / master-weight AdamW state in the
+``*.optim`` file beside its owner's model file (so with the same records), a bucketed optimizer's
+flat ranges of each local tensor in ``*.dopt`` files (with the records too). From a record,
+``ParamPlacement.runs`` names the regions of the full tensor a piece holds; the reader asks the
+same of the tensor it needs at the new layout and copies every intersection, reading only those
+elements (safetensors slices). The elements copied are counted: every needed one covered exactly
+once, else a ``CheckpointError``. Nothing is gathered and no collective runs: each rank reads what it
+needs, whatever the old layout was (tp, pp, dp, cp, ep, etp, gtp, colocation, a sharded optimizer
+or not).
+
+What is not a tensor of the model: the data position is the step's (global microbatches do not
+depend on the layout, DESIGN §2); the RNG files are per rank, and each rank restores the one of its
+own rank number where the checkpoint has it (mimo's training draws from generators seeded by
+name and step, init and data order, so the global streams do not reach the results).
+
+Optimizer state moves with its parameter: ``exp_avg`` / ``exp_avg_sq`` (and ``master`` where
+the new optimizer keeps one: the stored master, else the stored fp32 weights) are resharded like
+the weights; a step count is one number per parameter (per bucket for a ``BucketAdamW``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from mimo.core.errors import CheckpointError
+from mimo.parallel.placement import ParamPlacement
+
+Index = tuple[slice, ...]
+FILE = re.compile(r"^(?P<module>.+)-rank(?P<rank>\d{5})\.(?P<kind>model|optim|dopt)\.safetensors$")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _region_numel(index: Index) -> int:
+    return math.prod(s.stop - s.start for s in index)
+
+
+def _intersect(a: Index, b: Index) -> Index | None:
+    out = []
+    for x, y in zip(a, b):
+        lo, hi = max(x.start, y.start), min(x.stop, y.stop)
+        if hi <= lo:
+            return None
+        out.append(slice(lo, hi))
+    return tuple(out)
+
+
+def _shift(inter: Index, full: Index, local: Index) -> Index:
+    """``inter`` (full-tensor coordinates, inside the region ``full``) in the local tensor that
+    holds ``full`` at ``local``."""
+    return tuple(slice(l.start + i.start - f.start, l.start + i.stop - f.start) for i, f, l in zip(inter, full, local))
+
+
+@dataclass
+class _Source:
+    """One stored local tensor: its placement (at the writer's sizes and coordinates) and a
+    reader of any region of its local elements."""
+
+    placement: ParamPlacement
+    sizes: dict
+    coords: dict
+    read: Callable[[Index], torch.Tensor]
+    where: str
+
+    @classmethod
+    def of(cls, record: dict, read, where: str) -> "_Source":
+        return cls(ParamPlacement.from_record(record), dict(record["sizes"]), dict(record["coords"]), read, where)
+
+    def regions(self):
+        return self.placement.runs(self.sizes, self.coords)
+
+
+def _slice_reader(f, key: str):
+    def read(index: Index) -> torch.Tensor:
+        return f.get_tensor(key) if not index else f.get_slice(key)[index]
+    return read
+
+
+@dataclass
+class _FlatParts:
+    """A bucketed optimizer's pieces of one local tensor (one record): each ``*.dopt`` file holds
+    its flat elements ``lo .. hi``; joined on first read."""
+
+    shape: tuple[int, ...]
+    where: str
+    parts: list = field(default_factory=list)  # (lo, hi, read the 1-d piece)
+    _whole: torch.Tensor | None = None
+
+    def release(self) -> None:
+        self._whole = None
+
+    def read(self, index: Index) -> torch.Tensor:
+        if self._whole is None:
+            n = math.prod(self.shape)
+            covered = torch.zeros(n, dtype=torch.bool)
+            whole = None
+            for lo, hi, get in self.parts:
+                piece = get()
+                whole = torch.zeros(n, dtype=piece.dtype) if whole is None else whole
+                whole[lo:hi] = piece
+                covered[lo:hi] = True
+            if whole is None or not bool(covered.all()):
+                raise CheckpointError(f"{self.where}: the optimizer shards of a tensor do not cover it "
+                                      f"({int(covered.sum())} of {n} elements; a file of the checkpoint missing?)")
+            self._whole = whole.view(self.shape)
+        return self._whole[index] if index else self._whole
+
+
+class StoredModule:
+    """Every stored tensor of one module of a checkpoint by (name, field): ``param`` (weights and
+    persistent buffers), ``master``, ``exp_avg``, ``exp_avg_sq``; each name's optimizer step
+    count; the optimizer classes that wrote state. ``open_file(name) -> (safe_open handle,
+    placements of a model file)`` opens a file of the checkpoint once."""
+
+    def __init__(self, path: str, files: list[str], module: str, open_file):
+        self.path, self.module = path, module
+        self.sources: dict[tuple[str, str], list] = defaultdict(list)
+        self.steps: dict[str, float] = {}
+        self.optimizers: set[str] = set()
+        mine = [(m["kind"], int(m["rank"]), name) for name in files if (m := FILE.match(name)) and m["module"] == module]
+        flat: dict[tuple[str, str, str], _FlatParts] = {}
+        self._joined: dict[str, list[_FlatParts]] = defaultdict(list)  # per name: its joined pieces (freed after use)
+        for kind, rank, name in sorted(mine):  # dopt, model, optim
+            f, records = open_file(name)
+            where = f"{path}/{name}"
+            if kind == "model":
+                for key, rec in records.items():
+                    self.sources[(key, "param")].append(_Source.of(rec, _slice_reader(f, key), where))
+            elif kind == "optim":
+                _, model_records = open_file(name.replace(".optim.", ".model."))
+                self.optimizers.add(f.metadata().get("optimizer", "AdamW"))
+                for key in f.keys():
+                    pname, fieldname = key.rsplit("/", 1)
+                    if fieldname == "step":
+                        self.steps[pname] = float(f.get_tensor(key))
+                    elif pname in model_records:
+                        self.sources[(pname, fieldname)].append(_Source.of(model_records[pname], _slice_reader(f, key), where))
+                    else:
+                        raise CheckpointError(f"{where}: optimizer state of {pname!r} without its weights in the model file")
+                for key, value in json.loads(f.metadata().get("scalars", "{}")).items():
+                    pname, fieldname = key.rsplit("/", 1)
+                    if fieldname == "step":
+                        self.steps[pname] = float(value)
+            else:  # dopt: pieces of each parameter's flat local tensor
+                meta = json.loads(f.metadata()["shard"])
+                self.optimizers.add("BucketAdamW")
+                for pname, got in meta["ranges"].items():
+                    rec = meta["placements"][pname]
+                    self.steps[pname] = float(meta["steps"][str(got["bucket"])])
+                    lo, hi = got["range"]
+                    for fieldname in ("master", *MOMENTS):
+                        key = (pname, fieldname, repr(sorted(rec["coords"].items())))
+                        if key not in flat:
+                            flat[key] = _FlatParts(tuple(rec["local_shape"]), where)
+                            self._joined[pname].append(flat[key])
+                            self.sources[(pname, fieldname)].append(_Source.of(rec, flat[key].read, where))
+                        flat[key].parts.append((lo, hi, lambda f=f, k=f"{pname}.{fieldname}": f.get_tensor(k)))
+
+    def names(self) -> set[str]:
+        return {n for n, fieldname in self.sources if fieldname == "param"}
+
+    def has(self, name: str, fieldname: str) -> bool:
+        return (name, fieldname) in self.sources
+
+    def read(self, name: str, fieldname: str, info, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``name``'s ``fieldname`` as the local tensor of ``info`` (a ``ParamInfo``: placement,
+        sizes, coordinates at the new layout), zeros in padding."""
+        sources = self.sources.get((name, fieldname))
+        what = f"{self.path}: module {self.module!r}"
+        if not sources:
+            raise CheckpointError(f"{what}: no {fieldname} of {name!r} (the checkpoint does not fit this model: "
+                                  f"another architecture, or freezing changed?)")
+        mine: ParamPlacement = info.placement
+        stored = sources[0].placement
+        if stored.full_shape != mine.full_shape:  # (fused parts may differ: each record maps its own to the full tensor)
+            raise CheckpointError(f"{sources[0].where}: {name!r} is {stored.full_shape}, this model's is "
+                                  f"{mine.full_shape}: another architecture")
+        sizes, coords = info.sizes, info.coords
+        needed = mine.runs(sizes, coords)
+        out, copied = None, 0
+        for src in sources:
+            for full_s, local_s in src.regions():
+                for full_d, local_d in needed:
+                    inter = _intersect(full_s, full_d)
+                    if inter is None:
+                        continue
+                    piece = src.read(_shift(inter, full_s, local_s))
+                    if out is None:
+                        out = torch.zeros(mine.local_shape(sizes), dtype=dtype or piece.dtype)
+                    out[_shift(inter, full_d, local_d)] = piece
+                    copied += _region_numel(inter)
+        want = sum(_region_numel(full) for full, _ in needed)
+        if copied != want:
+            raise CheckpointError(f"{what}: the stored pieces of {fieldname} {name!r} cover {copied} of the {want} elements "
+                                  f"this rank needs (files missing, or written by two runs?)")
+        return out if out is not None else torch.zeros(mine.local_shape(sizes), dtype=dtype or torch.float32)
+
+    def step(self, name: str) -> float:
+        if name not in self.steps:
+            raise CheckpointError(f"{self.path}: module {self.module!r}: no optimizer step count of {name!r} "
+                                  f"(were its parameters frozen when the checkpoint was written?)")
+        return self.steps[name]
+
+    def adam_state(self, name: str, info, master: bool) -> dict[str, torch.Tensor]:
+        """``name``'s moments (and fp32 master: the stored one, else the stored weights) as the
+        local tensors of ``info``."""
+        state = {k: self.read(name, k, info, torch.float32) for k in MOMENTS}
+        if master:
+            state["master"] = self.read(name, "master" if self.has(name, "master") else "param", info, torch.float32)
+        for joined in self._joined.get(name, ()):  # a bucketed optimizer's joined tensors: each read once per rank
+            joined.release()
+        return state
