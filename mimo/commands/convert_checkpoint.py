@@ -24,6 +24,7 @@ _MODEL_KEY = re.compile(r"^modules\.[^.]+\.(kind|arch|projector)(\.|$)")  # what
 def convert_checkpoint(checkpoint: str, config_path: str, overrides: list[str], out: str, timeout_s: float = 900.0) -> dict:
     from mimo.training.checkpoint import check_layout, layout_of, read_meta, resolve_checkpoint, step_dir
     from mimo.training.launch import WorkerPool
+    from mimo.training.reshard import stored_kinds
 
     config = load_config(config_path, overrides)
     source = resolve_checkpoint(os.path.abspath(checkpoint))
@@ -39,29 +40,27 @@ def convert_checkpoint(checkpoint: str, config_path: str, overrides: list[str], 
         raise CheckpointError(f"--out {out}: would overwrite the checkpoint being converted ({source}); name another folder")
     if os.path.exists(target):
         raise CheckpointError(f"--out {out}: already holds {os.path.basename(target)}; name another folder (or remove it)")
+    with_state = sorted(m for m in config.modules if stored_kinds(meta["files"], m) & {"optim", "dopt"})
     with WorkerPool(config.world_size, timeout_s=timeout_s) as pool:
-        path = pool.run(_convert_rank, source, config_path, list(overrides), out)[0]
+        path = pool.run(_convert_rank, source, config_path, list(overrides), out, with_state)[0]
     print(f"wrote {path} (layout {layout_of(config)}), converted from {source}")
     return {"ok": True, "command": "convert-checkpoint", "checkpoint": source, "out": path, "step": meta["step"],
             "layout": layout_of(config), "from_layout": meta["layout"]}
 
 
-def _with_state(files: list[str], module: str) -> bool:
-    return any(f.startswith(f"{module}-rank") and f.endswith((".optim.safetensors", ".dopt.safetensors")) for f in files)
-
-
-def _convert_rank(source: str, config_path: str, overrides: list[str], out: str) -> str:
+def _convert_rank(source: str, config_path: str, overrides: list[str], out: str, with_state: list[str]) -> str:
+    """Rank function: load ``source`` at the config's layout, write it to ``out``; ``with_state``:
+    the modules whose optimizer state the checkpoint holds."""
     import torch.distributed as dist
 
     from mimo.compose.model import MimoModel
-    from mimo.training.checkpoint import load_checkpoint, read_meta, save_checkpoint
+    from mimo.training.checkpoint import load_checkpoint, save_checkpoint
     from mimo.training.optim import PrecisionPolicy
     from mimo.training.run import model_optimizers
 
     config = load_config(config_path, overrides)
     policy = PrecisionPolicy.named(config.train.precision)
     model = MimoModel(config, dist.get_rank(), dtype=policy.params)
-    files = read_meta(source)["files"]
-    optimizers = {m: opt for m, opt in model_optimizers(config, model, policy).items() if _with_state(files, m)}
+    optimizers = {m: opt for m, opt in model_optimizers(config, model, policy).items() if m in with_state}
     meta = load_checkpoint(model, source, optimizers)
     return save_checkpoint(model, optimizers, meta["step"], out, extra_meta={"converted_from": source})

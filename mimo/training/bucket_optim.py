@@ -195,10 +195,10 @@ class BucketAdamW(torch.optim.Optimizer):
             s.grad.mul_(scale.to(device=s.grad.device, dtype=s.grad.dtype))
 
     # ---- checkpoints ----
-    def state_pieces(self, copy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    def state_pieces(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
         """This rank's state, parameter by parameter: ``{name}.{master|exp_avg|exp_avg_sq}``
         1-d tensors of the elements ``lo .. hi`` of its flat local tensor, and the ranges.
-        ``copy`` takes each piece off the optimizer's buffers (default: a CPU clone)."""
+        ``copy`` takes each piece off the optimizer's buffers (a host copy of its own)."""
         self.finish()
         tensors, ranges, steps = {}, {}, {}
         for i, s in enumerate(self.states):
@@ -208,7 +208,7 @@ class BucketAdamW(torch.optim.Optimizer):
                     continue
                 a, b = pc.start + pc.lo - s.lo, pc.start + pc.hi - s.lo
                 for key, buf in (("master", s.master), ("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq)):
-                    tensors[f"{pc.name}.{key}"] = buf[a:b].detach().cpu().clone() if copy is None else copy(buf[a:b])
+                    tensors[f"{pc.name}.{key}"] = copy(buf[a:b])
                 ranges[pc.name] = {"range": [pc.lo, pc.hi], "numel": pc.param.numel(), "bucket": i}
         return tensors, {"ranges": ranges, "steps": steps, "sharded": self.sharded}
 

@@ -370,6 +370,14 @@ def _save_optimizer(opt: torch.optim.Optimizer, names: list[str], path: str, onl
     save_file(tensors, path, metadata=metadata)
 
 
+def _other_optimizer(path: str, written: str, opt: torch.optim.Optimizer) -> CheckpointError:
+    """The error for optimizer state of another class than ``opt``'s (a precision change)."""
+    return CheckpointError(
+        f"{path}: optimizer state of a {written}, this run uses a {type(opt).__name__} (train.precision changed between "
+        "bf16 and bf16-pure?); resume with the precision it was written with, or start from its weights with "
+        "train.init_from")
+
+
 def _load_optimizer(opt: torch.optim.Optimizer, names: list[str], files: str | Mapping[str, str],
                     known: Mapping[str, set[str]] | None = None) -> None:
     """Load the state of ``names`` (the optimizer's parameters in state_dict order) from
@@ -390,11 +398,7 @@ def _load_optimizer(opt: torch.optim.Optimizer, names: list[str], files: str | M
         with open_tensors(path) as f:
             meta = f.metadata()
             if meta.get("optimizer", type(opt).__name__) != type(opt).__name__:
-                raise CheckpointError(
-                    f"{path}: optimizer state of a {meta['optimizer']}, this run uses a {type(opt).__name__} "
-                    "(train.precision changed between bf16 and bf16-pure?); resume with the precision it was written with, "
-                    "or start from its weights with train.init_from"
-                )
+                raise _other_optimizer(path, meta["optimizer"], opt)
             saved = set(json.loads(meta["params"]))
             missing += [n for n in wanted if n not in saved]
             unexpected += sorted((saved if known is None else saved & set(known.get(path, ()))) - set(names))
@@ -646,7 +650,7 @@ def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.opt
     pieces that overlap it (``mimo.training.reshard``). Missing or unfitting files are a
     CheckpointError. Every rank of the world calls it (a resharded load checks, world-wide,
     that every stored tensor found a reader)."""
-    from mimo.training.reshard import StoredModule
+    from mimo.training.reshard import StoredModule, stored_kinds
 
     meta = read_meta(path)
     same = check_layout(meta, model.config, path)
@@ -669,8 +673,7 @@ def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.opt
             else:
                 _reshard_part(part, pieces(module))
         for module, opt in (optimizers or {}).items():
-            bucketed = isinstance(opt, BucketAdamW) or any(f.startswith(f"{module}-rank") and f.endswith(".dopt.safetensors")
-                                                             for f in meta["files"])
+            bucketed = isinstance(opt, BucketAdamW) or "dopt" in stored_kinds(meta["files"], module)
             if same and not bucketed:
                 _read_optimizer(parts[module], opt, path)
             else:
@@ -699,13 +702,9 @@ def _reshard_optimizer(part: _Part, opt: torch.optim.Optimizer, stored, path: st
     if isinstance(opt, BucketAdamW):
         opt.load_local_states(lambda n: stored.adam_state(n, infos[n], master=True), stored.step, path)
         return
-    kind = type(opt).__name__
-    clash = stored.optimizers - {kind, "BucketAdamW"}
+    clash = stored.optimizers - {type(opt).__name__, "BucketAdamW"}
     if clash:
-        raise CheckpointError(
-            f"{path}: optimizer state of a {sorted(clash)[0]}, this run uses a {kind} (train.precision changed between "
-            "bf16 and bf16-pure?); resume with the precision it was written with, or start from its weights with "
-            "train.init_from")
+        raise _other_optimizer(path, sorted(clash)[0], opt)
     names = _ordered_names(opt, part.names_by_param())
     master = isinstance(opt, MasterWeightAdamW)
     sd = opt.state_dict()
@@ -717,8 +716,6 @@ def _reshard_optimizer(part: _Part, opt: torch.optim.Optimizer, stored, path: st
 def _check_all_read(loaded: dict[str, set[str]], stored: dict[str, set[str]], path: str) -> None:
     """Collective over the world: every tensor the checkpoint holds was read by some rank
     (else the model lacks it: another architecture, fewer layers)."""
-    import torch.distributed as dist
-
     everyone = [loaded]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()

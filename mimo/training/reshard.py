@@ -41,6 +41,16 @@ FILE = re.compile(r"^(?P<module>.+)-rank(?P<rank>\d{5})\.(?P<kind>model|optim|do
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+def _module_files(files: list[str], module: str) -> list[tuple[str, int, str]]:
+    """(kind, rank, file name) of ``module``'s tensor files among a checkpoint's ``files``."""
+    return [(m["kind"], int(m["rank"]), name) for name in files if (m := FILE.match(name)) and m["module"] == module]
+
+
+def stored_kinds(files: list[str], module: str) -> set[str]:
+    """Which kinds of tensor file (``model``, ``optim``, ``dopt``) a checkpoint holds for ``module``."""
+    return {kind for kind, _, _ in _module_files(files, module)}
+
+
 def _region_numel(index: Index) -> int:
     return math.prod(s.stop - s.start for s in index)
 
@@ -127,10 +137,9 @@ class StoredModule:
         self.sources: dict[tuple[str, str], list] = defaultdict(list)
         self.steps: dict[str, float] = {}
         self.optimizers: set[str] = set()
-        mine = [(m["kind"], int(m["rank"]), name) for name in files if (m := FILE.match(name)) and m["module"] == module]
         flat: dict[tuple[str, str, str], _FlatParts] = {}
         self._joined: dict[str, list[_FlatParts]] = defaultdict(list)  # per name: its joined pieces (freed after use)
-        for kind, rank, name in sorted(mine):  # dopt, model, optim
+        for kind, rank, name in sorted(_module_files(files, module)):  # dopt, model, optim
             f, records = open_file(name)
             where = f"{path}/{name}"
             if kind == "model":
