@@ -216,5 +216,6 @@ def test_gpu_eval_gives_the_cpu_eval_exact_match(tmp_path):
     assert cpu["scored"] > 0
     for cache in ("true", "false"):
         gpu = mimo("eval", config, *one, f"eval.cache={cache}", "--checkpoint", ckpt, "--device", "cuda")
+        print("cpu", cpu, "gpu", cache, gpu)
         assert (gpu["matched"], gpu["scored"], gpu["generated_tokens"]) == (cpu["matched"], cpu["scored"], cpu["generated_tokens"])
         assert gpu["exact_match"] == cpu["exact_match"] and abs(gpu["loss"] - cpu["loss"]) <= 5e-3 * cpu["loss"], (gpu, cpu)
