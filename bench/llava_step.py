@@ -59,9 +59,9 @@ def matmul_rate(device: torch.device, n: int = 8192, iters: int = 20) -> float |
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
-def run_baseline(path: Path, steps: int, attn: str) -> dict:
-    env = dict(os.environ, STEPS=str(steps))
-    out = subprocess.run([sys.executable, str(path), attn], env=env, capture_output=True, text=True)
+def run_baseline(path: Path, steps: int, arg: str, env_extra: list[str] = ()) -> dict:
+    env = dict(os.environ, STEPS=str(steps), **dict(kv.split("=", 1) for kv in env_extra))
+    out = subprocess.run([sys.executable, str(path), arg], env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"baseline failed ({out.returncode}):\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -85,7 +85,35 @@ def profile_steps(run, policy, steps: list[int], path: str) -> dict:
     with open(path, "w") as f:
         f.write(table)
     kernels = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 1e6
-    return {"profiled_steps": len(steps), "wall_s": wall, "kernel_s": kernels, "gpu_busy_fraction": kernels / wall}
+    return {"profiled_steps": len(steps), "wall_s": wall, "kernel_s": kernels, "gpu_busy_fraction": kernels / wall,
+            "kernel_shares": kernel_shares(prof)}
+
+
+# the step's kernel time by the aten op that launched it (forward and backward alike)
+SHARE_CLASSES = (
+    ("grouped_gemm", ("_grouped_mm", "_scaled_grouped_mm")),
+    ("dense_gemm", ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm", "aten::linear", "aten::matmul")),
+    ("attention", ("flash", "attention", "sdpa", "_efficient")),
+    ("router", ("aten::topk", "aten::sigmoid")),
+    ("permutation", ("aten::sort", "aten::argsort", "aten::index", "aten::gather", "aten::scatter", "aten::index_add",
+                     "aten::index_select", "aten::bucketize", "aten::cumsum", "aten::bincount", "aten::histc")),
+    ("optimizer", ("_foreach", "_fused_adam", "adam", "aten::lerp", "aten::addcdiv", "aten::addcmul")),
+    ("fp8_quantize", ("aten::abs", "aten::amax", "aten::clamp", "aten::reciprocal", "aten::_to_copy")),
+)
+
+
+def kernel_shares(prof) -> dict:
+    """Fractions of the profiled steps' kernel time per class of launching op (SHARE_CLASSES:
+    first match of the op's name wins; the rest is ``other``)."""
+    totals: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type.name != "CPU" or not e.self_device_time_total:
+            continue
+        name = e.key
+        cls = next((c for c, keys in SHARE_CLASSES if any(k in name for k in keys)), "other")
+        totals[cls] = totals.get(cls, 0.0) + e.self_device_time_total
+    all_ = sum(totals.values()) or 1.0
+    return {c: round(v / all_, 4) for c, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
 def set_recompute(model, mode: str) -> None:
@@ -143,6 +171,11 @@ def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: li
     try:
         for n, variant in enumerate(variants):
             data_s.clear()
+            variant, _, fp8 = variant.partition("@")
+            if fp8:  # FP8 GEMMs from now on (train.fp8's recipe; "none": back to the run's precision)
+                from mimo.compose.config import Fp8Config
+
+                run.model.set_fp8(None if fp8 == "none" else Fp8Config(recipe=fp8))
             variant, _, recompute = variant.partition(":")
             if variant == "compile" and not compiled:
                 compile_blocks(run.model)
@@ -152,50 +185,64 @@ def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: li
             if recompute:  # every module's layers from now on (mimo.parallel.recompute)
                 set_recompute(run.model, recompute)
                 variant = f"{variant}:{recompute}"
+            if fp8:
+                variant = f"{variant}@{fp8}"
             if variant in out:  # the same variant again: a second measurement in this process
                 variant = f"{variant}#{n + 1}"
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            results, marks, warm = [], [], []
-            for step in range(1, steps + 1):
-                t = time.perf_counter()
-                if step > warmup:
-                    marks.append(mark())
-                results.append(train_step(run.model, run.pipeline, step, run.optimizers, policy))
-                if step <= warmup or sync_steps:
-                    results[-1].loss  # reading the loss waits for the step
-                if step <= warmup:
-                    warm.append(time.perf_counter() - t)  # compile time shows here
-            marks.append(mark())
-            sync()
-            losses = [r.loss for r in results]  # as the baseline: no read between timed steps
-            out[variant] = {"times": [seconds(a, b) for a, b in zip(marks[:-1], marks[1:])], "warmup_s": warm,
-                            "losses": losses, "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-                            "data_s_median": statistics.median(data_s[warmup:])}
-            if profile_to and cuda:
-                out[variant]["profile"] = profile_steps(run, policy, [steps - 1, steps], f"{profile_to}.{variant}.txt")
+            try:  # a variant that fails (out of memory, a kernel refused) is reported, the others still run
+                results, marks, warm = [], [], []
+                for step in range(1, steps + 1):
+                    t = time.perf_counter()
+                    if step > warmup:
+                        marks.append(mark())
+                    results.append(train_step(run.model, run.pipeline, step, run.optimizers, policy))
+                    if step <= warmup or sync_steps:
+                        results[-1].loss  # reading the loss waits for the step
+                    if step <= warmup:
+                        warm.append(time.perf_counter() - t)  # compile time shows here
+                marks.append(mark())
+                sync()
+                losses = [r.loss for r in results]  # as the baseline: no read between timed steps
+                out[variant] = {"times": [seconds(a, b) for a, b in zip(marks[:-1], marks[1:])], "warmup_s": warm,
+                                "losses": losses, "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+                                "data_s_median": statistics.median(data_s[warmup:])}
+                if profile_to and cuda:
+                    out[variant]["profile"] = profile_steps(run, policy, [steps - 1, steps], f"{profile_to}.{variant}.txt")
+            except Exception as e:  # noqa: BLE001
+                out[variant] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                if cuda:
+                    torch.cuda.empty_cache()
     finally:
         run.close()
     timed = [s for step in range(warmup + 1, steps + 1) for mbs in run.pipeline.plan.step(step, config.train.micro_batches) for s in mbs]
     return {"variants": out, "real_tokens": sum(s.tokens for s in timed), "samples": timed, "policy": policy, "build_s": build_s}
 
 
-def main(argv=None) -> dict:
+def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "configs/llava-1.3b.yaml", tiny: list[str] = TINY,
+         baselines=BASELINE_CANDIDATES, baseline_arg: str = "eager", baseline_env: tuple[str, ...] = ()) -> dict:
+    """The bench (see module doc); ``bench/llava_moe_step.py`` runs it with its own model,
+    anchor and tiny model."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="config key=value overrides")
-    parser.add_argument("--config", default=str(ROOT / "configs/llava-1.3b.yaml"))
+    parser.add_argument("--config", default=str(config_path))
     parser.add_argument("--steps", type=int, default=13, help="steps in all (the baseline's STEPS)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed first steps (the baseline's 3)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-baseline", action="store_true", help="skip the Hugging Face baseline")
     parser.add_argument("--baseline", help="path of hf_llava_baseline.py (default: ../shared/bench or .whl/)")
-    parser.add_argument("--baseline-attn", default="eager", help="the baseline's attention (its measured best: eager)")
+    parser.add_argument("--baseline-arg", "--baseline-attn", default=baseline_arg,
+                        help=f"the baseline's argument (default {baseline_arg}: its measured best)")
+    parser.add_argument("--baseline-env", action="append", default=list(baseline_env), metavar="KEY=VALUE",
+                        help=f"environment of the baseline's run (default {list(baseline_env)})")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     parser.add_argument("--profile", metavar="PREFIX", help="profile two more steps per variant; kernel tables to PREFIX.<variant>.txt")
     parser.add_argument("--sync-steps", action="store_true", help="read each step's loss before starting the next "
                         "(the default reads them after the timed steps, as the baseline does)")
     parser.add_argument("--variants", default="eager", help="comma-separated, run in turn on one model: eager, compile "
-                        "(a repeated name measures again); NAME:MODE also sets activation recompute (none, selective, full)")
+                        "(a repeated name measures again); NAME:MODE also sets activation recompute (none, selective, full); "
+                        "NAME[:MODE]@RECIPE FP8 GEMMs (tensorwise, rowwise, delayed; none: off again)")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
@@ -204,16 +251,16 @@ def main(argv=None) -> dict:
     from mimo.training.flops import model_flops, param_counts
 
     # built eager; the "compile" variant compiles the same model afterwards (train.compile's work)
-    config = load_config(args.config, (TINY if args.tiny else []) + args.overrides + ["train.compile=false"])
+    config = load_config(args.config, (tiny if args.tiny else []) + args.overrides + ["train.compile=false"])
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     baseline = None
     if not args.no_baseline:
-        path = Path(args.baseline) if args.baseline else next((p for p in BASELINE_CANDIDATES if p.is_file()), None)
+        path = Path(args.baseline) if args.baseline else next((p for p in baselines if p.is_file()), None)
         if path is None or not path.is_file():
-            parser.error(f"no baseline script at {args.baseline or [str(p) for p in BASELINE_CANDIDATES]}; use --baseline or --no-baseline")
-        baseline = run_baseline(path, args.steps, args.baseline_attn)  # before ours: a clean GPU for each
+            parser.error(f"no baseline script at {args.baseline or [str(p) for p in baselines]}; use --baseline or --no-baseline")
+        baseline = run_baseline(path, args.steps, args.baseline_arg, args.baseline_env)  # before ours: a clean GPU for each
     rate = matmul_rate(device)
     got = run_mimo(config, device, args.steps, args.warmup, args.variants.split(","), args.profile, args.sync_steps)
 
@@ -223,7 +270,7 @@ def main(argv=None) -> dict:
     flops = model_flops(config, got["samples"], counts)  # the baseline's count (mimo.training.flops)
     p = got["policy"]
     res = {
-        "bench": "llava_step", "config": os.path.relpath(args.config, ROOT), "overrides": (["--tiny"] if args.tiny else []) + args.overrides,
+        "bench": bench, "config": os.path.relpath(args.config, ROOT), "overrides": (["--tiny"] if args.tiny else []) + args.overrides,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "params_llm": n_llm, "params_vision": n_vis,
         "precision": {"params": str(p.params), "compute": str(p.compute), "grad_reduce": str(p.grad_reduce),
@@ -237,6 +284,9 @@ def main(argv=None) -> dict:
         if rate:
             res["baseline_mfu_measured_rate"] = baseline["model_tflops_per_s"] / rate
     for name, v in got["variants"].items():
+        if "error" in v:
+            res[name] = v
+            continue
         total = sum(v["times"])
         tflops = flops / total / 1e12
         r = {"timed_steps": len(v["times"]), "step_s_median": statistics.median(v["times"]), "step_s_min": min(v["times"]),

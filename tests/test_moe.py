@@ -27,6 +27,7 @@ from mimo.llm.moe import MoE
 from mimo.llm.router import topk_lowest_index
 from mimo.parallel import gemm
 from mimo.parallel.context import ParallelContext
+from mimo.parallel.grouped import grouped_mm_takes
 from mimo.parallel.params import full_tensors, load_full_, param_table, reduce_partial_grads
 
 HIDDEN = 16
@@ -96,7 +97,7 @@ def test_grouped_linear_equals_a_loop_bit_for_bit():
     x = torch.randn(sum(counts), 8, generator=gen)
     w = torch.randn(len(counts), 12, 8, generator=gen)
     dy = torch.randn(sum(counts), 12, generator=gen)
-    assert gemm._grouped_mm_takes(x, w) and not gemm._grouped_mm_takes(x.double(), w.double())
+    assert grouped_mm_takes(x, w) and not grouped_mm_takes(x.double(), w.double())
     for dtype in (torch.float32, torch.float64):
         xg, wg = x.to(dtype).clone().requires_grad_(True), w.to(dtype).clone().requires_grad_(True)
         y = gemm.grouped_linear(xg, wg, ends)

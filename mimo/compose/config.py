@@ -67,6 +67,30 @@ class LogConfig:
 
 
 @dataclass
+class Fp8Config:
+    """FP8 matrix products through the GEMM seam (``mimo.parallel.fp8``): every LLM layer's and
+    vision block's linear and expert GEMMs; embeddings, LM head, patch embedding, projectors
+    and routers stay in the run's precision."""
+
+    recipe: Literal["tensorwise", "rowwise", "delayed"] = "tensorwise"
+    amax_history: int = 16  # delayed: steps of amax history whose max sets the scales
+    # LLM layers kept in the run's precision: "first", "last", or global layer indices
+    bf16_layers: list = field(default_factory=list)
+
+    def validate(self, path: str) -> list[str]:
+        problems = at_least(self, path, 1, "amax_history")
+        for item in self.bf16_layers:
+            if item not in ("first", "last") and not (isinstance(item, int) and not isinstance(item, bool) and item >= 0):
+                problems.append(f"{join_path(path, 'bf16_layers')}: items are 'first', 'last' or layer indices >= 0, got {item!r}")
+        return problems
+
+    def kept_layers(self, num_layers: int) -> set[int]:
+        """Global indices of the LLM layers ``bf16_layers`` keeps out of FP8."""
+        named = {"first": 0, "last": num_layers - 1}
+        return {named[i] if i in named else i for i in self.bf16_layers if i in named or isinstance(i, int)}
+
+
+@dataclass
 class TrainConfig:
     micro_batches: int = 1  # global microbatches per step
     steps: int = 100
@@ -100,6 +124,7 @@ class TrainConfig:
     # auto (alltoall for now), alltoall (all_to_all_single over EP, all-gather-v over ETP), deepep
     # (DeepEP's kernels: GPUs, bf16, etp 1)
     moe_dispatcher: Literal["auto", "alltoall", "deepep"] = "auto"
+    fp8: Fp8Config | None = None  # set: FP8 GEMMs (mimo.parallel.fp8)
     trace_steps: list[int] = field(default_factory=list)  # steps whose per-rank event traces `mimo train` writes
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -295,6 +320,24 @@ class MimoConfig:
                 )
             problems += self._tokenizer_problems(llms[0])
             problems += self._dispatcher_problems(llms[0])
+            problems += self._fp8_problems(llms[0])
+        return problems
+
+    def _fp8_problems(self, llm: str) -> list[str]:
+        """``train.fp8`` against the layouts: GTP-gathered weights do not take FP8 products yet,
+        and layer indices must exist."""
+        if self.train.fp8 is None:
+            return []
+        problems = []
+        for name, module in self.modules.items():
+            for key in ("gtp", "egtp"):
+                if getattr(module.parallel, key, 1) > 1:
+                    problems.append(f"train.fp8: modules.{name}.parallel.{key} > 1 is not supported with FP8 GEMMs yet "
+                                    f"(set {key}: 1, or drop train.fp8)")
+        layers = len(self.modules[llm].arch.layer_pattern().layers)
+        bad = sorted(i for i in self.train.fp8.kept_layers(layers) if i >= layers)
+        if bad:
+            problems.append(f"train.fp8.bf16_layers: {bad} beyond the LLM's {layers} layers")
         return problems
 
     def _dispatcher_problems(self, llm: str) -> list[str]:

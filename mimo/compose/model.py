@@ -12,19 +12,23 @@ one-process model's weights; ``init`` sections then load timm / Hugging Face che
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 
-from mimo.compose.config import MimoConfig
+from mimo.compose.config import Fp8Config, MimoConfig
 from mimo.core.errors import MimoError
 from mimo.encoders.model import VisionEncoder
 from mimo.llm.model import LLMStage, build_stage, embedding_group
 from mimo.llm.moe import set_dispatchers
-from mimo.parallel import param_seed
+from mimo.parallel import gemm, param_seed
+from mimo.parallel.fp8 import apply_fp8, clear_fp8
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.grid import GroupRegistry, ParallelGrid
 from mimo.parallel.params import TrainParam, param_table
+
+_LAYER_NAME = re.compile(r"^layers\.(\d+)\.")  # an LLM layer's modules, by global index
 
 
 @dataclass
@@ -90,9 +94,28 @@ class MimoModel:
                                 "(--device cuda with a GPU per rank, or alltoall)")
             set_dispatchers(self.stage, config.train.moe_dispatcher)
             self.stage.set_recompute(*config.recompute_for(self.llm_name))
+        self.fp8: Fp8Config | None = None  # train.fp8 as set on the modules (set_fp8)
+        if config.train.fp8 is not None:
+            self.set_fp8(config.train.fp8)
         # the run's gradient buffers (``mimo.training.optim.GradSync``), built once by the
         # training side on its first step and kept
         self.grad_sync = None
+
+    def set_fp8(self, f8: Fp8Config | None) -> None:
+        """FP8 GEMMs (``train.fp8``) on every LLM layer but ``bf16_layers`` and every vision
+        block (not patch embeddings, projectors, embeddings or the LM head); None: back to the
+        run's precision everywhere."""
+        self.fp8 = f8
+        parts = [(p.module.tower, p.ctx, lambda n: n.startswith("blocks.")) for p in self.encoders.values() if p.module is not None]
+        if self.stage is not None:
+            kept = f8.kept_layers(len(self.config.llm.arch.layer_pattern().layers)) if f8 is not None else set()
+            parts.append((self.stage, self.llm_ctx,
+                          lambda n: (m := _LAYER_NAME.match(n)) is not None and int(m.group(1)) not in kept))
+        for root, ctx, keep in parts:
+            if f8 is None:
+                clear_fp8(root, gemm.DEFAULT_RECIPE)
+            else:
+                apply_fp8(root, f8.recipe, ctx, f8.amax_history, keep)
 
     # the LLM's groups, as its context holds them
     @property

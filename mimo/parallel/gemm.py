@@ -16,14 +16,18 @@ import torch
 import torch.nn.functional as F
 
 from mimo.core.errors import ConfigError
+from mimo.parallel.fp8 import fp8_grouped_linear, fp8_linear, fp8_takes
+from mimo.parallel.grouped import grouped_rows
 
-RECIPES = ("default",)
+RECIPES = ("default", "tensorwise", "rowwise", "delayed")
 
 
 @dataclass(frozen=True)
 class GemmRecipe:
     """How a matrix product computes. ``default``: in the operands' dtype (fp32 or bf16, the
-    precision policy's choice), accumulating as the backend does. FP8 recipes come later."""
+    precision policy's choice), accumulating as the backend does. A module under ``train.fp8``
+    holds an ``mimo.parallel.fp8.FP8Site`` instead (same ``kind`` field: tensorwise, rowwise,
+    delayed), which makes its products float8 ones."""
 
     kind: str = "default"
 
@@ -43,17 +47,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from mimo.parallel.gtp import gtp_linear
 
         return gtp_linear(x, weight, bias)
+    if recipe.kind != "default" and fp8_takes(x, weight):
+        return fp8_linear(x, weight, bias, recipe)
     return F.linear(x, weight, bias)
-
-
-def _grouped_mm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` computes this product: fp32 / bf16 / fp16 (bf16 only on
-    CUDA) and rows of a multiple of 16 bytes (its stride rule)."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype:
-        return False
-    if x.dtype not in ((torch.bfloat16,) if x.is_cuda else (torch.float32, torch.bfloat16, torch.float16)):
-        return False
-    return all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], weight.shape[-2]))
 
 
 def grouped_linear(x_RI: torch.Tensor, weight_EOI: torch.Tensor, offsets_E: torch.Tensor,
@@ -69,16 +65,7 @@ def grouped_linear(x_RI: torch.Tensor, weight_EOI: torch.Tensor, offsets_E: torc
     if getattr(weight_EOI, "gtp", None) is not None:
         from mimo.parallel.gtp import gtp_grouped_linear
 
-        return gtp_grouped_linear(x_RI, weight_EOI, offsets_E, _grouped)
-    return _grouped(x_RI, weight_EOI, offsets_E)
-
-
-def _grouped(x_RI: torch.Tensor, weight_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    if _grouped_mm_takes(x_RI, weight_EOI):
-        return torch._grouped_mm(x_RI, weight_EOI.transpose(-2, -1), offs=offsets_E.to(torch.int32))
-    ends = offsets_E.tolist()
-    outs, start = [], 0
-    for e, end in enumerate(ends):
-        outs.append(F.linear(x_RI[start:end], weight_EOI[e]))
-        start = end
-    return torch.cat(outs) if outs else x_RI.new_zeros(0, weight_EOI.shape[1])
+        return gtp_grouped_linear(x_RI, weight_EOI, offsets_E, grouped_rows)
+    if recipe.kind != "default" and fp8_takes(x_RI, weight_EOI):
+        return fp8_grouped_linear(x_RI, weight_EOI, offsets_E, recipe)
+    return grouped_rows(x_RI, weight_EOI, offsets_E)

@@ -287,7 +287,8 @@ class _Part:
 
 
 def _persistent_buffers(module: torch.nn.Module, ctx) -> dict[str, ParamInfo]:
-    """The persistent buffers of ``module`` (the MoE routers' ``expert_bias`` / ``qb_beta``):
+    """The persistent buffers of ``module`` (the MoE routers' ``expert_bias`` / ``qb_beta``, FP8
+    amax histories ``fp8_history``):
     replicated state, written once like a replicated parameter (coordinate 0 off pp)."""
     params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     out = {}
@@ -300,7 +301,12 @@ def _persistent_buffers(module: torch.nn.Module, ctx) -> dict[str, ParamInfo]:
 
 
 def _local_parts(model: MimoModel) -> list[_Part]:
-    parts = [_Part(name, param_table(p.module, ctx=p.ctx)) for name, p in model.encoders.items() if p.module is not None]
+    parts = []
+    for name, p in model.encoders.items():
+        if p.module is not None:
+            table = param_table(p.module, ctx=p.ctx)
+            table.update(_persistent_buffers(p.module, p.ctx))  # (FP8 amax histories)
+            parts.append(_Part(name, table))
     if model.stage is not None:
         table, tied = model.stage.param_table(), model.stage.tied_weight()
         table.update(_persistent_buffers(model.stage, model.llm_ctx))

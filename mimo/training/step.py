@@ -30,6 +30,7 @@ from mimo.compose.model import MimoModel
 from mimo.data.pipeline import DataPipeline
 from mimo.llm.balance import STATS, balance_step, reset_accumulators, stats_metrics
 from mimo.llm.model import sync_tied_grads
+from mimo.parallel.fp8 import history_step
 from mimo.training.bucket_optim import BucketAdamW, bucket_grad_norm
 from mimo.training.optim import GradSync, PrecisionPolicy, bucket_numel, clip_grads_, clip_scale, global_grad_norm, lr_for
 from mimo.training.schedule_run import run_schedule
@@ -103,6 +104,16 @@ def grad_sync_for(model: MimoModel, policy: PrecisionPolicy | None = None) -> Gr
     return model.grad_sync
 
 
+def fp8_history_step(model: MimoModel) -> None:
+    """Every module's delayed-scaling histories: this step's amaxes reduced over the ranks that
+    hold the same layers (TP, then the gradient group), the window rolled."""
+    if model.stage is not None:
+        history_step(model.stage, (model.llm_ctx.tp, model.llm_ctx.grad_group))
+    for part in model.encoders.values():
+        if part.module is not None:
+            history_step(part.module, (part.ctx.tp, part.ctx.grad_group))
+
+
 def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: dict, policy: PrecisionPolicy | None = None,
                on_grads=None, trace: bool = False) -> StepResult:
     """One step; ``on_grads(model, grad_norm)`` (optional) sees the gradients before clipping.
@@ -159,6 +170,8 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
         lrs[module] = lr
     # MoE balancing: each stage for its own layers, its counts summed over the LLM's grad group
     stats = balance_step(model.stage, model.llm_dp) if layers and model.stage is not None else None
+    if model.fp8 is not None and model.fp8.recipe == "delayed":  # FP8 amax histories, once per step
+        fp8_history_step(model)
     # the step's loss: the last stage's DP ranks hold the parts; read only after the optimizer's
     # kernels are queued (at world 1 only when the caller asks), so that reading it does not
     # idle the device

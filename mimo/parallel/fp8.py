@@ -1,0 +1,348 @@
+"""FP8 matrix products behind the GEMM seam (``train.fp8``).
+
+A module's ``recipe`` (``mimo.parallel.gemm.GemmRecipe``) of kind ``tensorwise``, ``rowwise``
+or ``delayed`` makes ``gemm.linear`` / ``gemm.grouped_linear`` quantize both operands of each
+product to float8 and multiply them with ``torch._scaled_mm`` / ``torch._scaled_grouped_mm``,
+accumulating in fp32 and writing the activations' dtype:
+
+* ``tensorwise``: one scale per tensor from its current amax (amax / 448 for e4m3). Forward
+  operands e4m3, the output gradient e5m2 (the "hybrid" format: gradients need range more than
+  precision). The quantized input and weight are kept for backward (half the bytes of bf16).
+* ``rowwise``: one scale per row of each operand along the contracted dimension (each token's
+  row of the input, each output row of the weight), all e4m3. Backward contracts other
+  dimensions, so it quantizes the kept bf16 input and weight again along those.
+* ``delayed``: per-tensor scales from the amax history of earlier steps (``amax_history``
+  steps, its maximum; the first step, without history, takes the current amax, reduced over
+  TP). Each product
+  records its operands' amax in the current slot; once per optimizer step ``history_step``
+  reduces the current slots over the module's ranks (max: one all-reduce per group) and rolls
+  the window. The history is the module's persistent ``fp8_history`` buffer ``[sites, 3, H]``
+  (rows: input, weight, output gradient), so checkpoints carry it.
+
+Scales are computed in fp32 and their reciprocals passed to the products. Where an amax
+reduction keeps a quantization independent of the layout it is reduced over the module's TP
+group (``FP8Site.group``): a per-tensor amax always (each rank holds a shard of the tensor),
+a per-row amax where the contracted dimension is split (row-parallel layers). With these
+reductions a TP layout quantizes exactly as one process does.
+
+Experts: ``torch._scaled_grouped_mm`` takes row-wise scales only, so the grouped product
+quantizes row-wise under every recipe. It needs each group's rows to start at a multiple of
+16: the rows are copied into a buffer where every expert's block is padded with zero rows (the
+zero-probability tokens of Megatron's router padding; their outputs are dropped). The weight
+gradient of the experts is a bf16 grouped product (its contraction runs over each group's
+rows, whose per-group scaling the grouped kernel does not take).
+
+Where ``torch._scaled_mm`` cannot run the product (a dimension not a multiple of 16, a
+device without FP8 GEMMs, the CPU for grouped products) the same quantized operands are
+multiplied after dequantizing them: the same rounding of the inputs, another accumulation
+order. CPU tests check the scaling this way.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mimo.parallel.grouped import grouped_rows, grouped_weight_grad
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
+ROLES = ("input", "weight", "grad")
+_TINY = 1e-12  # an all-zero tensor gets scale 1 / _TINY-bounded, never a division by zero
+
+
+def _reduce_max(amax: torch.Tensor, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
+
+
+def amax_of(x: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """fp32 amax of ``x``: of the whole tensor (``dim`` None) or along ``dim`` (kept)."""
+    a = x.abs()
+    return (a.amax() if dim is None else a.amax(dim=dim, keepdim=True)).float()
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, inv_scale)``: ``x * scale`` saturated into ``dtype``, ``x ~ q * inv_scale``;
+    ``scale = FP8_MAX / amax`` (broadcast against ``x``)."""
+    scale = FP8_MAX[dtype] / amax.clamp_min(_TINY)
+    q = (x.float() * scale).clamp_(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)
+    return q, scale.reciprocal()
+
+
+class FP8Site:
+    """One module's FP8 settings (its ``recipe``): the recipe ``kind``, the TP group amaxes are
+    reduced over, which of its weights contract a TP-split dimension (row-parallel), and for
+    ``delayed`` the module that owns the ``fp8_history`` buffer, a row per weight (a GEMM site)."""
+
+    def __init__(self, kind: str, group=None, split_in=(), owner=None, weights=()):
+        self.kind, self.group = kind, group
+        self._split = {id(w) for w in split_in}
+        self._owner = weakref.ref(owner) if owner is not None else None
+        self._rows = {id(w): i for i, w in enumerate(weights)}
+        # set by history_step on every rank alike: from then on a delayed scale comes from the
+        # history without a collective (before, the fallback amax is reduced over TP)
+        self.warm = False
+
+    def split_in(self, weight: torch.Tensor) -> bool:
+        """Whether the product with ``weight`` contracts a dimension split over TP."""
+        return id(weight) in self._split
+
+    def history(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """``[3, H]`` history of the product with ``weight`` (delayed), else None."""
+        if self._owner is None:
+            return None
+        return self._owner().fp8_history[self._rows[id(weight)]]
+
+    def scale_amax(self, x: torch.Tensor, role: int, history: torch.Tensor | None, dim: int | None = None,
+                   split: bool = False) -> torch.Tensor:
+        """The amax ``x`` is scaled by, as ``role`` (0 input, 1 weight, 2 gradient) of a product."""
+        if history is not None:  # delayed: the window's max; this step's amax recorded
+            cur = amax_of(x, None)
+            if not self.warm:  # no step has ended in this process: the history may be empty
+                cur = _reduce_max(cur, self.group)
+            with torch.no_grad():
+                history[role, 0] = torch.maximum(history[role, 0], cur)
+            past = history[role, 1:].amax()
+            return torch.where(past > 0, past, cur)
+        amax = amax_of(x, dim)
+        if dim is None or split:  # per-tensor: a shard's amax; per-row along a split dimension
+            amax = _reduce_max(amax, self.group)
+        return amax
+
+
+@functools.cache
+def _cpu_takes_rowwise() -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` takes row-wise scales (2.14 does, 2.11 does not)."""
+    a = torch.zeros(16, 16, dtype=E4M3)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+        return True
+    except RuntimeError:
+        return False
+
+
+def _mm_takes(a: torch.Tensor, b: torch.Tensor, rowwise: bool) -> bool:
+    """Whether ``torch._scaled_mm`` runs ``a [M, K] @ b [K, N]`` here: K and N multiples of 16
+    on a device with FP8 GEMMs (CUDA compute capability 8.9+, or the CPU)."""
+    if a.shape[1] % 16 or b.shape[1] % 16:
+        return False
+    if a.is_cuda:
+        return torch.cuda.get_device_capability(a.device) >= (8, 9)
+    return not rowwise or _cpu_takes_rowwise()
+
+
+def scaled_mm(a_q, b_q, a_inv, b_inv, out_dtype: torch.dtype, fast: bool = False) -> torch.Tensor:
+    """``(a_q * a_inv) @ (b_q * b_inv)``: ``a_q [M, K]`` row-major, ``b_q [K, N]``; per-tensor
+    inverse scales (0-d) or row-wise ones (``a_inv [M, 1]``, ``b_inv [1, N]``)."""
+    rowwise = a_inv.dim() > 0
+    if _mm_takes(a_q, b_q, rowwise):
+        # the kernels want b column-major; row-wise scaling writes bf16 on CUDA
+        out = out_dtype if not (rowwise and a_q.is_cuda) else torch.bfloat16
+        y = torch._scaled_mm(a_q, b_q.t().contiguous().t(), scale_a=a_inv.float().contiguous(),
+                             scale_b=b_inv.float().contiguous(), out_dtype=out, use_fast_accum=fast and a_q.is_cuda)
+        return y.to(out_dtype)
+    return ((a_q.float() * a_inv) @ (b_q.float() * b_inv)).to(out_dtype)
+
+
+def _pad_rows(x: torch.Tensor, multiple: int = 16) -> torch.Tensor:
+    extra = -x.shape[0] % multiple
+    return F.pad(x, (0, 0, 0, extra)) if extra else x
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """``x [T, I] @ w [O, I].T`` with both operands in float8 (see module doc)."""
+
+    @staticmethod
+    def forward(ctx, x_TI, w_OI, site: FP8Site):
+        hist = site.history(w_OI)
+        rowwise = site.kind == "rowwise"
+        dim = -1 if rowwise else None
+        xq, x_inv = quantize(x_TI, E4M3, site.scale_amax(x_TI, 0, hist, dim, site.split_in(w_OI)))
+        wq, w_inv = quantize(w_OI, E4M3, site.scale_amax(w_OI, 1, hist, dim, site.split_in(w_OI)))
+        y_TO = scaled_mm(xq, wq.t(), x_inv, w_inv.t() if rowwise else w_inv, x_TI.dtype, fast=True)
+        ctx.site, ctx.hist, ctx.dtype = site, hist, x_TI.dtype
+        if rowwise:  # backward scales along other dimensions: keep the bf16 operands
+            ctx.save_for_backward(x_TI, w_OI)
+        else:
+            ctx.save_for_backward(xq, x_inv, wq, w_inv)
+        return y_TO
+
+    @staticmethod
+    def backward(ctx, g_TO):
+        site, hist, dtype = ctx.site, ctx.hist, ctx.dtype
+        g_TO = g_TO.contiguous()
+        if site.kind == "rowwise":
+            x_TI, w_OI = ctx.saved_tensors
+            # dgrad contracts O (split over TP in a column-parallel layer), wgrad contracts T
+            split = site.group is not None and not site.split_in(w_OI)
+            gq, g_inv = quantize(g_TO, E4M3, site.scale_amax(g_TO, 2, None, -1, split))
+            wq, w_inv = quantize(w_OI, E4M3, site.scale_amax(w_OI, 1, None, 0, split))
+            dx = scaled_mm(gq, wq, g_inv, w_inv, dtype)
+            gT = _pad_rows(g_TO).t()
+            xP = _pad_rows(x_TI)
+            gTq, gT_inv = quantize(gT, E4M3, amax_of(gT, -1))
+            xq, x_inv = quantize(xP, E4M3, amax_of(xP, 0))
+            dw = scaled_mm(gTq.contiguous(), xq, gT_inv, x_inv, dtype)
+            return dx, dw.to(w_OI.dtype), None
+        xq, x_inv, wq, w_inv = ctx.saved_tensors
+        gq, g_inv = quantize(g_TO, E5M2, site.scale_amax(g_TO, 2, hist))
+        dx = scaled_mm(gq, wq, g_inv, w_inv, dtype)
+        dw = scaled_mm(_pad_rows(gq.view(torch.uint8)).view(gq.dtype).t().contiguous(),
+                       _pad_rows(xq.view(torch.uint8)).view(xq.dtype), g_inv, x_inv, dtype)
+        return dx, dw, None
+
+
+@torch.compiler.disable  # dynamo does not trace the autograd function holding the site: a graph break
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, site: FP8Site) -> torch.Tensor:
+    """``x @ weight.T + bias`` with float8 operands (see module doc); any leading dims of ``x``."""
+    lead = x.shape[:-1]
+    y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, site).reshape(*lead, weight.shape[0])
+    return y if bias is None else y + bias
+
+
+def fp8_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a product's sizes take FP8 (both of the weight's dims multiples of 16); others
+    stay in the activations' dtype."""
+    return weight.dim() >= 2 and weight.shape[-1] % 16 == 0 and weight.shape[-2] % 16 == 0 and x.is_floating_point()
+
+
+# ---- grouped products (experts) -------------------------------------------------------------
+
+
+def padded_groups(ends_E: torch.Tensor, rows: int, align: int = 16) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each row goes when every group starts at a multiple of ``align``: ``(dest_R,
+    padded_ends_E, capacity)``, on the device, with no host read (``capacity`` = rows + align
+    x groups bounds the padded length)."""
+    ends_E = ends_E.to(torch.int64)
+    counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
+    padded_E = (counts_E + align - 1) // align * align
+    pends_E = torch.cumsum(padded_E, 0)
+    starts_E, pstarts_E = ends_E - counts_E, pends_E - padded_E
+    group_R = torch.bucketize(torch.arange(rows, device=ends_E.device), ends_E, right=True)
+    dest_R = torch.arange(rows, device=ends_E.device) - starts_E[group_R] + pstarts_E[group_R]
+    return dest_R, pends_E, rows + align * ends_E.numel()
+
+
+def _grouped_scaled(aq_RK, a_inv_R, bq_EKN, b_inv_EN, ends_E, out_dtype) -> torch.Tensor:
+    """``out[group e rows] = (a * a_inv) @ (b[e] * b_inv[e])``: the grouped FP8 kernel on rows
+    padded to 16 per group (CUDA), else dequantized products."""
+    rows = aq_RK.shape[0]
+    if aq_RK.is_cuda and hasattr(torch, "_scaled_grouped_mm") and aq_RK.shape[1] % 16 == 0 and bq_EKN.shape[2] % 16 == 0:
+        dest_R, pends_E, cap = padded_groups(ends_E, rows)
+        a_pad = aq_RK.new_zeros(cap, aq_RK.shape[1])
+        a_pad[dest_R] = aq_RK
+        s_pad = a_inv_R.new_ones(cap)
+        s_pad[dest_R] = a_inv_R.reshape(-1)
+        y = torch._scaled_grouped_mm(a_pad, bq_EKN.transpose(-2, -1).contiguous().transpose(-2, -1), s_pad,
+                                     b_inv_EN.float().contiguous(), offs=pends_E.to(torch.int32), out_dtype=torch.bfloat16,
+                                     use_fast_accum=True)
+        return y[dest_R].to(out_dtype)
+    a = aq_RK.float() * a_inv_R.reshape(-1, 1)
+    b = bq_EKN.float() * b_inv_EN.unsqueeze(1)
+    return grouped_rows(a, b.transpose(-2, -1), ends_E).to(out_dtype)
+
+
+class _Fp8Grouped(torch.autograd.Function):
+    """Grouped ``x [R, I] @ w[e] [O, I].T`` with row-wise float8 operands (see module doc)."""
+
+    @staticmethod
+    def forward(ctx, x_RI, w_EOI, ends_E, site: FP8Site):
+        split = site.split_in(w_EOI)  # the down projection contracts the TP-split F
+        xq, x_inv = quantize(x_RI, E4M3, site.scale_amax(x_RI, 0, None, -1, split))
+        wq, w_inv = quantize(w_EOI, E4M3, site.scale_amax(w_EOI, 1, None, -1, split))
+        y = _grouped_scaled(xq, x_inv, wq.transpose(-2, -1), w_inv.squeeze(-1), ends_E, x_RI.dtype)
+        ctx.save_for_backward(x_RI, w_EOI, ends_E)
+        ctx.site = site
+        return y
+
+    @staticmethod
+    def backward(ctx, g_RO):
+        x_RI, w_EOI, ends_E = ctx.saved_tensors
+        site = ctx.site
+        g_RO = g_RO.contiguous()
+        split = not site.split_in(w_EOI)  # dgrad contracts O: split over TP where I is not
+        gq, g_inv = quantize(g_RO, E4M3, site.scale_amax(g_RO, 2, None, -1, split))
+        wq, w_inv = quantize(w_EOI, E4M3, site.scale_amax(w_EOI, 1, None, -2, split))
+        dx = _grouped_scaled(gq, g_inv, wq, w_inv.squeeze(-2), ends_E, x_RI.dtype)
+        dw = grouped_weight_grad(g_RO, x_RI, ends_E).to(w_EOI.dtype)
+        return dx, dw, None, None
+
+
+@torch.compiler.disable
+def fp8_grouped_linear(x_RI: torch.Tensor, weight_EOI: torch.Tensor, ends_E: torch.Tensor, site: FP8Site) -> torch.Tensor:
+    return _Fp8Grouped.apply(x_RI, weight_EOI, ends_E, site)
+
+
+# ---- the once-per-step history update (delayed) ---------------------------------------------
+
+
+def history_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(getattr(m, "fp8_history", None), torch.Tensor)]
+
+
+@torch.no_grad()
+def history_step(model: torch.nn.Module, groups=()) -> None:
+    """Once per optimizer step (``delayed``): every ``fp8_history``'s current slot reduced (max)
+    over ``groups`` (the module's TP group, then its gradient group: every rank that holds the
+    same layers) in one all-reduce each, then the window rolled and the new slot zeroed."""
+    mods = history_modules(model)
+    if not mods:
+        return
+    flat = torch.cat([m.fp8_history[..., 0].reshape(-1) for m in mods])
+    for group in groups:
+        _reduce_max(flat, group)
+    at = 0
+    for m in mods:
+        h = m.fp8_history
+        n = h[..., 0].numel()
+        cur = flat[at:at + n].view(h.shape[:-1])
+        at += n
+        h.copy_(torch.roll(h, 1, dims=-1))
+        h[..., 1] = cur  # the step just done becomes the newest past entry
+        h[..., 0] = 0
+        m.recipe.warm = True
+
+
+# ---- putting the recipe on a model -----------------------------------------------------------
+
+
+def apply_fp8(root: torch.nn.Module, kind: str, ctx, amax_history: int = 16, keep=lambda name: True) -> int:
+    """Give every GEMM-holding module of ``root`` (a ``recipe`` attribute and ``placements()``)
+    whose name ``keep`` accepts an ``FP8Site`` of ``kind``: the TP group of its layout (ETP for
+    experts on the expert view), the weights whose input dimension is split over it, and for
+    ``delayed`` an ``fp8_history`` buffer (zeros, fp32) of ``amax_history`` steps. Returns how
+    many modules took it."""
+    n = 0
+    for name, m in root.named_modules():
+        if not hasattr(m, "recipe") or not hasattr(m, "placements") or not keep(name):
+            continue
+        weights = [(pn, p) for pn, p in m.named_parameters(recurse=False) if p.dim() >= 2]
+        if not weights:
+            continue
+        folded = getattr(m, "folded", False)
+        axis, group = ("etp", ctx.expert.group("etp")) if folded else ("tp", ctx.tp)
+        placements = m.placements()
+        split = [p for pn, p in weights if pn in placements and (axis, p.dim() - 1) in placements[pn].shards]
+        owner = None
+        if kind == "delayed":
+            m.register_buffer("fp8_history", torch.zeros(len(weights), len(ROLES), amax_history + 1,
+                                                         dtype=torch.float32, device=weights[0][1].device))
+            owner = m
+        m.recipe = FP8Site(kind, group, split, owner, [p for _, p in weights])
+        n += 1
+    return n
+
+
+def clear_fp8(root: torch.nn.Module, default) -> None:
+    """Undo ``apply_fp8``: every module's recipe back to ``default`` (``gemm.DEFAULT_RECIPE``),
+    its history dropped."""
+    for m in root.modules():
+        if isinstance(getattr(m, "recipe", None), FP8Site):
+            m.recipe = default
+            m._buffers.pop("fp8_history", None)

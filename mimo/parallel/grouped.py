@@ -1,0 +1,43 @@
+"""Grouped products in the activations' dtype: the experts' GEMM rows grouped by expert, and
+its weight gradient (``mimo.parallel.gemm`` and ``mimo.parallel.fp8`` both use them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def grouped_mm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` computes this product: fp32 / bf16 / fp16 (bf16 only on
+    CUDA) and rows of a multiple of 16 bytes (its stride rule)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype:
+        return False
+    if x.dtype not in ((torch.bfloat16,) if x.is_cuda else (torch.float32, torch.bfloat16, torch.float16)):
+        return False
+    return all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], weight.shape[-2]))
+
+
+def grouped_rows(x_RI: torch.Tensor, weight_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """``gemm.grouped_linear`` in the operands' dtype: one ``torch._grouped_mm`` where it takes
+    them, else one product per group (reading the offsets on the host)."""
+    if grouped_mm_takes(x_RI, weight_EOI):
+        return torch._grouped_mm(x_RI, weight_EOI.transpose(-2, -1), offs=offsets_E.to(torch.int32))
+    ends = offsets_E.tolist()
+    outs, start = [], 0
+    for e, end in enumerate(ends):
+        outs.append(F.linear(x_RI[start:end], weight_EOI[e]))
+        start = end
+    return torch.cat(outs) if outs else x_RI.new_zeros(0, weight_EOI.shape[1])
+
+
+def grouped_weight_grad(g_RO: torch.Tensor, x_RI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """``[E, O, I]``: each group's ``g.T @ x`` over its rows (the weight gradient of
+    ``grouped_linear``); one ``torch._grouped_mm`` where it takes the operands, else per group."""
+    e = offsets_E.numel()
+    if grouped_mm_takes(x_RI, g_RO) and g_RO.shape[0] * g_RO.element_size() % 16 == 0:
+        return torch._grouped_mm(g_RO.t(), x_RI, offs=offsets_E.to(torch.int32))
+    out, start = [], 0
+    for end in offsets_E.tolist():
+        out.append(g_RO[start:end].t() @ x_RI[start:end])
+        start = end
+    return torch.stack(out) if out else g_RO.new_zeros(e, g_RO.shape[1], x_RI.shape[1])

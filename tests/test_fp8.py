@@ -1,0 +1,348 @@
+"""FP8 GEMMs through the seam (``mimo.parallel.fp8``, ``train.fp8``).
+
+* each recipe's forward and both gradients against the same quantization written out in fp64
+  (``torch._scaled_mm`` runs on this CPU; grouped products dequantize), and against the plain
+  product within FP8's rounding;
+* layouts: a TP MLP (column- then row-parallel, sequence parallel on and off) and the MoE's
+  grouped experts at tp 2 and 3 against one process: with the amax reductions over TP they
+  quantize exactly as one process does, so they agree to fp32 rounding;
+* delayed scaling: the history window, its once-per-step reduction and roll, and resuming a
+  `mimo train` run from a checkpoint is exact (the history travels with it);
+* the row padding of grouped FP8 products and ``train.fp8``'s config errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mimo.core.errors import ConfigError
+from mimo.core.testing import rel_err
+from mimo.llm.experts import GroupedExperts
+from mimo.llm.router import Routing
+from mimo.parallel import gemm
+from mimo.parallel.context import ParallelContext
+from mimo.parallel.fp8 import (E4M3, E5M2, FP8Site, amax_of, apply_fp8, history_step, padded_groups, quantize)
+from mimo.parallel.grid import ParallelGrid
+from mimo.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mimo.parallel.placement import gather_full, shard_full
+
+TOL = 1e-5  # fp32 accumulation of identical FP8 operands, summed in another order
+WORLD = 3
+
+
+def _deq(x, dtype, amax):
+    q, inv = quantize(x, dtype, amax)
+    return q.double() * inv.double()
+
+
+def _reference(kind: str, x, w, g):
+    """(y, dx, dw) of ``x @ w.T`` with each recipe's quantization, in fp64 (one process)."""
+    if kind == "rowwise":
+        y = _deq(x, E4M3, amax_of(x, -1)) @ _deq(w, E4M3, amax_of(w, -1)).T
+        dx = _deq(g, E4M3, amax_of(g, -1)) @ _deq(w, E4M3, amax_of(w, 0))
+        dw = _deq(g.T, E4M3, amax_of(g.T, -1)) @ _deq(x, E4M3, amax_of(x, 0))
+        return y, dx, dw
+    xd, wd, gd = _deq(x, E4M3, amax_of(x, None)), _deq(w, E4M3, amax_of(w, None)), _deq(g, E5M2, amax_of(g, None))
+    return xd @ wd.T, gd @ wd, gd.T @ xd
+
+
+@pytest.mark.parametrize("kind", ["tensorwise", "rowwise", "delayed"])
+@pytest.mark.parametrize("rows", [37, 48])
+def test_linear_is_its_quantization_in_fp64(kind, rows):
+    g_ = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 64, generator=g_) * 3).requires_grad_(True)
+    w = torch.nn.Parameter(torch.randn(48, 64, generator=g_) * 0.1)
+    owner = torch.nn.Module()
+    owner.w = w
+    if kind == "delayed":  # empty history: the first step scales by the current amax
+        owner.register_buffer("fp8_history", torch.zeros(1, 3, 4))
+    site = FP8Site(kind, None, (), owner if kind == "delayed" else None, [w])
+    y = gemm.linear(x, w, None, site)
+    g = torch.randn(rows, 48, generator=g_)
+    y.backward(g)
+    ry, rdx, rdw = _reference(kind, x.detach(), w.detach(), g)
+    for name, got, want in (("y", y, ry), ("dx", x.grad, rdx), ("dw", w.grad, rdw)):
+        assert rel_err(got.double(), want) <= TOL, (name, rel_err(got.double(), want))
+    plain = x.detach() @ w.detach().T
+    assert 1e-3 < rel_err(y.detach(), plain) < 0.08  # quantized: near the product, not equal to it
+    if kind == "delayed":  # this step's amaxes recorded in the current slot
+        want = torch.stack([amax_of(x, None), amax_of(w, None), amax_of(g, None)]).float()
+        assert torch.equal(owner.fp8_history[0, :, 0], want)
+
+
+def test_delayed_history_window_and_its_scales():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(32, 32))
+    owner = torch.nn.Module()
+    owner.w = w
+    owner.register_buffer("fp8_history", torch.zeros(1, 3, 3))  # current slot + 2 past steps
+    site = owner.recipe = FP8Site("delayed", None, (), owner, [w])
+    xs = [torch.randn(16, 32) * s for s in (1.0, 4.0, 0.5, 0.25)]
+    amaxes = []
+    for step, x in enumerate(xs):
+        past = owner.fp8_history[0, 0, 1:].max()
+        y = gemm.linear(x, w, None, site)
+        amax = past if past > 0 else amax_of(x, None)  # the scale came from the window's max
+        want = _deq(x, E4M3, amax) @ _deq(w, E4M3, owner.fp8_history[0, 1, 1:].max() if step else amax_of(w, None)).T
+        assert rel_err(y.double(), want) <= TOL, step
+        gemm.linear(x * 0.5, w, None, site)  # a second microbatch: the slot keeps the max
+        amaxes.append(amax_of(x, None))
+        assert owner.fp8_history[0, 0, 0] == amaxes[-1]
+        history_step(owner)
+        assert owner.fp8_history[0, 0, 0] == 0 and owner.fp8_history[0, 0, 1] == amaxes[-1]
+        if step:
+            assert owner.fp8_history[0, 0, 2] == amaxes[-2]  # the window: 2 steps, oldest dropped
+
+
+def test_grouped_is_its_rowwise_quantization_and_pads_to_16():
+    g_ = torch.Generator().manual_seed(5)
+    ends = torch.tensor([10, 10, 33, 50, 50])  # an empty expert, one at the end
+    x = torch.randn(50, 32, generator=g_).requires_grad_(True)
+    w = torch.nn.Parameter(torch.randn(5, 48, 32, generator=g_))
+    site = FP8Site("rowwise", None, (), None, [w])
+    y = gemm.grouped_linear(x, w, ends, site)
+    g = torch.randn(50, 48, generator=g_)
+    y.backward(g)
+    xd = _deq(x.detach(), E4M3, amax_of(x.detach(), -1))
+    wd = _deq(w.detach(), E4M3, amax_of(w.detach(), -1))
+    gd = _deq(g, E4M3, amax_of(g, -1))
+    wdc = _deq(w.detach(), E4M3, amax_of(w.detach(), -2))
+    start, ry, rdx, rdw = 0, [], [], []
+    for e, end in enumerate(ends.tolist()):
+        ry.append(xd[start:end] @ wd[e].T)
+        rdx.append(gd[start:end] @ wdc[e])
+        rdw.append(g[start:end].double().T @ x.detach()[start:end].double())  # wgrad: unquantized
+        start = end
+    for name, got, want in (("y", y, torch.cat(ry)), ("dx", x.grad, torch.cat(rdx)), ("dw", w.grad, torch.stack(rdw))):
+        assert rel_err(got.double(), want) <= TOL, name
+    dest, pends, cap = padded_groups(ends, 50)
+    assert pends.tolist() == [16, 16, 48, 80, 80] and cap == 50 + 16 * 5
+    starts = [0, 16, 16, 48, 80]
+    want = [starts[e] + i for e, (a, b) in enumerate(zip([0, 10, 10, 33, 50], ends.tolist())) for i in range(b - a)]
+    assert dest.tolist() == want
+
+
+def test_non_multiple_of_16_stays_in_the_activations_dtype():
+    x, w = torch.randn(5, 20), torch.randn(24, 20)
+    assert torch.equal(gemm.linear(x, w, None, FP8Site("tensorwise")), F.linear(x, w))
+
+
+# ---- layouts against one process -------------------------------------------------------------
+
+_GRIDS: dict[int, ParallelGrid] = {}
+
+
+def _group(tp: int):
+    grid = _GRIDS.setdefault(tp, ParallelGrid({"tp": tp}))
+    group = grid.group("tp")
+    rank = dist.get_rank()
+    return (group, grid.coord(rank, "tp")) if rank in grid else (None, None)
+
+
+def _mlp_case(tp: int, kind: str, sp: bool):
+    """Column- then row-parallel FP8 MLP on this rank's shards vs the one-process FP8 MLP."""
+    group, r = _group(tp)
+    if r is None:
+        return None
+    g_ = torch.Generator().manual_seed(11)
+    D, Fh, T = 32, 96, 30  # F / tp: 48, 32 (multiples of 16: FP8 takes them); T: a multiple of tp (SP)
+    X, W1, W2, dY = (torch.randn(T, D, generator=g_), torch.randn(Fh, D, generator=g_) * 0.2,
+                     torch.randn(D, Fh, generator=g_) * 0.2, torch.randn(T, D, generator=g_))
+
+    def build(ctx):
+        up = ColumnParallelLinear(D, Fh, False, ctx, gather_output=False, sequence_parallel=ctx.sequence_parallel)
+        down = RowParallelLinear(Fh, D, False, ctx, input_is_parallel=True, sequence_parallel=ctx.sequence_parallel)
+        up.load_full_({"weight": W1})
+        down.load_full_({"weight": W2})
+        mlp = torch.nn.Sequential(up, torch.nn.GELU(), down)
+        assert apply_fp8(mlp, kind, ctx, 4) == 2
+        return mlp
+
+    out = {}
+    for where, ctx in (("one", ParallelContext.for_tp(None)), ("tp", ParallelContext.for_tp(group, sequence_parallel=sp))):
+        mlp = build(ctx)
+        ys, x = [], None
+        for step in range(2):  # delayed: the second step scales from the reduced history
+            x = (X.chunk(tp, 0)[r] if where == "tp" and ctx.sequence_parallel else X).clone().requires_grad_(True)
+            y = mlp(x)
+            y.backward(dY.chunk(tp, 0)[r] if where == "tp" and ctx.sequence_parallel else dY)
+            ys.append(y.detach())
+            history_step(mlp, (ctx.tp,))
+        out[where] = {"y": ys, "dx": x.grad, "dw1": gather_full(mlp[0].weight.grad, mlp[0].placements()["weight"], ctx.dense),
+                      "dw2": gather_full(mlp[2].weight.grad, mlp[2].placements()["weight"], ctx.dense)}
+    one, got = out["one"], out["tp"]
+    errs = {}
+    for step in range(2):
+        want = one["y"][step].chunk(tp, 0)[r] if sp else one["y"][step]
+        errs[f"y{step}"] = rel_err(got["y"][step], want)
+    errs["dx"] = rel_err(got["dx"], one["dx"].chunk(tp, 0)[r] if sp else one["dx"])
+    errs["dw1"], errs["dw2"] = rel_err(got["dw1"], one["dw1"]), rel_err(got["dw2"], one["dw2"])
+    return errs
+
+
+def _experts_case(tp: int):
+    """Grouped FP8 experts (dense view: F split over TP) vs one process, summed over TP."""
+    group, r = _group(tp)
+    if r is None:
+        return None
+    g_ = torch.Generator().manual_seed(3)
+    E, D, Fh, T, K = 4, 32, 96, 40, 2
+    up, down = torch.randn(E, 2 * Fh, D, generator=g_) * 0.2, torch.randn(E, D, Fh, generator=g_) * 0.2
+    X, dY = torch.randn(T, D, generator=g_), torch.randn(T, D, generator=g_)
+    idx = torch.stack([torch.randperm(E, generator=g_)[:K] for _ in range(T)])
+    gate = torch.softmax(torch.randn(T, K, generator=g_), -1)
+    out = {}
+    for where, ctx in (("one", ParallelContext.for_tp(None)), ("tp", ParallelContext.for_tp(group))):
+        ex = GroupedExperts(E, D, Fh, "swiglu", ctx)
+        pls = ex.placements()
+        sizes, coords = {"tp": ctx.tp_size}, {"tp": ctx.tp_rank}
+        with torch.no_grad():
+            ex.up_proj.copy_(shard_full(up, pls["up_proj"], sizes, coords))
+            ex.down_proj.copy_(shard_full(down, pls["down_proj"], sizes, coords))
+        assert apply_fp8(ex, "rowwise", ctx) == 1
+        x = X.clone().requires_grad_(True)
+        y = ex(x, Routing(idx, gate))
+        y.backward(dY)
+        dx = x.grad.clone()
+        if ctx.tp is not None:  # partial sums over TP
+            y = y.detach().clone()
+            dist.all_reduce(y, group=ctx.tp)
+            dist.all_reduce(dx, group=ctx.tp)
+        out[where] = {"y": y.detach(), "dx": dx, "dup": gather_full(ex.up_proj.grad, pls["up_proj"], ctx.dense),
+                      "ddown": gather_full(ex.down_proj.grad, pls["down_proj"], ctx.dense)}
+    return {k: rel_err(out["tp"][k], out["one"][k]) for k in out["one"]}
+
+
+def _check(results, tp):
+    active = [x for x in results if x is not None]
+    assert len(active) == tp
+    worst = max(((e, k) for res in active for k, e in res.items()), default=(0.0, ""))
+    assert worst[0] <= TOL, f"{worst[1]}: rel err {worst[0]:.3e} > {TOL:.0e}"
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+@pytest.mark.parametrize("kind,sp", [("tensorwise", False), ("tensorwise", True), ("rowwise", False), ("rowwise", True),
+                                     ("delayed", True)])
+def test_tp_mlp_quantizes_as_one_process(pools, tp, kind, sp):
+    _check(pools(WORLD).run(_mlp_case, tp, kind, sp), tp)
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_tp_experts_quantize_as_one_process(pools, tp):
+    _check(pools(WORLD).run(_experts_case, tp), tp)
+
+
+# ---- config ----------------------------------------------------------------------------------
+
+
+def test_config_errors():
+    from mimo.compose.config import config_from_dict
+    import yaml
+    from pathlib import Path
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "llava-moe.yaml").read_text())
+    ok = config_from_dict(cfg, ["train.fp8={recipe: delayed, amax_history: 8, bf16_layers: [first, last, 3]}"])
+    assert ok.train.fp8.recipe == "delayed" and ok.train.fp8.kept_layers(32) == {0, 31, 3}
+    with pytest.raises(ConfigError, match="train.fp8.recipe: must be 'tensorwise', 'rowwise' or 'delayed'"):
+        config_from_dict(cfg, ["train.fp8={recipe: blockwise}"])
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(cfg, ["train.fp8={amax_history: 0, bf16_layers: [middle, -1]}"])
+    text = str(e.value)
+    assert "train.fp8.amax_history" in text and "'middle'" in text and "-1" in text
+    with pytest.raises(ConfigError, match="modules.language.parallel.gtp > 1 is not supported with FP8"):
+        config_from_dict(cfg, ["train.fp8={}", "world_size=2", "modules.language.parallel.gtp=2",
+                               "modules.language.parallel.ranks=0:2", "modules.vision.parallel.dp=2",
+                               "modules.vision.parallel.ranks=0:2"])
+    with pytest.raises(ConfigError, match=r"bf16_layers: \[40\] beyond the LLM's 32 layers"):
+        config_from_dict(cfg, ["train.fp8={bf16_layers: [40]}"])
+
+
+# ---- training: delayed scaling resumes exactly -----------------------------------------------
+
+
+def test_delayed_history_resumes_exactly_from_a_checkpoint(write_demo_config, tmp_path):
+    """The demo at world 2 (vision dp 2; LLM tp 2 with SP) under ``train.fp8`` delayed: stopped
+    after step 2 and resumed, its losses equal the uninterrupted run's (the amax histories are
+    in the checkpoint: without them step 3 would scale differently), and differ from bf16-free
+    fp32 products (FP8 is in effect)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors import safe_open
+
+    from mimo.training.checkpoint import latest_checkpoint
+
+    config = write_demo_config(tmp_path, seed=4)
+    common = ["world_size=2", "modules.vision.parallel.dp=2", "modules.vision.parallel.ranks=0:2",
+              "modules.language.parallel.dp=1", "modules.language.parallel.ranks=0:2", "train.steps=3",
+              "train.micro_batches=1", "train.checkpoint.every=1"]
+    fp8 = "train.fp8={recipe: delayed, amax_history: 2, bf16_layers: [last]}"
+
+    def train(run, *args):
+        proc = subprocess.run([sys.executable, "-m", "mimo", "train", config, f"train.checkpoint.dir={run}/ckpt", *common, *args],
+                              capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with open(run / "metrics.jsonl") as f:
+            return [json.loads(line)["loss"] for line in f if '"eval"' not in line]
+
+    whole = train(tmp_path / "whole", fp8)
+    train(tmp_path / "resumed", fp8, "--stop-at", "2")
+    assert train(tmp_path / "resumed", fp8) == whole
+    assert train(tmp_path / "plain")[1:] != whole[1:]
+    _, step_dir = latest_checkpoint(str(tmp_path / "whole" / "ckpt"))
+    names = []
+    for f in sorted(p for p in os.listdir(step_dir) if p.endswith(".model")):
+        with safe_open(f"{step_dir}/{f}", "pt") as fh:
+            names += [k for k in fh.keys() if k.endswith("fp8_history")]
+    assert any(n.startswith("layers.0.") for n in names) and not any(n.startswith("layers.5.") for n in names)
+    assert any("blocks." in n for n in names), names
+
+
+# ---- the GPU's kernels ----------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch._scaled_mm / _scaled_grouped_mm kernels)")
+@pytest.mark.parametrize("kind", ["tensorwise", "rowwise", "delayed"])
+def test_gpu_fp8_products_against_bf16_and_the_cpu(kind):
+    """On the GPU, bf16 operands: each recipe's dense product and the grouped experts (rows
+    padded to 16 per expert, ragged groups, an empty one) against the bf16 product, within FP8's
+    rounding (output and gradients within 8% relative: e4m3 keeps 3 mantissa bits, ~3-4% here),
+    and against the same quantization of the same bf16 operands run on the CPU (within 1%: the
+    GPU's fast accumulation, bf16 rounding of the outputs; fp32 operands would quantize ~2%
+    apart from bf16 ones)."""
+    dev = torch.device("cuda")
+    g_ = torch.Generator().manual_seed(7)
+    x0, w0, g0 = torch.randn(333, 256, generator=g_), torch.randn(512, 256, generator=g_) * 0.05, torch.randn(333, 512, generator=g_)
+    ends = torch.tensor([40, 40, 200, 333])
+    we0 = torch.randn(4, 512, 256, generator=g_) * 0.05
+
+    def dense(device, dtype, fp8):
+        x = x0.to(device, dtype).requires_grad_(True)
+        w = torch.nn.Parameter(w0.to(device, dtype))
+        owner = torch.nn.Module()
+        owner.w = w
+        if kind == "delayed":
+            owner.register_buffer("fp8_history", torch.zeros(1, 3, 4, device=device))
+        site = FP8Site(kind, None, (), owner if kind == "delayed" else None, [w]) if fp8 else gemm.DEFAULT_RECIPE
+        y = gemm.linear(x, w, None, site)
+        y.backward(g0.to(device, dtype))
+        return [t.detach().float().cpu() for t in (y, x.grad, w.grad)]
+
+    def grouped(device, dtype, fp8):
+        x = x0.to(device, dtype).requires_grad_(True)
+        w = torch.nn.Parameter(we0.to(device, dtype))
+        site = FP8Site("rowwise", None, (), None, [w]) if fp8 else gemm.DEFAULT_RECIPE
+        y = gemm.grouped_linear(x, w, ends.to(device), site)
+        y.backward(g0.to(device, dtype))
+        return [t.detach().float().cpu() for t in (y, x.grad, w.grad)]
+
+    for name, fn in (("dense", dense), ("grouped", grouped)):
+        gpu8, gpu16, cpu8 = fn(dev, torch.bfloat16, True), fn(dev, torch.bfloat16, False), fn("cpu", torch.bfloat16, True)
+        for part, a, b, c in zip(("y", "dx", "dw"), gpu8, gpu16, cpu8):
+            assert rel_err(a, b) <= 0.08, (name, part, rel_err(a, b))
+            assert rel_err(a, c) <= 0.01, (name, part, rel_err(a, c))
