@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from mimo.core.errors import LayoutError
-from mimo.bridges.plan import FinishGather, Move, TransferPlan, make_plan
-from mimo.parallel.layout import Placement
+from mimo.bridges.plan import FinishGather, Move, TransferPlan, rank_plans
+from mimo.parallel.layout import Placement, RunPlacement, as_runs
 
 
 @dataclass
@@ -51,6 +51,14 @@ def _flat_region(buf: torch.Tensor, moves: list[Move], row_of, col0: int) -> tor
     return buf[start:row].view(-1)
 
 
+def _per_peer(ranks: list[int], moves: list[Move], side: str) -> list[int]:
+    """Elements of ``moves`` per peer (``m.dst`` or ``m.src``), in the order of ``ranks``."""
+    numel = dict.fromkeys(ranks, 0)
+    for m in moves:
+        numel[getattr(m, side)] += m.numel
+    return list(numel.values())
+
+
 class _Executor:
     """Runs one direction of a bridge on this rank."""
 
@@ -59,8 +67,8 @@ class _Executor:
         self.replica_group = replica_group
         self.defer_sends = defer_sends
         self.deferred: list[tuple] = []  # (requests, tensors they read): sends not waited for yet
-        self.src_col0 = plan.src.columns_of(rank).start if rank in plan.src.local_rows else 0
-        self.dst_col0 = plan.dst.columns_of(rank).start if rank in plan.dst.local_rows else 0
+        self.src_col0 = plan.src.columns_of(rank).start if plan.src.holds_rank(rank) else 0
+        self.dst_col0 = plan.dst.columns_of(rank).start if plan.dst.holds_rank(rank) else 0
         self.sends = [m for m in plan.moves if m.src == rank and m.dst != rank]
         self.recvs = [m for m in plan.moves if m.dst == rank and m.src != rank]
         self.local = [m for m in plan.moves if m.src == rank and m.dst == rank]
@@ -108,12 +116,12 @@ class _Executor:
         if self.gather is not None:
             cols = self.gather.chunk * len(self.gather.ranks)
         # rows no piece covers (gaps) must read as zeros; covered buffers need no fill
-        covered = sum(p.rows for p in self.plan.dst.pieces_of(self.rank)) == rows
+        covered = self.plan.dst.held_rows(self.rank) == rows
         return (torch.empty if covered else torch.zeros)(rows, cols, dtype=dtype, device=device)
 
     def run(self, x: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         plan = self.plan
-        y = self._output(dtype, device) if self.rank in plan.dst.local_rows else None
+        y = self._output(dtype, device) if plan.dst.holds_rank(self.rank) else None
         for m in self.local:
             _slice(y, m, m.dst_row, self.dst_col0).copy_(_slice(x, m, m.src_row, self.src_col0))
         if plan.colocated:
@@ -125,13 +133,13 @@ class _Executor:
         return y
 
     def _all_to_all(self, x, y, dtype, device) -> None:
-        ranks = sorted(self.plan.src.local_rows)
+        ranks = self.plan.src.ranks
         if len(ranks) == 1:
             return
-        send_moves = [m for peer in ranks for m in self.sends if m.dst == peer]
-        recv_moves = [m for peer in ranks for m in self.recvs if m.src == peer]
-        in_splits = [sum(m.numel for m in self.sends if m.dst == peer) for peer in ranks]
-        out_splits = [sum(m.numel for m in self.recvs if m.src == peer) for peer in ranks]
+        # the plan's moves come sorted by (src, dst): per peer in rank order already
+        send_moves = sorted(self.sends, key=lambda m: m.dst)
+        recv_moves = sorted(self.recvs, key=lambda m: m.src)
+        in_splits, out_splits = _per_peer(ranks, send_moves, "dst"), _per_peer(ranks, recv_moves, "src")
         send = self._pack(x, send_moves) if send_moves else torch.empty(0, dtype=dtype, device=device)
         recv, staged = self._recv_buffer(y, recv_moves, dtype, device) if recv_moves else (torch.empty(0, dtype=dtype, device=device), False)
         dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group)
@@ -206,12 +214,14 @@ class Bridge:
     a non-colocated destination cannot see whether the source needs its gradient.
     ``defer_sends``: a non-colocated source's forward returns once its sends are posted; the
     caller must ``wait_sends()`` before reusing what it sent (a schedule's encoder prefetch).
+    ``plans``: this rank's (forward, backward) plans when the caller has them already
+    (``mimo.bridges.plan.rank_plans``); else they are computed here, for this rank only.
     """
 
     def __init__(
         self,
-        src: Placement,
-        dst: Placement,
+        src: Placement | RunPlacement,
+        dst: Placement | RunPlacement,
         group,
         src_replica_group=None,
         dst_replica_group=None,
@@ -219,14 +229,16 @@ class Bridge:
         needs_grad: bool = True,
         rank: int | None = None,
         defer_sends: bool = False,
+        plans: tuple[TransferPlan, TransferPlan] | None = None,
     ):
         self.rank = dist.get_rank() if rank is None else rank
         self.needs_grad = needs_grad
-        self.src, self.dst = src, dst
-        self.is_src = self.rank in src.local_rows
-        self.is_dst = self.rank in dst.local_rows
-        self.fwd = _Executor(make_plan(src, dst), self.rank, group, dst_replica_group, defer_sends)
-        self.bwd = _Executor(make_plan(dst, src), self.rank, group, src_replica_group)
+        self.src, self.dst = as_runs(src), as_runs(dst)
+        self.is_src = self.src.holds_rank(self.rank)
+        self.is_dst = self.dst.holds_rank(self.rank)
+        fwd, bwd = plans if plans is not None else rank_plans(self.src, self.dst, self.rank)
+        self.fwd = _Executor(fwd, self.rank, group, dst_replica_group, defer_sends)
+        self.bwd = _Executor(bwd, self.rank, group, src_replica_group)
         self.stats = BridgeStats()
 
     @property

@@ -9,15 +9,24 @@ bridges must agree on them:
   order: rank r holds chunks r and 2*cp-1-r of 2*cp).
 * ``Placement``: for a logical ragged ``[rows, hidden]`` tensor, the pieces each rank holds
   and where they sit in its local buffer.
+
+``dp_placement`` and ``packed_placement`` build a ``Placement`` piece by piece (the reference).
+The per-microbatch hot path builds the same pieces as arrays (``RunPlacement``) from per-sample
+runs of rows (``SampleRuns``) with ``dp_runs`` and ``packed_runs``: numpy over runs and ranks,
+no Python loop over rows, pieces or replicas.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
+import operator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, Sequence
+
+import numpy as np
 
 from mimo.core.errors import LayoutError
 from mimo.parallel.grid import ParallelGrid
@@ -43,8 +52,84 @@ def dp_blocks(costs: Sequence[int], dp: int) -> list[range]:
 
     The largest block sum is the smallest possible; among such partitions, each block in
     turn takes the end closest to an even share of what is left (so trailing ranks are not
-    starved needlessly). Blocks may be empty. Deterministic: every rank gets the same answer.
+    starved needlessly; ties: the shorter block). Blocks may be empty. Deterministic: every
+    rank gets the same answer. Per block a few bisections (``dp_blocks_reference`` scans).
     """
+    costs, prefix, cap = _costs_and_cap(costs, dp)
+    n = len(costs)
+    # furthest[i]: the furthest end of a block from i within cap; need[i]: blocks needed from i
+    furthest = _furthest(np.asarray(prefix), cap)
+    need = [0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        need[i] = 1 + need[furthest[i]]
+    # need falls as i grows: the ends after which k blocks suffice are i >= first_within[k]
+    first_within = [bisect.bisect_left(need, -k, key=operator.neg) for k in range(dp)]
+    blocks, start = [], 0
+    for b in range(dp):
+        left = dp - b
+        end = n if left == 1 else _closest_end(prefix, start, max(start, first_within[left - 1]), furthest[start] if start < n else n,
+                                                (prefix[n] - prefix[start]) / left)
+        blocks.append(range(start, end))
+        start = end
+    return blocks
+
+
+def _furthest(prefix_N: np.ndarray, cap: int) -> list[int]:
+    """The furthest end of a block from each start whose sum stays within ``cap``."""
+    return (np.searchsorted(prefix_N, prefix_N + cap, "right") - 1).tolist()
+
+
+def _fits(furthest: list[int], dp: int) -> bool:
+    """Whether greedy blocks (each as far as it can go; the fewest) number at most ``dp``."""
+    i, n = 0, len(furthest) - 1
+    for _ in range(dp):
+        if i == n:
+            return True
+        i = furthest[i]
+    return i == n
+
+
+def _closest_end(prefix: list[int], start: int, lo: int, hi: int, share: float) -> int:
+    """The first end in ``lo..hi`` whose block sum from ``start`` is closest to ``share``."""
+    base = prefix[start]
+    above = bisect.bisect_left(prefix, base + share, lo, hi + 1)
+    # exact comparisons of sums with the share (base + share may round)
+    while above > lo and prefix[above - 1] - base >= share:
+        above -= 1
+    while above <= hi and prefix[above] - base < share:
+        above += 1
+    if above == lo:
+        return above
+    below = bisect.bisect_left(prefix, prefix[above - 1], lo, above)  # the first end with that sum
+    if above > hi or abs(prefix[below] - base - share) <= abs(prefix[above] - base - share):
+        return below
+    return above
+
+
+def _costs_and_cap(costs: Sequence[int], dp: int) -> tuple[list[int], list[int], int]:
+    """(costs, prefix sums, the smallest capacity that ``dp`` contiguous blocks can keep to)."""
+    if dp < 1:
+        raise LayoutError(f"dp must be >= 1, got {dp}")
+    costs = [int(c) for c in costs]
+    if any(c < 0 for c in costs):
+        raise LayoutError("sample costs must be non-negative")
+    prefix = [0, *itertools.accumulate(costs)]
+    # binary search over the integers between two bounds: every block within
+    # ceil(total/dp) + the largest cost is feasible (each full block holds more than total/dp)
+    lo = max(max(costs, default=0), -(-prefix[-1] // dp))
+    hi = min(prefix[-1], lo + max(costs, default=0))
+    prefix_N = np.asarray(prefix)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _fits(_furthest(prefix_N, mid), dp):
+            hi = mid
+        else:
+            lo = mid + 1
+    return costs, prefix, lo
+
+
+def dp_blocks_reference(costs: Sequence[int], dp: int) -> list[range]:
+    """``dp_blocks`` by scanning every candidate end of every block (the reference)."""
     if dp < 1:
         raise LayoutError(f"dp must be >= 1, got {dp}")
     costs = [int(c) for c in costs]
@@ -239,6 +324,19 @@ def split_columns(hidden: int, parts: int) -> list[range]:
 SHARDS = (None, "hidden", "seq")
 
 
+def _dp_layout(grid: ParallelGrid, blocks: Sequence[range], shard: str | None) -> tuple[int, int]:
+    """(tp, dp) of a module whose rows ``dp_placement`` places; errors for what it cannot."""
+    if shard not in SHARDS:
+        raise LayoutError(f"shard must be one of {SHARDS}, got {shard!r}")
+    for d in grid.dims:
+        if d not in ("tp", "dp", "pp") and grid.shape[d] != 1:
+            raise LayoutError(f"dp_placement needs {d}=1, got {grid.shape[d]}")
+    tp, dp = grid.shape.get("tp", 1), grid.shape.get("dp", 1)
+    if len(blocks) != dp:
+        raise LayoutError(f"{len(blocks)} DP blocks for dp={dp}")
+    return tp, dp
+
+
 def dp_placement(
     grid: ParallelGrid,
     sample_rows: Sequence[int],
@@ -253,14 +351,7 @@ def dp_placement(
     of ceil(rows/tp)). With pipeline stages, the first stage holds the rows and later stages
     hold nothing. Any other grid dim must have size 1.
     """
-    if shard not in SHARDS:
-        raise LayoutError(f"shard must be one of {SHARDS}, got {shard!r}")
-    for d in grid.dims:
-        if d not in ("tp", "dp", "pp") and grid.shape[d] != 1:
-            raise LayoutError(f"dp_placement needs {d}=1, got {grid.shape[d]}")
-    tp, dp = grid.shape.get("tp", 1), grid.shape.get("dp", 1)
-    if len(blocks) != dp:
-        raise LayoutError(f"{len(blocks)} DP blocks for dp={dp}")
+    tp, dp = _dp_layout(grid, blocks, shard)
     starts = [0, *itertools.accumulate(sample_rows)]
     pieces, replicas = [], []
     local_rows = {r: 0 for r in grid.ranks}  # later pipeline stages hold nothing
@@ -407,3 +498,323 @@ def packed_placement(
                 pieces.append(Piece(rank, items[start][1], n - start, start, 0, hidden))
                 start = n
     return Placement(row_starts[-1], hidden, tuple(pieces), local_rows, replicas), slots
+
+
+# ---------------------------------------------------------------------------
+# The same placements as arrays, built from runs of rows (the per-microbatch hot path)
+# ---------------------------------------------------------------------------
+def expand(counts_N: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(parent, k) over ``sum(counts)`` items: item n repeated ``counts[n]`` times, k counting
+    0 .. counts[n]-1 within it (a loop over a ragged range, vectorised)."""
+    counts_N = np.asarray(counts_N, dtype=np.int64)
+    parent = np.repeat(np.arange(len(counts_N)), counts_N)
+    k = np.arange(len(parent)) - np.repeat(np.cumsum(counts_N) - counts_N, counts_N)
+    return parent, k
+
+
+def _exclusive_cumsum(x_N: np.ndarray) -> np.ndarray:
+    """[0, x0, x0+x1, ...]: one longer than ``x_N``."""
+    out = np.zeros(len(x_N) + 1, dtype=np.int64)
+    np.cumsum(x_N, out=out[1:])
+    return out
+
+
+def _split_runs(start_U: np.ndarray, len_U: np.ndarray, period_U: np.ndarray):
+    """Cut each run ``start .. start+len`` at the multiples of its period: (parent run, start,
+    len) of the pieces (a run inside one period stays whole; empty runs vanish)."""
+    first = start_U // period_U
+    count = np.where(len_U > 0, (start_U + len_U - 1) // period_U - first + 1, 0)
+    u, k = expand(count)
+    lo = np.maximum(start_U[u], (first[u] + k) * period_U[u])
+    hi = np.minimum(start_U[u] + len_U[u], (first[u] + k + 1) * period_U[u])
+    return u, lo, hi - lo
+
+
+@dataclass(frozen=True, eq=False)
+class SampleRuns:
+    """A global microbatch's rows as runs of positions: sample i is ``seq_len_N[i]`` positions
+    long; run u holds the rows at positions ``start_U[u] .. start_U[u]+len_U[u]`` of sample
+    ``sample_U[u]``. Rows are numbered sample after sample, run after run (runs in sample order)."""
+
+    seq_len_N: np.ndarray
+    sample_U: np.ndarray
+    start_U: np.ndarray
+    len_U: np.ndarray
+
+    def __post_init__(self):
+        if len(self.sample_U) and (np.any(np.diff(self.sample_U) < 0) or self.sample_U[0] < 0
+                                   or self.sample_U[-1] >= len(self.seq_len_N)):
+            raise LayoutError("runs of rows must come sample after sample")
+        end_U = self.start_U + self.len_U
+        bad = (self.start_U < 0) | (end_U > self.seq_len_N[self.sample_U]) | (self.len_U < 0)
+        if np.any(bad):
+            u = int(np.flatnonzero(bad)[0])
+            raise LayoutError(f"rows at positions {int(self.start_U[u])}..{int(end_U[u]) - 1} outside sample "
+                              f"{int(self.sample_U[u])} of length {int(self.seq_len_N[self.sample_U[u]])}")
+
+    @classmethod
+    def of_images(cls, seq_lens: Sequence[int], image_starts: Sequence[Sequence[int]], rows_per_image: int) -> "SampleRuns":
+        """Each image a run of ``rows_per_image`` rows from its first position."""
+        count_N = np.array(list(map(len, image_starts)), dtype=np.int64)
+        start_U = np.array(list(itertools.chain.from_iterable(image_starts)), dtype=np.int64)
+        sample_U = np.repeat(np.arange(len(count_N)), count_N)
+        len_U = np.full(len(start_U), rows_per_image, dtype=np.int64)
+        return cls(np.asarray(seq_lens, dtype=np.int64), sample_U, start_U, len_U)
+
+    @classmethod
+    def of_positions(cls, samples: Sequence[tuple[int, Sequence[int]]]) -> "SampleRuns":
+        """From ``packed_placement``'s argument, (sequence length, positions of its rows) per
+        sample: maximal runs of consecutive positions."""
+        seq_len_N = np.array([n for n, _ in samples], dtype=np.int64)
+        count_N = np.array([len(pos) for _, pos in samples], dtype=np.int64)
+        pos_R = np.fromiter(itertools.chain.from_iterable(pos for _, pos in samples), dtype=np.int64, count=int(count_N.sum()))
+        sample_R = np.repeat(np.arange(len(samples)), count_N)
+        new_run = np.ones(len(pos_R), dtype=bool)
+        new_run[1:] = (pos_R[1:] != pos_R[:-1] + 1) | (sample_R[1:] != sample_R[:-1])
+        first = np.flatnonzero(new_run)
+        len_U = np.diff(np.append(first, len(pos_R)))
+        return cls(seq_len_N, sample_R[first], pos_R[first], len_U)
+
+    @cached_property
+    def rows_N(self) -> np.ndarray:
+        """Rows of each sample."""
+        return np.bincount(self.sample_U, weights=self.len_U, minlength=len(self.seq_len_N)).astype(np.int64)
+
+    @cached_property
+    def row_U(self) -> np.ndarray:
+        """The first (logical) row of each run."""
+        return _exclusive_cumsum(self.len_U)[:-1]
+
+
+@dataclass(frozen=True, eq=False)
+class RunPlacement:
+    """A ``Placement`` as arrays, one entry per piece (``*_P``) and per rank (``*_R``).
+
+    ``ranks_R`` ascending, with each rank's local row count; ``replica_GK``: one replica group
+    per row (group-rank order), padded with -1 when groups differ in size. ``to_placement``
+    gives the ``Placement`` with the same pieces in the same order; the rank queries below are
+    what executors and plans ask.
+    """
+
+    rows: int
+    hidden: int
+    rank_P: np.ndarray
+    row_P: np.ndarray
+    rows_P: np.ndarray
+    local_row_P: np.ndarray
+    col_P: np.ndarray
+    cols_P: np.ndarray
+    ranks_R: np.ndarray
+    local_rows_R: np.ndarray
+    replica_GK: np.ndarray
+
+    @classmethod
+    def of_placement(cls, placement: Placement) -> "RunPlacement":
+        fields = np.array([(p.rank, p.row, p.rows, p.local_row, p.col, p.cols) for p in placement.pieces],
+                          dtype=np.int64).reshape(-1, 6)
+        ranks = sorted(placement.local_rows)
+        width = max((len(g) for g in placement.replicas), default=0)
+        replica_GK = np.full((len(placement.replicas), width), -1, dtype=np.int64)
+        for i, g in enumerate(placement.replicas):
+            replica_GK[i, : len(g)] = g
+        return cls(placement.rows, placement.hidden, *fields.T.copy(), np.array(ranks, dtype=np.int64),
+                   np.array([placement.local_rows[r] for r in ranks], dtype=np.int64), replica_GK)
+
+    def to_placement(self) -> Placement:
+        """The reference object (validated): for tests and small layouts."""
+        columns = (self.rank_P, self.row_P, self.rows_P, self.local_row_P, self.col_P, self.cols_P)
+        pieces = tuple(Piece(*f) for f in zip(*(c.tolist() for c in columns)))
+        return Placement(self.rows, self.hidden, pieces, dict(zip(self.ranks_R.tolist(), self.local_rows_R.tolist())),
+                         self.replicas)
+
+    @cached_property
+    def replicas(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(r for r in g if r >= 0) for g in self.replica_GK.tolist())
+
+    @cached_property
+    def ranks(self) -> list[int]:
+        return self.ranks_R.tolist()
+
+    def _rank_index(self, rank: int) -> int | None:
+        i = int(np.searchsorted(self.ranks_R, rank))
+        return i if i < len(self.ranks_R) and self.ranks_R[i] == rank else None
+
+    def holds_rank(self, rank: int) -> bool:
+        """Whether ``rank`` is one of the placement's ranks (possibly holding no rows)."""
+        return self._rank_index(rank) is not None
+
+    def local_rows_of(self, rank: int) -> int:
+        i = self._rank_index(rank)
+        return 0 if i is None else int(self.local_rows_R[i])
+
+    def pieces_of(self, rank: int) -> list[Piece]:
+        mine = np.flatnonzero(self.rank_P == rank)
+        columns = (self.rank_P, self.row_P, self.rows_P, self.local_row_P, self.col_P, self.cols_P)
+        return [Piece(*f) for f in zip(*(c[mine].tolist() for c in columns))]
+
+    def held_rows(self, rank: int) -> int:
+        """Local rows that some piece of ``rank`` covers."""
+        return int(self.rows_P[self.rank_P == rank].sum())
+
+    def columns_of(self, rank: int) -> range:
+        mine = np.flatnonzero(self.rank_P == rank)
+        if not len(mine):
+            return range(0, self.hidden)
+        col = int(self.col_P[mine[0]])
+        return range(col, col + int(self.cols_P[mine[0]]))
+
+    def local_shape(self, rank: int) -> tuple[int, int]:
+        return (self.local_rows_of(rank), len(self.columns_of(rank)))
+
+    def replica_group_of(self, rank: int) -> tuple[int, ...] | None:
+        """The last replica group listing ``rank`` (as ``Placement.replicas`` is read), or None."""
+        hits = np.flatnonzero((self.replica_GK == rank).any(axis=1))
+        return self.replicas[hits[-1]] if len(hits) else None
+
+
+def as_runs(placement: Placement | RunPlacement) -> RunPlacement:
+    return placement if isinstance(placement, RunPlacement) else RunPlacement.of_placement(placement)
+
+
+def _rank_table(grid: ParallelGrid, dims: Sequence[str]) -> np.ndarray:
+    """The rank at every coordinate of ``dims`` (other dims at 0), indexed in ``dims`` order."""
+    return _rank_table_of(tuple(grid.shape.items()), grid.offset, tuple(dims))
+
+
+@functools.lru_cache(maxsize=64)  # a pure function of the grid's shape: built once per run
+def _rank_table_of(shape: tuple[tuple[str, int], ...], offset: int, dims: tuple[str, ...]) -> np.ndarray:
+    grid = ParallelGrid(dict(shape), offset)
+    table = np.full((1,) * len(dims), offset, dtype=np.int64)
+    for axis, d in enumerate(dims):
+        n = grid.shape.get(d, 1)
+        stride = grid.rank_at(**{d: 1}) - offset if n > 1 else 0
+        table = table + (np.arange(n, dtype=np.int64) * stride).reshape([n if a == axis else 1 for a in range(len(dims))])
+    table.flags.writeable = False  # shared by every caller
+    return table
+
+
+def _block_bounds(blocks: Sequence[range]) -> tuple[np.ndarray, np.ndarray]:
+    start_D = np.array(list(map(operator.attrgetter("start"), blocks)), dtype=np.int64)
+    stop_D = np.array(list(map(operator.attrgetter("stop"), blocks)), dtype=np.int64)
+    return start_D, stop_D
+
+
+def _local_rows(grid: ParallelGrid, rank_P: np.ndarray, rows_P: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank of ``grid`` with the rows its pieces hold (0 for ranks holding none)."""
+    ranks_R = np.arange(grid.offset, grid.offset + grid.size, dtype=np.int64)
+    local_R = np.bincount(rank_P - grid.offset, weights=rows_P, minlength=grid.size).astype(np.int64)
+    return ranks_R, local_R
+
+
+def dp_runs(grid: ParallelGrid, sample_rows: Sequence[int] | np.ndarray, blocks: Sequence[range], hidden: int,
+            shard: str | None = None) -> RunPlacement:
+    """``dp_placement`` as arrays: the same pieces, local rows and replica groups."""
+    tp, dp = _dp_layout(grid, blocks, shard)
+    starts = _exclusive_cumsum(np.asarray(sample_rows, dtype=np.int64))
+    start_D, stop_D = _block_bounds(blocks)
+    row0_DT = np.repeat(starts[start_D][:, None], tp, axis=1)
+    n_DT = np.repeat((starts[stop_D] - starts[start_D])[:, None], tp, axis=1)
+    rank_DT = _rank_table(grid, ("dp", "tp"))
+    t_DT = np.broadcast_to(np.arange(tp, dtype=np.int64), (dp, tp))
+    col_DT, cols_DT, local_DT = np.zeros_like(n_DT), np.full_like(n_DT, hidden), n_DT
+    if shard == "seq":  # split_even: ceil(n/tp) rows per TP rank, the last ones shorter or empty
+        size_DT = -(-n_DT // tp)
+        lo_DT = np.minimum(t_DT * size_DT, n_DT)
+        row0_DT, n_DT, local_DT = row0_DT + lo_DT, np.minimum(lo_DT + size_DT, n_DT) - lo_DT, size_DT
+    elif shard == "hidden":
+        col_DT = np.broadcast_to(np.array([c.start for c in split_columns(hidden, tp)], dtype=np.int64), (dp, tp))
+        cols_DT = np.broadcast_to(np.array([len(c) for c in split_columns(hidden, tp)], dtype=np.int64), (dp, tp))
+    rank_P = rank_DT.ravel()
+    ranks_R, local_R = _local_rows(grid, rank_P, local_DT.ravel())
+    replica_GK = rank_DT if shard is None and tp > 1 else np.zeros((0, 0), dtype=np.int64)
+    return RunPlacement(int(starts[-1]), hidden, rank_P, row0_DT.ravel(), n_DT.ravel(), np.zeros_like(rank_P),
+                        np.ascontiguousarray(col_DT).ravel(), np.ascontiguousarray(cols_DT).ravel(),
+                        ranks_R, local_R, replica_GK)
+
+
+def _tp_groups(grid: ParallelGrid) -> np.ndarray:
+    """Every TP group of ``grid`` in group-rank order, ordered by first rank (``partition``)."""
+    tp = grid.shape.get("tp", 1)
+    stride = grid.rank_at(tp=1) - grid.offset if tp > 1 else 1
+    ranks = np.arange(grid.offset, grid.offset + grid.size, dtype=np.int64)
+    first = ranks[((ranks - grid.offset) // stride) % tp == 0]
+    return first[:, None] + np.arange(tp, dtype=np.int64) * stride
+
+
+def _pack_offsets(runs: SampleRuns, start_D, stop_D, tp: int, cp: int, sequence_parallel: bool):
+    """``PackLayout`` of every DP block at once: each sample's DP rank, padded length and
+    offset in its pack; each block's local length (one (cp, tp) rank's)."""
+    n = len(runs.seq_len_N)
+    if len(start_D) and (start_D[0] != 0 or stop_D[-1] != n or np.any(start_D[1:] != stop_D[:-1]) or np.any(stop_D < start_D)):
+        raise LayoutError("packed placements need DP blocks covering the samples in order")
+    multiple = 1 if cp == 1 else 2 * cp * (tp if sequence_parallel else 1)
+    padded_N = -(-runs.seq_len_N // multiple) * multiple
+    block_N = np.repeat(np.arange(len(start_D)), stop_D - start_D)
+    prefix = _exclusive_cumsum(padded_N)
+    before_N = prefix[:-1] - prefix[start_D][block_N]
+    total_D = prefix[stop_D] - prefix[start_D]
+    if cp == 1 and sequence_parallel:
+        total_D = -(-total_D // tp) * tp
+    local_len_D = total_D // cp // (tp if sequence_parallel else 1)
+    return block_N, padded_N, before_N, local_len_D
+
+
+def _compact_pieces(rank_V, local_V, row_V, len_V):
+    """Pieces of compact local buffers: each rank's rows in the order of their local
+    positions, joined where logical rows continue. Returns (order of the first item of each
+    piece, rank, row, rows, local row)."""
+    order = np.lexsort((local_V, rank_V))
+    rank_V, row_V, len_V = rank_V[order], row_V[order], len_V[order]
+    before = _exclusive_cumsum(len_V)[:-1]
+    new_rank = np.ones(len(rank_V), dtype=bool)
+    new_rank[1:] = rank_V[1:] != rank_V[:-1]
+    rank_first = np.maximum.accumulate(np.where(new_rank, np.arange(len(rank_V)), 0))
+    compact_V = before - before[rank_first]
+    new_piece = new_rank.copy()
+    new_piece[1:] |= row_V[1:] != row_V[:-1] + len_V[:-1]
+    first = np.flatnonzero(new_piece)
+    rows_P = np.add.reduceat(len_V, first) if len(first) else np.zeros(0, dtype=np.int64)
+    return order[first], rank_V[first], row_V[first], rows_P, compact_V[first]
+
+
+def packed_runs(grid: ParallelGrid, runs: SampleRuns, blocks: Sequence[range], hidden: int,
+                sequence_parallel: bool = False) -> RunPlacement:
+    """``packed_placement`` as arrays (the same pieces, local rows and replica groups), from
+    runs of rows: every run is cut where a CP chunk or an SP part ends, and mapped to its rank
+    and local position as ``PackLayout.locate`` maps each of its positions."""
+    tp, cp, dp = (grid.shape.get(d, 1) for d in ("tp", "cp", "dp"))
+    if len(blocks) != dp:
+        raise LayoutError(f"{len(blocks)} DP blocks for dp={dp}")
+    start_D, stop_D = _block_bounds(blocks)
+    block_N, padded_N, before_N, local_len_D = _pack_offsets(runs, start_D, stop_D, tp, cp, sequence_parallel)
+    keep = runs.len_U > 0
+    sample_V, start_V, len_V, row_V = (a[keep] for a in (runs.sample_U, runs.start_U, runs.len_U, runs.row_U))
+    if cp > 1:  # a run continues in the pack only inside one of its sample's 2cp chunks
+        chunk_V = padded_N[sample_V] // (2 * cp)
+        u, split_V, len_V = _split_runs(start_V, len_V, chunk_V)
+        sample_V, row_V, chunk_V, start_V = sample_V[u], row_V[u] + split_V - start_V[u], chunk_V[u], split_V
+        chunk, off = np.divmod(start_V, chunk_V)
+        cp_V = np.where(chunk < cp, chunk, 2 * cp - 1 - chunk)
+        idx_V = before_N[sample_V] // cp + np.where(chunk < cp, off, chunk_V + off)
+    else:
+        cp_V, idx_V = np.zeros_like(start_V), before_N[sample_V] + start_V
+    dp_V = block_N[sample_V]
+    table_TCD = _rank_table(grid, ("tp", "cp", "dp"))
+    if sequence_parallel:  # ... and inside one TP rank's part of the CP rank's sequence
+        part_V = local_len_D[dp_V]
+        u, split_V, len_V = _split_runs(idx_V, len_V, part_V)
+        row_V, cp_V, dp_V, part_V = row_V[u] + split_V - idx_V[u], cp_V[u], dp_V[u], part_V[u]
+        tp_V, idx_V = np.divmod(split_V, part_V)
+    else:  # replicated over TP: build TP rank 0's pieces, copy them to the others below
+        tp_V = np.zeros_like(cp_V)
+    first, rank_P, row_P, rows_P, local_P = _compact_pieces(table_TCD[tp_V, cp_V, dp_V], idx_V, row_V, len_V)
+    replica_GK = np.zeros((0, 0), dtype=np.int64)
+    if not sequence_parallel and tp > 1:
+        rank_TP = table_TCD[:, cp_V[first], dp_V[first]]
+        order = np.lexsort((np.tile(local_P, tp), rank_TP.ravel()))
+        rank_P = rank_TP.ravel()[order]
+        row_P, rows_P, local_P = (np.tile(a, tp)[order] for a in (row_P, rows_P, local_P))
+        replica_GK = _tp_groups(grid)
+    ranks_R, local_R = _local_rows(grid, rank_P, rows_P)
+    return RunPlacement(int(runs.len_U.sum()), hidden, rank_P, row_P, rows_P, local_P, np.zeros_like(rank_P),
+                        np.full_like(rank_P, hidden), ranks_R, local_R, replica_GK)

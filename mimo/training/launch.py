@@ -136,12 +136,17 @@ def rank_compute_device(device: str):
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _die_with_parent() -> None:
-    """End this process the moment its parent does, without a word (see the module doc)."""
+def kill_with_parent() -> None:
+    """Linux: the kernel kills this process (SIGKILL) when the thread that started it ends."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _die_with_parent() -> None:
+    """End this process the moment its parent does, without a word (see the module doc)."""
+    kill_with_parent()
     sentinel = mp.parent_process().sentinel  # also ready when the parent died before the prctl
 
     def watch():

@@ -32,14 +32,17 @@ comes at an earlier or the same tick, before anything the LLM then needs from th
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import torch
 
 from mimo.bridges.executor import Bridge
+from mimo.bridges.plan import TransferPlan, rank_plans
 from mimo.compose.model import MimoModel
 from mimo.data.pipeline import Microbatch
 from mimo.llm.pipeline import StageRunner
-from mimo.parallel.layout import dp_placement, packed_placement
+from mimo.parallel.grid import ParallelGrid
+from mimo.parallel.layout import RunPlacement, SampleRuns, dp_runs, packed_runs
 from mimo.schedules.pipeline import SCHEDULES, encoder_ticks, tick_of
 from mimo.training.optim import GradSync
 from mimo.training.trace import Trace, note
@@ -52,25 +55,19 @@ def encode_and_bridge(model: MimoModel, mb: Microbatch, trace: Trace | None = No
     ``defer_sends``: a non-colocated encoder rank returns once its sends are posted (the
     caller waits for them with ``Bridge.wait_sends``). An encoder that trains nothing runs
     without autograd state."""
-    rank, llm_grid, hidden = model.rank, model.llm_grid, model.config.llm.arch.hidden
+    rank, llm_grid = model.rank, model.llm_grid
     bridges, image_rows = {}, {}
     sequence_parallel = model.llm_ctx.sequence_parallel
     for name, part in model.encoders.items():
-        feed_rows = model.config.encoders[name].rows_per_image
-        placeholder = model.config.encoders[name].placeholder
-        rows = [s.images_for(placeholder) * feed_rows for s in mb.samples]
-        src = dp_placement(part.grid, rows, mb.encoder_blocks[name], hidden)
-        samples = [(s.tokens, s.positions(placeholder, feed_rows)) for s in mb.samples]
-        # the LLM first stage's declared placement (LLMStage.image_placement); ranks without a
-        # stage compute the same pure function
-        dst, _ = packed_placement(llm_grid, samples, mb.llm_blocks, hidden, sequence_parallel)
-        if rank not in src.local_rows and rank not in dst.local_rows:
+        if rank not in part.grid and rank not in llm_grid:  # the bridge's ranks: both grids
             continue
+        placeholder = model.config.encoders[name].placeholder
+        src, dst, plans = _bridge_plans(model, mb, name)
         trains = model.encoder_trains[name]
         bridge = Bridge(src, dst, part.bridge_group,
                         src_replica_group=part.tp_group if rank in part.grid else None,
                         dst_replica_group=model.llm_tp if rank in llm_grid and not sequence_parallel else None,
-                        needs_grad=trains, rank=rank, defer_sends=defer_sends)
+                        needs_grad=trains, rank=rank, defer_sends=defer_sends, plans=plans)
         x = None
         if part.module is not None:
             start = time.perf_counter()
@@ -86,6 +83,32 @@ def encode_and_bridge(model: MimoModel, mb: Microbatch, trace: Trace | None = No
             image_rows[placeholder] = y_leaf
         bridges[name] = (bridge, y, y_leaf)
     return bridges, image_rows
+
+
+def image_bridge_plans(samples: Sequence, placeholder: str, rows_per_image: int, hidden: int,
+                       encoder_grid: ParallelGrid, encoder_blocks: Sequence[range], llm_grid: ParallelGrid,
+                       llm_blocks: Sequence[range], sequence_parallel: bool, rank: int
+                       ) -> tuple[RunPlacement, RunPlacement, tuple[TransferPlan, TransferPlan]]:
+    """One encoder's bridge on ``rank`` for a microbatch of ``samples`` (``PlannedSample``s):
+    the encoder's rows (its DP blocks, replicated over its TP), the LLM first stage's declared
+    placement of them (``LLMStage.image_placement``, from runs of rows: each image's rows are
+    consecutive positions) and this rank's plans both ways."""
+    runs = SampleRuns.of_images([s.tokens for s in samples], [s.image_starts.get(placeholder, ()) for s in samples],
+                                rows_per_image)
+    src = dp_runs(encoder_grid, runs.rows_N, encoder_blocks, hidden)
+    dst = packed_runs(llm_grid, runs, llm_blocks, hidden, sequence_parallel)
+    return src, dst, rank_plans(src, dst, rank)
+
+
+def _bridge_plans(model: MimoModel, mb: Microbatch, name: str):
+    """``image_bridge_plans`` of encoder ``name``, once per microbatch (kept on ``mb``)."""
+    cache = mb.__dict__.setdefault("_bridge_plans", {})
+    if name not in cache:
+        enc = model.config.encoders[name]
+        cache[name] = image_bridge_plans(mb.samples, enc.placeholder, enc.rows_per_image, model.config.llm.arch.hidden,
+                                         model.encoders[name].grid, mb.encoder_blocks[name], model.llm_grid,
+                                         mb.llm_blocks, model.llm_ctx.sequence_parallel, model.rank)
+    return cache[name]
 
 
 def _receive_as(model: MimoModel) -> tuple[torch.dtype, torch.device]:

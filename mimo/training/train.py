@@ -4,10 +4,14 @@ Launching. Without torchrun, ``train`` validates the config, prepares a missing 
 (once, here), and starts ``world_size`` local processes over gloo through
 ``mimo.training.launch.WorkerPool`` — the same machinery as the verify commands: an exception on any
 rank, or a rank dying, ends every rank and reports that rank's message. Under ``torchrun``
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR set) this process is one rank: rank 0 prepares the
-index and the run directory, and torchrun tears the job down if a rank fails. Either way a
-collective that does not complete within ``--timeout`` seconds raises on the ranks waiting in
-it (the process group's timeout), which ends the run with a message naming the rank and step.
+(any number of nodes) or as one of several ``srun`` tasks (``mimo.training.cluster``: the
+environment each sets, mapped to RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) this
+process is one rank: rank 0 prepares the index and the run directory (a filesystem every node
+sees), and the first rank that fails posts its message in the rendezvous store, which ends every
+other rank with it (a rank that vanished without one, its node killed, is named as such).
+Either way a collective that does not complete within ``--timeout`` seconds raises on the ranks
+waiting in it (the process group's timeout), which ends the run with a message naming the rank
+and step.
 
 Stopping. SIGINT / SIGTERM (or ``--stop-at STEP``) stop cleanly: every rank finishes the
 current step, a checkpoint is written, and a later ``mimo train`` with the same config resumes
@@ -59,11 +63,12 @@ from datetime import timedelta
 
 from mimo.compose.config import MimoConfig, load_config
 from mimo.core.errors import ConfigError, DistributedError
+from mimo.training.cluster import TORCHRUN_ENV  # noqa: F401  (tests keep a child's environment free of them)
+from mimo.training.cluster import ClusterRank, FailureNotice, detect, end_with_launcher, is_communication_failure, one_line
 
 log = logging.getLogger("mimo.training.train")
 
 FAULT_ENV = "MIMO_TRAIN_FAULT"
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 
 
 @dataclass
@@ -81,7 +86,8 @@ def default_run_dir(config: MimoConfig) -> str:
 
 
 def under_torchrun() -> bool:
-    return all(k in os.environ for k in TORCHRUN_ENV)
+    """This process is one rank of a run started by torchrun or srun (``mimo.training.cluster``)."""
+    return detect() is not None
 
 
 # ---------------------------------------------------------------- the command (launcher side)
@@ -95,8 +101,9 @@ def train(config_path: str, overrides: list[str], options: TrainOptions) -> dict
     if options.stop_at is not None and not 1 <= options.stop_at <= config.train.steps:
         raise ConfigError(f"--stop-at {options.stop_at}: must be a step in 1..train.steps={config.train.steps}")
     options = replace(options, run_dir=os.path.abspath(options.run_dir or default_run_dir(config)))
-    if under_torchrun():
-        return _train_under_torchrun(config_path, overrides, config, options)
+    place = detect()  # torchrun's or srun's environment; a ConfigError when half of it is there
+    if place is not None:
+        return _train_under_launcher(place, config_path, overrides, config, options)
     handler = _launcher_logging()
     try:
         options = replace(options, resume_from=_resume_point(config, options))
@@ -254,27 +261,44 @@ def _stop_on_signals():
             signal.signal(s, h)
 
 
-def _train_under_torchrun(config_path: str, overrides: list[str], config: MimoConfig, options: TrainOptions) -> dict:
+def _train_under_launcher(place: ClusterRank, config_path: str, overrides: list[str], config: MimoConfig, options: TrainOptions) -> dict:
+    """One rank of a run torchrun or srun started."""
     import torch
     import torch.distributed as dist
 
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    if world != config.world_size:
-        raise ConfigError(f"world_size: the config asks for {config.world_size} ranks, torchrun started {world}")
+    end_with_launcher(place)
+    if place.world_size != config.world_size:
+        started = "torchrun started" if place.launcher == "torchrun" else "srun started (SLURM_NTASKS)"
+        raise ConfigError(f"world_size: the config asks for {config.world_size} ranks, {started} {place.world_size}")
     options = replace(options, resume_from=_resume_point(config, options))
     done = _preflight(config, options)  # on every rank: all of them stop on a user error, before any group starts
     if done is not None:
         return done
-    # torchrun places the ranks: auto means this rank's GPU when there is one
+    # the launcher places the ranks: auto means this rank's GPU when there is one
     device = options.device if options.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     options = replace(options, device=device)
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(_local_gpu(place.local_rank))
+    place.export()  # srun's variables as torch's env:// reads them
     # gloo for the CPU tensors (statistics, data), NCCL for CUDA tensors
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=options.timeout_s))
     try:
-        if rank == 0:
+        dist.init_process_group(backend, timeout=timedelta(seconds=options.timeout_s))
+        notice = FailureNotice(place, _abort_rank, timeout_s=min(options.timeout_s, 60.0)).start()
+    except Exception as e:
+        raise DistributedError(f"{place.describe()}: could not join the run: {one_line(e)}") from e
+    # once train_rank runs, a SIGTERM (torchrun's, after a rank of this node failed) no longer kills the rank at once:
+    # train_rank stops cleanly on it, and a rank ending with a failure still reports the message
+    training = []
+
+    def on_sigterm(signum, frame):
+        if not training:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        if place.rank == 0:
             from mimo.compose.inputs import ensure_index
 
             from mimo.training.metrics import check_reporting
@@ -283,10 +307,59 @@ def _train_under_torchrun(config_path: str, overrides: list[str], config: MimoCo
             check_reporting(config)
             _prepare_run_dir(config, options.run_dir, config_path, overrides)
         dist.barrier()
+        training.append(True)
         summary = train_rank(config_path, overrides, options)
+    except Exception as e:
+        raise DistributedError(_posted_failure(e, notice, place.rank, options.run_dir)) from e
     finally:
+        notice.close()
         dist.destroy_process_group()
-    return {"ok": True, "command": "train", "rank": rank, **summary}
+        signal.signal(signal.SIGTERM, previous)
+    return {"ok": True, "command": "train", "rank": place.rank, **summary}
+
+
+def _local_gpu(local_rank: int) -> int:
+    """The GPU of this node's ``local_rank``-th rank: that index, or the only GPU visible when the
+    launcher binds one per task (srun ``--gpus-per-task=1``)."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 1:
+        return 0
+    if local_rank >= count:
+        raise ConfigError(f"local rank {local_rank}: this node shows {count} GPUs (CUDA_VISIBLE_DEVICES="
+                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most one rank per GPU")
+    return local_rank
+
+
+def _posted_failure(error: Exception, notice: FailureNotice, rank: int, run_dir: str) -> str:
+    """The message this rank ends with, the same on every rank: the first failure posted. A failed
+    or timed-out collective waits a moment for the failure behind it (posted by the rank that
+    failed before its connections closed); with none, the peer vanished without a word."""
+    import socket
+    import traceback
+
+    host = socket.gethostname()
+    if is_communication_failure(error):
+        posted = notice.posted(wait_s=5.0)
+        if posted:
+            return posted
+        if isinstance(error, DistributedError):  # a named timeout: this rank, this step
+            return notice.post(f"{error} (on {host})")
+        return notice.post(f"rank {rank} on {host}: another rank ended without a message (its process or node died: killed, "
+                           f"out of memory, or the machine failed), and the connection to it closed: {one_line(error)}")
+    own = _short_failure(f"rank {rank} failed:\n{traceback.format_exc()}", run_dir)
+    return notice.post(own.replace(f"rank {rank} failed", f"rank {rank} on {host} failed", 1))
+
+
+def _abort_rank(message: str) -> None:
+    """The watchdog's end of a rank that another rank's failure did not reach in time: the CLI's
+    error contract (the message on stderr, the JSON object last on stdout, exit 2), at once."""
+    log.error(message)
+    sys.stdout.flush()
+    print(message, file=sys.stderr, flush=True)
+    print(json.dumps({"ok": False, "command": "train", "errors": [message]}), flush=True)
+    os._exit(2)
 
 
 # ---------------------------------------------------------------- one rank

@@ -1,0 +1,123 @@
+"""Per-rank host time per microbatch to build one encoder bridge's placements and plans, by world size.
+
+LLaVA-like microbatches: 16 samples per LLM DP rank, each one image of 576 rows and 400 text
+tokens (the image at a random offset in the text); the LLM at tp 8 x dp world/8, the vision
+encoder at dp = world (colocated), so a global microbatch holds 2 x world samples (2048 at world
+1024). One rank's work is computed without processes, as every rank does it per microbatch in
+``mimo.training.schedule_run.encode_and_bridge``:
+
+* ``new``: ``image_bridge_plans`` (runs of rows, ``dp_runs``, ``packed_runs``, ``rank_plans``
+  for this rank, both directions) and the ``Bridge`` built from them; median of ``--repeats``
+  (the garbage collector off, as ``timeit`` does), the slowest of ranks 0, world/2+3 and world-1.
+* ``old`` (the anchor, the code path before issue 27): ``dp_placement`` and ``packed_placement``
+  over every row, ``make_plan`` both ways over the whole world, the rank's moves filtered out
+  (what the executor did); rank 0, once (it takes seconds at large worlds).
+
+``ratio`` = old / new. The DP blocks (``dp_blocks``, the data pipeline's, computed before) are
+timed beside them (``blocks_ms``: the LLM's and the encoder's, median of 5), not inside either.
+
+    python bench/plan_scale.py [--worlds 8,64,512,1024] [--old-max-world 1024] [--repeats 21]
+
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from mimo.bridges.executor import Bridge
+from mimo.bridges.plan import make_plan
+from mimo.data.plan import PlannedSample
+from mimo.parallel.grid import ParallelGrid
+from mimo.parallel.layout import dp_blocks, dp_placement, packed_placement
+from mimo.training.schedule_run import image_bridge_plans
+
+ROWS, TEXT, PER_DP, LLM_TP, HIDDEN, PLACEHOLDER = 576, 400, 16, 8, 2048, "<image>"
+
+
+def microbatch(world: int, seed: int = 0):
+    """(samples, LLM grid, vision grid, LLM blocks, vision blocks, blocks seconds)."""
+    rng = random.Random(seed)
+    llm = ParallelGrid({"tp": LLM_TP, "cp": 1, "dp": world // LLM_TP, "pp": 1})
+    vision = ParallelGrid({"tp": 1, "dp": world})
+    samples = [PlannedSample(i, ROWS + TEXT, 1, {PLACEHOLDER: [rng.randint(0, TEXT)]})
+               for i in range(PER_DP * llm.shape["dp"])]
+    tokens, rows = [s.tokens for s in samples], [s.images_for(PLACEHOLDER) * ROWS for s in samples]
+    llm_blocks, vision_blocks = dp_blocks(tokens, llm.shape["dp"]), dp_blocks(rows, world)
+    blocks_s = timed(lambda: (dp_blocks(tokens, llm.shape["dp"]), dp_blocks(rows, world)), 5)
+    return samples, llm, vision, llm_blocks, vision_blocks, blocks_s
+
+
+def new_path(samples, llm, vision, llm_blocks, vision_blocks, rank: int) -> Bridge:
+    src, dst, plans = image_bridge_plans(samples, PLACEHOLDER, ROWS, HIDDEN, vision, vision_blocks, llm,
+                                         llm_blocks, False, rank)
+    return Bridge(src, dst, None, needs_grad=True, rank=rank, plans=plans)
+
+
+def old_path(samples, llm, vision, llm_blocks, vision_blocks, rank: int):
+    rows = [s.images_for(PLACEHOLDER) * ROWS for s in samples]
+    src = dp_placement(vision, rows, vision_blocks, HIDDEN)
+    dst, _ = packed_placement(llm, [(s.tokens, s.positions(PLACEHOLDER, ROWS)) for s in samples], llm_blocks, HIDDEN)
+    plans = make_plan(src, dst), make_plan(dst, src)
+    return [[m for m in p.moves if rank in (m.src, m.dst)] for p in plans]
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of ``repeats`` calls, the garbage collector off (as ``timeit`` does)."""
+    times = []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    finally:
+        gc.enable()
+    return statistics.median(times)
+
+
+def case(world: int, repeats: int, old: bool) -> dict:
+    *mb, blocks_s = microbatch(world)
+    ranks = sorted({0, min(world // 2 + 3, world - 1), world - 1})
+    new_s = {r: timed(lambda: new_path(*mb, r), repeats) for r in ranks}
+    bridge = new_path(*mb, 0)
+    out = {"world": world, "llm": f"tp={LLM_TP},dp={world // LLM_TP}", "vision": f"dp={world}",
+           "samples": len(mb[0]), "rows": len(mb[0]) * ROWS, "blocks_ms": round(blocks_s * 1e3, 2),
+           "new_ms": round(max(new_s.values()) * 1e3, 3),
+           "new_ms_by_rank": {r: round(t * 1e3, 3) for r, t in new_s.items()},
+           "rank0_moves": len(bridge.fwd.plan.moves) + len(bridge.bwd.plan.moves)}
+    if old:
+        start = time.perf_counter()
+        moves = old_path(*mb, 0)
+        out["old_ms"] = round((time.perf_counter() - start) * 1e3, 1)
+        out["ratio"] = round(out["old_ms"] / out["new_ms"], 1)
+        out["same_moves"] = moves == [list(bridge.fwd.plan.moves), list(bridge.bwd.plan.moves)]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", default="8,64,512,1024")
+    ap.add_argument("--old-max-world", type=int, default=1024, help="skip the old path above this world")
+    ap.add_argument("--repeats", type=int, default=21)
+    args = ap.parse_args()
+    cases = [case(w, args.repeats, w <= args.old_max_world) for w in map(int, args.worlds.split(","))]
+    print(json.dumps({"bench": "plan_scale", "host": platform.node(), "cores": os.cpu_count(), "torch": torch.__version__,
+                      "numpy": np.__version__, "python": platform.python_version(), "rows_per_image": ROWS,
+                      "text_tokens": TEXT, "samples_per_llm_dp": PER_DP, "llm_tp": LLM_TP, "hidden": HIDDEN,
+                      "cases": cases}))
+
+
+if __name__ == "__main__":
+    main()
