@@ -73,7 +73,7 @@ class Dispatched:
 
     x_RD: torch.Tensor
     ends_L: torch.Tensor
-    gate_R: torch.Tensor
+    gate_R: torch.Tensor  # the gate of each expert row (the local dispatcher: the routing's [T, K], slot order)
     row_R: torch.Tensor  # the row (token, or received (token, rank) row) each expert row sums into
     rows: int  # tokens (local), or received rows (all-to-all)
     plan: object = None  # the dispatcher's record for combine (``_Plan``, DeepEP's state)
@@ -121,8 +121,45 @@ def _group_by(key_N: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Ten
     return order_N, counts[:groups]
 
 
+class _SlotsToRows(torch.autograd.Function):
+    """``x_TD`` -> ``x_RD``: each token's ``K`` slots as rows in expert order (row ``r`` is slot
+    ``order_R[r]``). Backward sums each token's ``K`` row gradients after gathering them back
+    into slot order (the inverse permutation): gathers only, where autograd's indexing adjoint
+    would scatter-add with atomics."""
+
+    @staticmethod
+    def forward(ctx, x_TD, order_R, inverse_R, k):
+        ctx.save_for_backward(inverse_R)
+        ctx.k = k
+        return x_TD[order_R // k]
+
+    @staticmethod
+    def backward(ctx, g_RD):
+        (inverse_R,) = ctx.saved_tensors
+        return g_RD[inverse_R].view(-1, ctx.k, g_RD.shape[-1]).sum(1), None, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """``y[index]`` for a permutation ``index``; backward gathers by its inverse (no atomics)."""
+
+    @staticmethod
+    def forward(ctx, y, index, inverse):
+        ctx.save_for_backward(inverse)
+        return y[index]
+
+    @staticmethod
+    def backward(ctx, g):
+        (inverse,) = ctx.saved_tensors
+        return g[inverse], None, None
+
+
 class LocalDispatcher:
-    """EP = 1: every expert is local (see module doc). Padding rows ride in the last group."""
+    """EP = 1: every expert is local (see module doc). Padding rows ride in the last group.
+
+    Every token has exactly ``K`` rows (``R = T*K``), so the row order is a permutation of the
+    slots: combine gathers the expert outputs back into slot order and sums each token's ``K``
+    rows weighted by its gates in one batched product (``[T, 1, K] @ [T, K, D]``), the gate
+    multiply and the sum fused, no scatter."""
 
     def __init__(self, experts: int):
         self.experts = experts
@@ -134,16 +171,23 @@ class LocalDispatcher:
         k, e = idx_TK.shape[1], self.experts
         flat_R = idx_TK.reshape(-1)
         order_R, counts_E = _group_by(flat_R, e)
+        inverse_R = torch.empty_like(order_R)
+        inverse_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)
         ends_E = counts_E.cumsum(0)
         ends_E[-1] = flat_R.numel()  # the padding rows (sentinel E) ride along in the last group
         token_R = order_R // k
         self.stats.calls += 1
-        return Dispatched(x_TD[token_R], ends_E, gate_TK.reshape(-1)[order_R], token_R, x_TD.shape[0],
+        return Dispatched(_SlotsToRows.apply(x_TD, order_R, inverse_R, k), ends_E, gate_TK, token_R, x_TD.shape[0],
+                          plan=(order_R, inverse_R),
                           overlapped=while_in_flight() if while_in_flight is not None else None,
                           gathered_from=(x_TD, token_R))
 
     def combine(self, y_RD: torch.Tensor, d: Dispatched) -> torch.Tensor:
-        return _sum_rows(y_RD, d)
+        order_R, inverse_R = d.plan
+        gate_TK = d.gate_R  # (in slot order: the routing's own gates)
+        t, k = gate_TK.shape
+        y_TKD = _Permute.apply(y_RD, inverse_R, order_R).view(t, k, y_RD.shape[-1])
+        return torch.bmm(gate_TK.to(y_RD.dtype).unsqueeze(1), y_TKD).squeeze(1)
 
 
 # ---------------------------------------------------------------- all-to-all

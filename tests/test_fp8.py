@@ -95,6 +95,12 @@ def test_delayed_history_window_and_its_scales():
         assert owner.fp8_history[0, 0, 0] == 0 and owner.fp8_history[0, 0, 1] == amaxes[-1]
         if step:
             assert owner.fp8_history[0, 0, 2] == amaxes[-2]  # the window: 2 steps, oldest dropped
+    # microbatches: two forwards (each writing the history) before their backwards
+    a, b = torch.randn(16, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+    ya, yb = gemm.linear(a, w, None, site), gemm.linear(b, w, None, site)
+    ya.sum().backward()
+    yb.sum().backward()
+    assert owner.fp8_history[0, 2, 0] == 1.0  # the output gradients (ones) recorded by both backwards
 
 
 def test_grouped_is_its_rowwise_quantization_and_pads_to_16():
@@ -296,7 +302,7 @@ def test_delayed_history_resumes_exactly_from_a_checkpoint(write_demo_config, tm
     assert train(tmp_path / "plain")[1:] != whole[1:]
     _, step_dir = latest_checkpoint(str(tmp_path / "whole" / "ckpt"))
     names = []
-    for f in sorted(p for p in os.listdir(step_dir) if p.endswith(".model")):
+    for f in sorted(p for p in os.listdir(step_dir) if p.endswith(".model.safetensors")):
         with safe_open(f"{step_dir}/{f}", "pt") as fh:
             names += [k for k in fh.keys() if k.endswith("fp8_history")]
     assert any(n.startswith("layers.0.") for n in names) and not any(n.startswith("layers.5.") for n in names)

@@ -40,8 +40,6 @@ order. CPU tests check the scaling this way.
 
 from __future__ import annotations
 
-import functools
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -75,48 +73,6 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor) -> tuple[t
     return q, scale.reciprocal()
 
 
-class FP8Site:
-    """One module's FP8 settings (its ``recipe``): the recipe ``kind``, the TP group amaxes are
-    reduced over, which of its weights contract a TP-split dimension (row-parallel), and for
-    ``delayed`` the module that owns the ``fp8_history`` buffer, a row per weight (a GEMM site)."""
-
-    def __init__(self, kind: str, group=None, split_in=(), owner=None, weights=()):
-        self.kind, self.group = kind, group
-        self._split = {id(w) for w in split_in}
-        self._owner = weakref.ref(owner) if owner is not None else None
-        self._rows = {id(w): i for i, w in enumerate(weights)}
-        # set by history_step on every rank alike: from then on a delayed scale comes from the
-        # history without a collective (before, the fallback amax is reduced over TP)
-        self.warm = False
-
-    def split_in(self, weight: torch.Tensor) -> bool:
-        """Whether the product with ``weight`` contracts a dimension split over TP."""
-        return id(weight) in self._split
-
-    def history(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """``[3, H]`` history of the product with ``weight`` (delayed), else None."""
-        if self._owner is None:
-            return None
-        return self._owner().fp8_history[self._rows[id(weight)]]
-
-    def scale_amax(self, x: torch.Tensor, role: int, history: torch.Tensor | None, dim: int | None = None,
-                   split: bool = False) -> torch.Tensor:
-        """The amax ``x`` is scaled by, as ``role`` (0 input, 1 weight, 2 gradient) of a product."""
-        if history is not None:  # delayed: the window's max; this step's amax recorded
-            cur = amax_of(x, None)
-            if not self.warm:  # no step has ended in this process: the history may be empty
-                cur = _reduce_max(cur, self.group)
-            with torch.no_grad():
-                history[role, 0] = torch.maximum(history[role, 0], cur)
-            past = history[role, 1:].amax()
-            return torch.where(past > 0, past, cur)
-        amax = amax_of(x, dim)
-        if dim is None or split:  # per-tensor: a shard's amax; per-row along a split dimension
-            amax = _reduce_max(amax, self.group)
-        return amax
-
-
-@functools.cache
 def _cpu_takes_rowwise() -> bool:
     """Whether this torch's CPU ``_scaled_mm`` takes row-wise scales (2.14 does, 2.11 does not)."""
     a = torch.zeros(16, 16, dtype=E4M3)
@@ -127,23 +83,62 @@ def _cpu_takes_rowwise() -> bool:
         return False
 
 
-def _mm_takes(a: torch.Tensor, b: torch.Tensor, rowwise: bool) -> bool:
-    """Whether ``torch._scaled_mm`` runs ``a [M, K] @ b [K, N]`` here: K and N multiples of 16
-    on a device with FP8 GEMMs (CUDA compute capability 8.9+, or the CPU)."""
-    if a.shape[1] % 16 or b.shape[1] % 16:
-        return False
-    if a.is_cuda:
-        return torch.cuda.get_device_capability(a.device) >= (8, 9)
-    return not rowwise or _cpu_takes_rowwise()
+_CPU_ROWWISE = _cpu_takes_rowwise()  # probed once, outside any compiled graph
 
 
-def scaled_mm(a_q, b_q, a_inv, b_inv, out_dtype: torch.dtype, fast: bool = False) -> torch.Tensor:
+class FP8Site:
+    """One module's FP8 settings (its ``recipe``): the recipe ``kind``, the TP group amaxes are
+    reduced over, and for ``delayed`` the module that owns the ``fp8_history`` buffer. Each of
+    its weights carries ``fp8_row`` (its history row) and ``fp8_split`` (whether its product
+    contracts a TP-split dimension: row-parallel): plain attributes that ``torch.compile``
+    reads as it reads ``weight.gtp``."""
+
+    def __init__(self, kind: str, group=None, split_in=(), owner=None, weights=()):
+        self.kind, self.group, self.owner = kind, group, owner
+        split = {id(w) for w in split_in}
+        for i, w in enumerate(weights):
+            w.fp8_row, w.fp8_split = i, id(w) in split
+        # set by history_step on every rank alike: from then on a delayed scale comes from the
+        # history without a collective (before, the fallback amax is reduced over TP)
+        self.warm = False
+        self.cuda_fp8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+    def native(self, x: torch.Tensor) -> bool:
+        """Whether ``torch._scaled_mm`` runs this recipe's products on ``x``'s device."""
+        return self.cuda_fp8 if x.is_cuda else (self.kind != "rowwise" or _CPU_ROWWISE)
+
+    def history(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """``[3, H + 1]`` history of the product with ``weight`` (delayed), else None."""
+        return None if self.owner is None else self.owner.fp8_history[weight.fp8_row]
+
+    def amax(self, x: torch.Tensor, dim: int | None = None, split: bool = False) -> torch.Tensor:
+        """The current amax ``x`` is scaled by: per tensor (``dim`` None; reduced over TP: a shard's
+        amax) or per slice along ``dim`` (reduced where that dimension is ``split`` over TP)."""
+        amax = amax_of(x, dim)
+        return _reduce_max(amax, self.group) if dim is None or split else amax
+
+    def delayed_amax(self, x: torch.Tensor, history: torch.Tensor, role: int) -> torch.Tensor:
+        """Delayed scaling: the window's max (this step's amax recorded in the current slot);
+        without history yet, the current amax (reduced over TP)."""
+        return delayed_amax(x, history, role, None if self.warm else self.group)
+
+
+def delayed_amax(x: torch.Tensor, history: torch.Tensor, role: int, group) -> torch.Tensor:
+    cur = _reduce_max(amax_of(x, None), group)
+    with torch.no_grad():
+        history[role, 0] = torch.maximum(history[role, 0], cur)
+    past = history[role, 1:].amax()
+    return torch.where(past > 0, past, cur)
+
+
+def scaled_mm(a_q, b_q, a_inv, b_inv, out_dtype: torch.dtype, native: bool, fast: bool = False) -> torch.Tensor:
     """``(a_q * a_inv) @ (b_q * b_inv)``: ``a_q [M, K]`` row-major, ``b_q [K, N]``; per-tensor
-    inverse scales (0-d) or row-wise ones (``a_inv [M, 1]``, ``b_inv [1, N]``)."""
-    rowwise = a_inv.dim() > 0
-    if _mm_takes(a_q, b_q, rowwise):
+    inverse scales (0-d) or row-wise ones (``a_inv [M, 1]``, ``b_inv [1, N]``). ``torch._scaled_mm``
+    where ``native`` and K, N are multiples of 16, else the dequantized product."""
+    if native and a_q.shape[1] % 16 == 0 and b_q.shape[1] % 16 == 0:
+        rowwise = a_inv.dim() > 0
         # the kernels want b column-major; row-wise scaling writes bf16 on CUDA
-        out = out_dtype if not (rowwise and a_q.is_cuda) else torch.bfloat16
+        out = torch.bfloat16 if rowwise and a_q.is_cuda else out_dtype
         y = torch._scaled_mm(a_q, b_q.t().contiguous().t(), scale_a=a_inv.float().contiguous(),
                              scale_b=b_inv.float().contiguous(), out_dtype=out, use_fast_accum=fast and a_q.is_cuda)
         return y.to(out_dtype)
@@ -151,58 +146,98 @@ def scaled_mm(a_q, b_q, a_inv, b_inv, out_dtype: torch.dtype, fast: bool = False
 
 
 def _pad_rows(x: torch.Tensor, multiple: int = 16) -> torch.Tensor:
+    """``x`` with zero rows appended up to a multiple of ``multiple`` rows (the contraction of
+    a weight gradient); float8 tensors padded through their bytes."""
     extra = -x.shape[0] % multiple
-    return F.pad(x, (0, 0, 0, extra)) if extra else x
+    if not extra:
+        return x
+    if x.dtype in FP8_MAX:
+        return F.pad(x.view(torch.uint8), (0, 0, 0, extra)).view(x.dtype)
+    return F.pad(x, (0, 0, 0, extra))
 
 
 class _Fp8Linear(torch.autograd.Function):
-    """``x [T, I] @ w [O, I].T`` with both operands in float8 (see module doc)."""
+    """``x [T, I] @ w [O, I].T`` from their float8 forms (quantized by the caller, see
+    ``fp8_linear``); backward quantizes the output gradient (see module doc). Every input is an
+    argument, so that ``torch.compile`` traces it."""
 
     @staticmethod
-    def forward(ctx, x_TI, w_OI, site: FP8Site):
-        hist = site.history(w_OI)
-        rowwise = site.kind == "rowwise"
-        dim = -1 if rowwise else None
-        xq, x_inv = quantize(x_TI, E4M3, site.scale_amax(x_TI, 0, hist, dim, site.split_in(w_OI)))
-        wq, w_inv = quantize(w_OI, E4M3, site.scale_amax(w_OI, 1, hist, dim, site.split_in(w_OI)))
-        y_TO = scaled_mm(xq, wq.t(), x_inv, w_inv.t() if rowwise else w_inv, x_TI.dtype, fast=True)
-        ctx.site, ctx.hist, ctx.dtype = site, hist, x_TI.dtype
-        if rowwise:  # backward scales along other dimensions: keep the bf16 operands
+    def forward(ctx, x_TI, w_OI, xq, x_inv, wq, w_inv, g_hist, kind, group, split, warm, native):
+        rowwise = kind == "rowwise"
+        y_TO = scaled_mm(xq, wq.t(), x_inv, w_inv.t() if rowwise else w_inv, x_TI.dtype, native, fast=True)
+        ctx.kind, ctx.group, ctx.split, ctx.warm, ctx.native, ctx.dtype = kind, group, split, warm, native, x_TI.dtype
+        if rowwise:  # backward scales along other dimensions: keep the operands as they are
             ctx.save_for_backward(x_TI, w_OI)
         else:
-            ctx.save_for_backward(xq, x_inv, wq, w_inv)
+            # the history is written in place by later forwards: not a saved tensor (its
+            # version would change), but its past window, fixed until the step ends
+            ctx.g_hist = g_hist
+            g_past = g_hist[2, 1:].amax() if g_hist is not None else None
+            ctx.save_for_backward(xq, x_inv, wq, w_inv, g_past)
         return y_TO
 
     @staticmethod
     def backward(ctx, g_TO):
-        site, hist, dtype = ctx.site, ctx.hist, ctx.dtype
+        dtype, native, group = ctx.dtype, ctx.native, ctx.group
         g_TO = g_TO.contiguous()
-        if site.kind == "rowwise":
+        if ctx.kind == "rowwise":
             x_TI, w_OI = ctx.saved_tensors
             # dgrad contracts O (split over TP in a column-parallel layer), wgrad contracts T
-            split = site.group is not None and not site.split_in(w_OI)
-            gq, g_inv = quantize(g_TO, E4M3, site.scale_amax(g_TO, 2, None, -1, split))
-            wq, w_inv = quantize(w_OI, E4M3, site.scale_amax(w_OI, 1, None, 0, split))
-            dx = scaled_mm(gq, wq, g_inv, w_inv, dtype)
-            gT = _pad_rows(g_TO).t()
-            xP = _pad_rows(x_TI)
+            reduce = group if not ctx.split else None
+            gq, g_inv = quantize(g_TO, E4M3, _reduce_max(amax_of(g_TO, -1), reduce))
+            wq, w_inv = quantize(w_OI, E4M3, _reduce_max(amax_of(w_OI, 0), reduce))
+            dx = scaled_mm(gq, wq, g_inv, w_inv, dtype, native)
+            gT, xP = _pad_rows(g_TO).t(), _pad_rows(x_TI)
             gTq, gT_inv = quantize(gT, E4M3, amax_of(gT, -1))
             xq, x_inv = quantize(xP, E4M3, amax_of(xP, 0))
-            dw = scaled_mm(gTq.contiguous(), xq, gT_inv, x_inv, dtype)
-            return dx, dw.to(w_OI.dtype), None
-        xq, x_inv, wq, w_inv = ctx.saved_tensors
-        gq, g_inv = quantize(g_TO, E5M2, site.scale_amax(g_TO, 2, hist))
-        dx = scaled_mm(gq, wq, g_inv, w_inv, dtype)
-        dw = scaled_mm(_pad_rows(gq.view(torch.uint8)).view(gq.dtype).t().contiguous(),
-                       _pad_rows(xq.view(torch.uint8)).view(xq.dtype), g_inv, x_inv, dtype)
-        return dx, dw, None
+            dw = scaled_mm(gTq.contiguous(), xq, gT_inv, x_inv, dtype, native)
+            return (dx, dw.to(w_OI.dtype)) + (None,) * 10
+        xq, x_inv, wq, w_inv, g_past = ctx.saved_tensors
+        cur = amax_of(g_TO, None)
+        if ctx.g_hist is None or not ctx.warm:
+            cur = _reduce_max(cur, group)
+        if ctx.g_hist is None:
+            g_amax = cur
+        else:
+            with torch.no_grad():
+                ctx.g_hist[2, 0] = torch.maximum(ctx.g_hist[2, 0], cur)
+            g_amax = torch.where(g_past > 0, g_past, cur)
+        gq, g_inv = quantize(g_TO, E5M2, g_amax)
+        dx = scaled_mm(gq, wq, g_inv, w_inv, dtype, native)
+        dw = scaled_mm(_pad_rows(gq).t().contiguous(), _pad_rows(xq), g_inv, x_inv, dtype, native)
+        return (dx, dw) + (None,) * 10
 
 
-@torch.compiler.disable  # dynamo does not trace the autograd function holding the site: a graph break
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, site: FP8Site) -> torch.Tensor:
-    """``x @ weight.T + bias`` with float8 operands (see module doc); any leading dims of ``x``."""
+    """``x @ weight.T + bias`` with float8 operands (see module doc); any leading dims of ``x``.
+    The forward operands are quantized here, in plain torch code that ``torch.compile`` fuses
+    with what computed them (row-wise; dynamo 2.11-2.14 fails to trace the per-tensor
+    backward inside compiled layers, so per-tensor recipes run it outside the graph)."""
+    if site.kind != "rowwise" and torch.compiler.is_compiling():
+        return _fp8_linear_eager(x, weight, bias, site)
+    return _fp8_linear(x, weight, bias, site)
+
+
+@torch.compiler.disable
+def _fp8_linear_eager(x, weight, bias, site):
+    return _fp8_linear(x, weight, bias, site)
+
+
+def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, site: FP8Site) -> torch.Tensor:
     lead = x.shape[:-1]
-    y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, site).reshape(*lead, weight.shape[0])
+    x_TI = x.reshape(-1, x.shape[-1])
+    split, hist = weight.fp8_split, site.history(weight)
+    if site.kind == "rowwise":
+        x_amax, w_amax = site.amax(x_TI, -1, split), site.amax(weight, -1, split)
+    elif hist is None:
+        x_amax, w_amax = site.amax(x_TI), site.amax(weight)
+    else:
+        x_amax, w_amax = site.delayed_amax(x_TI, hist, 0), site.delayed_amax(weight, hist, 1)
+    xq, x_inv = quantize(x_TI.detach(), E4M3, x_amax)
+    wq, w_inv = quantize(weight.detach(), E4M3, w_amax)
+    y = _Fp8Linear.apply(x_TI, weight, xq, x_inv, wq, w_inv, hist, site.kind, site.group, split, site.warm,
+                         site.native(x_TI))
+    y = y.reshape(*lead, weight.shape[0])
     return y if bias is None else y + bias
 
 
@@ -253,9 +288,9 @@ class _Fp8Grouped(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_RI, w_EOI, ends_E, site: FP8Site):
-        split = site.split_in(w_EOI)  # the down projection contracts the TP-split F
-        xq, x_inv = quantize(x_RI, E4M3, site.scale_amax(x_RI, 0, None, -1, split))
-        wq, w_inv = quantize(w_EOI, E4M3, site.scale_amax(w_EOI, 1, None, -1, split))
+        split = w_EOI.fp8_split  # the down projection contracts the TP-split F
+        xq, x_inv = quantize(x_RI, E4M3, site.amax(x_RI, -1, split))
+        wq, w_inv = quantize(w_EOI, E4M3, site.amax(w_EOI, -1, split))
         y = _grouped_scaled(xq, x_inv, wq.transpose(-2, -1), w_inv.squeeze(-1), ends_E, x_RI.dtype)
         ctx.save_for_backward(x_RI, w_EOI, ends_E)
         ctx.site = site
@@ -266,9 +301,9 @@ class _Fp8Grouped(torch.autograd.Function):
         x_RI, w_EOI, ends_E = ctx.saved_tensors
         site = ctx.site
         g_RO = g_RO.contiguous()
-        split = not site.split_in(w_EOI)  # dgrad contracts O: split over TP where I is not
-        gq, g_inv = quantize(g_RO, E4M3, site.scale_amax(g_RO, 2, None, -1, split))
-        wq, w_inv = quantize(w_EOI, E4M3, site.scale_amax(w_EOI, 1, None, -2, split))
+        split = not w_EOI.fp8_split  # dgrad contracts O: split over TP where I is not
+        gq, g_inv = quantize(g_RO, E4M3, site.amax(g_RO, -1, split))
+        wq, w_inv = quantize(w_EOI, E4M3, site.amax(w_EOI, -2, split))
         dx = _grouped_scaled(gq, g_inv, wq, w_inv.squeeze(-2), ends_E, x_RI.dtype)
         dw = grouped_weight_grad(g_RO, x_RI, ends_E).to(w_EOI.dtype)
         return dx, dw, None, None
