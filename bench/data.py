@@ -1,7 +1,7 @@
 """Data pipeline throughput against reading the tars and decoding the images alone.
 
 Ours: plan from the index, read each sample by seeking, parse, tokenize with the template,
-decode and preprocess its images, pack each LLM DP block (the reader ranks' work), with
+decode its images (resized and cropped, as bytes), pack each LLM DP block (the reader ranks' work), with
 ``data.workers`` threads. Anchor: stream the same shards with the webdataset library and
 decode the images, nothing else. Also the padding fraction of our packs against padded
 batching of the same samples (batches of ``--batch`` samples padded to their longest).
@@ -9,6 +9,13 @@ batching of the same samples (batches of ``--batch`` samples padded to their lon
     python bench/data.py CONFIG [--batches 32] [--batch 8]
 
 Prints one JSON line; ``ratio`` = our samples/s / anchor samples/s.
+
+``--route STEPS``: instead, the real data pipeline at the config's layout on ``world_size``
+local gloo processes for STEPS training steps (reading, packing, pixel routing), reporting the
+pixel bytes the ranks send each other per step (transfer plans and the encoders' TP
+all-gathers, summed over ranks) and the pipeline's mean wait per step. Bytes are counted
+around each pixel ``Bridge`` call, so the script measures older code the same way (run it with
+an older checkout on ``PYTHONPATH``).
 """
 
 from __future__ import annotations
@@ -69,6 +76,58 @@ def padded_fraction(microbatches, batch: int) -> float:
     return 1 - real / padded
 
 
+def route_rank(config_path: str, overrides: list[str], steps: int) -> dict:
+    """One rank: the config's data pipeline over ``steps`` steps; pixel bytes it sent."""
+    import torch.distributed as dist
+
+    from mimo.compose.config import load_config
+    from mimo.compose.inputs import data_plan, encoder_feeds, ensure_index, sample_reader, text_spec
+    from mimo.data import pipeline as data_pipeline
+    from mimo.parallel.grid import GroupRegistry
+
+    sent = [0]
+
+    class CountingBridge(data_pipeline.Bridge):
+        def __call__(self, *args, **kwargs):
+            y = super().__call__(*args, **kwargs)
+            sent[0] += (self.stats.fwd_sent + self.stats.fwd_allgather) * y.element_size()
+            return y
+
+    data_pipeline.Bridge = CountingBridge
+    config = load_config(config_path, overrides)
+    index, _ = ensure_index(config)
+    plan = data_plan(config, index)
+    registry, par = GroupRegistry(), config.llm.parallel
+    grids = {name: enc.parallel.grid(config.world_size, registry) for name, enc in config.encoders.items()}
+    pipe = data_pipeline.DataPipeline(plan, text_spec(config), par.grid(config.world_size, registry), par.sequence_parallel and par.tp > 1,
+                                      encoder_feeds(config, grids), config.train.micro_batches, config.data.workers,
+                                      config.data.prefetch, dist.get_rank(), make_reader=lambda: sample_reader(config, plan))
+    pipe.last_step = steps  # nothing prepared past the end (older code ignores it)
+    waits, images = [], 0
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        mbs = pipe.step(step)
+        waits.append(time.perf_counter() - t0)
+        images += sum(len(x) for mb in mbs for x in mb.pixels.values())
+    pipe.close()
+    return {"sent": sent[0], "wait_s": sum(waits[1:]) / max(len(waits) - 1, 1), "images": images}
+
+
+def route(config_path: str, overrides: list[str], steps: int) -> dict:
+    from mimo.compose.config import load_config
+    from mimo.compose.inputs import ensure_index
+    from mimo.training.launch import WorkerPool
+
+    config = load_config(config_path, overrides)
+    ensure_index(config)  # once, before the ranks read it
+    with WorkerPool(config.world_size, timeout_s=1800) as pool:
+        ranks = pool.run(route_rank, config_path, overrides, steps)
+    sent = sum(r["sent"] for r in ranks)
+    return {"bench": "data-route", "config": config_path, "world": config.world_size, "steps": steps,
+            "pixel_bytes_per_step": round(sent / steps), "images_per_step": sum(r["images"] for r in ranks) / steps,
+            "mean_wait_s_per_step": round(max(r["wait_s"] for r in ranks), 5), "host": platform.node()}
+
+
 def main() -> None:
     from mimo.compose.config import load_config
 
@@ -77,7 +136,11 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--batches", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8, help="samples per padded batch (anchor padding)")
+    ap.add_argument("--route", type=int, metavar="STEPS", help="pixel bytes per step of the pipeline at the config's layout")
     args = ap.parse_args()
+    if args.route:
+        print(json.dumps(route(args.config, args.overrides, args.route)))
+        return
     config = load_config(args.config, args.overrides)
     torch.set_num_threads(1)
     n, tok, computed, t_ours, mbs = ours(config, args.batches)

@@ -8,11 +8,24 @@ ahead — then:
 * packs them and broadcasts tokens, labels and loss mask over its DP group's other ranks
   (everything else of the pack follows from the plan, so nothing else travels); under context
   parallelism each rank keeps its CP rank's share (``mimo.data.pack.cp_share``);
-* moves the preprocessed pixels to the encoder ranks that own them by a transfer plan
-  (``mimo.bridges``), for any pair of DP sizes, colocated or not.
+* moves the pixels to the encoder ranks that own them by a transfer plan (``mimo.bridges``),
+  for any pair of DP sizes, colocated or not. Decoded images travel as uint8 bytes (a quarter
+  of fp32's), each image's row followed by one byte saying whether it was read (1) or is a
+  failed sample's slot (0); the encoder rank turns them into the encoder's float numbers on its
+  device when the microbatch is delivered (``mimo.data.images.PixelNorm``; failed slots become
+  zeros). A feed whose ``pixel_dtype`` is float (synthetic data: drawn as the encoder's numbers
+  already) routes those floats as they are.
 
 A sample that fails at read time (corrupt image, changed file) keeps its slot and length:
 its tokens become padding, its pixels zeros, its loss mask zero, and it is counted.
+
+Step ahead (training's pipeline, at every world size): while step n trains, one data thread per
+rank prepares step n+1 — reading, packing and routing — with its collectives on process groups
+of its own (purpose "data" in the run's ``GroupRegistry``, created at construction on every
+rank), in the one order every rank follows (microbatch by microbatch: pack broadcast, then each
+encoder's pixels). The microbatches are those ``_prepare`` gives inline, in the same order; a
+resume asks for its first step as any other. An error on the data thread reaches the training
+thread when it asks for that step, as the same exception.
 """
 
 from __future__ import annotations
@@ -20,6 +33,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import itertools
 import logging
+import queue
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -28,7 +43,7 @@ import torch.distributed as dist
 
 from mimo.core.batch import PackedBatch, to_device
 from mimo.bridges.executor import Bridge
-from mimo.data.images import ImageSpec, preprocess
+from mimo.data.images import ImageSpec, PixelNorm, decode
 from mimo.data.index import Index, TextSpec
 from mimo.data.pack import PackItem, cp_share, pack
 from mimo.data.plan import DataPlan, PlannedSample
@@ -50,12 +65,24 @@ class EncoderFeed:
     rows_per_image: int
     image: ImageSpec
     grid: ParallelGrid
+    # how pixels travel: uint8 (decoded images, normalised on the encoder's device) or a float
+    # dtype (pixels that are the encoder's numbers already: synthetic data's draws)
+    pixel_dtype: torch.dtype = torch.uint8
+
+    @property
+    def raw(self) -> bool:
+        return self.pixel_dtype == torch.uint8
+
+    @property
+    def wire_cols(self) -> int:
+        """Elements per routed image: the pixels, plus the read flag for raw bytes."""
+        return self.image.numel + (1 if self.raw else 0)
 
 
 @dataclass
 class ReadSample:
     item: PackItem
-    pixels: dict[str, torch.Tensor]  # encoder name -> [images, C*H*W]
+    pixels: dict[str, torch.Tensor]  # encoder name -> [images, C*H*W] (uint8; float for synthetic data)
     failure: str | None = None
 
 
@@ -67,21 +94,14 @@ class Microbatch:
     llm_blocks: list[range]
     encoder_blocks: dict[str, list[range]]
     pack: PackedBatch | None = None  # on LLM ranks
-    pixels: dict[str, torch.Tensor] = field(default_factory=dict)  # on encoder ranks: [images, C, H, W]
+    # on encoder ranks: the encoder's float input [images, C, H, W] once delivered (as routed before)
+    pixels: dict[str, torch.Tensor] = field(default_factory=dict)
     read_failures: Counter = field(default_factory=Counter)  # on reader ranks
     loss_tokens: int = 0  # of the pack (counted on the CPU, before any move to a device)
 
     @property
     def real_tokens(self) -> int:
         return sum(s.tokens for s in self.samples)
-
-    def to(self, device: torch.device | str) -> "Microbatch":
-        """The pack and pixels on ``device`` (in place; returns self)."""
-        pin = torch.device(device).type == "cuda"
-        if self.pack is not None:
-            self.pack = self.pack.to(device)
-        self.pixels = {name: to_device(p, device, pin) for name, p in self.pixels.items()}
-        return self
 
 
 def encoder_blocks(samples: list[PlannedSample], feed: EncoderFeed) -> list[range]:
@@ -115,14 +135,15 @@ class SampleReader:
             tok = self.encoder.encode(turns, len(images))
             if len(tok) != entry.tokens or tok.image_starts != entry.image_starts:
                 raise DataError("sample changed since indexing")
-            # each encoder gets the image files its placeholders take (mimo.data.text.image_files)
-            pixels = {f.name: torch.stack([preprocess(images[i], f.image).reshape(-1) for i in tok.image_files[f.placeholder]])
-                      if tok.image_files.get(f.placeholder) else torch.zeros(0, f.image.numel) for f in self.feeds}
+            # each encoder gets the image files its placeholders take (mimo.data.text.image_files), as bytes
+            pixels = {f.name: torch.stack([decode(images[i], f.image).reshape(-1) for i in tok.image_files[f.placeholder]])
+                      if tok.image_files.get(f.placeholder) else torch.zeros(0, f.image.numel, dtype=torch.uint8)
+                      for f in self.feeds}
             return ReadSample(PackItem(s.id, tok.tokens, tok.target, tok.image_starts), pixels)
         except (DataError, OSError) as e:
             # keep the slot: same length and image positions, no loss, zero pixels
             item = PackItem(s.id, [self.pad_id] * entry.tokens, [False] * entry.tokens, entry.image_starts, ok=False)
-            pixels = {f.name: torch.zeros(s.images_for(f.placeholder), f.image.numel) for f in self.feeds}
+            pixels = {f.name: torch.zeros(s.images_for(f.placeholder), f.image.numel, dtype=torch.uint8) for f in self.feeds}
             return ReadSample(item, pixels, failure=str(e).split(":", 1)[0])
 
 
@@ -143,6 +164,7 @@ class DataPipeline:
         rank: int | None = None,
         make_reader=None,  # () -> a reader of the plan's samples (default: SampleReader over the index)
         device: torch.device | str = "cpu",  # where packs and pixels are delivered (read and routed on the CPU first)
+        ahead: bool = True,  # prepare step n+1 on a thread of its own while step n trains (``step``)
     ):
         self.plan, self.text, self.feeds = plan, text, feeds
         self.device = torch.device(device)
@@ -152,11 +174,18 @@ class DataPipeline:
         self.tp, self.cp, self.dp = (llm_grid.shape.get(d, 1) for d in ("tp", "cp", "dp"))
         self.rows_per_image = dict(text.rows_per_image)
         # groups: asked for on every rank in the same order, from the run's registry (the LLM
-        # grid's), so a pixel route over the same ranks as a bridge shares its communicator
-        self.pack_group = llm_grid.group(("tp", "cp", "pp"))
-        self.pixel_groups = {f.name: llm_grid.registry.group(set(llm_grid.ranks) | set(f.grid.ranks), self.rank)
+        # grid's). Preparing ahead, the pipeline runs its collectives on its own thread: on
+        # groups of its own (purpose "data"), never interleaved with the training thread's on
+        # one communicator. Inline (``mimo eval``'s pipeline, between training steps) it shares
+        # the training thread's groups: a pixel route over a bridge's ranks, its communicator.
+        purpose = "data" if ahead else ""
+        self.pack_group = llm_grid.group(("tp", "cp", "pp"), purpose=purpose)
+        self.pixel_groups = {f.name: llm_grid.registry.group(set(llm_grid.ranks) | set(f.grid.ranks), self.rank, purpose)
                              for f in feeds}
-        self.encoder_tp = {f.name: f.grid.group("tp") for f in feeds}
+        self.encoder_tp = {f.name: f.grid.group("tp", purpose=purpose) for f in feeds}
+        self._feed = {f.name: f for f in feeds}
+        self._norm = {f.name: PixelNorm(f.image) for f in feeds if f.raw}
+        self.pixel_bytes = 0  # pixel bytes this rank sent to other ranks (routing and all-gathers), for benchmarks
         self.readers = [llm_grid.rank_at(dp=d) for d in range(self.dp)]
         self.my_dp = llm_grid.coords(self.rank)["dp"] if self.rank in llm_grid else None
         self.my_cp = llm_grid.coords(self.rank).get("cp", 0) if self.rank in llm_grid else None
@@ -166,17 +195,18 @@ class DataPipeline:
         self.pad_id = self.reader.pad_id if self.reader else 0
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="mimo-read") if self.is_reader else None
         self._pending: dict[int, list[cf.Future]] = {}
-        # A rank whose microbatches need no collective (no pack broadcast, no pixel routing
-        # between ranks: e.g. world 1) prepares the next step's on a thread while this step
-        # trains; elsewhere the collectives must stay in the training thread's order.
-        rank_local = self.pack_group is None and all(g is None for g in self.pixel_groups.values())
-        self._ahead_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="mimo-step") if rank_local and prefetch > 0 else None
+        self._thread = StepThread() if ahead else None
         self._ahead: dict[int, cf.Future] = {}
+        self.last_step: int | None = None  # the run's last step: none past it is prepared ahead
 
-    def close(self) -> None:
-        for pool in (self._pool, self._ahead_pool):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        """Stops the threads. ``wait``: a step being prepared ahead is finished first (every
+        rank prepares it, so its collectives complete). A rank ending on an error must not wait:
+        its peers may never join those collectives (its data thread is a daemon)."""
+        if self._thread is not None:
+            self._thread.close(wait)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- reading (reader ranks), bounded read-ahead ----
     def _block_samples(self, k: int) -> list[PlannedSample]:
@@ -199,10 +229,27 @@ class DataPipeline:
     # ---- one microbatch on this rank ----
     def microbatch(self, k: int) -> Microbatch:
         """Microbatch ``k`` on this rank, delivered on the pipeline's device."""
-        return self._deliver(self._prepare(k))
+        if self._thread is None:
+            return self._deliver(self._prepare(k))
+        return self._deliver(self._thread.submit(self._prepare, k).result())  # after what is queued
 
     def _deliver(self, mb: Microbatch) -> Microbatch:
-        return mb if self.device.type == "cpu" else mb.to(self.device)
+        """The pack on the device, and the routed pixels as the encoder's float input there."""
+        pin = self.device.type == "cuda"
+        for name, wire in mb.pixels.items():
+            mb.pixels[name] = self._encoder_input(self._feed[name], to_device(wire, self.device, pin))
+        if mb.pack is not None and self.device.type != "cpu":
+            mb.pack = mb.pack.to(self.device)
+        return mb
+
+    def _encoder_input(self, feed: EncoderFeed, wire: torch.Tensor) -> torch.Tensor:
+        """Routed rows ``[images, wire_cols]`` -> ``[images, C, S, S]`` floats (on wire's device)."""
+        s, c, numel = feed.image.size, feed.image.channels, feed.image.numel
+        if not feed.raw:
+            return wire.view(-1, c, s, s)
+        x = self._norm[feed.name](wire[:, :numel].reshape(-1, c, s, s))
+        read = wire[:, numel].bool().view(-1, 1, 1, 1)
+        return x.masked_fill_(~read, 0.0)  # a failed sample's slot: zero pixels (DESIGN §2)
 
     def _prepare(self, k: int) -> Microbatch:
         """Microbatch ``k`` on the CPU (read, packed, pixels routed)."""
@@ -223,17 +270,19 @@ class DataPipeline:
         return [self._prepare((step - 1) * self.micro_batches + i) for i in range(self.micro_batches)]
 
     def step(self, step: int) -> list[Microbatch]:
-        """The microbatches of training step ``step`` (1-based)."""
-        if self._ahead_pool is None:
-            prepared = self._prepare_step(step)
-        else:
-            # every _prepare runs on the one step thread (the read-ahead state is not shared)
-            future = self._ahead.pop(step, None) or self._ahead_pool.submit(self._prepare_step, step)
-            for other in self._ahead.values():  # a jump (resume, eval): drop what was prepared
-                other.cancel()
-            self._ahead = {step + 1: self._ahead_pool.submit(self._prepare_step, step + 1)}
-            prepared = future.result()
-        return [self._deliver(mb) for mb in prepared]
+        """The microbatches of training step ``step`` (1-based). Preparing ahead, step ``step + 1``
+        (up to ``last_step``) is read, packed and routed on the data thread while this one trains."""
+        if self._thread is None:
+            return [self._deliver(mb) for mb in self._prepare_step(step)]
+        # Every preparation runs on the one data thread in the order asked for, which is the same
+        # on every rank, so the data groups' collectives line up. A jump (a resume, a step asked
+        # twice) drops what was prepared without cancelling it: a cancel could win on one rank and
+        # lose on another, whose collectives would then wait for it.
+        future = self._ahead.pop(step, None) or self._thread.submit(self._prepare_step, step)
+        self._ahead.clear()
+        if self.last_step is None or step < self.last_step:
+            self._ahead[step + 1] = self._thread.submit(self._prepare_step, step + 1)
+        return [self._deliver(mb) for mb in future.result()]
 
     def _pack(self, mb: Microbatch, read: list[ReadSample]) -> PackedBatch:
         block = [mb.samples[i] for i in mb.llm_blocks[self.my_dp]]
@@ -250,25 +299,74 @@ class DataPipeline:
         return cp_share(batch, self.my_cp)  # under context parallelism: this CP rank's chunks
 
     def _route_pixels(self, mb: Microbatch, feed: EncoderFeed, read: list[ReadSample]) -> torch.Tensor | None:
+        """This encoder rank's images of ``mb`` as routed: ``[images, wire_cols]`` (None elsewhere)."""
         group = self.pixel_groups[feed.name]
         members = set(self.llm_grid.ranks) | set(feed.grid.ranks)
         if self.rank not in members:
             return None
-        numel = feed.image.numel
+        cols = feed.wire_cols
         images = [s.images_for(feed.placeholder) for s in mb.samples]
         # modules are colocated or disjoint (config rule), so source = all LLM ranks works for both
-        src = reader_placement(images, mb.llm_blocks, self.readers, set(self.llm_grid.ranks), numel)
-        dst = dp_placement(feed.grid, images, mb.encoder_blocks[feed.name], numel)
+        src = reader_placement(images, mb.llm_blocks, self.readers, set(self.llm_grid.ranks), cols)
+        dst = dp_placement(feed.grid, images, mb.encoder_blocks[feed.name], cols)
         x = None
         if self.rank in src.local_rows:
-            x = torch.cat([r.pixels[feed.name] for r in read]) if read else torch.zeros(src.local_rows[self.rank], numel)
+            x = (torch.cat([wire_rows(r, feed) for r in read]) if read
+                 else torch.zeros(src.local_rows[self.rank], cols, dtype=feed.pixel_dtype))
         bridge = Bridge(src, dst, group, dst_replica_group=self.encoder_tp[feed.name] if self.rank in feed.grid else None, needs_grad=False, rank=self.rank)
         with torch.no_grad():
-            y = bridge(x)
-        if self.rank not in feed.grid:
-            return None
-        s = feed.image.size
-        return y.view(-1, feed.image.channels, s, s)
+            y = bridge(x, dtype=feed.pixel_dtype)
+        self.pixel_bytes += (bridge.stats.fwd_sent + bridge.stats.fwd_allgather) * feed.pixel_dtype.itemsize
+        return y if self.rank in feed.grid else None
+
+
+class StepThread:
+    """One daemon thread running jobs in submission order (the data pipeline's preparations).
+    After a job fails, later jobs fail with the same error without running: their collectives
+    would no longer line up with the other ranks'. A daemon, so that a job stuck in a collective
+    whose peers are gone never keeps the process from ending."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name="mimo-data-step", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args) -> cf.Future:
+        future: cf.Future = cf.Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def close(self, wait: bool = True) -> None:
+        self._jobs.put(None)
+        if wait:
+            self._thread.join()
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            if self._failed is not None:
+                future.set_exception(self._failed)
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the job
+                self._failed = e
+                log.error("data thread: %s failed: %s", getattr(fn, "__name__", fn), e)
+                future.set_exception(e)
+
+
+def wire_rows(read: ReadSample, feed: EncoderFeed) -> torch.Tensor:
+    """A read sample's images for ``feed`` as routed: ``[images, wire_cols]``."""
+    pixels = read.pixels[feed.name]
+    if pixels.dtype != feed.pixel_dtype:
+        raise DataError(f"encoder {feed.name!r}: the reader gives {pixels.dtype} pixels, the pipeline routes {feed.pixel_dtype}")
+    if not feed.raw:
+        return pixels
+    flag = torch.full((pixels.shape[0], 1), 0 if read.failure else 1, dtype=torch.uint8)
+    return torch.cat([pixels, flag], dim=1)
 
 
 def reader_placement(images: list[int], blocks: list[range], readers: list[int], ranks: set[int], numel: int) -> Placement:

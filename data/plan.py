@@ -11,6 +11,7 @@ run finds its place without reading any sample.
 from __future__ import annotations
 
 import random
+import threading
 from collections import Counter
 from dataclasses import dataclass
 
@@ -54,6 +55,8 @@ class DataPlan:
             raise DataError(f"no usable sample in {len(index.entries)} indexed (skipped: {dict(self.skipped)})")
         self._starts: list[int] = [0]  # stream position where each microbatch starts
         self._orders: dict[int, list[int]] = {}  # a few recent epochs' orders
+        # the data pipeline's step thread and the training thread (metrics) both ask for microbatches
+        self._lock = threading.Lock()
 
     # ---- the stream ----
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -77,15 +80,16 @@ class DataPlan:
 
     def microbatch(self, k: int) -> list[PlannedSample]:
         """Global microbatch k (0-based): samples in stream order, never split."""
-        while len(self._starts) <= k + 1:
-            pos, used = self._starts[-1], 0
-            while True:
-                t = self.index.entries[self._stream(pos)].tokens
-                if used and used + t > self.tokens_per_microbatch:
-                    break
-                used, pos = used + t, pos + 1
-            self._starts.append(pos)
-        return [self.sample(self._stream(p)) for p in range(self._starts[k], self._starts[k + 1])]
+        with self._lock:
+            while len(self._starts) <= k + 1:
+                pos, used = self._starts[-1], 0
+                while True:
+                    t = self.index.entries[self._stream(pos)].tokens
+                    if used and used + t > self.tokens_per_microbatch:
+                        break
+                    used, pos = used + t, pos + 1
+                self._starts.append(pos)
+            return [self.sample(self._stream(p)) for p in range(self._starts[k], self._starts[k + 1])]
 
     def step(self, step: int, micro_batches: int) -> list[list[PlannedSample]]:
         """The global microbatches of training step ``step`` (1-based)."""

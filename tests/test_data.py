@@ -223,8 +223,8 @@ def _deliver(root, pattern, llm_shape, llm_offset, enc_shape, enc_offset, steps,
             if "vision" in mb.pixels:
                 e = enc.coords(rank)["dp"]
                 block = [mb.samples[i] for i in encoder_blocks(mb.samples, feed)[e]]
-                want = [reference.read(s).pixels["vision"] for s in block]
-                want = torch.cat(want).view(-1, 3, 32, 32) if want else torch.zeros(0, 3, 32, 32)
+                want = [_encoder_numbers(reference.read(s), feed) for s in block]
+                want = torch.cat(want) if want else torch.zeros(0, 3, 32, 32)
                 got["pixel_ids"] = [s.id for s in block]
                 got["enc_dp"] = e
                 got["pixel_err"] = (mb.pixels["vision"] - want).abs().max().item() if want.numel() else 0.0
@@ -232,6 +232,17 @@ def _deliver(root, pattern, llm_shape, llm_offset, enc_shape, enc_offset, steps,
             out.append(got)
     pipe.close()
     return out
+
+
+def _encoder_numbers(read, feed):
+    """What the encoder must see of a read sample: its bytes normalised by CPU arithmetic
+    (``preprocess``'s), zeros for a failed sample's slot."""
+    from mimo.data.images import normalise
+
+    x = read.pixels[feed.name].view(-1, 3, 32, 32)
+    if read.failure:
+        return torch.zeros(x.shape)
+    return torch.stack([normalise(image, feed.image) for image in x]) if len(x) else torch.zeros(x.shape)
 
 
 LAYOUTS = {  # (llm dp, encoder dp): colocated and non-colocated rank layouts
@@ -299,6 +310,142 @@ def test_image_corrupted_after_indexing_is_counted_and_nothing_hangs(pools, data
     results = pools(6).run(_deliver, root, pattern, {"tp": 1, "cp": 1, "dp": 2, "pp": 1}, 0, {"tp": 1, "dp": 2}, 0, 1, 1, (path, off), timeout_s=120)
     failures = sum(mb["failures"].get("corrupt image", 0) for r in results if r for mb in r)
     assert failures == 1
+
+
+# ---- pixels as bytes, data a step ahead ----------------------------------------------------------
+class _FloatReader:
+    """The reader before pixels travelled as bytes: the encoder's fp32 numbers (``preprocess``'s
+    CPU arithmetic), zeros for a failed sample. ``fail_id``: reading that sample raises."""
+
+    def __init__(self, reader, feed, floats: bool, fail_id=None):
+        self.reader, self.feed, self.floats, self.fail_id = reader, feed, floats, fail_id
+        self.pad_id = reader.pad_id
+
+    def read(self, s):
+        if s.id == self.fail_id:
+            raise RuntimeError(f"injected read failure of sample {s.id}")
+        got = self.reader.read(s)
+        if self.floats:
+            got.pixels = {self.feed.name: _encoder_numbers(got, self.feed).reshape(-1, self.feed.image.numel)}
+        return got
+
+
+def _route(root, pattern, llm_shape, llm_offset, enc_shape, enc_offset, order, ahead=True, floats=False, fail_id=None):
+    """The pipeline over the steps of ``order`` (asked in that order): per microbatch this rank's
+    sample ids, pack tokens and delivered pixels; and the pixel bytes this rank sent."""
+    from mimo.data.index import prepare
+    from mimo.data.pipeline import DataPipeline, EncoderFeed, SampleReader
+    from mimo.parallel.grid import ParallelGrid
+
+    spec = _spec(root)
+    index, _ = prepare(pattern, spec, workers=1)
+    plan = DataPlan(index, 1024, 512, seed=0)
+    llm, enc = ParallelGrid(llm_shape, llm_offset), ParallelGrid(enc_shape, enc_offset)
+    feed = EncoderFeed("vision", "<image>", ROWS, ImageSpec(32), enc, torch.float32 if floats else torch.uint8)
+    reader = lambda: _FloatReader(SampleReader(index, spec, [feed]), feed, floats, fail_id)  # noqa: E731
+    pipe = DataPipeline(plan, spec, llm, False, [feed], micro_batches=2, workers=2, prefetch=1, make_reader=reader, ahead=ahead)
+    pipe.last_step = max(order)
+    out = []
+    for step in order:
+        for mb in pipe.step(step):
+            out.append({"step": step, "samples": [s.id for s in mb.samples],
+                        "tokens": mb.pack.tokens.tolist() if mb.pack is not None else None,
+                        "pixels": mb.pixels.get("vision")})
+    pipe.close()
+    return out, pipe.pixel_bytes
+
+
+def _same_delivery(a, b) -> None:
+    for rank_a, rank_b in zip(a, b):
+        assert len(rank_a[0]) == len(rank_b[0])
+        for x, y in zip(rank_a[0], rank_b[0]):
+            assert (x["step"], x["samples"], x["tokens"]) == (y["step"], y["samples"], y["tokens"])
+            assert (x["pixels"] is None) == (y["pixels"] is None)
+            if x["pixels"] is not None:  # bit for bit
+                assert x["pixels"].dtype == y["pixels"].dtype == torch.float32
+                assert torch.equal(x["pixels"].view(torch.int32), y["pixels"].view(torch.int32))
+
+
+def test_pixel_norm_is_preprocess_bit_for_bit():
+    from mimo.data.images import PixelNorm, normalise
+
+    spec = ImageSpec(24, mean=(0.5, 0.25, 0.125), std=(0.3, 0.2, 0.7))
+    x = torch.randint(0, 256, (5, 3, 24, 24), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    want = torch.stack([normalise(image, spec) for image in x])
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        got = PixelNorm(spec)(x.to(device)).cpu()
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), device
+
+
+BYTE_LAYOUTS = {  # colocated (all-to-all), non-colocated with the encoder's TP all-gather
+    "colocated": ({"tp": 3, "cp": 1, "dp": 2, "pp": 1}, 0, {"tp": 2, "dp": 3}, 0),
+    "non-colocated": ({"tp": 2, "cp": 1, "dp": 1, "pp": 1}, 4, {"tp": 2, "dp": 2}, 0),
+}
+
+
+@pytest.mark.parametrize("name", list(BYTE_LAYOUTS))
+def test_pixels_travel_as_bytes_and_arrive_as_the_same_numbers(pools, dataset, name):
+    """Bytes (plus one read flag per image) against the old fp32 route of the same pixels: the
+    encoder ranks get the same numbers bit for bit, for a quarter of the bytes."""
+    layout = BYTE_LAYOUTS[name]
+    as_bytes = pools(6).run(_route, dataset["root"], dataset["pattern"], *layout, [1, 2])
+    as_floats = pools(6).run(_route, dataset["root"], dataset["pattern"], *layout, [1, 2], floats=True)
+    _same_delivery(as_bytes, as_floats)
+    sent_bytes, sent_floats = sum(r[1] for r in as_bytes), sum(r[1] for r in as_floats)
+    numel = ImageSpec(32).numel
+    # a quarter, plus the read flag (and a byte of padding to the all-gather's even chunks)
+    assert sent_floats > 0 and sent_floats <= sent_bytes * 4 <= sent_floats * (numel + 2) / numel
+
+
+@pytest.mark.parametrize("name", ["4-2 colocated", "2-3 non-colocated"])
+def test_a_step_ahead_delivers_the_inline_microbatches(pools, dataset, name):
+    """Prepared on the data thread over its own groups, a step ahead, also across a jump back and
+    forth (a resume): the same microbatches as prepared inline on the training groups."""
+    order = [1, 2, 4, 3, 3]
+    ahead = pools(6).run(_route, dataset["root"], dataset["pattern"], *LAYOUTS[name], order)
+    inline = pools(6).run(_route, dataset["root"], dataset["pattern"], *LAYOUTS[name], order, ahead=False)
+    _same_delivery(ahead, inline)
+    assert [x["step"] for x in ahead[0][0]] == [s for s in order for _ in range(2)]
+
+
+def test_an_error_on_the_data_thread_ends_the_case_with_its_message(pools, dataset):
+    """A reader failing while step 2 is prepared ahead (on one rank): that rank raises the error
+    when it asks for step 2, and the case ends at once with its message, not at a timeout."""
+    import time
+
+    from mimo.core.errors import DistributedError
+    from mimo.data.index import prepare
+
+    index, _ = prepare(dataset["pattern"], _spec(dataset["root"]), workers=1)
+    plan = DataPlan(index, 1024, 512, seed=0)
+    fail_id = plan.microbatch(2)[0].id  # step 2's first sample: read by the reader of LLM DP rank 0, rank 3
+    t0 = time.monotonic()
+    with pytest.raises(DistributedError, match=f"rank 3 failed:(.|\n)*injected read failure of sample {fail_id}"):
+        pools(6).run(_route, dataset["root"], dataset["pattern"], *LAYOUTS["2-3 non-colocated"], [1, 2, 3],
+                     fail_id=fail_id, timeout_s=100)
+    assert time.monotonic() - t0 < 60
+
+
+def test_the_step_thread_fails_later_jobs_without_running_them():
+    from mimo.data.pipeline import StepThread
+
+    ran = []
+
+    def job(x):
+        ran.append(x)
+        if x == 2:
+            raise ValueError("job 2 failed")
+        return x
+
+    thread = StepThread()
+    futures = [thread.submit(job, x) for x in (1, 2, 3)]
+    assert futures[0].result(timeout=10) == 1
+    for f in futures[1:]:
+        with pytest.raises(ValueError, match="job 2 failed"):
+            f.result(timeout=10)
+    thread.close()
+    assert ran == [1, 2]
 
 
 def test_batched_tokenization_equals_the_tokenizer_call(dataset):

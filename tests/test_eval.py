@@ -81,6 +81,7 @@ def reference_rank(config_path: str, overrides: list[str], req: EvalRequest, sam
     import torch.distributed as dist
 
     from mimo.compose.config import load_config
+    from mimo.data.images import PixelNorm
     from mimo.data.pack import PackItem, pack
     from mimo.data.pipeline import SampleReader
     from mimo.compose.inputs import encoder_feeds, ensure_index, text_spec
@@ -90,6 +91,7 @@ def reference_rank(config_path: str, overrides: list[str], req: EvalRequest, sam
     model = MimoModel(config, dist.get_rank())
     index, _ = ensure_index(config, shards=req.shards)
     reader = SampleReader(index, text_spec(config), encoder_feeds(config))
+    norm = PixelNorm(encoder_feeds(config)[0].image)  # the reader's bytes -> the encoder's numbers
     vision, stage = model.encoders["vision"].module, model.stage
     rows = {"<image>": config.encoders["vision"].rows_per_image}
     loss_sum = loss_tokens = 0.0
@@ -98,7 +100,7 @@ def reference_rank(config_path: str, overrides: list[str], req: EvalRequest, sam
         for i in [e for e, entry in enumerate(index.entries) if not entry.bad][:samples]:
             read = reader.read(reader_sample(index, i))
             item, pixels = read.item, read.pixels["vision"]
-            image = {"<image>": vision(pixels.view(-1, 3, 32, 32))} if len(pixels) else {}
+            image = {"<image>": vision(norm(pixels.view(-1, 3, 32, 32)))} if len(pixels) else {}
             batch = pack([item], rows, 1, 1, False, reader.pad_id)
             logits = stage(batch, image_rows=image)
             loss_sum += float(stage.token_losses(logits, batch).sum())

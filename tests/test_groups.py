@@ -1,8 +1,10 @@
-"""One communicator per distinct rank set: the run's GroupRegistry is the only maker of groups.
+"""One communicator per distinct rank set and purpose: the run's GroupRegistry is the only
+maker of groups.
 
 Each case builds a whole run (model, data pipeline, optimizers) on a gloo pool and trains
 one step with ``torch.distributed.new_group`` wrapped to record every creation; the
-creations must all come from the registry, and no rank set may get two communicators.
+creations must all come from the registry, and no rank set may get two communicators for one
+purpose (the data pipeline's step thread has its own, purpose "data").
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def count_groups_case(config_path: str, overrides: list[str]):
         run.close()
     finally:
         dist.new_group = real
-    return {"made": made, "registry": list(run.model.registry.created)}
+    registry = run.model.registry
+    return {"made": made, "registry": list(registry.created), "purposes": list(registry.purposes)}
 
 
 def check_one_per_rank_set(results) -> set:
@@ -43,7 +46,8 @@ def check_one_per_rank_set(results) -> set:
         assert r == first, "ranks disagree on the groups they created"
     made, registry = first["made"], first["registry"]
     assert made == registry, "a group was created outside the run's registry"
-    duplicates = sorted({g for g in made if made.count(g) > 1})
+    keys = list(zip(first.get("purposes", [""] * len(made)), made))
+    duplicates = sorted({k for k in keys if keys.count(k) > 1})
     assert not duplicates, f"rank sets with more than one communicator: {duplicates}"
     return set(made)
 
@@ -62,7 +66,9 @@ def _noncolocated(cfg):  # configs/examples/noncolocated.yaml's layout on the de
                          ids=["demo", "colocated", "noncolocated"])
 def test_one_communicator_per_rank_set(pools, tmp_path, write_demo_config, layout, world):
     path = write_demo_config(tmp_path, seed=3, edit=layout)
-    groups = check_one_per_rank_set(pools(world).run(count_groups_case, path, ["train.micro_batches=2"]))
+    results = pools(world).run(count_groups_case, path, ["train.micro_batches=2"])
+    groups = check_one_per_rank_set(results)
+    assert "data" in results[0]["purposes"]  # the data pipeline's step thread: groups of its own
     cfg = load_config(path)
     llm = cfg.llm.parallel
     # the LLM's TP groups are among them (a sanity check that the recording saw the run)

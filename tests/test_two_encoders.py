@@ -68,8 +68,8 @@ def test_text_encoder_maps_files_in_placeholder_order(config_path):
 
 
 def test_reader_gives_each_encoder_its_own_files(config_path):
-    """The pixels each encoder gets are the preprocessed files its placeholders take."""
-    from mimo.data.images import preprocess
+    """The pixels each encoder gets are the files its placeholders take, decoded to bytes."""
+    from mimo.data.images import decode
     from mimo.data.pipeline import SampleReader
     from mimo.data.shards import SampleLocation, decode_image, image_keys, read_files
 
@@ -94,7 +94,8 @@ def test_reader_gives_each_encoder_its_own_files(config_path):
                 else:
                     want = images if p in prompt else []
                 assert s.images_for(p) == len(want)
-                expect = torch.stack([preprocess(im, feed.image).reshape(-1) for im in want]) if want else torch.zeros(0, feed.image.numel)
+                expect = (torch.stack([decode(im, feed.image).reshape(-1) for im in want]) if want
+                          else torch.zeros(0, feed.image.numel, dtype=torch.uint8))
                 assert torch.equal(got.pixels[feed.name], expect)
             seen.add((len(images), tuple(p in prompt for p in feeds)))
     # every kind of sample was read: both files, one file for both, one for each, none

@@ -103,6 +103,7 @@ def train_case(config_path: str, overrides: list[str], steps: int, reference: bo
                 mine[name] = tensors
         record["steps"][-1].update(grad_norm=norm, grads=_to_cpu(mine))
 
+    pipeline.last_step = steps
     for step in range(1, steps + 1):
         record["steps"].append({})
         result = train_step(model, pipeline, step, optimizers, run.policy, on_grads=grab)

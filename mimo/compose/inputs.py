@@ -12,6 +12,8 @@ import os
 from collections import Counter
 from typing import Mapping
 
+import torch
+
 from mimo.core.batch import PackedBatch
 from mimo.compose.config import MimoConfig
 from mimo.data.images import CLIP_MEAN, CLIP_STD, ImageSpec
@@ -59,10 +61,13 @@ def image_spec(enc: EncoderModuleConfig) -> ImageSpec:
 def encoder_feeds(config: MimoConfig, grids: Mapping[str, ParallelGrid] | None = None) -> list[EncoderFeed]:
     """What the data pipeline feeds each encoder. ``grids``: the model's encoder grids (so the
     pipeline's groups come from the run's one registry); without them (readers, tools that
-    create no groups) each grid is laid out from the config."""
+    create no groups) each grid is laid out from the config. Decoded images travel as uint8;
+    synthetic data's pixels are drawn as the encoder's float numbers (the Hugging Face baseline's
+    stream, ``mimo.data.synthetic``) and travel as they are."""
+    pixel_dtype = torch.float32 if config.data.source == "synthetic" else torch.uint8
     return [
         EncoderFeed(name, enc.placeholder, enc.rows_per_image, image_spec(enc),
-                    grids[name] if grids is not None else enc.parallel.grid(config.world_size))
+                    grids[name] if grids is not None else enc.parallel.grid(config.world_size), pixel_dtype)
         for name, enc in config.encoders.items()
     ]
 

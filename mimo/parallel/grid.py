@@ -28,16 +28,21 @@ def _as_dims(dims: str | Iterable[str]) -> Dims:
 
 
 class GroupRegistry:
-    """Hands out one process group per distinct rank set (see module doc).
+    """Hands out one process group per distinct rank set (see module doc) and purpose.
 
-    ``created`` lists the rank sets in creation order (tests count communicators with it).
+    ``purpose`` is "" for the training thread's groups. Work that runs collectives on another
+    thread (the data pipeline preparing the next step: ``purpose="data"``) asks for its own
+    groups, so its collectives never interleave with the training thread's on one communicator.
+    ``created`` lists the rank sets in creation order, ``purposes`` each one's purpose (tests
+    count communicators with them).
     """
 
     def __init__(self) -> None:
-        self._groups: dict[tuple[int, ...], object] = {}
+        self._groups: dict[tuple[str, tuple[int, ...]], object] = {}
         self.created: list[tuple[int, ...]] = []
+        self.purposes: list[str] = []
 
-    def partition(self, groups: Iterable[Sequence[int]], rank: int | None = None):
+    def partition(self, groups: Iterable[Sequence[int]], rank: int | None = None, purpose: str = ""):
         """Create every not-yet-created rank set of ``groups`` (in the order given) and return
         the group holding ``rank`` (None where none does, or it has one rank). Collective over
         the world the first time a rank set appears: every rank calls it at the same point."""
@@ -45,23 +50,24 @@ class GroupRegistry:
 
         groups = [tuple(sorted(set(g))) for g in groups]
         for key in groups:
-            if len(key) > 1 and key not in self._groups:
+            if len(key) > 1 and (purpose, key) not in self._groups:
                 if not dist.is_initialized():
                     raise LayoutError(f"a process group over ranks {list(key)} needs torch.distributed initialised")
                 if key[-1] >= dist.get_world_size():
                     raise LayoutError(f"ranks {list(key)} do not fit in world size {dist.get_world_size()}")
-                self._groups[key] = dist.new_group(list(key))
+                self._groups[(purpose, key)] = dist.new_group(list(key))
                 self.created.append(key)
+                self.purposes.append(purpose)
         rank = dist.get_rank() if rank is None else rank
         for key in groups:
             if rank in key:
-                return self._groups.get(key)  # None for a one-rank set
+                return self._groups.get((purpose, key))  # None for a one-rank set
         return None
 
-    def group(self, ranks: Iterable[int], rank: int | None = None):
+    def group(self, ranks: Iterable[int], rank: int | None = None, purpose: str = ""):
         """The group over one rank set (e.g. a bridge over source ∪ destination): collective
         like ``partition``; None on ranks outside it and for one rank."""
-        return self.partition([list(ranks)], rank)
+        return self.partition([list(ranks)], rank, purpose)
 
 
 class ParallelGrid:
@@ -190,11 +196,12 @@ class ParallelGrid:
         return ParallelGrid(shape, self.offset, registry=self.registry)
 
     # ---- process groups ----
-    def group(self, dims: str | Iterable[str], rank: int | None = None):
+    def group(self, dims: str | Iterable[str], rank: int | None = None, purpose: str = ""):
         """This rank's process group over ``dims`` (``None`` for a group of one rank).
 
         The first call for a dims tuple is collective over the world (see module doc);
-        on a rank outside the grid it creates the groups and returns ``None``.
+        on a rank outside the grid it creates the groups and returns ``None``. ``purpose``: see
+        ``GroupRegistry`` ("" for the training thread's groups).
         """
         import torch.distributed as dist
 
@@ -208,7 +215,7 @@ class ParallelGrid:
         rank = dist.get_rank() if rank is None else rank
         if dims_t not in self._partitions:
             self._partitions[dims_t] = self.partition(dims_t)
-        return self.registry.partition(self._partitions[dims_t], rank)
+        return self.registry.partition(self._partitions[dims_t], rank, purpose)
 
 
 @dataclass

@@ -173,7 +173,8 @@ class Evaluator:
         d = config.data
         self.plan = DataPlan(index, d.tokens_per_microbatch, d.max_sample_tokens, d.seed, shuffle=False)
         self.batches = eval_batches(self.plan, req.samples)
-        self.pipeline = data_pipeline(config, model, _Batches(index, self.batches), 1)  # training's, on these microbatches
+        # training's, on these microbatches, inline: it runs between training steps, on the training groups
+        self.pipeline = data_pipeline(config, model, _Batches(index, self.batches), 1, ahead=False)
         self.runner = stage_runner(model)  # this rank's LLM stage, as training runs it (None without one)
         # generation with a cache (module doc); it cannot follow a sample spread over CP ranks
         self.cache = config.eval.cache and config.llm.parallel.cp == 1

@@ -48,7 +48,8 @@ class StepTimer:
     * backward: from the gradient reaching the module's output to its last parameter
       gradient (modules without trainable parameters report 0);
     * optimizer: the module optimizer's ``step``;
-    * data: the pipeline's ``step`` (reading, packing, pixel routing).
+    * data: the pipeline's ``step``: waiting for the step's data (read, packed and routed on the
+      data thread during the step before) and delivering it to the device.
 
     ``end`` all-gathers every rank's numbers (one small collective): times are reported as the
     maximum over ranks (the slowest rank sets the pace), read failures as the sum, and on GPUs

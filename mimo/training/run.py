@@ -34,8 +34,9 @@ class Run:
         """The run's gradient buffers and bucketed sums (``mimo.training.step.grad_sync_for``)."""
         return self.model.grad_sync
 
-    def close(self) -> None:
-        self.pipeline.close()
+    def close(self, wait: bool = True) -> None:
+        """``wait=False`` on a rank ending on an error (``DataPipeline.close``)."""
+        self.pipeline.close(wait)
 
 
 def build_run(config: MimoConfig, rank: int, index: Index | None = None, policy: PrecisionPolicy | None = None,
@@ -67,12 +68,14 @@ def model_optimizers(config: MimoConfig, model: MimoModel, policy: PrecisionPoli
     return build_optimizers(model.train_params(), *config.optimizer_settings(), policy=policy)
 
 
-def data_pipeline(config: MimoConfig, model: MimoModel, plan, micro_batches: int) -> DataPipeline:
+def data_pipeline(config: MimoConfig, model: MimoModel, plan, micro_batches: int, ahead: bool = True) -> DataPipeline:
     """The data pipeline of ``model``'s rank over ``plan`` (training's, or ``mimo eval``'s
-    held-out microbatches), delivering on the model's device."""
+    held-out microbatches), delivering on the model's device. ``ahead``: each step's data
+    prepared on a thread of its own during the step before (training's; only one pipeline of
+    a run may: they would share the data groups)."""
     return DataPipeline(plan, text_spec(config), model.llm_grid, model.llm_ctx.sequence_parallel,
                         encoder_feeds(config, model.encoder_grids()), micro_batches, config.data.workers, config.data.prefetch,
-                        model.rank, make_reader=lambda: sample_reader(config, plan), device=model.device)
+                        model.rank, make_reader=lambda: sample_reader(config, plan), device=model.device, ahead=ahead)
 
 
 def compile_blocks(model: MimoModel) -> int:

@@ -393,6 +393,7 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions) ->
         log.info("%d ranks up; building the model and the data pipeline", dist.get_world_size())
         t0 = time.perf_counter()
         run = build_run(config, rank, device=rank_compute_device(options.device))
+        run.pipeline.last_step = last_step  # nothing is prepared past the run's end
         log.info("model and data pipeline built (%.1f s)", time.perf_counter() - t0)
         start, resume = 0, _agreed(lambda: options.resume_from)
         if resume:
@@ -456,8 +457,8 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions) ->
     finally:
         if evaluator is not None:
             evaluator.close()
-        if run is not None:
-            run.close()
+        if run is not None:  # a failing rank does not wait for data its peers may never send
+            run.close(wait=sys.exc_info()[0] is None)
         sys.stdout.flush()
         stop.restore()
         for h in handlers:
