@@ -272,8 +272,9 @@ def test_config_errors():
 def test_delayed_history_resumes_exactly_from_a_checkpoint(write_demo_config, tmp_path):
     """The demo at world 2 (vision dp 2; LLM tp 2 with SP) under ``train.fp8`` delayed: stopped
     after step 2 and resumed, its losses equal the uninterrupted run's (the amax histories are
-    in the checkpoint: without them step 3 would scale differently), and differ from bf16-free
-    fp32 products (FP8 is in effect)."""
+    in the checkpoint: without them step 3 would scale differently), and differ from plain fp32
+    products (FP8 is in effect); turning FP8 off or on across a resume works (the histories are
+    optional state)."""
     import json
     import os
     import subprocess
@@ -307,6 +308,9 @@ def test_delayed_history_resumes_exactly_from_a_checkpoint(write_demo_config, tm
             names += [k for k in fh.keys() if k.endswith("fp8_history")]
     assert any(n.startswith("layers.0.") for n in names) and not any(n.startswith("layers.5.") for n in names)
     assert any("blocks." in n for n in names), names
+    # train.fp8 turned off, then on, across a resume: the histories are optional state
+    train(tmp_path / "whole", "train.steps=4")
+    train(tmp_path / "plain", fp8, "train.steps=4")
 
 
 # ---- the GPU's kernels ----------------------------------------------------------------------

@@ -599,6 +599,15 @@ class _Files:
         return self._open[file]
 
 
+# state a run may add or drop across a resume (``train.fp8`` delayed turned on or off): absent
+# from the checkpoint it starts empty, absent from the model it is left unread
+OPTIONAL_STATE = ("fp8_history",)
+
+
+def optional_state(name: str) -> bool:
+    return name.rpartition(".")[2] in OPTIONAL_STATE
+
+
 @torch.no_grad()
 def _read_part(part: _Part, files: _Files) -> None:
     """Copy each parameter of ``part`` in from its owner's file, after checking its placement
@@ -611,6 +620,8 @@ def _read_part(part: _Part, files: _Files) -> None:
         f, records = files.get(file)
         where = f"{os.path.join(files.path, file)}: does not fit module {part.module!r}"
         if name not in records:
+            if optional_state(name):
+                continue
             raise CheckpointError(f"{where}: no tensor {name!r}")
         mine = info.record()
         if records[name] != mine:
@@ -620,7 +631,7 @@ def _read_part(part: _Part, files: _Files) -> None:
             raise CheckpointError(f"{where}: {name!r} has shape {tuple(t.shape)}, this rank holds {tuple(info.param.shape)}")
         info.param.copy_(t)  # converts dtype and device
     for file in sorted(own_stage):
-        extra = sorted(set(files.get(file)[1]) - set(part.table))
+        extra = sorted(n for n in set(files.get(file)[1]) - set(part.table) if not optional_state(n))
         if extra:
             raise CheckpointError(f"{os.path.join(files.path, file)}: does not fit module {part.module!r}: "
                                   f"unexpected tensors {extra[:3]}{' ...' if len(extra) > 3 else ''}")
@@ -696,6 +707,8 @@ def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.opt
 @torch.no_grad()
 def _reshard_part(part: _Part, stored) -> None:
     for name, info in part.table.items():
+        if optional_state(name) and not stored.has(name, "param"):
+            continue
         info.param.copy_(stored.read(name, "param", info))
 
 
@@ -728,7 +741,7 @@ def _check_all_read(loaded: dict[str, set[str]], stored: dict[str, set[str]], pa
         dist.all_gather_object(everyone, loaded)
     for module, names in stored.items():
         read = set().union(*(got.get(module, set()) for got in everyone))
-        extra = sorted(names - read)
+        extra = sorted(n for n in names - read if not optional_state(n))
         if extra:
             raise CheckpointError(f"{path}: module {module!r} of the checkpoint holds tensors this model does not have: "
                                   f"{extra[:3]}{' ...' if len(extra) > 3 else ''} (another architecture?)")
