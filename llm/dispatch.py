@@ -123,15 +123,15 @@ def _group_by(key_N: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Ten
 
 class _SlotsToRows(torch.autograd.Function):
     """``x_TD`` -> ``x_RD``: each token's ``K`` slots as rows in expert order (row ``r`` is slot
-    ``order_R[r]``). Backward sums each token's ``K`` row gradients after gathering them back
+    ``order_R[r]``, of token ``token_R[r] = order_R[r] // K``). Backward sums each token's ``K`` row gradients after gathering them back
     into slot order (the inverse permutation): gathers only, where autograd's indexing adjoint
     would scatter-add with atomics."""
 
     @staticmethod
-    def forward(ctx, x_TD, order_R, inverse_R, k):
+    def forward(ctx, x_TD, token_R, inverse_R, k):
         ctx.save_for_backward(inverse_R)
         ctx.k = k
-        return x_TD[order_R // k]
+        return x_TD[token_R]
 
     @staticmethod
     def backward(ctx, g_RD):
@@ -177,7 +177,7 @@ class LocalDispatcher:
         ends_E[-1] = flat_R.numel()  # the padding rows (sentinel E) ride along in the last group
         token_R = order_R // k
         self.stats.calls += 1
-        return Dispatched(_SlotsToRows.apply(x_TD, order_R, inverse_R, k), ends_E, gate_TK, token_R, x_TD.shape[0],
+        return Dispatched(_SlotsToRows.apply(x_TD, token_R, inverse_R, k), ends_E, gate_TK, token_R, x_TD.shape[0],
                           plan=(order_R, inverse_R),
                           overlapped=while_in_flight() if while_in_flight is not None else None,
                           gathered_from=(x_TD, token_R))

@@ -169,11 +169,10 @@ class _Fp8Linear(torch.autograd.Function):
         if rowwise:  # backward scales along other dimensions: keep the operands as they are
             ctx.save_for_backward(x_TI, w_OI)
         else:
-            # the history is written in place by later forwards: not a saved tensor (its
-            # version would change), but its past window, fixed until the step ends
+            # the history is written in place by later forwards: kept on ctx, not saved (its
+            # version would change); its past window stays fixed until the step ends
             ctx.g_hist = g_hist
-            g_past = g_hist[2, 1:].amax() if g_hist is not None else None
-            ctx.save_for_backward(xq, x_inv, wq, w_inv, g_past)
+            ctx.save_for_backward(xq, x_inv, wq, w_inv)
         return y_TO
 
     @staticmethod
@@ -192,16 +191,11 @@ class _Fp8Linear(torch.autograd.Function):
             xq, x_inv = quantize(xP, E4M3, amax_of(xP, 0))
             dw = scaled_mm(gTq.contiguous(), xq, gT_inv, x_inv, dtype, native)
             return (dx, dw.to(w_OI.dtype)) + (None,) * 10
-        xq, x_inv, wq, w_inv, g_past = ctx.saved_tensors
-        cur = amax_of(g_TO, None)
-        if ctx.g_hist is None or not ctx.warm:
-            cur = _reduce_max(cur, group)
+        xq, x_inv, wq, w_inv = ctx.saved_tensors
         if ctx.g_hist is None:
-            g_amax = cur
+            g_amax = _reduce_max(amax_of(g_TO, None), group)
         else:
-            with torch.no_grad():
-                ctx.g_hist[2, 0] = torch.maximum(ctx.g_hist[2, 0], cur)
-            g_amax = torch.where(g_past > 0, g_past, cur)
+            g_amax = delayed_amax(g_TO, ctx.g_hist, 2, None if ctx.warm else group)
         gq, g_inv = quantize(g_TO, E5M2, g_amax)
         dx = scaled_mm(gq, wq, g_inv, w_inv, dtype, native)
         dw = scaled_mm(_pad_rows(gq).t().contiguous(), _pad_rows(xq), g_inv, x_inv, dtype, native)
