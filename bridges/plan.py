@@ -24,6 +24,7 @@ same order, at a cost that follows the rank's share, not the world.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -204,11 +205,13 @@ class _Cells:
     """The elementary cells of ``_elementary`` (plus extra column cuts) as arrays; a cell's
     key is row cell * column cells + column cell."""
 
-    def __init__(self, a: RunPlacement, b: RunPlacement, extra_cols=(), row: np.ndarray | None = None):
+    def __init__(self, a: RunPlacement, b: RunPlacement, extra_cols=(), row: np.ndarray | None = None, whole=None):
+        """``whole``: the placements whose column cuts count, when ``a`` and ``b`` are windows
+        of them (``_window``): a move never joins across columns, so every cut must be there."""
         if row is None:
             row = np.unique(np.concatenate([[0, a.rows]] + [x for pl in (a, b) for x in (pl.row_P, pl.row_P + pl.rows_P)]))
         self.row = row
-        bounds = [[0, a.hidden], np.asarray(extra_cols, dtype=np.int64)] + [x for pl in (a, b) for x in (pl.col_P, pl.col_P + pl.cols_P)]
+        bounds = [[0, a.hidden], np.asarray(extra_cols, dtype=np.int64)] + [x for pl in (whole or (a, b)) for x in (pl.col_P, pl.col_P + pl.cols_P)]
         self.col = np.unique(np.concatenate(bounds))
         self.ncol = len(self.col) - 1
 
@@ -381,11 +384,12 @@ class _Receivers:
         return held.only((size <= 1) | (col // -(-self.hidden // np.maximum(size, 1)) == self.index_W[held.rank]))
 
 
-def _noncolocated_moves(src: RunPlacement, dst: RunPlacement, rank: int, row_cuts: np.ndarray | None) -> tuple[Move, ...]:
+def _noncolocated_moves(src: RunPlacement, dst: RunPlacement, rank: int, row_cuts: np.ndarray | None,
+                        whole=None) -> tuple[Move, ...]:
     """``noncolocated_plan``'s moves for the cells ``rank`` receives or sends: each receiving
     copy gets part i of ``split_even(rows, holders)`` from the i-th (sorted) source holder."""
     receivers = _Receivers(dst, _width(src, dst))
-    cells, moves = _Cells(src, dst, receivers.chunk_cuts(), row_cuts), _Moves()
+    cells, moves = _Cells(src, dst, receivers.chunk_cuts(), row_cuts, whole), _Moves()
     local = _Local(cells, rank)
     own = receivers.keep(local.own(dst), cells)  # what this rank receives
     if len(own.key):
@@ -443,13 +447,34 @@ def rank_plans(src: Placement | RunPlacement, dst: Placement | RunPlacement, ran
     cuts between cells, and for a colocated bridge the cells themselves, serve both."""
     src, dst = as_runs(src), as_runs(dst)
     _check_same_tensor(src, dst)
-    pairs = [(src, dst), (dst, src)] if backward else [(src, dst)]
+    # the moves are found among the pieces near the rank's own rows only (``_window``): the
+    # work stays the same however many samples and ranks the microbatch has
+    src_w, dst_w = _window(src, dst, rank)
+    pairs = [(src, dst, src_w, dst_w), (dst, src, dst_w, src_w)][: 2 if backward else 1]
     if _is_colocated(src, dst):
-        local = _Local(_Cells(src, dst), rank)
-        return tuple(TransferPlan(a, b, _colocated_moves(a, b, local), (), colocated=True, rank=rank) for a, b in pairs)
-    row_cuts = _Cells(src, dst).row
-    return tuple(TransferPlan(a, b, _noncolocated_moves(a, b, rank, row_cuts), _rank_gathers(b, rank), colocated=False, rank=rank)
-                 for a, b in pairs)
+        local = _Local(_Cells(src_w, dst_w, whole=(src, dst)), rank)
+        return tuple(TransferPlan(a, b, _colocated_moves(a_w, b_w, local), (), colocated=True, rank=rank)
+                     for a, b, a_w, b_w in pairs)
+    row_cuts = _Cells(src_w, dst_w).row
+    return tuple(TransferPlan(a, b, _noncolocated_moves(a_w, b_w, rank, row_cuts, (src, dst)), _rank_gathers(b, rank),
+                              colocated=False, rank=rank) for a, b, a_w, b_w in pairs)
+
+
+def _window(src: RunPlacement, dst: RunPlacement, rank: int) -> tuple[RunPlacement, RunPlacement]:
+    """Both placements with only the pieces that touch the logical rows of ``rank``'s pieces
+    (ends included: the row cuts inside those rows stay those of the whole placements). Every
+    move that ``rank`` sends or receives lies in those rows, and every holder of them is there."""
+    mine = [(pl.row_P[pl.rank_P == rank], (pl.row_P + pl.rows_P)[pl.rank_P == rank]) for pl in (src, dst)]
+    if not sum(len(lo) for lo, _ in mine):
+        return src, dst
+    lo, hi = min(int(lo.min()) for lo, _ in mine if len(lo)), max(int(hi.max()) for _, hi in mine if len(hi))
+    return tuple(_pieces_touching(pl, lo, hi) for pl in (src, dst))
+
+
+def _pieces_touching(pl: RunPlacement, lo: int, hi: int) -> RunPlacement:
+    keep = (pl.row_P <= hi) & (pl.row_P + pl.rows_P >= lo)
+    columns = ("rank_P", "row_P", "rows_P", "local_row_P", "col_P", "cols_P")
+    return dataclasses.replace(pl, **{c: getattr(pl, c)[keep] for c in columns})
 
 
 # ---------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -46,12 +47,12 @@ from mimo.bridges.executor import Bridge
 from mimo.data.images import ImageSpec, PixelNorm, decode
 from mimo.data.index import Index, TextSpec
 from mimo.data.pack import PackItem, cp_share, pack
-from mimo.data.plan import DataPlan, PlannedSample
+from mimo.data.plan import DataPlan, PlannedSample, SampleArrays
 from mimo.data.shards import SampleLocation, decode_image, image_keys, parse_text, read_files
 from mimo.data.text import TextEncoder, load_tokenizer, turns_from_caption, turns_from_json
 from mimo.core.errors import DataError
 from mimo.parallel.grid import ParallelGrid
-from mimo.parallel.layout import Piece, Placement, dp_blocks, dp_placement
+from mimo.parallel.layout import Piece, Placement, RunPlacement, block_bounds, dp_blocks, dp_runs
 
 log = logging.getLogger("mimo.data")
 
@@ -98,19 +99,30 @@ class Microbatch:
     pixels: dict[str, torch.Tensor] = field(default_factory=dict)
     read_failures: Counter = field(default_factory=Counter)  # on reader ranks
     loss_tokens: int = 0  # of the pack (counted on the CPU, before any move to a device)
+    # the samples' numbers as arrays (what blocks and placements read): the plan's, else from samples
+    arrays: SampleArrays | None = None
+
+    def __post_init__(self):
+        if self.arrays is None:
+            self.arrays = SampleArrays.of_samples(self.samples)
 
     @property
     def real_tokens(self) -> int:
-        return sum(s.tokens for s in self.samples)
+        return int(self.arrays.tokens_N.sum())
 
 
-def encoder_blocks(samples: list[PlannedSample], feed: EncoderFeed) -> list[range]:
+def encoder_blocks(samples: list[PlannedSample] | SampleArrays, feed: EncoderFeed) -> list[range]:
     """An encoder's DP blocks: balanced by its image rows (the same function for every user)."""
-    return dp_blocks([s.images_for(feed.placeholder) * feed.rows_per_image for s in samples], feed.grid.shape["dp"])
+    return dp_blocks(SampleArrays.of(samples).images_for(feed.placeholder) * feed.rows_per_image, feed.grid.shape["dp"])
 
 
-def llm_blocks(samples: list[PlannedSample], dp: int) -> list[range]:
-    return dp_blocks([s.tokens for s in samples], dp)
+def llm_blocks(samples: list[PlannedSample] | SampleArrays, dp: int) -> list[range]:
+    return dp_blocks(SampleArrays.of(samples).tokens_N, dp)
+
+
+def plan_arrays(plan, k: int, samples: list[PlannedSample]) -> SampleArrays:
+    """Microbatch ``k``'s ``SampleArrays`` from the plan (a plan without them: from its samples)."""
+    return plan.microbatch_arrays(k) if hasattr(plan, "microbatch_arrays") else SampleArrays.of_samples(samples)
 
 
 class SampleReader:
@@ -211,7 +223,7 @@ class DataPipeline:
     # ---- reading (reader ranks), bounded read-ahead ----
     def _block_samples(self, k: int) -> list[PlannedSample]:
         samples = self.plan.microbatch(k)
-        return [samples[i] for i in llm_blocks(samples, self.dp)[self.my_dp]]
+        return [samples[i] for i in llm_blocks(plan_arrays(self.plan, k, samples), self.dp)[self.my_dp]]
 
     def _request(self, k: int) -> None:
         if k not in self._pending:
@@ -254,7 +266,9 @@ class DataPipeline:
     def _prepare(self, k: int) -> Microbatch:
         """Microbatch ``k`` on the CPU (read, packed, pixels routed)."""
         samples = self.plan.microbatch(k)
-        mb = Microbatch(samples, llm_blocks(samples, self.dp), {f.name: encoder_blocks(samples, f) for f in self.feeds})
+        arrays = plan_arrays(self.plan, k, samples)
+        mb = Microbatch(samples, llm_blocks(arrays, self.dp), {f.name: encoder_blocks(arrays, f) for f in self.feeds},
+                        arrays=arrays)
         read = self._read_block(k) if self.is_reader else []
         mb.read_failures = Counter(r.failure for r in read if r.failure)
         if self.rank in self.llm_grid:
@@ -305,14 +319,14 @@ class DataPipeline:
         if self.rank not in members:
             return None
         cols = feed.wire_cols
-        images = [s.images_for(feed.placeholder) for s in mb.samples]
+        images_N = mb.arrays.images_for(feed.placeholder)
         # modules are colocated or disjoint (config rule), so source = all LLM ranks works for both
-        src = reader_placement(images, mb.llm_blocks, self.readers, set(self.llm_grid.ranks), cols)
-        dst = dp_placement(feed.grid, images, mb.encoder_blocks[feed.name], cols)
+        src = reader_runs(images_N, mb.llm_blocks, self.readers, self.llm_grid.ranks, cols)
+        dst = dp_runs(feed.grid, images_N, mb.encoder_blocks[feed.name], cols)
         x = None
-        if self.rank in src.local_rows:
+        if src.holds_rank(self.rank):
             x = (torch.cat([wire_rows(r, feed) for r in read]) if read
-                 else torch.zeros(src.local_rows[self.rank], cols, dtype=feed.pixel_dtype))
+                 else torch.zeros(src.local_rows_of(self.rank), cols, dtype=feed.pixel_dtype))
         bridge = Bridge(src, dst, group, dst_replica_group=self.encoder_tp[feed.name] if self.rank in feed.grid else None, needs_grad=False, rank=self.rank)
         with torch.no_grad():
             y = bridge(x, dtype=feed.pixel_dtype)
@@ -369,9 +383,25 @@ def wire_rows(read: ReadSample, feed: EncoderFeed) -> torch.Tensor:
     return torch.cat([pixels, flag], dim=1)
 
 
+def reader_runs(images_N: np.ndarray, blocks: list[range], readers: list[int], ranks, numel: int) -> RunPlacement:
+    """``reader_placement`` as arrays (the pixel routing's source, per microbatch): the same
+    pieces, one per reader in DP block order."""
+    start_I1 = np.concatenate([[0], np.cumsum(images_N)]).astype(np.int64)
+    start_D, stop_D = block_bounds(blocks)
+    d = min(len(start_D), len(readers))  # as zip(readers, blocks)
+    rank_P, row_P = np.asarray(readers[:d], dtype=np.int64), start_I1[start_D[:d]]
+    rows_P = start_I1[stop_D[:d]] - row_P
+    ranks_R = np.unique(np.asarray(list(ranks), dtype=np.int64))
+    local_R = np.zeros(len(ranks_R), dtype=np.int64)
+    local_R[np.searchsorted(ranks_R, rank_P)] = rows_P
+    zeros_P = np.zeros_like(rank_P)
+    return RunPlacement(int(start_I1[-1]), numel, rank_P, row_P, rows_P, zeros_P, zeros_P, np.full_like(rank_P, numel),
+                        ranks_R, local_R, np.zeros((0, 0), dtype=np.int64))
+
+
 def reader_placement(images: list[int], blocks: list[range], readers: list[int], ranks: set[int], numel: int) -> Placement:
     """Pixel rows (one per image, sample after sample) held by the reader of each LLM DP
-    block; every other rank of ``ranks`` holds none."""
+    block; every other rank of ``ranks`` holds none (the reference of ``reader_runs``)."""
     starts = [0, *itertools.accumulate(images)]
     pieces, local_rows = [], {r: 0 for r in ranks}
     for reader, block in zip(readers, blocks):

@@ -10,13 +10,17 @@ run finds its place without reading any sample.
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from mimo.data.index import Entry, Index
 from mimo.core.errors import DataError
+from mimo.parallel.layout import expand
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,63 @@ class PlannedSample:
     def positions(self, placeholder: str, rows_per_image: int) -> list[int]:
         """Positions of this sample's rows for one encoder, image after image."""
         return [s + r for s in self.image_starts.get(placeholder, ()) for r in range(rows_per_image)]
+
+
+@dataclass(frozen=True, eq=False)
+class SampleArrays:
+    """A global microbatch's samples as arrays, what placements and DP blocks read: each
+    sample's tokens (``tokens_N``), and per placeholder each sample's images (``images_N``)
+    and every image's first position, sample after sample (``image_start_I``). Every rank
+    needs them for every microbatch, so plans hand them out whole, without per-sample objects."""
+
+    tokens_N: np.ndarray
+    images_N: dict = field(default_factory=dict)  # placeholder -> images per sample
+    image_start_I: dict = field(default_factory=dict)  # placeholder -> first position of each image
+
+    @classmethod
+    def of_samples(cls, samples) -> "SampleArrays":
+        """From ``PlannedSample``s, one by one (microbatches put together from samples)."""
+        placeholders = sorted({p for s in samples for p in s.image_starts})
+        starts = {p: [s.image_starts.get(p, ()) for s in samples] for p in placeholders}
+        return cls(np.array([s.tokens for s in samples], dtype=np.int64).reshape(-1),
+                   {p: np.array(list(map(len, st)), dtype=np.int64).reshape(-1) for p, st in starts.items()},
+                   {p: np.fromiter(itertools.chain.from_iterable(st), dtype=np.int64) for p, st in starts.items()})
+
+    @classmethod
+    def of(cls, samples) -> "SampleArrays":
+        """``samples`` if they are ``SampleArrays`` already, else ``of_samples``."""
+        return samples if isinstance(samples, SampleArrays) else cls.of_samples(samples)
+
+    def images_for(self, placeholder: str) -> np.ndarray:
+        """Images per sample for the encoder of ``placeholder`` (``PlannedSample.images_for``)."""
+        return self.images_N.get(placeholder, np.zeros(len(self.tokens_N), dtype=np.int64))
+
+    def image_starts(self, placeholder: str) -> np.ndarray:
+        return self.image_start_I.get(placeholder, np.zeros(0, dtype=np.int64))
+
+
+class _IndexColumns:
+    """The index's per-entry numbers as arrays (built once per plan): tokens, and per
+    placeholder where each entry's image starts lie in one flat array (CSR)."""
+
+    def __init__(self, index: Index):
+        entries = index.entries
+        self.tokens_E = np.array([e.tokens for e in entries], dtype=np.int64)
+        placeholders = sorted({p for e in entries for p in e.image_starts})
+        self.offset_E1, self.start_J = {}, {}
+        for p in placeholders:
+            starts = [e.image_starts.get(p, ()) for e in entries]
+            self.offset_E1[p] = np.concatenate([[0], np.cumsum(list(map(len, starts)))]).astype(np.int64)
+            self.start_J[p] = np.fromiter(itertools.chain.from_iterable(starts), dtype=np.int64)
+
+    def arrays(self, ids_N: np.ndarray) -> SampleArrays:
+        images, starts = {}, {}
+        for p, offset_E1 in self.offset_E1.items():
+            first_N = offset_E1[ids_N]
+            images[p] = offset_E1[ids_N + 1] - first_N
+            owner_I, within_I = expand(images[p])  # the images, sample after sample
+            starts[p] = self.start_J[p][first_N[owner_I] + within_I]
+        return SampleArrays(self.tokens_E[ids_N], images, starts)
 
 
 class DataPlan:
@@ -54,7 +115,8 @@ class DataPlan:
         if not self.valid:
             raise DataError(f"no usable sample in {len(index.entries)} indexed (skipped: {dict(self.skipped)})")
         self._starts: list[int] = [0]  # stream position where each microbatch starts
-        self._orders: dict[int, list[int]] = {}  # a few recent epochs' orders
+        self._columns: _IndexColumns | None = None
+        self._orders: dict[int, np.ndarray] = {}  # a few recent epochs' orders
         # the data pipeline's step thread and the training thread (metrics) both ask for microbatches
         self._lock = threading.Lock()
 
@@ -65,31 +127,65 @@ class DataPlan:
             random.Random(f"{self.seed}:{epoch}").shuffle(order)
         return order
 
-    def _stream(self, pos: int) -> int:
-        epoch, off = divmod(pos, len(self.valid))
+    def _order(self, epoch: int) -> np.ndarray:
         order = self._orders.get(epoch)
-        if order is None:
-            order = self._orders[epoch] = self._epoch_order(epoch)
+        if order is None:  # an array: microbatches are sliced out of it whole
+            order = self._orders[epoch] = np.array(self._epoch_order(epoch), dtype=np.int64)
             if len(self._orders) > 3:  # keep a few epochs: positions only move forward
                 del self._orders[min(self._orders)]
-        return order[off]
+        return order
+
+    def _stream(self, pos: int) -> int:
+        epoch, off = divmod(pos, len(self.valid))
+        return int(self._order(epoch)[off])
 
     def sample(self, entry_id: int) -> PlannedSample:
         e: Entry = self.index.entries[entry_id]
         return PlannedSample(entry_id, e.tokens, e.images, e.image_starts)
 
-    def microbatch(self, k: int) -> list[PlannedSample]:
-        """Global microbatch k (0-based): samples in stream order, never split."""
+    def _stream_ids(self, lo: int, hi: int) -> np.ndarray:
+        """The entry ids at stream positions ``lo .. hi-1`` (one slice per epoch touched)."""
+        parts = [np.zeros(0, dtype=np.int64)]
+        while lo < hi:
+            epoch, off = divmod(lo, len(self.valid))
+            take = min(hi - lo, len(self.valid) - off)
+            parts.append(self._order(epoch)[off : off + take])
+            lo += take
+        return np.concatenate(parts)
+
+    def _end(self, columns: "_IndexColumns", pos: int) -> int:
+        """Where the microbatch from stream position ``pos`` ends: it takes samples while their
+        tokens fit (a first sample always), read a window of the stream at a time (twice the
+        last microbatch's samples: usually one window)."""
+        width = max(64, 2 * (self._starts[-1] - self._starts[-2]) if len(self._starts) > 1 else 0)
+        while True:
+            used_W = np.cumsum(columns.tokens_E[self._stream_ids(pos, pos + width)])
+            fit = int(np.searchsorted(used_W, self.tokens_per_microbatch, "right"))
+            if fit < width:  # one more sample while none has counted yet (a first sample, or zeros)
+                return pos + fit + (fit == 0 or int(used_W[fit - 1]) == 0)
+            width *= 4
+
+    def _ids(self, k: int) -> np.ndarray:
+        """The entry ids of global microbatch k (0-based): samples in stream order, never split."""
+        columns = self._columns_built()  # before the lock: it takes it
         with self._lock:
             while len(self._starts) <= k + 1:
-                pos, used = self._starts[-1], 0
-                while True:
-                    t = self.index.entries[self._stream(pos)].tokens
-                    if used and used + t > self.tokens_per_microbatch:
-                        break
-                    used, pos = used + t, pos + 1
-                self._starts.append(pos)
-            return [self.sample(self._stream(p)) for p in range(self._starts[k], self._starts[k + 1])]
+                self._starts.append(self._end(columns, self._starts[-1]))
+            return self._stream_ids(self._starts[k], self._starts[k + 1])
+
+    def microbatch(self, k: int) -> list[PlannedSample]:
+        """Global microbatch k (0-based): samples in stream order, never split."""
+        return [self.sample(i) for i in self._ids(k).tolist()]
+
+    def microbatch_arrays(self, k: int) -> SampleArrays:
+        """Global microbatch k as ``SampleArrays``, gathered from the index's columns."""
+        return self._columns_built().arrays(self._ids(k))
+
+    def _columns_built(self) -> _IndexColumns:
+        with self._lock:
+            if self._columns is None:
+                self._columns = _IndexColumns(self.index)
+            return self._columns
 
     def step(self, step: int, micro_batches: int) -> list[list[PlannedSample]]:
         """The global microbatches of training step ``step`` (1-based)."""

@@ -24,12 +24,13 @@ import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mimo.data.config import SyntheticData
 from mimo.data.pack import PackItem
 from mimo.data.pipeline import ReadSample
-from mimo.data.plan import PlannedSample
+from mimo.data.plan import PlannedSample, SampleArrays
 from mimo.core.errors import DataError
 
 PAD_ID = 0
@@ -151,6 +152,13 @@ class SyntheticPlan:
     def microbatch(self, k: int) -> list[PlannedSample]:
         mb = self.stream.microbatch(k)
         return [self.sample(k, i, len(t)) for i, t in enumerate(mb.tokens)]
+
+    def microbatch_arrays(self, k: int) -> SampleArrays:
+        """``microbatch(k)`` as ``SampleArrays``: every sample has the same images."""
+        text_N = np.fromiter(map(len, self.stream.microbatch(k).tokens), dtype=np.int64)
+        n, starts = len(text_N), self.stream.image_starts()
+        return SampleArrays(self.stream.prefix + text_N, {p: np.full(n, len(st), dtype=np.int64) for p, st in starts.items()},
+                            {p: np.tile(np.asarray(st, dtype=np.int64), n) for p, st in starts.items()})
 
     def step(self, step: int, micro_batches: int) -> list[list[PlannedSample]]:
         if step < 1:

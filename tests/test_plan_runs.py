@@ -9,6 +9,7 @@ tests break one step of the fast path at a time and check that these comparisons
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -18,6 +19,9 @@ import mimo.bridges.plan as plan_mod
 import mimo.parallel.layout as layout_mod
 from mimo.bridges.plan import make_plan, rank_plans
 from mimo.core.errors import LayoutError
+from mimo.data.index import Entry, Index
+from mimo.data.pipeline import reader_placement, reader_runs
+from mimo.data.plan import DataPlan, SampleArrays
 from mimo.parallel.grid import ParallelGrid
 from mimo.parallel.layout import (SampleRuns, dp_blocks, dp_blocks_reference, dp_placement, dp_runs, packed_placement,
                                   packed_runs)
@@ -141,6 +145,143 @@ def test_dp_blocks_equal_the_scan():
         assert dp_blocks(costs, dp) == dp_blocks_reference(costs, dp), dp
 
 
+def _adversarial_costs(rng: random.Random) -> list[int]:
+    """Ragged costs with the cases that widen the candidate starts: zeros (text-only samples'
+    image rows), runs of equal costs (ties), one huge cost, more blocks than items."""
+    n = rng.randint(0, 60)
+    kind = rng.randrange(6)
+    if kind == 0:  # image rows: 0, 1 or 2 images
+        return [rng.choice([0, 0, 576, 1152]) for _ in range(n)]
+    if kind == 1:
+        return [rng.choice([0, 0, 0, 0, 5, 100]) for _ in range(n)]
+    if kind == 2:
+        return [7] * n
+    if kind == 3:
+        return [rng.randint(0, 3) for _ in range(n)] + [10_000] + [rng.randint(0, 3) for _ in range(n)]
+    if kind == 4:
+        return [0] * n
+    return [976 + rng.randint(-300, 300) for _ in range(n)]
+
+
+@pytest.mark.parametrize("candidates", [layout_mod.CANDIDATES_PER_ITEM, 10**9, -1])
+def test_dp_blocks_equal_the_scan_on_adversarial_costs(monkeypatch, candidates):
+    """Through the table of candidate starts (always, when allowed any number), the walk block by
+    block (-1: never the table) or either as it comes: the reference's blocks, as numpy arrays
+    (any integer dtype) or lists, for non-power-of-two dp, dp above the items, dp = 1."""
+    monkeypatch.setattr(layout_mod, "CANDIDATES_PER_ITEM", candidates)
+    if candidates > 10**6:  # the chain through the table never leaves it (starts after zero costs are none)
+        monkeypatch.setattr(layout_mod, "_block_ends_walk", lambda *a: pytest.fail("walked block by block"))
+    rng = random.Random(candidates)
+    for _ in range(1500):
+        costs, dp = _adversarial_costs(rng), rng.choice([1, 2, 3, 5, 7, 12, 33, 64, 100])
+        want = dp_blocks_reference(costs, dp)
+        got = dp_blocks(np.array(costs, dtype=rng.choice([np.int64, np.int32, np.uint16])), dp)
+        assert got == want, (costs, dp)
+        assert (got.start_D.tolist(), got.stop_D.tolist()) == ([b.start for b in want], [b.stop for b in want])
+    costs = [rng.choice([0, 576, 1152]) for _ in range(900)]
+    for dp in (64, 300, 511, 1024):
+        assert dp_blocks(costs, dp) == dp_blocks_reference(costs, dp), dp
+
+
+def test_dp_blocks_read_costs_as_the_reference_does():
+    """Floats truncate, bools count as 0/1, sums past 2**53 (no exact float shares) walk."""
+    rng = random.Random(5)
+    for _ in range(200):
+        costs = [rng.random() * 50 for _ in range(rng.randint(0, 20))]
+        dp = rng.randint(1, 6)
+        assert dp_blocks(costs, dp) == dp_blocks_reference(costs, dp)
+        assert dp_blocks(np.array(costs), dp) == dp_blocks_reference(costs, dp)
+    assert dp_blocks([True, False, True], 2) == dp_blocks_reference([1, 0, 1], 2)
+    big = [2**52 + rng.randint(0, 2**40) for _ in range(40)]
+    for dp in (3, 7, 16):
+        assert dp_blocks(big, dp) == dp_blocks_reference(big, dp)
+    with pytest.raises(LayoutError, match="non-negative"):
+        dp_blocks(np.array([3, -1]), 2)
+    with pytest.raises(LayoutError, match="dp must be"):
+        dp_blocks(np.array([3]), 0)
+
+
+def _index(rng: random.Random, n: int) -> Index:
+    """Entries with ragged tokens (some too long, some empty, some bad; the first one usable:
+    a stream of empty samples has no microbatch end), 0-2 images of two placeholders."""
+    entries = []
+    for i in range(n):
+        tokens = rng.choice([rng.randint(1, 60), rng.randint(60, 400), 0]) if i else 10
+        starts = {p: sorted(rng.sample(range(tokens), rng.randint(0, min(2, tokens)))) for p in ("<image>", "<sketch>")
+                  if rng.random() < 0.7}
+        entries.append(Entry(0, str(i), {}, tokens, sum(map(len, starts.values())), starts,
+                             "corrupt image: x" if i and rng.random() < 0.05 else None))
+    return Index([], entries, "")
+
+
+def _microbatch_ids_by_loop(plan: DataPlan, count: int) -> list[list[int]]:
+    """The microbatches as ``DataPlan`` took them before issue 27: sample by sample."""
+    starts, out = [0], []
+    for k in range(count):
+        pos, used = starts[-1], 0
+        while True:
+            t = plan.index.entries[plan._stream(pos)].tokens
+            if used and used + t > plan.tokens_per_microbatch:
+                break
+            used, pos = used + t, pos + 1
+        starts.append(pos)
+        out.append([plan._stream(p) for p in range(starts[k], pos)])
+    return out
+
+
+def _same_arrays(a: SampleArrays, b: SampleArrays) -> bool:
+    placeholders = set(a.images_N) | set(b.images_N)
+    return np.array_equal(a.tokens_N, b.tokens_N) and all(
+        np.array_equal(a.images_for(p), b.images_for(p)) and np.array_equal(a.image_starts(p), b.image_starts(p))
+        for p in placeholders)
+
+
+def _check_data_plans() -> None:
+    # empty samples open microbatch 1: it takes them and then the long one (nothing counted yet)
+    index = Index([], [Entry(0, str(i), {}, t) for i, t in enumerate([200, 0, 0, 300, 5, 7])], "")
+    plan = DataPlan(index, 50, 400, 0, shuffle=False)
+    assert [[s.id for s in plan.microbatch(k)] for k in range(4)] == [[0], [1, 2, 3], [4, 5], [0]]
+    rng = random.Random(7)
+    for seed in range(12):
+        index = _index(rng, rng.randint(1, 90))
+        plan = DataPlan(index, rng.choice([50, 300, 1000, 5000]), 350, seed, shuffle=seed % 3 != 0)
+        count = rng.randint(1, 25)  # across epochs
+        want = _microbatch_ids_by_loop(DataPlan(index, plan.tokens_per_microbatch, 350, seed, plan.shuffle), count)
+        for k in rng.sample(range(count), count):  # in any order, as a resume asks
+            assert [s.id for s in plan.microbatch(k)] == want[k]
+            assert _same_arrays(plan.microbatch_arrays(k), SampleArrays.of_samples(plan.microbatch(k)))
+
+
+def test_data_plan_arrays_equal_its_samples():
+    """``DataPlan``'s microbatches (found a window of the stream at a time) are those of the
+    sample-by-sample loop, and ``microbatch_arrays`` (gathered from the index's columns) holds
+    what its ``PlannedSample``s say."""
+    _check_data_plans()
+
+
+def test_synthetic_plan_arrays_equal_its_samples():
+    from pathlib import Path
+
+    from mimo.compose.config import load_config
+    from mimo.compose.inputs import data_plan
+
+    config = Path(__file__).resolve().parents[1] / "configs/llava-1.3b.yaml"
+    plan = data_plan(load_config(config, ["data.synthetic.images_per_sample=3", "modules.vision.arch.image_size=28"]), None)
+    for k in (0, 3):
+        assert _same_arrays(plan.microbatch_arrays(k), SampleArrays.of_samples(plan.microbatch(k)))
+
+
+def test_reader_runs_equal_reader_placement():
+    rng = random.Random(3)
+    for _ in range(300):
+        images = [rng.choice([0, 0, 1, 2, 5]) for _ in range(rng.randint(0, 30))]
+        dp, world = rng.choice([1, 2, 3, 5]), rng.randint(6, 12)
+        readers = rng.sample(range(world), dp)
+        for blocks in (dp_blocks(images, dp), list(dp_blocks(images, dp))):  # arrays or ranges
+            got = reader_runs(np.array(images, dtype=np.int64), blocks, readers, range(world), 7).to_placement()
+            assert got == reader_placement(images, blocks, readers, set(range(world)), 7)
+
+
 def test_sample_runs_of_images_and_errors():
     runs = SampleRuns.of_images([10, 7, 9], [[1, 5], [], [0]], 3)
     assert runs.rows_N.tolist() == [6, 0, 3]
@@ -191,7 +332,35 @@ def _closest_end_prefers_longer(prefix, start, lo, hi, share):
     return min(end + 1, hi) if end < hi and prefix[end + 1] - prefix[start] - share == prefix[start] + share - prefix[end] else end
 
 
+def _closest_ends_prefer_longer(prefix_N1, furthest_N1, first_within_K1, start_B, left_B):
+    end_B = _CLOSEST_ENDS(prefix_N1, furthest_N1, first_within_K1, start_B, left_B)
+    n, base_B = len(prefix_N1) - 1, prefix_N1[start_B]
+    share_B = (prefix_N1[n] - base_B) / left_B
+    next_B = np.minimum(end_B + 1, n)
+    tie = (end_B < furthest_N1[start_B]) & (prefix_N1[next_B] - base_B - share_B == share_B - (prefix_N1[end_B] - base_B))
+    return np.where(tie, next_B, end_B)
+
+
+def _chain_one_step_ahead(next_S, state, steps):
+    return _CHAIN(next_S, state, steps + 1)[1:]
+
+
+def _end_one_short(self, columns, pos):
+    end = _END(self, columns, pos)
+    return end - 1 if end - pos > 1 else end
+
+
+def _pieces_inside(pl, lo, hi):
+    """Only the pieces inside the window: those crossing its ends (holders of its first or last
+    rows) left out."""
+    keep = (pl.row_P >= lo) & (pl.row_P + pl.rows_P <= hi)
+    columns = ("rank_P", "row_P", "rows_P", "local_row_P", "col_P", "cols_P")
+    return dataclasses.replace(pl, **{c: getattr(pl, c)[keep] for c in columns})
+
+
 _SPLIT, _HOLDS, _CLOSEST = layout_mod._split_runs, plan_mod._Held.holds, layout_mod._closest_end
+_CLOSEST_ENDS, _CHAIN, _END = layout_mod._closest_ends, layout_mod._chain, DataPlan._end
+_EXPAND = layout_mod.expand
 _ROW_U = layout_mod.SampleRuns.__dict__["row_U"]
 
 MUTATIONS = {
@@ -201,7 +370,13 @@ MUTATIONS = {
     "split_even by floor": (plan_mod, "_even_part", _even_part_floor, "plans"),
     "own copies ignored": (plan_mod._Held, "holds", _holds_nothing, "plans"),
     "chunk cuts dropped": (plan_mod._Receivers, "chunk_cuts", lambda self: np.zeros(0, dtype=np.int64), "plans"),
-    "ties to the longer block": (layout_mod, "_closest_end", _closest_end_prefers_longer, "blocks"),
+    "ties to the longer block": (layout_mod, "_closest_end", _closest_end_prefers_longer, "walk"),
+    "ties to the longer block, all at once": (layout_mod, "_closest_ends", _closest_ends_prefer_longer, "blocks"),
+    "block bounds one step ahead": (layout_mod, "_chain", _chain_one_step_ahead, "blocks"),
+    "candidate starts one late": (layout_mod, "expand", lambda counts_N: (lambda u, k: (u, k + 1))(*_EXPAND(counts_N)), "blocks"),
+    "every cap fits": (layout_mod, "_fits", lambda prefix_N1, cap, dp: True, "blocks"),
+    "microbatches one sample short": (DataPlan, "_end", _end_one_short, "data"),
+    "window without the pieces crossing its ends": (plan_mod, "_pieces_touching", _pieces_inside, "plans"),
 }
 
 
@@ -220,6 +395,19 @@ def _ties() -> None:
     for costs, dp in (([5, 5, 5, 5], 3), ([4, 4, 4, 4, 4, 4, 4], 4), ([1, 1, 1], 2)):
         assert dp_blocks(costs, dp) == dp_blocks_reference(costs, dp)
     test_dp_blocks_equal_the_scan()
+    rng = random.Random(1)
+    for _ in range(300):
+        costs, dp = _adversarial_costs(rng), rng.choice([2, 3, 5, 12, 33])
+        assert dp_blocks(costs, dp) == dp_blocks_reference(costs, dp)
+
+
+def _walked_ties() -> None:
+    """``_ties`` with every block chosen by the walk (``_closest_end``)."""
+    saved, layout_mod.CANDIDATES_PER_ITEM = layout_mod.CANDIDATES_PER_ITEM, -1
+    try:
+        _ties()
+    finally:
+        layout_mod.CANDIDATES_PER_ITEM = saved
 
 
 def _packed() -> None:
@@ -234,7 +422,7 @@ def _plans() -> None:
         _check_plans(seed)
 
 
-CHECKS = {"packed": _packed, "plans": _plans, "blocks": _ties}
+CHECKS = {"packed": _packed, "plans": _plans, "blocks": _ties, "walk": _walked_ties, "data": _check_data_plans}
 
 
 @pytest.mark.parametrize("name", sorted(MUTATIONS))

@@ -47,46 +47,133 @@ def _blocks_needed(prefix: list[int], start: int, cap: int) -> int:
     return count
 
 
-def dp_blocks(costs: Sequence[int], dp: int) -> list[range]:
+class DpBlocks(list):
+    """DP blocks: a list of ``range``s (compares equal to one) that also carries their bounds as
+    arrays, ``start_D`` and ``stop_D``, so that array consumers (``dp_runs``, ``packed_runs``)
+    need no Python loop over the blocks."""
+
+    def __init__(self, start_D: np.ndarray, stop_D: np.ndarray):
+        super().__init__(map(range, start_D.tolist(), stop_D.tolist()))
+        self.start_D, self.stop_D = start_D, stop_D
+
+
+def dp_blocks(costs: Sequence[int] | np.ndarray, dp: int) -> DpBlocks:
     """Split items (e.g. samples with token counts) into ``dp`` contiguous blocks.
 
     The largest block sum is the smallest possible; among such partitions, each block in
     turn takes the end closest to an even share of what is left (so trailing ranks are not
     starved needlessly; ties: the shorter block). Blocks may be empty. Deterministic: every
-    rank gets the same answer. Per block a few bisections (``dp_blocks_reference`` scans).
+    rank gets the same answer. ``dp_blocks_reference`` scans; this one is numpy over items,
+    blocks and candidate starts (``_block_ends``), with a list look-up per block at most.
     """
-    costs, prefix, cap = _costs_and_cap(costs, dp)
-    n = len(costs)
-    # furthest[i]: the furthest end of a block from i within cap; need[i]: blocks needed from i
-    furthest = _furthest(np.asarray(prefix), cap)
-    need = [0] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        need[i] = 1 + need[furthest[i]]
-    # need falls as i grows: the ends after which k blocks suffice are i >= first_within[k]
-    first_within = [bisect.bisect_left(need, -k, key=operator.neg) for k in range(dp)]
-    blocks, start = [], 0
+    prefix_N1, cap = _prefix_and_cap(costs, dp)
+    n = len(prefix_N1) - 1
+    furthest_N1 = _furthest(prefix_N1, cap)
+    # first_within[k]: the first end after which k blocks suffice (k greedy blocks back from n)
+    first_within_K1 = _chain(np.searchsorted(prefix_N1, prefix_N1 - cap, "left"), n, dp)
+    # reach[b]: the furthest start of block b (b greedy blocks on from 0)
+    reach_D = _chain(furthest_N1, 0, dp - 1)
+    stop_D = _block_ends(prefix_N1, furthest_N1, first_within_K1, reach_D)
+    return DpBlocks(np.concatenate([[0], stop_D[:-1]]).astype(np.int64), stop_D)
+
+
+def _furthest(prefix_N1: np.ndarray, cap: int) -> np.ndarray:
+    """The furthest end of a block from each start whose sum stays within ``cap``."""
+    return np.searchsorted(prefix_N1, prefix_N1 + cap, "right") - 1
+
+
+def _jump_levels(next_S: np.ndarray, most: int) -> list[np.ndarray]:
+    """``next`` (a map of states) applied 1, 2, 4, ... times, enough for ``most`` steps."""
+    levels = [next_S]
+    while 2 ** len(levels) <= most:
+        levels.append(levels[-1][levels[-1]])
+    return levels
+
+
+def _chain(next_S: np.ndarray, state: int, steps: int) -> np.ndarray:
+    """The states from ``state`` on, ``steps`` steps of ``next``: one list look-up per step
+    (at a thousand blocks cheaper than binary lifting's dozens of numpy passes)."""
+    next_list, out = next_S.tolist(), [state]
+    for _ in range(steps):
+        state = next_list[state]
+        out.append(state)
+    return np.array(out, dtype=np.int64)
+
+
+# ``_block_ends`` tries every candidate start of every block while they number at most this
+# many per item and block (a tight cap leaves few); beyond, it walks block by block
+CANDIDATES_PER_ITEM = 16
+
+
+def _block_ends(prefix_N1: np.ndarray, furthest_N1: np.ndarray, first_within_K1: np.ndarray,
+                reach_D: np.ndarray) -> np.ndarray:
+    """Each block's end, chosen in turn from its start (the previous block's end) by
+    ``_closest_ends``: a chain, which would be a Python loop over the blocks.
+
+    Block b can only start between ``first_within[dp - b]`` (the rest must fit in dp - b
+    blocks) and ``reach[b]`` (b blocks from 0 must get there), and only where the items before
+    cost something (a zero-cost item goes to the next block: ties take the shorter block).
+    Choose the end from every such start of every block at once (numpy); then follow the chain
+    from block 0 through that table (a look-up per block). Should the chain ever leave the
+    table, or the candidates be too many, walk block by block instead (the same choices)."""
+    n, dp = len(prefix_N1) - 1, len(first_within_K1) - 1
+    if dp == 1:
+        return np.array([n], dtype=np.int64)
+    if int(prefix_N1[n]) >= 2 ** 53:  # shares as Python computes them need exact float sums
+        return _block_ends_walk(prefix_N1, furthest_N1, first_within_K1)
+    b_B = np.arange(dp - 1)  # the blocks whose end is chosen (the last one ends at n)
+    run_R = np.flatnonzero(np.diff(prefix_N1, prepend=-1))  # the first end of each prefix sum
+    first_B = np.searchsorted(run_R, first_within_K1[dp - b_B], "left")
+    count_B = np.searchsorted(run_R, reach_D[:-1], "right") - first_B
+    if int(count_B.sum()) > CANDIDATES_PER_ITEM * (n + dp):
+        return _block_ends_walk(prefix_N1, furthest_N1, first_within_K1)
+    # candidate m: block b_M[m] starting at start_M[m]; block b's candidates from offset_B[b]
+    b_M, k_M = expand(count_B)
+    start_M = run_R[first_B[b_M] + k_M]
+    end_M = _closest_ends(prefix_N1, furthest_N1, first_within_K1, start_M, dp - b_M)
+    # the next block's candidate starting at this end (the last chosen block's lead to
+    # themselves); none: a sink state past the table
+    offset_B, after_M, sink = _exclusive_cumsum(count_B), np.minimum(b_M + 1, dp - 2), len(b_M)
+    k_next = np.searchsorted(run_R, end_M) - first_B[after_M]
+    at_next = run_R[np.minimum(first_B[after_M] + k_next, len(run_R) - 1)]
+    found = (k_next >= 0) & (k_next < count_B[after_M]) & (at_next == end_M)
+    next_M = np.where(b_M + 1 < dp - 1, np.where(found, offset_B[after_M] + k_next, sink), np.arange(sink))
+    chosen_B = _chain(np.append(next_M, sink), 0, dp - 2)
+    if np.any(chosen_B == sink):
+        return _block_ends_walk(prefix_N1, furthest_N1, first_within_K1)
+    return np.append(end_M[chosen_B], n)
+
+
+def _closest_ends(prefix_N1, furthest_N1, first_within_K1, start_B, left_B) -> np.ndarray:
+    """``_closest_end`` of many blocks at once (sums and shares below 2**53: exact in float):
+    the first end whose block sum is closest to the share, between the first end after which
+    ``left - 1`` blocks suffice and the furthest end within the cap."""
+    n = len(prefix_N1) - 1
+    base_B = prefix_N1[start_B]
+    share_B = (prefix_N1[n] - base_B) / left_B
+    lo_B, hi_B = np.maximum(start_B, first_within_K1[left_B - 1]), furthest_N1[start_B]
+    # the first end from lo whose sum reaches the share: prefix >= base + ceil(share), in integers
+    above_B = np.clip(np.searchsorted(prefix_N1, base_B + np.ceil(share_B).astype(np.int64), "left"), lo_B, hi_B + 1)
+    last_below_B = prefix_N1[np.maximum(above_B - 1, 0)]
+    below_B = np.maximum(lo_B, np.searchsorted(prefix_N1, last_below_B, "left"))  # the first end with that sum
+    far_B = np.abs(prefix_N1[np.minimum(above_B, n)] - base_B - share_B)
+    take_below = (above_B > hi_B) | (np.abs(prefix_N1[below_B] - base_B - share_B) <= far_B)
+    return np.where(above_B == lo_B, lo_B, np.where(take_below, below_B, above_B))
+
+
+def _block_ends_walk(prefix_N1, furthest_N1, first_within_K1) -> np.ndarray:
+    """``_block_ends`` block by block (``_closest_end``): for many candidate starts, or sums
+    too large for exact float shares."""
+    prefix, furthest, first_within = prefix_N1.tolist(), furthest_N1.tolist(), first_within_K1.tolist()
+    n, dp = len(prefix) - 1, len(first_within) - 1
+    ends, start = [], 0
     for b in range(dp):
         left = dp - b
-        end = n if left == 1 else _closest_end(prefix, start, max(start, first_within[left - 1]), furthest[start] if start < n else n,
+        end = n if left == 1 else _closest_end(prefix, start, max(start, first_within[left - 1]), furthest[start],
                                                 (prefix[n] - prefix[start]) / left)
-        blocks.append(range(start, end))
+        ends.append(end)
         start = end
-    return blocks
-
-
-def _furthest(prefix_N: np.ndarray, cap: int) -> list[int]:
-    """The furthest end of a block from each start whose sum stays within ``cap``."""
-    return (np.searchsorted(prefix_N, prefix_N + cap, "right") - 1).tolist()
-
-
-def _fits(furthest: list[int], dp: int) -> bool:
-    """Whether greedy blocks (each as far as it can go; the fewest) number at most ``dp``."""
-    i, n = 0, len(furthest) - 1
-    for _ in range(dp):
-        if i == n:
-            return True
-        i = furthest[i]
-    return i == n
+    return np.array(ends, dtype=np.int64)
 
 
 def _closest_end(prefix: list[int], start: int, lo: int, hi: int, share: float) -> int:
@@ -106,26 +193,47 @@ def _closest_end(prefix: list[int], start: int, lo: int, hi: int, share: float) 
     return above
 
 
-def _costs_and_cap(costs: Sequence[int], dp: int) -> tuple[list[int], list[int], int]:
-    """(costs, prefix sums, the smallest capacity that ``dp`` contiguous blocks can keep to)."""
+def _costs_N(costs: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Costs as int64: integers as they are; anything else (floats, bools) through ``int``, as
+    the reference reads them."""
+    costs_N = np.asarray(costs)
+    if costs_N.dtype.kind in "iu":
+        return costs_N.astype(np.int64, copy=False)
+    return np.array([int(c) for c in costs], dtype=np.int64)
+
+
+def _fits(prefix_N1: np.ndarray, cap: int, dp: int) -> bool:
+    """Whether greedy blocks within ``cap`` (each as far as it can go: the fewest) number at
+    most ``dp``: ``dp`` jumps from item 0 reach the end (binary lifting: log(dp) numpy passes)."""
+    pos = 0
+    for k, level in enumerate(_jump_levels(_furthest(prefix_N1, cap), dp)):
+        if dp >> k & 1:
+            pos = int(level[pos])
+    return pos == len(prefix_N1) - 1
+
+
+def _prefix_and_cap(costs: Sequence[int] | np.ndarray, dp: int) -> tuple[np.ndarray, int]:
+    """(prefix sums, the smallest capacity that ``dp`` contiguous blocks can keep to)."""
     if dp < 1:
         raise LayoutError(f"dp must be >= 1, got {dp}")
-    costs = [int(c) for c in costs]
-    if any(c < 0 for c in costs):
+    costs_N = _costs_N(costs)
+    if np.any(costs_N < 0):
         raise LayoutError("sample costs must be non-negative")
-    prefix = [0, *itertools.accumulate(costs)]
-    # binary search over the integers between two bounds: every block within
-    # ceil(total/dp) + the largest cost is feasible (each full block holds more than total/dp)
-    lo = max(max(costs, default=0), -(-prefix[-1] // dp))
-    hi = min(prefix[-1], lo + max(costs, default=0))
-    prefix_N = np.asarray(prefix)
+    prefix_N1 = _exclusive_cumsum(costs_N)
+    total, largest = int(prefix_N1[-1]), int(costs_N.max(initial=0))
+    # every block within ceil(total/dp) + the largest cost is feasible (each full block holds
+    # more than total/dp); the lower bound is often feasible already (even costs): try it first
+    lo = max(largest, -(-total // dp))
+    if _fits(prefix_N1, lo, dp):
+        return prefix_N1, lo
+    lo, hi = lo + 1, min(total, lo + largest)
     while lo < hi:
         mid = (lo + hi) // 2
-        if _fits(_furthest(prefix_N, mid), dp):
+        if _fits(prefix_N1, mid, dp):
             hi = mid
         else:
             lo = mid + 1
-    return costs, prefix, lo
+    return prefix_N1, lo
 
 
 def dp_blocks_reference(costs: Sequence[int], dp: int) -> list[range]:
@@ -557,9 +665,14 @@ class SampleRuns:
         """Each image a run of ``rows_per_image`` rows from its first position."""
         count_N = np.array(list(map(len, image_starts)), dtype=np.int64)
         start_U = np.array(list(itertools.chain.from_iterable(image_starts)), dtype=np.int64)
-        sample_U = np.repeat(np.arange(len(count_N)), count_N)
+        return cls.of_image_arrays(seq_lens, count_N, start_U, rows_per_image)
+
+    @classmethod
+    def of_image_arrays(cls, seq_len_N, images_N: np.ndarray, start_U: np.ndarray, rows_per_image: int) -> "SampleRuns":
+        """``of_images`` from arrays: each sample's images, every image's first position."""
+        sample_U = np.repeat(np.arange(len(images_N)), images_N)
         len_U = np.full(len(start_U), rows_per_image, dtype=np.int64)
-        return cls(np.asarray(seq_lens, dtype=np.int64), sample_U, start_U, len_U)
+        return cls(np.asarray(seq_len_N, dtype=np.int64), sample_U, np.asarray(start_U, dtype=np.int64), len_U)
 
     @classmethod
     def of_positions(cls, samples: Sequence[tuple[int, Sequence[int]]]) -> "SampleRuns":
@@ -693,7 +806,10 @@ def _rank_table_of(shape: tuple[tuple[str, int], ...], offset: int, dims: tuple[
     return table
 
 
-def _block_bounds(blocks: Sequence[range]) -> tuple[np.ndarray, np.ndarray]:
+def block_bounds(blocks: Sequence[range]) -> tuple[np.ndarray, np.ndarray]:
+    """(start_D, stop_D) of DP blocks: ``dp_blocks``' arrays as they are, else read range by range."""
+    if isinstance(blocks, DpBlocks):
+        return blocks.start_D, blocks.stop_D
     start_D = np.array(list(map(operator.attrgetter("start"), blocks)), dtype=np.int64)
     stop_D = np.array(list(map(operator.attrgetter("stop"), blocks)), dtype=np.int64)
     return start_D, stop_D
@@ -711,7 +827,7 @@ def dp_runs(grid: ParallelGrid, sample_rows: Sequence[int] | np.ndarray, blocks:
     """``dp_placement`` as arrays: the same pieces, local rows and replica groups."""
     tp, dp = _dp_layout(grid, blocks, shard)
     starts = _exclusive_cumsum(np.asarray(sample_rows, dtype=np.int64))
-    start_D, stop_D = _block_bounds(blocks)
+    start_D, stop_D = block_bounds(blocks)
     row0_DT = np.repeat(starts[start_D][:, None], tp, axis=1)
     n_DT = np.repeat((starts[stop_D] - starts[start_D])[:, None], tp, axis=1)
     rank_DT = _rank_table(grid, ("dp", "tp"))
@@ -785,7 +901,7 @@ def packed_runs(grid: ParallelGrid, runs: SampleRuns, blocks: Sequence[range], h
     tp, cp, dp = (grid.shape.get(d, 1) for d in ("tp", "cp", "dp"))
     if len(blocks) != dp:
         raise LayoutError(f"{len(blocks)} DP blocks for dp={dp}")
-    start_D, stop_D = _block_bounds(blocks)
+    start_D, stop_D = block_bounds(blocks)
     block_N, padded_N, before_N, local_len_D = _pack_offsets(runs, start_D, stop_D, tp, cp, sequence_parallel)
     keep = runs.len_U > 0
     sample_V, start_V, len_V, row_V = (a[keep] for a in (runs.sample_U, runs.start_U, runs.len_U, runs.row_U))

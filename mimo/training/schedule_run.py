@@ -40,6 +40,7 @@ from mimo.bridges.executor import Bridge
 from mimo.bridges.plan import TransferPlan, rank_plans
 from mimo.compose.model import MimoModel
 from mimo.data.pipeline import Microbatch
+from mimo.data.plan import SampleArrays
 from mimo.llm.pipeline import StageRunner
 from mimo.parallel.grid import ParallelGrid
 from mimo.parallel.layout import RunPlacement, SampleRuns, dp_runs, packed_runs
@@ -85,16 +86,17 @@ def encode_and_bridge(model: MimoModel, mb: Microbatch, trace: Trace | None = No
     return bridges, image_rows
 
 
-def image_bridge_plans(samples: Sequence, placeholder: str, rows_per_image: int, hidden: int,
+def image_bridge_plans(samples: SampleArrays | Sequence, placeholder: str, rows_per_image: int, hidden: int,
                        encoder_grid: ParallelGrid, encoder_blocks: Sequence[range], llm_grid: ParallelGrid,
                        llm_blocks: Sequence[range], sequence_parallel: bool, rank: int
                        ) -> tuple[RunPlacement, RunPlacement, tuple[TransferPlan, TransferPlan]]:
-    """One encoder's bridge on ``rank`` for a microbatch of ``samples`` (``PlannedSample``s):
-    the encoder's rows (its DP blocks, replicated over its TP), the LLM first stage's declared
-    placement of them (``LLMStage.image_placement``, from runs of rows: each image's rows are
-    consecutive positions) and this rank's plans both ways."""
-    runs = SampleRuns.of_images([s.tokens for s in samples], [s.image_starts.get(placeholder, ()) for s in samples],
-                                rows_per_image)
+    """One encoder's bridge on ``rank`` for a microbatch of ``samples`` (its ``SampleArrays``, or
+    ``PlannedSample``s): the encoder's rows (its DP blocks, replicated over its TP), the LLM
+    first stage's declared placement of them (``LLMStage.image_placement``, from runs of rows:
+    each image's rows are consecutive positions) and this rank's plans both ways."""
+    arrays = SampleArrays.of(samples)
+    runs = SampleRuns.of_image_arrays(arrays.tokens_N, arrays.images_for(placeholder), arrays.image_starts(placeholder),
+                                      rows_per_image)
     src = dp_runs(encoder_grid, runs.rows_N, encoder_blocks, hidden)
     dst = packed_runs(llm_grid, runs, llm_blocks, hidden, sequence_parallel)
     return src, dst, rank_plans(src, dst, rank)
@@ -105,7 +107,7 @@ def _bridge_plans(model: MimoModel, mb: Microbatch, name: str):
     cache = mb.__dict__.setdefault("_bridge_plans", {})
     if name not in cache:
         enc = model.config.encoders[name]
-        cache[name] = image_bridge_plans(mb.samples, enc.placeholder, enc.rows_per_image, model.config.llm.arch.hidden,
+        cache[name] = image_bridge_plans(mb.arrays, enc.placeholder, enc.rows_per_image, model.config.llm.arch.hidden,
                                          model.encoders[name].grid, mb.encoder_blocks[name], model.llm_grid,
                                          mb.llm_blocks, model.llm_ctx.sequence_parallel, model.rank)
     return cache[name]
