@@ -127,6 +127,13 @@ def set_recompute(model, mode: str) -> None:
             part.module.tower.set_recompute(mode)
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (a recompile adds one)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: list[str], profile_to: str | None = None,
              sync_steps: bool = False) -> dict:
     """Build the run once; train steps 1..steps for each variant in turn (``eager``: as built;
@@ -138,7 +145,7 @@ def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: li
     from mimo.training.step import train_step
 
     torch.manual_seed(0)
-    policy = PrecisionPolicy.named(config.train.precision)
+    policy = PrecisionPolicy.named(config.train.precision, config.train.grad_reduce)
     t0 = time.perf_counter()
     run = build_run(config, 0, policy=policy, device=device)
     build_s = time.perf_counter() - t0
@@ -195,6 +202,8 @@ def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: li
                 results, marks, warm = [], [], []
                 for step in range(1, steps + 1):
                     t = time.perf_counter()
+                    if step == warmup + 1:
+                        graphs = compiled_graphs()
                     if step > warmup:
                         marks.append(mark())
                     results.append(train_step(run.model, run.pipeline, step, run.optimizers, policy))
@@ -207,7 +216,8 @@ def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: li
                 losses = [r.loss for r in results]  # as the baseline: no read between timed steps
                 out[variant] = {"times": [seconds(a, b) for a, b in zip(marks[:-1], marks[1:])], "warmup_s": warm,
                                 "losses": losses, "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-                                "data_s_median": statistics.median(data_s[warmup:])}
+                                "data_s_median": statistics.median(data_s[warmup:]),
+                                "graphs_compiled_in_timed_steps": compiled_graphs() - graphs}
                 if profile_to and cuda:
                     out[variant]["profile"] = profile_steps(run, policy, [steps - 1, steps], f"{profile_to}.{variant}.txt")
             except Exception as e:  # noqa: BLE001
@@ -292,7 +302,8 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
         r = {"timed_steps": len(v["times"]), "step_s_median": statistics.median(v["times"]), "step_s_min": min(v["times"]),
              "step_s_max": max(v["times"]), "step_s_mean": total / len(v["times"]), "warmup_step_s": v["warmup_s"],
              "real_tokens_per_s": got["real_tokens"] / total, "model_tflops_per_s": tflops, "mfu": tflops / rate if rate else None,
-             "peak_mem_gib": v["peak_mem_gib"], "data_s_median": v["data_s_median"], "loss_first": v["losses"][0], "loss_last": v["losses"][-1]}
+             "peak_mem_gib": v["peak_mem_gib"], "data_s_median": v["data_s_median"], "loss_first": v["losses"][0], "loss_last": v["losses"][-1],
+             "graphs_compiled_in_timed_steps": v["graphs_compiled_in_timed_steps"]}
         if "profile" in v:
             r["profile"] = v["profile"]
         if baseline is not None:

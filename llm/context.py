@@ -70,5 +70,12 @@ class SeqContext:
 
     def segment_ids(self) -> torch.Tensor:
         """``[T]`` index of the segment each position belongs to."""
-        t = int(self.cu_seqlens[-1])
-        return torch.repeat_interleave(torch.arange(len(self.cu_seqlens) - 1, device=self.cu_seqlens.device), torch.diff(self.cu_seqlens).long(), output_size=t)
+        return segment_index(self.cu_seqlens, self.positions.numel())
+
+
+def segment_index(cu_seqlens: torch.Tensor, t: int) -> torch.Tensor:
+    """``[t]`` int64 segment of each position (positions past ``cu_seqlens[-1]``: one more
+    trailing segment). A search, not ``repeat_interleave``: nothing is read on the host (no
+    device sync, nothing for torch.compile to break at)."""
+    cu = cu_seqlens.to(torch.int64)
+    return torch.searchsorted(cu[1:], torch.arange(t, device=cu.device), right=True)

@@ -9,6 +9,10 @@ every token's expert outputs back into its row. The experts run in between::
     d = dispatcher.dispatch(x_TD, routing)
     y_TD = dispatcher.combine(experts(d.x_RD, d.ends_L), d)
 
+Experts linear in their last product may apply the gates themselves (``d.gate_R``, one per
+row, in row order) and pass ``combine(..., gated=True)``: ``GroupedExperts`` scales the
+activation, fused with it, so the combine is a plain sum that keeps nothing for backward.
+
 ``LocalDispatcher`` (EP = 1): the permutation ``GroupedExperts`` does today. The ``T*K``
 (token, slot) assignments are sorted by expert with a stable argsort; the padding's sentinel
 expert ``E`` sorts last and rides along in the last group with gate 0, so nothing is read on
@@ -73,7 +77,7 @@ class Dispatched:
 
     x_RD: torch.Tensor
     ends_L: torch.Tensor
-    gate_R: torch.Tensor  # the gate of each expert row (the local dispatcher: the routing's [T, K], slot order)
+    gate_R: torch.Tensor  # the gate of each expert row, in row order
     row_R: torch.Tensor  # the row (token, or received (token, rank) row) each expert row sums into
     rows: int  # tokens (local), or received rows (all-to-all)
     plan: object = None  # the dispatcher's record for combine (``_Plan``, DeepEP's state)
@@ -97,6 +101,10 @@ class DispatchStats:
     @property
     def payload_bytes(self) -> int:
         return self.forward_bytes + self.backward_bytes
+
+    def count_call(self) -> None:
+        if not torch.compiler.is_compiling():  # a Python int would be a guard: recompiled at every call
+            self.calls += 1
 
     def reset(self) -> None:
         self.forward_bytes = self.backward_bytes = self.min_forward_bytes = self.meta_bytes = self.d2h = self.calls = 0
@@ -157,9 +165,8 @@ class LocalDispatcher:
     """EP = 1: every expert is local (see module doc). Padding rows ride in the last group.
 
     Every token has exactly ``K`` rows (``R = T*K``), so the row order is a permutation of the
-    slots: combine gathers the expert outputs back into slot order and sums each token's ``K``
-    rows weighted by its gates in one batched product (``[T, 1, K] @ [T, K, D]``), the gate
-    multiply and the sum fused, no scatter."""
+    slots: combine gathers the (gated) expert outputs back into slot order and sums each
+    token's ``K`` rows, no scatter."""
 
     def __init__(self, experts: int):
         self.experts = experts
@@ -176,18 +183,18 @@ class LocalDispatcher:
         ends_E = counts_E.cumsum(0)
         ends_E[-1] = flat_R.numel()  # the padding rows (sentinel E) ride along in the last group
         token_R = order_R // k
-        self.stats.calls += 1
-        return Dispatched(_SlotsToRows.apply(x_TD, token_R, inverse_R, k), ends_E, gate_TK, token_R, x_TD.shape[0],
+        self.stats.count_call()
+        gate_R = _Permute.apply(gate_TK.reshape(-1), order_R, inverse_R)
+        return Dispatched(_SlotsToRows.apply(x_TD, token_R, inverse_R, k), ends_E, gate_R, token_R, x_TD.shape[0],
                           plan=(order_R, inverse_R),
                           overlapped=while_in_flight() if while_in_flight is not None else None,
                           gathered_from=(x_TD, token_R))
 
-    def combine(self, y_RD: torch.Tensor, d: Dispatched) -> torch.Tensor:
+    def combine(self, y_RD: torch.Tensor, d: Dispatched, gated: bool = False) -> torch.Tensor:
         order_R, inverse_R = d.plan
-        gate_TK = d.gate_R  # (in slot order: the routing's own gates)
-        t, k = gate_TK.shape
-        y_TKD = _Permute.apply(y_RD, inverse_R, order_R).view(t, k, y_RD.shape[-1])
-        return torch.bmm(gate_TK.to(y_RD.dtype).unsqueeze(1), y_TKD).squeeze(1)
+        y_RD = y_RD if gated else _gated(y_RD, d)
+        k = order_R.numel() // max(d.rows, 1)
+        return _Permute.apply(y_RD, inverse_R, order_R).view(d.rows, k, y_RD.shape[-1]).sum(1)
 
 
 # ---------------------------------------------------------------- all-to-all
@@ -341,9 +348,14 @@ def _to_local_experts(x_ND, gate_NK, local_NK, ends_L, assigned: int, plan, over
                       gathered_from=(x_ND, row_A))
 
 
-def _sum_rows(y_AD: torch.Tensor, d: Dispatched) -> torch.Tensor:
-    """The gates applied on the expert side and one summed row per received row."""
-    y_AD = y_AD * d.gate_R[:, None].to(y_AD.dtype)
+def _gated(y_RD: torch.Tensor, d: Dispatched) -> torch.Tensor:
+    return y_RD * d.gate_R[:, None].to(y_RD.dtype)
+
+
+def _sum_rows(y_AD: torch.Tensor, d: Dispatched, gated: bool) -> torch.Tensor:
+    """The gates applied on the expert side (unless ``gated``: the experts did) and one summed
+    row per received row."""
+    y_AD = y_AD if gated else _gated(y_AD, d)
     return y_AD.new_zeros(d.rows, y_AD.shape[1]).index_add(0, d.row_R, y_AD)
 
 
@@ -405,7 +417,7 @@ class AllToAllDispatcher(_OverEP):
         # 3. the one host copy: rows to / from each EP peer, rows of each ETP peer, assignments
         host = _to_host(torch.cat([counts_P1[:, 0], got_P1[:, 0], got_Q1[:, 0], counts_L.sum()[None]]))
         self.stats.d2h += 1
-        self.stats.calls += 1
+        self.stats.count_call()
         send, recv, etp_rows, assigned = host[:ep], host[ep:2 * ep], host[2 * ep:-1], host[-1]
         if self.audit and not replaying():
             self.stats.min_forward_bytes += min_forward_bytes(idx_TK, self.experts, ep, self.rank, self.etp,
@@ -427,11 +439,11 @@ class AllToAllDispatcher(_OverEP):
         return _to_local_experts(x_ND, gate_NK, local_NK, counts_L.cumsum(0), assigned,
                                  _Plan(send, recv, token_S, t, etp_rows), overlapped)
 
-    def combine(self, y_AD: torch.Tensor, d: Dispatched) -> torch.Tensor:
+    def combine(self, y_AD: torch.Tensor, d: Dispatched, gated: bool = False) -> torch.Tensor:
         # 5. gates on the expert side (on ETP partial sums: linear, and the gate's gradient is
         #    summed back by the all-gather's adjoint), one summed row per received (token,
         #    rank) pair, summed over ETP, back over EP, summed per token
-        z_ND = _sum_rows(y_AD, d)
+        z_ND = _sum_rows(y_AD, d, gated)
         if self.etp > 1:
             z_ND = _ReduceScatterV.apply(z_ND, d.plan.etp_rows, self.etp_group, self.stats)
         z_SD = all_to_all(z_ND, d.plan.recv, d.plan.send, self.ep_group, self.stats)
@@ -597,7 +609,7 @@ class DeepEPDispatcher(_OverEP):
         overlapped = while_in_flight() if while_in_flight is not None else None
         x_ND, gate_NK = _Wait.apply(x_ND, flight), _Wait.apply(gate_NK, flight)
         self.stats.d2h += 1  # DeepEP's own wait for the receive counts
-        self.stats.calls += 1
+        self.stats.count_call()
         counts_L = state.counts_L
         if self.audit and not replaying():
             self._count(routing.idx_TK, x_ND.shape[0], _row_bytes(x_TD), state)
@@ -605,8 +617,8 @@ class DeepEPDispatcher(_OverEP):
         ends_L = torch.tensor(counts_L, dtype=torch.int64, device=x_ND.device).cumsum(0)
         return _to_local_experts(x_ND, gate_NK, local_NK, ends_L, sum(counts_L), state, overlapped)
 
-    def combine(self, y_AD: torch.Tensor, d: Dispatched) -> torch.Tensor:
-        return _DeepEPCombine.apply(_sum_rows(y_AD, d).to(torch.bfloat16), d.plan)
+    def combine(self, y_AD: torch.Tensor, d: Dispatched, gated: bool = False) -> torch.Tensor:
+        return _DeepEPCombine.apply(_sum_rows(y_AD, d, gated).to(torch.bfloat16), d.plan)
 
     def _count(self, idx_TK: torch.Tensor, received: int, row_bytes: int, state: _DeepEPState) -> None:
         """Audit only (reads the routing on the host): the rows this rank puts on a wire, as

@@ -42,6 +42,7 @@ from mimo.llm.router import Routing
 from mimo.parallel import gemm
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.placement import ParamPlacement, replicated, sharded, sharded_dims
+from mimo.parallel.recompute import maybe
 
 
 def _up_placement(shape: tuple[int, ...], ffn: int, gated: bool, dim: int) -> ParamPlacement:
@@ -101,14 +102,20 @@ class GroupedExperts(nn.Module):
         rank of its EP group passes (the MoE layer: its TP slice of the pack)."""
         d = self.dispatcher.dispatch(x_TI, routing, while_in_flight)
         with regathered(d.x_RD, d.gathered_from if self.selective else None):
-            y_RI = self.compute(d.x_RD, d.ends_L)
-        return self.dispatcher.combine(y_RI, d), d.overlapped
+            y_RI = self.compute(d.x_RD, d.ends_L, d.gate_R)
+        return self.dispatcher.combine(y_RI, d, gated=True), d.overlapped
 
-    def compute(self, x_RI: torch.Tensor, ends_L: torch.Tensor) -> torch.Tensor:
+    def compute(self, x_RI: torch.Tensor, ends_L: torch.Tensor, gate_R: torch.Tensor | None = None) -> torch.Tensor:
         """The local experts on rows grouped by expert (``ends_L``: cumulative row ends): the
-        expert GEMM seam (one grouped GEMM per projection)."""
+        expert GEMM seam (one grouped GEMM per projection). ``gate_R``: each row's gate, applied
+        to the activation (the down projection is linear; fused with the activation, and the
+        combine then keeps nothing for backward), as Megatron-Core's grouped MLP does."""
         h_RF = gemm.grouped_linear(x_RI, self.up_proj, ends_L, self.recipe)
-        a_RF = activate_maybe_recomputed(self.selective, h_RF.chunk(2, dim=-1) if self.gated else (h_RF,), self.act)
+        parts = h_RF.chunk(2, dim=-1) if self.gated else (h_RF,)
+        if gate_R is None:
+            a_RF = activate_maybe_recomputed(self.selective, parts, self.act)
+        else:
+            a_RF = maybe(self.selective, lambda g_R, *p: activate(p, self.act) * g_R[:, None].to(p[0].dtype), gate_R, *parts)
         return gemm.grouped_linear(a_RF, self.down_proj, ends_L, self.recipe)
 
     def extra_repr(self) -> str:

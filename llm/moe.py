@@ -102,7 +102,7 @@ class MoE(nn.Module):
             y_TD = self.latent_out(routed_TD) if self.cfg.latent else routed_TD
             y_TD = y_TD if s_TD is None else y_TD + s_TD
             y_TD = reduce_scatter_seq(y_TD, tp) if sp else reduce_from_group(y_TD, tp)
-        if self.training and seq.loss_norm is not None:
+        if self.training and seq.loss_norm is not None and self.router.has_aux_loss:
             aux = self.router.aux_loss(logits_TE, routing, valid_T, seq.sample_ids(), seq.num_samples,
                                        seq.loss_norm, self.ctx.grad_group, None if seq.cp is None else seq.cp.group)
             if aux is not None:

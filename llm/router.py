@@ -241,6 +241,10 @@ class Router(nn.Module):
         self.qb_sum += beta_E.float()
         self.qb_n += 1
 
+    @property
+    def has_aux_loss(self) -> bool:
+        return self.cfg.aux_loss.kind != "none" or self.cfg.z_loss_coeff != 0
+
     def aux_loss(self, logits_TE: torch.Tensor, routing: Routing, valid_T: torch.Tensor | None,
                  segment_T: torch.Tensor | None, num_segments: int, loss_norm: float, dp_group=None,
                  cp_group=None) -> torch.Tensor | None:
@@ -251,7 +255,7 @@ class Router(nn.Module):
         of the pack's samples (``per_sample`` counts are summed over it)."""
         cfg = self.cfg
         kind, e, k = cfg.aux_loss.kind, cfg.experts, cfg.topk
-        if kind == "none" and cfg.z_loss_coeff == 0:
+        if not self.has_aux_loss:
             return None
         accumulating = self.accumulating  # (read outside the no_grad blocks below: it asks for grad mode)
         mask_T1 = None if valid_T is None else valid_T[:, None].to(logits_TE.dtype)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from mimo.llm.cache import pad_rows
+from mimo.llm.context import segment_index
 from mimo.llm.norm import RMSNorm
 from mimo.llm.recurrence import conv1d_naive
 from mimo.parallel.context import ParallelContext
@@ -33,13 +34,11 @@ __all__ = [
 def segments(cu_seqlens: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(seg_T, offset_T)``: segment index of each of ``t`` tokens and its offset in it.
 
-    Uses searchsorted rather than ``SeqContext.segment_ids`` so that no device sync is needed.
     Tokens past ``cu_seqlens[-1]`` (there should be none) form one more trailing segment.
     """
     cu = cu_seqlens.to(torch.int64)
-    t_T = torch.arange(t, device=cu.device)
-    seg_T = torch.searchsorted(cu[1:], t_T, right=True)
-    offset_T = t_T - cu[seg_T.clamp(max=cu.numel() - 1)]
+    seg_T = segment_index(cu, t)
+    offset_T = torch.arange(t, device=cu.device) - cu[seg_T.clamp(max=cu.numel() - 1)]
     return seg_T, offset_T
 
 

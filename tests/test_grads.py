@@ -233,17 +233,17 @@ def test_partial_gradients_cost_one_tp_collective_per_bucket(pools, demo_config,
             assert cost == r["tp_buckets"], r
 
 
-def _persistent_case(config_path, precision):
+def _persistent_case(config_path, precision, grad_reduce="fp32"):
     """Two training steps of a built run: the same GradSync and buffers both steps, every
     trained parameter's gradient a view of one of its buckets (fp32: ``.grad`` itself; bf16:
-    an fp32 ``main_grad``, ``.grad`` freed)."""
+    an fp32 ``main_grad``, ``.grad`` freed; bf16 with ``grad_reduce`` bf16: ``.grad`` itself)."""
     import torch.distributed as dist
 
     from mimo.compose.config import load_config
     from mimo.training.run import build_run
     from mimo.training.step import train_step
 
-    run = build_run(load_config(config_path), dist.get_rank(), policy=PrecisionPolicy.named(precision))
+    run = build_run(load_config(config_path), dist.get_rank(), policy=PrecisionPolicy.named(precision, grad_reduce))
     sync = run.grad_sync
     buffers = [b.flat.data_ptr() for b in sync._all]
     losses = [train_step(run.model, run.pipeline, step, run.optimizers, run.policy).loss for step in (1, 2)]
@@ -252,7 +252,7 @@ def _persistent_case(config_path, precision):
     return {
         "same": run.model.grad_sync is sync and [b.flat.data_ptr() for b in sync._all] == buffers,
         "in_buckets": all(any(_inside(p.param.main_grad, b.flat) for b in sync._all) for p in params),
-        "main_fp32": all(p.param.main_grad.dtype == torch.float32 for p in params),
+        "main_dtypes": sorted({str(p.param.main_grad.dtype) for p in params}),
         "grad_is_main": all(p.param.grad is p.param.main_grad for p in params),
         "grad_freed": all(p.param.grad is None for p in params),
         "trained": len(params), "losses": losses,
@@ -262,6 +262,19 @@ def _persistent_case(config_path, precision):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_main_gradients_persist_across_steps(pools, demo_config, precision):
     for r in pools(4).run(_persistent_case, demo_config, precision):
-        assert r["trained"] > 0 and r["same"] and r["in_buckets"] and r["main_fp32"], r
+        assert r["trained"] > 0 and r["same"] and r["in_buckets"] and r["main_dtypes"] == ["torch.float32"], r
         assert r["grad_is_main"] if precision == "fp32" else r["grad_freed"], r
         assert all(0 < loss < 20 for loss in r["losses"]), r
+
+
+def test_bf16_gradients_are_the_weights_own(pools, demo_config):
+    """``train.grad_reduce: bf16`` (bf16-pure, the demo layout with DP 2 on the LLM): no fp32
+    main gradient anywhere, ``.grad`` is the bucket (autograd accumulates into it, the DP sum
+    runs on it); the first step's loss is the fp32-reduced run's, the second within bf16
+    rounding of the summed gradients."""
+    bf16 = pools(4).run(_persistent_case, demo_config, "bf16-pure", "bf16")
+    fp32 = pools(4).run(_persistent_case, demo_config, "bf16-pure", "fp32")
+    for r, ref in zip(bf16, fp32):
+        assert r["trained"] > 0 and r["same"] and r["in_buckets"] and r["grad_is_main"], r
+        assert r["main_dtypes"] == ["torch.bfloat16"] and ref["main_dtypes"] == ["torch.float32"], (r, ref)
+        assert r["losses"][0] == ref["losses"][0] and abs(r["losses"][1] - ref["losses"][1]) < 2e-2, (r, ref)

@@ -59,7 +59,7 @@ def _convert_rank(source: str, config_path: str, overrides: list[str], out: str,
     from mimo.training.run import model_optimizers
 
     config = load_config(config_path, overrides)
-    policy = PrecisionPolicy.named(config.train.precision)
+    policy = PrecisionPolicy.named(config.train.precision, config.train.grad_reduce)
     model = MimoModel(config, dist.get_rank(), dtype=policy.params)
     optimizers = {m: opt for m, opt in model_optimizers(config, model, policy).items() if m in with_state}
     meta = load_checkpoint(model, source, optimizers)

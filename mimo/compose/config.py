@@ -104,6 +104,9 @@ class TrainConfig:
     min_lr: float | None = None  # the final lr at train.lr (a module's own lr ends at the same fraction); None: 10%
     decay_ratio: float = 0.1  # wsd: the fraction of steps that decays
     precision: Literal["fp32", "bf16", "bf16-pure"] = "fp32"
+    # the dtype gradients accumulate over microbatches and are summed over DP in: fp32 (main
+    # gradients beside bf16 weights), or bf16 (the weights' own .grad; 4 bytes a parameter less)
+    grad_reduce: Literal["fp32", "bf16"] = "fp32"
     grad_clip: float | None = 1.0  # max global gradient norm; None: no clipping
     seed: int = 0  # parameter initialisation and dropout
     # "simple": every microbatch forward, then every backward; "1f1b": the tick-table pipeline
@@ -144,6 +147,12 @@ class TrainConfig:
             if getattr(self, key) and self.precision == "bf16-pure":
                 problems.append(f"{join_path(path, key)}: keeps fp32 masters and moments; train.precision bf16-pure has none "
                                 f"(use bf16)")
+        if self.grad_reduce == "bf16" and self.precision == "fp32":
+            problems.append(f"{join_path(path, 'grad_reduce')}: bf16 gradients need bf16 weights; train.precision is fp32 "
+                            f"(use bf16 or bf16-pure, or grad_reduce: fp32)")
+        if self.grad_reduce == "bf16" and self.distributed_optimizer:
+            problems.append(f"{join_path(path, 'grad_reduce')}: the distributed optimizer reduce-scatters into fp32 "
+                            f"main-gradient shards (use grad_reduce: fp32)")
         if self.recompute_layers is not None and self.recompute_layers < 1:
             problems.append(f"{join_path(path, 'recompute_layers')}: must be >= 1 (or unset: all layers), got {self.recompute_layers}")
         return problems + self._lr_schedule_problems(path)

@@ -23,8 +23,6 @@ those groups recomputes the same piece at the same point of the schedule.
 
 from __future__ import annotations
 
-from contextvars import ContextVar
-
 import torch
 import torch.utils.checkpoint
 
@@ -40,7 +38,16 @@ class _Stash:
         self.at = 0
 
 
-_CURRENT: ContextVar[_Stash | None] = ContextVar("mimo_recompute", default=None)
+class _Current:
+    """The checkpointed piece running now (None: none). A plain attribute, not a ContextVar:
+    torch.compile (2.11) breaks its graph at a ContextVar read but guards a global's attribute.
+    Forwards and their recomputes run one at a time (the schedule's thread, or autograd's
+    during that thread's backward), so one slot serves."""
+
+    stash: _Stash | None = None
+
+
+_CURRENT = _Current()
 
 
 def checkpoint(fn, *args):
@@ -48,11 +55,11 @@ def checkpoint(fn, *args):
     record = _Stash()
 
     def run(*a):
-        token = _CURRENT.set(record)
+        outer, _CURRENT.stash = _CURRENT.stash, record
         try:
             return fn(*a)
         finally:
-            _CURRENT.reset(token)
+            _CURRENT.stash = outer
             record.replaying, record.at = True, 0  # the next run of this piece is its recompute
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
@@ -71,14 +78,14 @@ def maybe(recompute: bool, fn, *args):
 
 def replaying() -> bool:
     """Whether the running forward is a recompute (step accumulators must not count it again)."""
-    s = _CURRENT.get()
+    s = _CURRENT.stash
     return s is not None and s.replaying
 
 
 def stash(compute):
     """``compute()`` in a first forward (recorded when it is a checkpointed piece's), the
     recorded value in its recompute."""
-    s = _CURRENT.get()
+    s = _CURRENT.stash
     if s is None:
         return compute()
     if s.replaying:

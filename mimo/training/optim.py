@@ -37,14 +37,18 @@ class PrecisionPolicy:
     master_params: torch.dtype | None = None
 
     @classmethod
-    def named(cls, name: str) -> "PrecisionPolicy":
+    def named(cls, name: str, grad_reduce: str = "fp32") -> "PrecisionPolicy":
+        """``train.precision`` and ``train.grad_reduce``: the dtype gradients accumulate over
+        microbatches and are summed in (fp32: main gradients beside bf16 weights; bf16: the
+        gradients are the weights' own ``.grad``, no main-gradient buffer)."""
         f32, b16 = torch.float32, torch.bfloat16
+        grads = {"fp32": f32, "bf16": b16}[grad_reduce]
         if name == "fp32":
             return cls(f32, f32, f32, f32)
         if name == "bf16":  # bf16 weights and activations; AdamW on fp32 master weights and fp32 state
-            return cls(b16, b16, f32, f32, master_params=f32)
+            return cls(b16, b16, grads, f32, master_params=f32)
         if name == "bf16-pure":  # bf16 weights, activations and Adam state (no master copy)
-            return cls(b16, b16, f32, b16)
+            return cls(b16, b16, grads, b16)
         raise ValueError(f"unknown precision {name!r}")
 
 

@@ -43,7 +43,7 @@ def build_run(config: MimoConfig, rank: int, index: Index | None = None, policy:
               device: torch.device | str = "cpu") -> Run:
     """Model, pipeline and optimizers of ``rank``; ``index`` defaults to the config's
     (prepared beforehand, once: here it is only loaded)."""
-    policy = policy or PrecisionPolicy.named(config.train.precision)
+    policy = policy or PrecisionPolicy.named(config.train.precision, config.train.grad_reduce)
     model = MimoModel(config, rank, device=device, dtype=policy.params)
     if index is None:
         index, _ = ensure_index(config)
@@ -78,6 +78,16 @@ def data_pipeline(config: MimoConfig, model: MimoModel, plan, micro_batches: int
                         model.rank, make_reader=lambda: sample_reader(config, plan), device=model.device, ahead=ahead)
 
 
+def _dynamic_length_options() -> dict:
+    """Inductor options for layers compiled for dynamic lengths: no fusion choice that depends
+    on the length. Mix-order reductions (the norms' backward) are chosen by row count, which
+    guards the compiled graph on a range of lengths: a pack outside it compiled the layer again
+    (seconds, mid-run)."""
+    from torch._inductor import config
+
+    return {"triton.mix_order_reduction": False} if hasattr(config.triton, "mix_order_reduction") else {}
+
+
 def compile_blocks(model: MimoModel) -> int:
     """``train.compile``: each LLM layer and each vision block through ``torch.compile``, in
     place (compiled on first use; the weights stay the module's own). Repeated blocks share one
@@ -85,8 +95,9 @@ def compile_blocks(model: MimoModel) -> int:
     Embedding, head and loss stay eager (the loss works in chunks). Returns the count."""
     n = 0
     if model.stage is not None:
+        options = _dynamic_length_options()
         for layer in model.stage.layers.values():
-            layer.compile(dynamic=True)
+            layer.compile(dynamic=True, options=options)
             n += 1
     for part in model.encoders.values():
         if part.module is not None:
