@@ -14,7 +14,9 @@ Adding a command: write ``def run_x(args) -> dict`` and ``def x_arguments(parser
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -552,7 +554,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in problems:
             print(problem, file=sys.stderr)
         sys.stderr.flush()
-        print(json.dumps({"ok": False, "command": command, "errors": problems}), flush=True)
+        _print_line(json.dumps({"ok": False, "command": command, "errors": problems}))
         return 2
-    print(json.dumps(result), flush=True)
+    _print_line(json.dumps(result))
     return 0 if result.get("ok", True) else 1
+
+
+def _print_line(line: str) -> None:
+    """``line`` and its newline in one write: the ranks of a node may share one stdout file, and
+    a print unbuffered (``python -u``) writes the two apart, so two ranks' lines could merge."""
+    sys.stdout.flush()
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):  # a captured stream (tests)
+        print(line, flush=True)
+        return
+    os.write(fd, (line + "\n").encode())
