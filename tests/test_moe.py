@@ -315,6 +315,37 @@ def test_per_sample_aux_loss_does_not_depend_on_packing():
     assert joined + pack_loss([2, 3, 4], 1) != pytest.approx(one, rel=1e-6)
 
 
+@pytest.mark.parametrize("aux", [None, AuxLoss("per_sample", 0.1)], ids=["no aux", "per-sample aux"])
+def test_compiled_layer_traces_whole_and_once(aux):
+    """``train.compile`` on an MoE layer: two graphs for every pack length (one for packs with a
+    padding segment, one without; aux loss or not), no graph break (no host read of the pack, no Python counter or context read
+    inside), and the eager layer's outputs and gradients. A graph break or a recompile per pack
+    would cost the GPU step its fusions and seconds per new length."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = moe_arch(ffn=16, **({} if aux is None else {"aux_loss": aux}))
+    layer = MoE(HIDDEN, cfg).to(torch.bfloat16)
+    layer.init_weights(seed=3, std=0.2)
+    layer.train()
+    compiled = torch.compile(layer, dynamic=True, backend="eager")
+    for lens, pad in (([5, 9, 3], 4), ([11, 2], 0), ([7, 7, 7, 1], 6), ([20, 10], 0), ([2, 3], 1)):
+        seq = make_seq(lens, pad, 20.0)
+        h = make_inputs(seq, seed=len(lens))[0].to(torch.bfloat16).requires_grad_()
+        grads = []
+        for fn in (layer, compiled):
+            layer.zero_grad(set_to_none=True)
+            h.grad = None
+            y = fn(h, seq)
+            y.float().square().sum().backward()
+            grads.append([y, h.grad, *(p.grad for p in layer.parameters())])
+        for eager_t, compiled_t in zip(*grads):
+            torch.testing.assert_close(compiled_t, eager_t, rtol=0, atol=0)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
 # ---------------------------------------------------------------- TP over gloo
 
 
