@@ -114,6 +114,9 @@ class DataPlan:
             self.valid.append(i)
         if not self.valid:
             raise DataError(f"no usable sample in {len(index.entries)} indexed (skipped: {dict(self.skipped)})")
+        if all(index.entries[i].tokens == 0 for i in self.valid):  # a microbatch would never fill
+            raise DataError(f"every usable sample of the {len(index.entries)} indexed has 0 tokens (empty text, "
+                            f"no images): nothing to train on")
         self._starts: list[int] = [0]  # stream position where each microbatch starts
         self._columns: _IndexColumns | None = None
         self._orders: dict[int, np.ndarray] = {}  # a few recent epochs' orders

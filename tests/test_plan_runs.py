@@ -18,7 +18,7 @@ import pytest
 import mimo.bridges.plan as plan_mod
 import mimo.parallel.layout as layout_mod
 from mimo.bridges.plan import make_plan, rank_plans
-from mimo.core.errors import LayoutError
+from mimo.core.errors import DataError, LayoutError
 from mimo.data.index import Entry, Index
 from mimo.data.pipeline import reader_placement, reader_runs
 from mimo.data.plan import DataPlan, SampleArrays
@@ -241,6 +241,8 @@ def _check_data_plans() -> None:
     index = Index([], [Entry(0, str(i), {}, t) for i, t in enumerate([200, 0, 0, 300, 5, 7])], "")
     plan = DataPlan(index, 50, 400, 0, shuffle=False)
     assert [[s.id for s in plan.microbatch(k)] for k in range(4)] == [[0], [1, 2, 3], [4, 5], [0]]
+    with pytest.raises(DataError, match="0 tokens"):  # microbatches would never fill: an error, not a hang
+        DataPlan(Index([], [Entry(0, str(i), {}, 0) for i in range(3)], ""), 50, 400, 0)
     rng = random.Random(7)
     for seed in range(12):
         index = _index(rng, rng.randint(1, 90))
