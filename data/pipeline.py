@@ -207,6 +207,7 @@ class DataPipeline:
         self.pad_id = self.reader.pad_id if self.reader else 0
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="mimo-read") if self.is_reader else None
         self._pending: dict[int, list[cf.Future]] = {}
+        self._plans: dict[int, tuple] = {}  # ``_planned``'s, by microbatch
         self._thread = StepThread() if ahead else None
         self._ahead: dict[int, cf.Future] = {}
         self.last_step: int | None = None  # the run's last step: none past it is prepared ahead
@@ -221,13 +222,20 @@ class DataPipeline:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- reading (reader ranks), bounded read-ahead ----
-    def _block_samples(self, k: int) -> list[PlannedSample]:
-        samples = self.plan.microbatch(k)
-        return [samples[i] for i in llm_blocks(plan_arrays(self.plan, k, samples), self.dp)[self.my_dp]]
+    def _planned(self, k: int) -> tuple[list[PlannedSample], SampleArrays, list[range]]:
+        """Microbatch ``k``'s samples, their arrays and its LLM DP blocks, computed once for both
+        its read-ahead request and its preparation (one thread asks for both)."""
+        got = self._plans.get(k)
+        if got is None:
+            samples = self.plan.microbatch(k)
+            arrays = plan_arrays(self.plan, k, samples)
+            got = self._plans[k] = (samples, arrays, llm_blocks(arrays, self.dp))
+        return got
 
     def _request(self, k: int) -> None:
         if k not in self._pending:
-            self._pending[k] = [self._pool.submit(self.reader.read, s) for s in self._block_samples(k)]
+            samples, _, blocks = self._planned(k)
+            self._pending[k] = [self._pool.submit(self.reader.read, samples[i]) for i in blocks[self.my_dp]]
 
     def _read_block(self, k: int) -> list[ReadSample]:
         for ahead in range(k, k + self.prefetch + 1):
@@ -265,11 +273,11 @@ class DataPipeline:
 
     def _prepare(self, k: int) -> Microbatch:
         """Microbatch ``k`` on the CPU (read, packed, pixels routed)."""
-        samples = self.plan.microbatch(k)
-        arrays = plan_arrays(self.plan, k, samples)
-        mb = Microbatch(samples, llm_blocks(arrays, self.dp), {f.name: encoder_blocks(arrays, f) for f in self.feeds},
-                        arrays=arrays)
+        samples, arrays, blocks = self._planned(k)
+        mb = Microbatch(samples, blocks, {f.name: encoder_blocks(arrays, f) for f in self.feeds}, arrays=arrays)
         read = self._read_block(k) if self.is_reader else []
+        # kept: the microbatches requested ahead of this one, not yet prepared
+        self._plans = {j: got for j, got in self._plans.items() if k < j <= k + self.prefetch}
         mb.read_failures = Counter(r.failure for r in read if r.failure)
         if self.rank in self.llm_grid:
             mb.pack = self._pack(mb, read)

@@ -82,14 +82,6 @@ def _furthest(prefix_N1: np.ndarray, cap: int) -> np.ndarray:
     return np.searchsorted(prefix_N1, prefix_N1 + cap, "right") - 1
 
 
-def _jump_levels(next_S: np.ndarray, most: int) -> list[np.ndarray]:
-    """``next`` (a map of states) applied 1, 2, 4, ... times, enough for ``most`` steps."""
-    levels = [next_S]
-    while 2 ** len(levels) <= most:
-        levels.append(levels[-1][levels[-1]])
-    return levels
-
-
 def _chain(next_S: np.ndarray, state: int, steps: int) -> np.ndarray:
     """The states from ``state`` on, ``steps`` steps of ``next``, by doubling: with ``next``
     applied ``d`` times (``level``) the states ``d .. 2d - 1`` are ``level`` of states
@@ -210,12 +202,8 @@ def _costs_N(costs: Sequence[int] | np.ndarray) -> np.ndarray:
 
 def _fits(prefix_N1: np.ndarray, cap: int, dp: int) -> bool:
     """Whether greedy blocks within ``cap`` (each as far as it can go: the fewest) number at
-    most ``dp``: ``dp`` jumps from item 0 reach the end (binary lifting: log(dp) numpy passes)."""
-    pos = 0
-    for k, level in enumerate(_jump_levels(_furthest(prefix_N1, cap), dp)):
-        if dp >> k & 1:
-            pos = int(level[pos])
-    return pos == len(prefix_N1) - 1
+    most ``dp``: ``dp`` jumps from item 0 reach the end (``_chain``: log(dp) numpy passes)."""
+    return int(_chain(_furthest(prefix_N1, cap), 0, dp)[-1]) == len(prefix_N1) - 1
 
 
 def _prefix_and_cap(costs: Sequence[int] | np.ndarray, dp: int) -> tuple[np.ndarray, int]:
