@@ -140,15 +140,14 @@ def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: li
     ``compile``: then ``mimo.training.run.compile_blocks``), timing the steps after ``warmup``. Timed
     steps run back to back as the baseline's do (each loss read after the last one), unless
     ``sync_steps``: then each step's loss is read before the next step starts."""
-    from mimo.training.optim import PrecisionPolicy
     from mimo.training.run import build_run, compile_blocks
     from mimo.training.step import train_step
 
     torch.manual_seed(0)
-    policy = PrecisionPolicy.named(config.train.precision, config.train.grad_reduce)
     t0 = time.perf_counter()
-    run = build_run(config, 0, policy=policy, device=device)
+    run = build_run(config, 0, device=device)  # in the config's precision policy
     build_s = time.perf_counter() - t0
+    policy = run.policy
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda *a: None)
 
