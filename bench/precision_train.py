@@ -5,11 +5,12 @@ world 1 with a wider hybrid (Mamba-2 / attention) LLM and ViT and 4x the tokens 
 ``mimo train``, identical but for ``train.precision`` (fp32; bf16: bf16 parameters and
 activations, fp32 master weights and AdamW state, fp32 loss and gradient reduction), and compares
 the losses. ``--fp32-seed N`` adds an fp32 run with other initial weights: how far fp32 lands from
-itself. One JSON line: each run's first and last loss, the mean of its last 10 steps and wall
+itself. ``--fp8 RECIPE`` adds a bf16 run with ``train.fp8={recipe: RECIPE}`` (issue 26: its loss
+should stay within the bf16-vs-fp32 spread). One JSON line: each run's first and last loss, the mean of its last 10 steps and wall
 time; the relative differences at the last step, of the last-10 means and the largest over all
 steps; the two curves every tenth of the run.
 
-    python bench/precision_train.py [--steps 200] [--device auto|cpu|cuda] [--together] [--fp32-seed N] [--data demo-data] [key=value ...]
+    python bench/precision_train.py [--steps 200] [--device auto|cpu|cuda] [--together] [--fp32-seed N] [--fp8 rowwise] [--data demo-data] [key=value ...]
     python bench/precision_train.py --tiny --device cpu     # a CPU smoke run (few steps, demo size)
 """
 
@@ -41,10 +42,12 @@ SCALED = [
 
 
 def start(name: str, steps: int, data: str, device: str, overrides: list[str], out: Path) -> tuple:
-    """Starts ``mimo train`` for run ``name`` (its precision, or ``fp32-seedN``: fp32 with another
-    ``train.seed``); ``finish`` waits for it and reads its losses."""
+    """Starts ``mimo train`` for run ``name`` (its precision, ``fp32-seedN``: fp32 with another
+    ``train.seed``, or ``fp8-RECIPE``: bf16 with FP8 GEMMs); ``finish`` waits for it and reads its losses."""
     run_dir = out / name
     precision, _, seed = name.partition("-seed")
+    if precision.startswith("fp8-"):
+        precision, overrides = "bf16", [*overrides, f"train.fp8={{recipe: {precision[4:]}}}"]
     args = [
         sys.executable, "-m", "mimo", "train", str(ROOT / "configs/demo.yaml"), *WORLD_1, *overrides,
         f"train.precision={precision}", *([f"train.seed={seed}"] if seed else []), f"train.steps={steps}", f"train.checkpoint.dir={run_dir / 'ckpt'}",
@@ -78,6 +81,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="runs/precision", help="where the two run directories go")
     p.add_argument("--together", action="store_true", help="run fp32 and bf16 at the same time (wall times then overlap)")
     p.add_argument("--fp32-seed", type=int, metavar="N", help="also an fp32 run with train.seed=N (fp32's own spread)")
+    p.add_argument("--fp8", metavar="RECIPE", choices=("tensorwise", "rowwise", "delayed"),
+                   help="also a bf16 run with FP8 GEMMs of this recipe")
     p.add_argument("--tiny", action="store_true", help="demo size instead of the scaled model (smoke run)")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args(argv)
@@ -88,7 +93,9 @@ def main(argv=None) -> dict:
     overrides = ([] if args.tiny else SCALED) + args.overrides
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    names = ["fp32", "bf16"] + ([f"fp32-seed{args.fp32_seed}"] if args.fp32_seed is not None else [])
+    seeded = f"fp32-seed{args.fp32_seed}" if args.fp32_seed is not None else None
+    fp8 = f"fp8-{args.fp8}" if args.fp8 else None
+    names = ["fp32", "bf16"] + [n for n in (seeded, fp8) if n]
     if args.together:  # the runs at once (one GPU holds them; the small model leaves it idle much of the time)
         started = [start(n, args.steps, os.path.abspath(args.data), args.device, overrides, out) for n in names]
         runs = {n: finish(*s_) for n, s_ in zip(names, started)}
@@ -105,10 +112,14 @@ def main(argv=None) -> dict:
         "rel_diff_last10_mean": abs(bf16["loss_last10_mean"] - fp32["loss_last10_mean"]) / abs(fp32["loss_last10_mean"]),
         "rel_diff_max": max(abs(b[s_] - a[s_]) / abs(a[s_]) for s_ in a), "curve_fp32_bf16": curve,
     }
-    if args.fp32_seed is not None:  # the yardstick: how far fp32 lands from fp32 with other initial weights
-        c = losses[names[2]]
-        result[f"{names[2]}_rel_diff_last"] = abs(c[args.steps] - a[args.steps]) / abs(a[args.steps])
-        result[f"curve_{names[2]}"] = {s_: round(c[s_], 5) for s_ in curve}
+    for name in (seeded, fp8):  # seeded: the yardstick, how far fp32 lands from fp32 with other initial weights
+        if name:
+            c, run = losses[name], runs[name]
+            result[f"{name}_rel_diff_last"] = abs(c[args.steps] - a[args.steps]) / abs(a[args.steps])
+            result[f"{name}_rel_diff_last10_mean"] = abs(run["loss_last10_mean"] - fp32["loss_last10_mean"]) / abs(fp32["loss_last10_mean"])
+            result[f"curve_{name}"] = {s_: round(c[s_], 5) for s_ in curve}
+    if fp8:  # within the spread: no further from fp32 than bf16 is (last-10 means)
+        result["fp8_within_bf16_spread"] = result[f"{fp8}_rel_diff_last10_mean"] <= result["rel_diff_last10_mean"]
     print(json.dumps(result))
     return result
 
