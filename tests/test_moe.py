@@ -7,6 +7,8 @@
 * TP over gloo (2 and 3 ranks, with and without sequence parallel, shared expert + gate,
   latent projections, aux losses): outputs and every gradient equal the one-process layer
   under the fp64 yardstick; identical experts on exact ties at every layout;
+* ``torch.compile`` on a layer (bf16, and FP8 rowwise under ``eager`` and ``aot_eager``): no
+  graph break, two graphs whatever the pack length, the eager layer bit for bit;
 * ``mimo verify-train`` on tiny MoE LLaVAs (tests/configs/moe_*.yaml);
 * the MoE cost of the automatic pipeline split, and arch.moe's config checks.
 """
@@ -27,6 +29,7 @@ from mimo.llm.moe import MoE
 from mimo.llm.router import topk_lowest_index
 from mimo.parallel import gemm
 from mimo.parallel.context import ParallelContext
+from mimo.parallel.fp8 import apply_fp8
 from mimo.parallel.grouped import grouped_mm_takes
 from mimo.parallel.params import full_tensors, load_full_, param_table, reduce_partial_grads
 
@@ -315,22 +318,18 @@ def test_per_sample_aux_loss_does_not_depend_on_packing():
     assert joined + pack_loss([2, 3, 4], 1) != pytest.approx(one, rel=1e-6)
 
 
-@pytest.mark.parametrize("aux", [None, AuxLoss("per_sample", 0.1)], ids=["no aux", "per-sample aux"])
-def test_compiled_layer_traces_whole_and_once(aux):
-    """``train.compile`` on an MoE layer: two graphs for every pack length (one for packs with a
-    padding segment, one without; aux loss or not), no graph break (no host read of the pack, no Python counter or context read
-    inside), and the eager layer's outputs and gradients. A graph break or a recompile per pack
-    would cost the GPU step its fusions and seconds per new length."""
+PACKS = (([5, 9, 3], 4), ([11, 2], 0), ([7, 7, 7, 1], 6), ([20, 10], 0), ([2, 3], 1))
+
+
+def assert_compiled_traces_whole(layer, backend: str, packs=PACKS, graphs: int = 2) -> None:
+    """``layer`` under ``torch.compile(dynamic=True, backend=backend)`` on each pack: no graph
+    break, ``graphs`` graphs in all, and the eager layer's outputs and gradients bit for bit."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    cfg = moe_arch(ffn=16, **({} if aux is None else {"aux_loss": aux}))
-    layer = MoE(HIDDEN, cfg).to(torch.bfloat16)
-    layer.init_weights(seed=3, std=0.2)
-    layer.train()
-    compiled = torch.compile(layer, dynamic=True, backend="eager")
-    for lens, pad in (([5, 9, 3], 4), ([11, 2], 0), ([7, 7, 7, 1], 6), ([20, 10], 0), ([2, 3], 1)):
+    compiled = torch.compile(layer, dynamic=True, backend=backend)
+    for lens, pad in packs:
         seq = make_seq(lens, pad, 20.0)
         h = make_inputs(seq, seed=len(lens))[0].to(torch.bfloat16).requires_grad_()
         grads = []
@@ -343,7 +342,34 @@ def test_compiled_layer_traces_whole_and_once(aux):
         for eager_t, compiled_t in zip(*grads):
             torch.testing.assert_close(compiled_t, eager_t, rtol=0, atol=0)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
+
+
+@pytest.mark.parametrize("aux", [None, AuxLoss("per_sample", 0.1)], ids=["no aux", "per-sample aux"])
+def test_compiled_layer_traces_whole_and_once(aux):
+    """``train.compile`` on an MoE layer: two graphs for every pack length (one for packs with a
+    padding segment, one without; aux loss or not), no graph break (no host read of the pack, no Python counter or context read
+    inside), and the eager layer's outputs and gradients. A graph break or a recompile per pack
+    would cost the GPU step its fusions and seconds per new length."""
+    cfg = moe_arch(ffn=16, **({} if aux is None else {"aux_loss": aux}))
+    layer = MoE(HIDDEN, cfg).to(torch.bfloat16)
+    layer.init_weights(seed=3, std=0.2)
+    layer.train()
+    assert_compiled_traces_whole(layer, "eager")
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_fp8_layer_traces_whole_and_once(backend):
+    """The same under ``train.fp8`` rowwise, on the experts' grouped products and the shared
+    expert's dense ones: no graph break at an FP8 GEMM, the same two graphs whatever the pack
+    length (packs of 32 and 16 tokens among them: a dense weight gradient pads no row there, and
+    must not guard the graph on the length modulo 16), the eager FP8 layer bit for bit.
+    ``aot_eager`` traces the autograd Functions' backwards too."""
+    layer = MoE(HIDDEN, moe_arch(ffn=16, shared_ffn=16)).to(torch.bfloat16)
+    layer.init_weights(seed=3, std=0.2)
+    layer.train()
+    assert apply_fp8(layer, "rowwise", ParallelContext.for_tp(None)) == 2  # experts, shared expert
+    assert_compiled_traces_whole(layer, backend, (([20, 12], 0), ([9, 3], 4)) + PACKS)
 
 
 # ---------------------------------------------------------------- TP over gloo

@@ -36,6 +36,10 @@ Where ``torch._scaled_mm`` cannot run the product (a dimension not a multiple of
 device without FP8 GEMMs, the CPU for grouped products) the same quantized operands are
 multiplied after dequantizing them: the same rounding of the inputs, another accumulation
 order. CPU tests check the scaling this way.
+
+Under ``torch.compile`` the row-wise products (dense and grouped) trace into the layer's graph
+with no break and no guard on the row count: their forward operands are quantized in plain
+torch code before the autograd Function, which takes only tensors and plain values.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mimo.parallel.grouped import grouped_rows, grouped_weight_grad
+from mimo.parallel.grouped import grouped_rows_op, grouped_weight_grad_op
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
@@ -147,9 +151,11 @@ def scaled_mm(a_q, b_q, a_inv, b_inv, out_dtype: torch.dtype, native: bool, fast
 
 def _pad_rows(x: torch.Tensor, multiple: int = 16) -> torch.Tensor:
     """``x`` with zero rows appended up to a multiple of ``multiple`` rows (the contraction of
-    a weight gradient); float8 tensors padded through their bytes."""
+    a weight gradient); float8 tensors padded through their bytes. Compiled, it pads by the
+    symbolic ``-rows % multiple`` even when that is 0 (the same values, copied): a test of it
+    would guard the graph on the row count modulo ``multiple``."""
     extra = -x.shape[0] % multiple
-    if not extra:
+    if not torch.compiler.is_compiling() and not extra:
         return x
     if x.dtype in FP8_MAX:
         return F.pad(x.view(torch.uint8), (0, 0, 0, extra)).view(x.dtype)
@@ -261,51 +267,61 @@ def padded_groups(ends_E: torch.Tensor, rows: int, align: int = 16) -> tuple[tor
 def _grouped_scaled(aq_RK, a_inv_R, bq_EKN, b_inv_EN, ends_E, out_dtype) -> torch.Tensor:
     """``out[group e rows] = (a * a_inv) @ (b[e] * b_inv[e])``: the grouped FP8 kernel on rows
     padded to 16 per group (CUDA), else dequantized products."""
-    rows = aq_RK.shape[0]
     if aq_RK.is_cuda and hasattr(torch, "_scaled_grouped_mm") and aq_RK.shape[1] % 16 == 0 and bq_EKN.shape[2] % 16 == 0:
-        dest_R, pends_E, cap = padded_groups(ends_E, rows)
-        a_pad = aq_RK.new_zeros(cap, aq_RK.shape[1])
-        a_pad[dest_R] = aq_RK
-        s_pad = a_inv_R.new_ones(cap)
-        s_pad[dest_R] = a_inv_R.reshape(-1)
-        y = torch._scaled_grouped_mm(a_pad, bq_EKN.transpose(-2, -1).contiguous().transpose(-2, -1), s_pad,
-                                     b_inv_EN.float().contiguous(), offs=pends_E.to(torch.int32), out_dtype=torch.bfloat16,
-                                     use_fast_accum=True)
-        return y[dest_R].to(out_dtype)
+        return _scaled_grouped_padded(aq_RK, a_inv_R, bq_EKN, b_inv_EN, ends_E).to(out_dtype)
     a = aq_RK.float() * a_inv_R.reshape(-1, 1)
     b = bq_EKN.float() * b_inv_EN.unsqueeze(1)
-    return grouped_rows(a, b.transpose(-2, -1), ends_E).to(out_dtype)
+    return grouped_rows_op(a, b.transpose(-2, -1), ends_E).to(out_dtype)
+
+
+def _scaled_grouped_padded(aq_RK, a_inv_R, bq_EKN, b_inv_EN, ends_E) -> torch.Tensor:
+    """``torch._scaled_grouped_mm`` (bf16 out) on the rows copied into a buffer where each group
+    starts at a multiple of 16 (zero rows, scale 1, between groups), read back at their rows.
+    The buffer is scattered as bytes (uint8), which every compiler backend lowers, unlike a
+    float8 ``index_put``; a zero byte is float8's +0, the same buffer as float8 zeros."""
+    dest_R, pends_E, cap = padded_groups(ends_E, aq_RK.shape[0])
+    a_pad = aq_RK.new_zeros(cap, aq_RK.shape[1], dtype=torch.uint8)
+    a_pad[dest_R] = aq_RK.view(torch.uint8)
+    s_pad = a_inv_R.new_ones(cap)
+    s_pad[dest_R] = a_inv_R.reshape(-1)
+    y = torch._scaled_grouped_mm(a_pad.view(aq_RK.dtype), bq_EKN.transpose(-2, -1).contiguous().transpose(-2, -1), s_pad,
+                                 b_inv_EN.float().contiguous(), offs=pends_E.to(torch.int32), out_dtype=torch.bfloat16,
+                                 use_fast_accum=True)
+    return y[dest_R]
 
 
 class _Fp8Grouped(torch.autograd.Function):
-    """Grouped ``x [R, I] @ w[e] [O, I].T`` with row-wise float8 operands (see module doc)."""
+    """Grouped ``x [R, I] @ w[e] [O, I].T`` from their row-wise float8 forms (quantized by the
+    caller, see ``fp8_grouped_linear``); backward quantizes along the other dimensions (see
+    module doc). Every input is an argument, so that ``torch.compile`` traces it."""
 
     @staticmethod
-    def forward(ctx, x_RI, w_EOI, ends_E, site: FP8Site):
-        split = w_EOI.fp8_split  # the down projection contracts the TP-split F
-        xq, x_inv = quantize(x_RI, E4M3, site.amax(x_RI, -1, split))
-        wq, w_inv = quantize(w_EOI, E4M3, site.amax(w_EOI, -1, split))
-        y = _grouped_scaled(xq, x_inv, wq.transpose(-2, -1), w_inv.squeeze(-1), ends_E, x_RI.dtype)
+    def forward(ctx, x_RI, w_EOI, ends_E, xq_RI, x_inv_R1, wq_EOI, w_inv_EO1, group, split):
+        y_RO = _grouped_scaled(xq_RI, x_inv_R1, wq_EOI.transpose(-2, -1), w_inv_EO1.squeeze(-1), ends_E, x_RI.dtype)
         ctx.save_for_backward(x_RI, w_EOI, ends_E)
-        ctx.site = site
-        return y
+        ctx.group, ctx.split = group, split
+        return y_RO
 
     @staticmethod
     def backward(ctx, g_RO):
         x_RI, w_EOI, ends_E = ctx.saved_tensors
-        site = ctx.site
         g_RO = g_RO.contiguous()
-        split = not w_EOI.fp8_split  # dgrad contracts O: split over TP where I is not
-        gq, g_inv = quantize(g_RO, E4M3, site.amax(g_RO, -1, split))
-        wq, w_inv = quantize(w_EOI, E4M3, site.amax(w_EOI, -2, split))
+        reduce = ctx.group if not ctx.split else None  # dgrad contracts O: split over TP where I is not
+        gq, g_inv = quantize(g_RO, E4M3, _reduce_max(amax_of(g_RO, -1), reduce))
+        wq, w_inv = quantize(w_EOI, E4M3, _reduce_max(amax_of(w_EOI, -2), reduce))
         dx = _grouped_scaled(gq, g_inv, wq, w_inv.squeeze(-2), ends_E, x_RI.dtype)
-        dw = grouped_weight_grad(g_RO, x_RI, ends_E).to(w_EOI.dtype)
-        return dx, dw, None, None
+        dw = grouped_weight_grad_op(g_RO, x_RI, ends_E).to(w_EOI.dtype)
+        return (dx, dw) + (None,) * 7
 
 
-@torch.compiler.disable
 def fp8_grouped_linear(x_RI: torch.Tensor, weight_EOI: torch.Tensor, ends_E: torch.Tensor, site: FP8Site) -> torch.Tensor:
-    return _Fp8Grouped.apply(x_RI, weight_EOI, ends_E, site)
+    """``gemm.grouped_linear`` with row-wise float8 operands under every recipe (see module
+    doc); the forward operands quantized here, in plain torch code, as ``fp8_linear`` does."""
+    split = weight_EOI.fp8_split  # the down projection contracts the TP-split F
+    x, w = x_RI.detach(), weight_EOI.detach()  # the scales take no gradient
+    xq, x_inv = quantize(x, E4M3, site.amax(x, -1, split))
+    wq, w_inv = quantize(w, E4M3, site.amax(w, -1, split))
+    return _Fp8Grouped.apply(x_RI, weight_EOI, ends_E, xq, x_inv, wq, w_inv, site.group, split)
 
 
 # ---- the once-per-step history update (delayed) ---------------------------------------------

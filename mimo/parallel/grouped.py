@@ -41,3 +41,30 @@ def grouped_weight_grad(g_RO: torch.Tensor, x_RI: torch.Tensor, offsets_E: torch
         out.append(g_RO[start:end].t() @ x_RI[start:end])
         start = end
     return torch.stack(out) if out else g_RO.new_zeros(e, g_RO.shape[1], x_RI.shape[1])
+
+
+# ---- the same as ops that torch.compile calls whole, without tracing into them -------------
+# (the FP8 experts': mimo.parallel.fp8) Their dequantized products (off the GPU's FP8 kernel)
+# are fp32, whose torch._grouped_mm the CPU runs but its meta rejects (CUDA's rule: bf16 /
+# fp16); their weight gradient takes the per-group loop, a host read, on row counts off the
+# 16-byte rule. Traced, either would break the graph; as ops they compute exactly the same.
+
+
+@torch.library.custom_op("mimo::grouped_rows", mutates_args=())
+def grouped_rows_op(x_RI: torch.Tensor, weight_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    return grouped_rows(x_RI, weight_EOI, offsets_E)
+
+
+@grouped_rows_op.register_fake
+def _(x_RI, weight_EOI, offsets_E):
+    return x_RI.new_empty(x_RI.shape[0], weight_EOI.shape[1])
+
+
+@torch.library.custom_op("mimo::grouped_weight_grad", mutates_args=())
+def grouped_weight_grad_op(g_RO: torch.Tensor, x_RI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    return grouped_weight_grad(g_RO, x_RI, offsets_E)
+
+
+@grouped_weight_grad_op.register_fake
+def _(g_RO, x_RI, offsets_E):
+    return g_RO.new_empty(offsets_E.shape[0], g_RO.shape[1], x_RI.shape[1])
