@@ -26,7 +26,10 @@ and ``mimo.training.schedule_run.encode_and_bridge`` do it per microbatch:
 
 Every timing runs with the garbage collector off (as ``timeit`` does).
 
-    python bench/plan_scale.py [--worlds 8,64,512,1024] [--old-max-world 1024] [--repeats 21]
+``--ragged``: text lengths drawn from 200..600 tokens (mean 400) instead of 400 each, so that
+the DP blocks by tokens are uneven (the general block search, not the even split).
+
+    python bench/plan_scale.py [--worlds 8,64,512,1024] [--old-max-world 1024] [--repeats 21] [--ragged]
 
 Prints one JSON line.
 """
@@ -56,13 +59,14 @@ from mimo.training.schedule_run import image_bridge_plans
 ROWS, TEXT, PER_DP, LLM_TP, HIDDEN, PLACEHOLDER = 576, 400, 16, 8, 2048, "<image>"
 
 
-def data_plan(samples: int, microbatches: int, seed: int = 0) -> DataPlan:
-    """A plan whose microbatches hold ``samples`` samples, over an index of ``microbatches``
-    of them (one epoch: its shuffle, once per epoch, is not per-microbatch work)."""
+def data_plan(samples: int, microbatches: int, seed: int = 0, ragged: bool = False) -> DataPlan:
+    """A plan whose microbatches hold ``samples`` samples (on average, ``ragged``), over an
+    index of ``microbatches`` of them (one epoch: its shuffle, once per epoch, is not
+    per-microbatch work)."""
     rng = random.Random(seed)
-    entries = [Entry(0, str(i), {}, ROWS + TEXT, 1, {PLACEHOLDER: [rng.randint(0, TEXT)]})
-               for i in range(microbatches * samples)]
-    return DataPlan(Index([], entries, ""), samples * (ROWS + TEXT), ROWS + TEXT, seed)
+    text = [rng.randint(TEXT // 2, 3 * TEXT // 2) if ragged else TEXT for _ in range(microbatches * samples)]
+    entries = [Entry(0, str(i), {}, ROWS + t, 1, {PLACEHOLDER: [rng.randint(0, t)]}) for i, t in enumerate(text)]
+    return DataPlan(Index([], entries, ""), samples * (ROWS + TEXT), ROWS + max(text), seed)
 
 
 def blocks(arrays, llm: ParallelGrid, vision: ParallelGrid):
@@ -70,12 +74,12 @@ def blocks(arrays, llm: ParallelGrid, vision: ParallelGrid):
     return dp_blocks(arrays.tokens_N, llm.shape["dp"]), dp_blocks(arrays.images_for(PLACEHOLDER) * ROWS, vision.shape["dp"])
 
 
-def microbatch(world: int, repeats: int):
+def microbatch(world: int, repeats: int, ragged: bool):
     """((arrays, LLM grid, vision grid, LLM blocks, vision blocks), planned samples, arrays
     seconds, blocks seconds)."""
     llm = ParallelGrid({"tp": LLM_TP, "cp": 1, "dp": world // LLM_TP, "pp": 1})
     vision = ParallelGrid({"tp": 1, "dp": world})
-    plan = data_plan(PER_DP * llm.shape["dp"], repeats + 3)  # its windows stay in one epoch
+    plan = data_plan(PER_DP * llm.shape["dp"], repeats + 4, ragged=ragged)  # its windows stay in one epoch
     arrays = plan.microbatch_arrays(0)
     later = iter(range(1, repeats + 1))  # each call plans a microbatch not planned before
     arrays_s = timed(lambda: plan.microbatch_arrays(next(later)), repeats)
@@ -112,8 +116,8 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def case(world: int, repeats: int, old: bool) -> dict:
-    mb, samples, arrays_s, blocks_s = microbatch(world, repeats)
+def case(world: int, repeats: int, old: bool, ragged: bool) -> dict:
+    mb, samples, arrays_s, blocks_s = microbatch(world, repeats, ragged)
     ranks = sorted({0, min(world // 2 + 3, world - 1), world - 1})
     new_s = {r: timed(lambda: new_path(*mb, r), repeats) for r in ranks}
     bridge = new_path(*mb, 0)
@@ -139,12 +143,13 @@ def main() -> None:
     ap.add_argument("--worlds", default="8,64,512,1024")
     ap.add_argument("--old-max-world", type=int, default=1024, help="skip the old path above this world")
     ap.add_argument("--repeats", type=int, default=21)
+    ap.add_argument("--ragged", action="store_true", help="text lengths 200..600 (uneven token blocks)")
     args = ap.parse_args()
-    cases = [case(w, args.repeats, w <= args.old_max_world) for w in map(int, args.worlds.split(","))]
+    cases = [case(w, args.repeats, w <= args.old_max_world, args.ragged) for w in map(int, args.worlds.split(","))]
     flat_ratio = round(cases[-1]["total_ms"] / cases[0]["total_ms"], 2)
     print(json.dumps({"bench": "plan_scale", "host": platform.node(), "cores": os.cpu_count(), "torch": torch.__version__,
                       "numpy": np.__version__, "python": platform.python_version(), "rows_per_image": ROWS,
-                      "text_tokens": TEXT, "samples_per_llm_dp": PER_DP, "llm_tp": LLM_TP, "hidden": HIDDEN,
+                      "text_tokens": f"{TEXT // 2}..{3 * TEXT // 2}" if args.ragged else TEXT, "samples_per_llm_dp": PER_DP, "llm_tp": LLM_TP, "hidden": HIDDEN,
                       "flat_ratio": flat_ratio, "cases": cases}))
 
 

@@ -211,7 +211,7 @@ class _Cells:
         if row is None:
             row = np.unique(np.concatenate([[0, a.rows]] + [x for pl in (a, b) for x in (pl.row_P, pl.row_P + pl.rows_P)]))
         self.row = row
-        bounds = [[0, a.hidden], np.asarray(extra_cols, dtype=np.int64)] + [x for pl in (whole or (a, b)) for x in (pl.col_P, pl.col_P + pl.cols_P)]
+        bounds = [[0, a.hidden], np.asarray(extra_cols, dtype=np.int64)] + [_col_bounds(pl) for pl in (whole or (a, b))]
         self.col = np.unique(np.concatenate(bounds))
         self.ncol = len(self.col) - 1
 
@@ -220,6 +220,15 @@ class _Cells:
 
     def col_range(self, key_K: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.col[key_K % self.ncol], np.diff(self.col)[key_K % self.ncol]
+
+
+def _col_bounds(pl: RunPlacement) -> np.ndarray:
+    """The first and past-the-last columns of ``pl``'s pieces (repeated): of many pieces, two
+    values when they all have the same columns (rows replicated or split: a pass, no sort over
+    the world's pieces)."""
+    if len(pl.col_P) > 64 and np.all(pl.col_P == pl.col_P[0]) and np.all(pl.cols_P == pl.cols_P[0]):
+        return np.array([pl.col_P[0], pl.col_P[0] + pl.cols_P[0]], dtype=np.int64)
+    return np.concatenate([pl.col_P, pl.col_P + pl.cols_P])
 
 
 class _Held(NamedTuple):
@@ -464,11 +473,16 @@ def _window(src: RunPlacement, dst: RunPlacement, rank: int) -> tuple[RunPlaceme
     """Both placements with only the pieces that touch the logical rows of ``rank``'s pieces
     (ends included: the row cuts inside those rows stay those of the whole placements). Every
     move that ``rank`` sends or receives lies in those rows, and every holder of them is there."""
-    mine = [(pl.row_P[pl.rank_P == rank], (pl.row_P + pl.rows_P)[pl.rank_P == rank]) for pl in (src, dst)]
-    if not sum(len(lo) for lo, _ in mine):
-        return src, dst
-    lo, hi = min(int(lo.min()) for lo, _ in mine if len(lo)), max(int(hi.max()) for _, hi in mine if len(hi))
-    return tuple(_pieces_touching(pl, lo, hi) for pl in (src, dst))
+    spans = rows_near(rank, src, dst)
+    return (src, dst) if spans is None else tuple(_pieces_touching(pl, *spans) for pl in (src, dst))
+
+
+def rows_near(rank: int, *spans: RunPlacement | tuple[int, int] | None) -> tuple[int, int] | None:
+    """(first, past the last) logical row of ``rank``'s pieces in the placements given (or of
+    row spans given as they are); None when there are none."""
+    spans = [s.row_span(rank) if isinstance(s, RunPlacement) else s for s in spans]
+    spans = [s for s in spans if s is not None]
+    return (min(lo for lo, _ in spans), max(hi for _, hi in spans)) if spans else None
 
 
 def _pieces_touching(pl: RunPlacement, lo: int, hi: int) -> RunPlacement:

@@ -20,7 +20,6 @@ import numpy as np
 
 from mimo.data.index import Entry, Index
 from mimo.core.errors import DataError
-from mimo.parallel.layout import expand
 
 
 @dataclass(frozen=True)
@@ -91,8 +90,10 @@ class _IndexColumns:
         for p, offset_E1 in self.offset_E1.items():
             first_N = offset_E1[ids_N]
             images[p] = offset_E1[ids_N + 1] - first_N
-            owner_I, within_I = expand(images[p])  # the images, sample after sample
-            starts[p] = self.start_J[p][first_N[owner_I] + within_I]
+            # the images, sample after sample: image i of the microbatch, the k-th of its
+            # sample n, is entry first[n] + k = i + (first[n] - the images before sample n)
+            shift_N = first_N - np.cumsum(images[p]) + images[p]
+            starts[p] = self.start_J[p][np.repeat(shift_N, images[p]) + np.arange(int(images[p].sum()))]
         return SampleArrays(self.tokens_E[ids_N], images, starts)
 
 
@@ -158,9 +159,10 @@ class DataPlan:
 
     def _end(self, columns: "_IndexColumns", pos: int) -> int:
         """Where the microbatch from stream position ``pos`` ends: it takes samples while their
-        tokens fit (a first sample always), read a window of the stream at a time (twice the
-        last microbatch's samples: usually one window)."""
-        width = max(64, 2 * (self._starts[-1] - self._starts[-2]) if len(self._starts) > 1 else 0)
+        tokens fit (a first sample always), read a window of the stream at a time (the last
+        microbatch's samples and a quarter more: usually one window)."""
+        last = self._starts[-1] - self._starts[-2] if len(self._starts) > 1 else 0
+        width = max(64, last + last // 4 + 16)
         while True:
             used_W = np.cumsum(columns.tokens_E[self._stream_ids(pos, pos + width)])
             fit = int(np.searchsorted(used_W, self.tokens_per_microbatch, "right"))

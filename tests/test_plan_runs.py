@@ -17,6 +17,7 @@ import pytest
 
 import mimo.bridges.plan as plan_mod
 import mimo.parallel.layout as layout_mod
+import mimo.training.schedule_run as schedule_run
 from mimo.bridges.plan import make_plan, rank_plans
 from mimo.core.errors import DataError, LayoutError
 from mimo.data.index import Entry, Index
@@ -107,6 +108,37 @@ def test_packed_runs_equal_packed_placement(chunk):
         _check_packed(seed)
 
 
+def test_order_by_is_the_lexsort(monkeypatch):
+    """``_order_by`` (a combined key's stable argsort, the lexsort below a size or past int64)
+    orders as ``np.lexsort``, and placements built through either path are the reference's."""
+    rng = np.random.default_rng(0)
+    for n, high in ((0, 5), (1, 5), (300, 3), (2000, 50), (3000, 10**6), (500, 2**40)):
+        major, minor = rng.integers(-high, high, n), rng.integers(0, high, n)
+        assert np.array_equal(layout_mod._order_by(major, minor), np.lexsort((minor, major)))
+    monkeypatch.setattr(layout_mod, "ORDER_BY_ARGSORT", 0)  # the combined key on every size
+    for seed in range(150):
+        _check_packed(seed)
+
+
+def test_rank_plans_over_many_pieces():
+    """Past the pieces whose columns ``_col_bounds`` reads without a sort: replicated rows (one
+    column range) and rows split by hidden columns, colocated, 80 ranks."""
+    rng = random.Random(9)
+    llm = ParallelGrid({"tp": 2, "cp": 1, "dp": 40, "pp": 1})
+    samples = []
+    for _ in range(90):
+        before = rng.randint(0, 20)
+        samples.append((before + 6 + rng.randint(0, 20), list(range(before, before + 6 * rng.randint(0, 1)))))
+    rows = [len(p) for _, p in samples]
+    dst, _ = packed_placement(llm, samples, dp_blocks([n for n, _ in samples], 40), 16)
+    for grid, shard in ((ParallelGrid({"tp": 1, "dp": 80}), None), (ParallelGrid({"tp": 4, "dp": 20}), "hidden")):
+        src = dp_placement(grid, rows, dp_blocks(rows, grid.shape["dp"]), 16, shard)
+        whole = make_plan(src, dst), make_plan(dst, src)
+        for rank in rng.sample(range(80), 12):
+            for ref, mine in zip(whole, rank_plans(src, dst, rank)):
+                assert mine.moves == tuple(m for m in ref.moves if rank in (m.src, m.dst)), (shard, rank)
+
+
 def test_dp_runs_equal_dp_placement():
     for seed in range(300):
         _check_dp(seed)
@@ -131,6 +163,67 @@ def test_rank_plans_of_llava_like_runs():
     dst, _ = packed_placement(llm, samples, dp_blocks([n for n, _ in samples], 2), 16)
     for vision in (ParallelGrid({"tp": 1, "dp": 8}), ParallelGrid({"tp": 1, "dp": 3}, offset=8)):
         _same_rank_plans(dp_placement(vision, rows, dp_blocks(rows, vision.shape["dp"]), 16), dst)
+
+
+def _check_windowed_bridge(seed: int) -> None:
+    """``image_bridge_plans`` builds the LLM's placement only near the rank's rows (``packed_runs``'
+    ``rows``): its plans must be those over the whole placements, and what the rank asks of
+    its placement (pieces, local shape, rows held, ranks) the same."""
+    from mimo.training.schedule_run import image_bridge_plans
+
+    rng = random.Random(seed)
+    llm = _grid(rng, {"tp": rng.choice([1, 2, 3]), "cp": rng.choice([1, 2]), "dp": rng.choice([1, 2, 3, 5, 7]),
+                      "pp": rng.choice([1, 2])}, rng.choice([0, 3]))
+    per_image, hidden, sp = rng.choice([1, 3, 5]), rng.choice([5, 8, 12]), rng.random() < 0.5
+    tokens, images, starts = [], [], []
+    for _ in range(rng.randint(0, 24)):
+        t = rng.randint(per_image, 40)
+        k = rng.choice([0, 0, 1, 1, 2]) if rng.random() < 0.8 else 0
+        tokens.append(t), images.append(k), starts.extend(sorted(rng.randint(0, t - per_image) for _ in range(k)))
+    arrays = SampleArrays(np.array(tokens, dtype=np.int64), {"<image>": np.array(images, dtype=np.int64)},
+                          {"<image>": np.array(starts, dtype=np.int64)})
+    if seed % 2 == 0:  # colocated
+        tp = rng.choice([t for t in (1, 2, 3, 4) if llm.size % t == 0])
+        enc = _grid(rng, {"tp": tp, "dp": llm.size // tp}, llm.offset)
+    else:
+        enc = _grid(rng, {"tp": rng.choice([1, 2]), "dp": rng.choice([1, 2, 3, 6])}, llm.offset + llm.size)
+    llm_blocks, enc_blocks = dp_blocks(tokens, llm.shape["dp"]), dp_blocks([k * per_image for k in images], enc.shape["dp"])
+    runs = SampleRuns.of_image_arrays(arrays.tokens_N, arrays.images_for("<image>"), arrays.image_starts("<image>"), per_image)
+    src = dp_runs(enc, runs.rows_N, enc_blocks, hidden)
+    whole = packed_runs(llm, runs, llm_blocks, hidden, sp)
+    pieces = set(zip(*(getattr(whole, c).tolist() for c in ("rank_P", "row_P", "rows_P", "local_row_P"))))
+    for rank in sorted(set(llm.ranks) | set(enc.ranks)):
+        s, d, plans = image_bridge_plans(arrays, "<image>", per_image, hidden, enc, enc_blocks, llm, llm_blocks, sp, rank)
+        assert s.to_placement() == src.to_placement()
+        for mine, want in zip(plans, rank_plans(src, whole, rank)):
+            assert (mine.moves, mine.gathers, mine.colocated) == (want.moves, want.gathers, want.colocated), (seed, rank)
+        assert d.pieces_of(rank) == whole.pieces_of(rank) and d.ranks == whole.ranks, (seed, rank)
+        assert (d.holds_rank(rank), d.local_shape(rank), d.held_rows(rank)) == (
+            whole.holds_rank(rank), whole.local_shape(rank), whole.held_rows(rank)), (seed, rank)
+        assert set(zip(*(getattr(d, c).tolist() for c in ("rank_P", "row_P", "rows_P", "local_row_P")))) <= pieces
+
+
+def _windowed_bridges() -> None:
+    for seed in range(160):
+        _check_windowed_bridge(seed)
+
+
+def test_windowed_bridge_plans_equal_the_whole_ones():
+    _windowed_bridges()
+
+
+def test_windowed_bridge_plans_read_a_share():
+    """At the bench's shape (LLM tp 2 x dp 8, vision dp 16, colocated) a rank's LLM placement
+    holds a few blocks' pieces, not the world's."""
+    from mimo.training.schedule_run import image_bridge_plans
+
+    llm, vision = ParallelGrid({"tp": 2, "cp": 1, "dp": 8, "pp": 1}), ParallelGrid({"tp": 1, "dp": 16})
+    tokens = np.full(32, 30, dtype=np.int64)
+    arrays = SampleArrays(tokens, {"<image>": np.ones(32, dtype=np.int64)}, {"<image>": np.arange(32) % 20})
+    llm_blocks, enc_blocks = dp_blocks(tokens, 8), dp_blocks(np.full(32, 6), 16)
+    for rank in range(16):  # its LLM block's pieces (one a TP rank), its encoder block's maybe in the next
+        _, dst, _ = image_bridge_plans(arrays, "<image>", 6, 4, vision, enc_blocks, llm, llm_blocks, False, rank)
+        assert 0 < len(dst.rank_P) <= 2 * 2, rank
 
 
 def test_dp_blocks_equal_the_scan():
@@ -181,6 +274,36 @@ def test_dp_blocks_equal_the_scan_on_adversarial_costs(monkeypatch, candidates):
     costs = [rng.choice([0, 576, 1152]) for _ in range(900)]
     for dp in (64, 300, 511, 1024):
         assert dp_blocks(costs, dp) == dp_blocks_reference(costs, dp), dp
+
+
+def _even_costs(rng: random.Random, dp: int) -> list[int]:
+    """Costs that split into ``dp`` blocks of exactly total/dp: each block a random cut of the
+    same sum (even costs, or ragged ones), zero costs on either side of the bounds."""
+    share, costs = rng.choice([1, 7, 576, 976, 1152]), []
+    for _ in range(dp):
+        parts = 1 if share == 1 else rng.choice([1, 1, 2, 3])
+        cuts = sorted(rng.sample(range(1, share), parts - 1)) if parts > 1 else []
+        block = [b - a for a, b in zip([0, *cuts], [*cuts, share])]
+        costs += [0] * (rng.random() < 0.2) + block + [0] * (rng.random() < 0.2)
+    return costs
+
+
+def _check_even_splits(rng: random.Random, rounds: int) -> None:
+    """Even splits (``_even_ends``: no cap search, no chain) and their near misses (one item
+    more, one cost off: the general path) give the reference's blocks."""
+    for _ in range(rounds):
+        dp = rng.choice([1, 2, 3, 5, 7, 12, 64, 100, 128, 333])
+        costs = _even_costs(rng, dp) if rng.random() < 0.5 else [rng.choice([1, 576, 976])] * (dp * rng.randint(1, 3))
+        assert layout_mod._even_ends(*layout_mod._prefix(costs, dp), dp) is not None
+        i = rng.randrange(len(costs))
+        for c in (costs, costs + [costs[i] or 1], costs[:i] + [costs[i] + 1] + costs[i + 1:]):
+            assert dp_blocks(c, dp) == dp_blocks_reference(c, dp), (c, dp)
+
+
+def test_dp_blocks_of_even_splits_equal_the_scan():
+    _check_even_splits(random.Random(11), 150)
+    assert dp_blocks([0] * 6, 4) == dp_blocks_reference([0] * 6, 4) == [range(0, 0)] * 3 + [range(0, 6)]
+    assert dp_blocks([5, 0, 5], 2) == [range(0, 1), range(1, 3)]  # the zero cost goes to the next block
 
 
 def test_dp_blocks_read_costs_as_the_reference_does():
@@ -347,6 +470,34 @@ def _chain_one_step_ahead(next_S, state, steps):
     return _CHAIN(next_S, state, steps + 1)[1:]
 
 
+def _greedy_always_fits(prefix_N1, cap, dp):
+    furthest_N1, reach_D1 = _GREEDY(prefix_N1, cap, dp)
+    reach_D1[-1] = len(prefix_N1) - 1  # dp greedy blocks always reach the end
+    return furthest_N1, reach_D1
+
+
+def _even_ends_one_late(prefix_N1, largest, dp):
+    stop_D = _EVEN(prefix_N1, largest, dp)
+    return stop_D if stop_D is None or dp == 1 else stop_D + np.append(stop_D[:-1] < stop_D[-1], False)
+
+
+def _even_ends_unchecked(prefix_N1, largest, dp):
+    """Every split taken as even: the bounds at multiples of total/dp, whether the sums get there or not."""
+    bound_D = np.arange(1, dp) * (int(prefix_N1[-1]) // dp)
+    return np.append(np.searchsorted(prefix_N1, bound_D, "left"), len(prefix_N1) - 1)
+
+
+def _even_ends_zeros_before(prefix_N1, largest, dp):
+    stop_D = _EVEN(prefix_N1, largest, dp)
+    return stop_D if stop_D is None else np.append(np.searchsorted(prefix_N1, prefix_N1[stop_D[:-1]], "right") - 1, stop_D[-1])
+
+
+def _blocks_reaching_all_but_the_last(runs, start_D, stop_D, rows):
+    lo, hi = rows
+    d = _REACHING(runs, start_D, stop_D, (lo, max(lo, hi - 1)))  # the window's last row left out
+    return d
+
+
 def _end_one_short(self, columns, pos):
     end = _END(self, columns, pos)
     return end - 1 if end - pos > 1 else end
@@ -362,7 +513,8 @@ def _pieces_inside(pl, lo, hi):
 
 _SPLIT, _HOLDS, _CLOSEST = layout_mod._split_runs, plan_mod._Held.holds, layout_mod._closest_end
 _CLOSEST_ENDS, _CHAIN, _END = layout_mod._closest_ends, layout_mod._chain, DataPlan._end
-_EXPAND = layout_mod.expand
+_EXPAND, _GREEDY, _NEXT_CAP, _LARGEST = layout_mod.expand, layout_mod._greedy, layout_mod._next_cap, layout_mod._largest_block
+_EVEN, _REACHING = layout_mod._even_ends, layout_mod._blocks_reaching
 _ROW_U = layout_mod.SampleRuns.__dict__["row_U"]
 
 MUTATIONS = {
@@ -376,8 +528,19 @@ MUTATIONS = {
     "ties to the longer block, all at once": (layout_mod, "_closest_ends", _closest_ends_prefer_longer, "blocks"),
     "block bounds one step ahead": (layout_mod, "_chain", _chain_one_step_ahead, "blocks"),
     "candidate starts one late": (layout_mod, "expand", lambda counts_N: (lambda u, k: (u, k + 1))(*_EXPAND(counts_N)), "blocks"),
-    "every cap fits": (layout_mod, "_fits", lambda prefix_N1, cap, dp: True, "blocks"),
+    "every cap fits": (layout_mod, "_greedy", _greedy_always_fits, "blocks"),
+    "cap search one past the next cap": (layout_mod, "_next_cap", lambda *a: _NEXT_CAP(*a) + 1, "blocks"),
+    "a fitting cap snapped below its largest block": (layout_mod, "_largest_block", lambda *a: _LARGEST(*a) - 1, "blocks"),
+    "even block bounds one item late": (layout_mod, "_even_ends", _even_ends_one_late, "blocks"),
+    "every split taken as even": (layout_mod, "_even_ends", _even_ends_unchecked, "blocks"),
+    "even splits' zero costs kept in the block before": (layout_mod, "_even_ends", _even_ends_zeros_before, "blocks"),
     "microbatches one sample short": (DataPlan, "_end", _end_one_short, "data"),
+    "window one block short": (layout_mod, "_blocks_reaching", lambda *a: (lambda d: range(d.start, max(d.start, d.stop - 1)))(_REACHING(*a)), "window"),
+    "window from one block late": (layout_mod, "_blocks_reaching", lambda *a: (lambda d: range(min(d.start + 1, d.stop), d.stop))(_REACHING(*a)), "window"),
+    "window without its last row's block": (layout_mod, "_blocks_reaching", _blocks_reaching_all_but_the_last, "window"),
+    "window without the rank's LLM rows": (schedule_run, "packed_rows_of", lambda *a: None, "window"),
+    "pieces ordered by local row first": (layout_mod, "_order_by", lambda major, minor: np.lexsort((major, minor)), "packed"),
+    "uneven columns read from the first piece": (plan_mod, "_col_bounds", lambda pl: np.array([pl.col_P[0], pl.col_P[0] + pl.cols_P[0]]), "many"),
     "window without the pieces crossing its ends": (plan_mod, "_pieces_touching", _pieces_inside, "plans"),
 }
 
@@ -397,6 +560,7 @@ def _ties() -> None:
     for costs, dp in (([5, 5, 5, 5], 3), ([4, 4, 4, 4, 4, 4, 4], 4), ([1, 1, 1], 2)):
         assert dp_blocks(costs, dp) == dp_blocks_reference(costs, dp)
     test_dp_blocks_equal_the_scan()
+    _check_even_splits(random.Random(2), 60)
     rng = random.Random(1)
     for _ in range(300):
         costs, dp = _adversarial_costs(rng), rng.choice([2, 3, 5, 12, 33])
@@ -424,7 +588,7 @@ def _plans() -> None:
         _check_plans(seed)
 
 
-CHECKS = {"packed": _packed, "plans": _plans, "blocks": _ties, "walk": _walked_ties, "data": _check_data_plans}
+CHECKS = {"many": test_rank_plans_over_many_pieces, "window": _windowed_bridges, "packed": _packed, "plans": _plans, "blocks": _ties, "walk": _walked_ties, "data": _check_data_plans}
 
 
 @pytest.mark.parametrize("name", sorted(MUTATIONS))

@@ -47,14 +47,34 @@ def _blocks_needed(prefix: list[int], start: int, cap: int) -> int:
     return count
 
 
-class DpBlocks(list):
-    """DP blocks: a list of ``range``s (compares equal to one) that also carries their bounds as
-    arrays, ``start_D`` and ``stop_D``, so that array consumers (``dp_runs``, ``packed_runs``)
-    need no Python loop over the blocks."""
+class DpBlocks(Sequence):
+    """DP blocks: a sequence of ``range``s (equal to a list of them) kept as their bounds,
+    ``start_D`` and ``stop_D``, so that array consumers (``dp_runs``, ``packed_runs``) need no
+    Python loop over the blocks; a block's ``range`` is made when asked for (a rank reads its own)."""
+
+    __hash__ = None  # as a list's
 
     def __init__(self, start_D: np.ndarray, stop_D: np.ndarray):
-        super().__init__(map(range, start_D.tolist(), stop_D.tolist()))
         self.start_D, self.stop_D = start_D, stop_D
+
+    def __len__(self) -> int:
+        return len(self.start_D)
+
+    def __getitem__(self, d):
+        if isinstance(d, slice):
+            return list(map(range, self.start_D[d].tolist(), self.stop_D[d].tolist()))
+        return range(int(self.start_D[d]), int(self.stop_D[d]))
+
+    def __iter__(self):
+        return map(range, self.start_D.tolist(), self.stop_D.tolist())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, DpBlocks):
+            return np.array_equal(self.start_D, other.start_D) and np.array_equal(self.stop_D, other.stop_D)
+        return list(self) == other if isinstance(other, list) else NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 def dp_blocks(costs: Sequence[int] | np.ndarray, dp: int) -> DpBlocks:
@@ -64,17 +84,41 @@ def dp_blocks(costs: Sequence[int] | np.ndarray, dp: int) -> DpBlocks:
     turn takes the end closest to an even share of what is left (so trailing ranks are not
     starved needlessly; ties: the shorter block). Blocks may be empty. Deterministic: every
     rank gets the same answer. ``dp_blocks_reference`` scans; this one is numpy over items,
-    blocks and candidate starts (``_block_ends``), with a list look-up per block at most.
+    blocks and candidate starts (``_block_ends``), with a list look-up per block at most, or
+    ``dp`` look-ups when the items split into blocks of exactly total/dp (``_even_ends``).
     """
-    prefix_N1, cap = _prefix_and_cap(costs, dp)
+    prefix_N1, largest = _prefix(costs, dp)
+    stop_D = _even_ends(prefix_N1, largest, dp)
+    if stop_D is None:
+        stop_D = _chosen_ends(prefix_N1, largest, dp)
+    return DpBlocks(np.concatenate([[0], stop_D[:-1]]).astype(np.int64), stop_D)
+
+
+def _even_ends(prefix_N1: np.ndarray, largest: int, dp: int) -> np.ndarray | None:
+    """The blocks' ends when the items split into ``dp`` blocks of exactly total/dp each (even
+    costs, items a multiple of dp), else None. Then the smallest cap is total/dp, and within
+    it every block must hold exactly that much: block b ends where the prefix sum reaches
+    (b+1) * total/dp, at the first such end (a zero-cost item goes to the next block: every
+    such end is at distance 0 from the share, and ties take the shorter block). ``dp``
+    look-ups, nothing over the items: a rank's cost stays that of its share."""
+    total = int(prefix_N1[-1])
+    if total % dp or largest > total // dp or total >= 2 ** 53:  # the reference's shares are floats
+        return None
+    bound_D = np.arange(1, dp, dtype=np.int64) * (total // dp)
+    stop_D = np.searchsorted(prefix_N1, bound_D, "left")
+    if not np.array_equal(prefix_N1[stop_D], bound_D):
+        return None
+    return np.append(stop_D, len(prefix_N1) - 1)
+
+
+def _chosen_ends(prefix_N1: np.ndarray, largest: int, dp: int) -> np.ndarray:
+    """The blocks' ends in general: the smallest cap, then ``_block_ends``."""
+    # reach[b]: the furthest start of block b (b greedy blocks on from 0, found with the cap)
+    cap, furthest_N1, reach_D1 = _cap(prefix_N1, largest, dp)
     n = len(prefix_N1) - 1
-    furthest_N1 = _furthest(prefix_N1, cap)
     # first_within[k]: the first end after which k blocks suffice (k greedy blocks back from n)
     first_within_K1 = _chain(np.searchsorted(prefix_N1, prefix_N1 - cap, "left"), n, dp)
-    # reach[b]: the furthest start of block b (b greedy blocks on from 0)
-    reach_D = _chain(furthest_N1, 0, dp - 1)
-    stop_D = _block_ends(prefix_N1, furthest_N1, first_within_K1, reach_D)
-    return DpBlocks(np.concatenate([[0], stop_D[:-1]]).astype(np.int64), stop_D)
+    return _block_ends(prefix_N1, furthest_N1, first_within_K1, reach_D1[:-1])
 
 
 def _furthest(prefix_N1: np.ndarray, cap: int) -> np.ndarray:
@@ -200,34 +244,60 @@ def _costs_N(costs: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.array([int(c) for c in costs], dtype=np.int64)
 
 
-def _fits(prefix_N1: np.ndarray, cap: int, dp: int) -> bool:
-    """Whether greedy blocks within ``cap`` (each as far as it can go: the fewest) number at
-    most ``dp``: ``dp`` jumps from item 0 reach the end (``_chain``: log(dp) numpy passes)."""
-    return int(_chain(_furthest(prefix_N1, cap), 0, dp)[-1]) == len(prefix_N1) - 1
+def _greedy(prefix_N1: np.ndarray, cap: int, dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy blocks within ``cap`` (each as far as it can go: the fewest): the furthest end from
+    every start, and the starts of blocks 0 .. dp from item 0 (``_chain``: log(dp) numpy passes);
+    the last one is the end exactly when ``dp`` blocks fit."""
+    furthest_N1 = _furthest(prefix_N1, cap)
+    return furthest_N1, _chain(furthest_N1, 0, dp)
 
 
-def _prefix_and_cap(costs: Sequence[int] | np.ndarray, dp: int) -> tuple[np.ndarray, int]:
-    """(prefix sums, the smallest capacity that ``dp`` contiguous blocks can keep to)."""
+def _largest_block(prefix_N1: np.ndarray, reach_D1: np.ndarray) -> int:
+    """The largest sum of greedy blocks that fit: within it, the very same blocks fit."""
+    return int(np.diff(prefix_N1[reach_D1]).max(initial=0))
+
+
+def _next_cap(prefix_N1: np.ndarray, reach_D1: np.ndarray) -> int:
+    """The least cap at which one of ``dp`` greedy blocks that do not fit takes one more item:
+    below it they stay the same blocks, so they still do not fit."""
+    return int((prefix_N1[reach_D1[1:] + 1] - prefix_N1[reach_D1[:-1]]).min())
+
+
+def _prefix(costs: Sequence[int] | np.ndarray, dp: int) -> tuple[np.ndarray, int]:
+    """(prefix sums, the largest cost) of valid costs."""
     if dp < 1:
         raise LayoutError(f"dp must be >= 1, got {dp}")
     costs_N = _costs_N(costs)
     if np.any(costs_N < 0):
         raise LayoutError("sample costs must be non-negative")
-    prefix_N1 = _exclusive_cumsum(costs_N)
-    total, largest = int(prefix_N1[-1]), int(costs_N.max(initial=0))
+    return _exclusive_cumsum(costs_N), int(costs_N.max(initial=0))
+
+
+def _cap(prefix_N1: np.ndarray, largest: int, dp: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """(the smallest capacity that ``dp`` contiguous blocks can keep to, and ``_greedy``'s
+    furthest ends and block starts within it)."""
+    n, total = len(prefix_N1) - 1, int(prefix_N1[-1])
     # every block within ceil(total/dp) + the largest cost is feasible (each full block holds
     # more than total/dp); the lower bound is often feasible already (even costs): try it first
     lo = max(largest, -(-total // dp))
-    if _fits(prefix_N1, lo, dp):
-        return prefix_N1, lo
-    lo, hi = lo + 1, min(total, lo + largest)
+    greedy = _greedy(prefix_N1, lo, dp)
+    if int(greedy[1][-1]) == n:
+        return lo, *greedy
+    # bisection whose bounds move to what the greedy blocks show: past a cap that does not fit,
+    # to the next cap that changes its blocks; below one that fits, to its largest block
+    lo, hi, fitting = _next_cap(prefix_N1, greedy[1]), min(total, lo + largest), None
     while lo < hi:
         mid = (lo + hi) // 2
-        if _fits(prefix_N1, mid, dp):
-            hi = mid
+        greedy = _greedy(prefix_N1, mid, dp)
+        if int(greedy[1][-1]) == n:
+            hi, fitting = _largest_block(prefix_N1, greedy[1]), (mid, greedy)
         else:
-            lo = mid + 1
-    return prefix_N1, lo
+            lo = _next_cap(prefix_N1, greedy[1])
+    if fitting is None:  # no cap below the first bound fits
+        return lo, *_greedy(prefix_N1, lo, dp)
+    mid, (furthest_N1, reach_D1) = fitting
+    # the blocks found within mid are the greedy blocks within lo (its largest), not so every start's furthest end
+    return lo, (furthest_N1 if mid == lo else _furthest(prefix_N1, lo)), reach_D1
 
 
 def dp_blocks_reference(costs: Sequence[int], dp: int) -> list[range]:
@@ -688,9 +758,19 @@ class SampleRuns:
         return np.bincount(self.sample_U, weights=self.len_U, minlength=len(self.seq_len_N)).astype(np.int64)
 
     @cached_property
+    def row_U1(self) -> np.ndarray:
+        """The first (logical) row of each run, and the rows of all of them."""
+        return _exclusive_cumsum(self.len_U)
+
+    @cached_property
     def row_U(self) -> np.ndarray:
         """The first (logical) row of each run."""
-        return _exclusive_cumsum(self.len_U)[:-1]
+        return self.row_U1[:-1]
+
+    def rows_before(self, samples: np.ndarray) -> np.ndarray:
+        """Rows of the samples before each of ``samples`` (a look-up each: the first row of the
+        first run from that sample on)."""
+        return self.row_U1[np.searchsorted(self.sample_U, samples, "left")]
 
 
 @dataclass(frozen=True, eq=False)
@@ -758,6 +838,13 @@ class RunPlacement:
         mine = np.flatnonzero(self.rank_P == rank)
         columns = (self.rank_P, self.row_P, self.rows_P, self.local_row_P, self.col_P, self.cols_P)
         return [Piece(*f) for f in zip(*(c[mine].tolist() for c in columns))]
+
+    def row_span(self, rank: int) -> tuple[int, int] | None:
+        """(first, past the last) logical row of ``rank``'s pieces; None when it has none."""
+        mine = self.rank_P == rank
+        if not mine.any():
+            return None
+        return int(self.row_P[mine].min()), int((self.row_P[mine] + self.rows_P[mine]).max())
 
     def held_rows(self, rank: int) -> int:
         """Local rows that some piece of ``rank`` covers."""
@@ -851,14 +938,17 @@ def _tp_groups(grid: ParallelGrid) -> np.ndarray:
     return first[:, None] + np.arange(tp, dtype=np.int64) * stride
 
 
-def _pack_offsets(runs: SampleRuns, start_D, stop_D, tp: int, cp: int, sequence_parallel: bool):
-    """``PackLayout`` of every DP block at once: each sample's DP rank, padded length and
-    offset in its pack; each block's local length (one (cp, tp) rank's)."""
-    n = len(runs.seq_len_N)
+def _check_blocks(start_D: np.ndarray, stop_D: np.ndarray, n: int) -> None:
     if len(start_D) and (start_D[0] != 0 or stop_D[-1] != n or np.any(start_D[1:] != stop_D[:-1]) or np.any(stop_D < start_D)):
         raise LayoutError("packed placements need DP blocks covering the samples in order")
+
+
+def _pack_offsets(seq_len_N: np.ndarray, start_D, stop_D, tp: int, cp: int, sequence_parallel: bool):
+    """``PackLayout`` of DP blocks at once (covering ``seq_len_N``'s samples in order): each
+    sample's block, padded length and offset in its pack; each block's local length (one
+    (cp, tp) rank's)."""
     multiple = 1 if cp == 1 else 2 * cp * (tp if sequence_parallel else 1)
-    padded_N = -(-runs.seq_len_N // multiple) * multiple
+    padded_N = -(-seq_len_N // multiple) * multiple
     block_N = np.repeat(np.arange(len(start_D)), stop_D - start_D)
     prefix = _exclusive_cumsum(padded_N)
     before_N = prefix[:-1] - prefix[start_D][block_N]
@@ -869,11 +959,48 @@ def _pack_offsets(runs: SampleRuns, start_D, stop_D, tp: int, cp: int, sequence_
     return block_N, padded_N, before_N, local_len_D
 
 
+def _blocks_reaching(runs: SampleRuns, start_D: np.ndarray, stop_D: np.ndarray, rows: tuple[int, int]) -> range:
+    """The DP blocks holding some of rows ``lo .. hi-1``: a piece of any other block holds none
+    of them (it may only end at lo or start at hi)."""
+    lo, hi = rows
+    if lo >= hi or len(start_D) == 1:
+        return range(0, len(start_D) * (lo < hi))
+    return range(int(np.searchsorted(runs.rows_before(stop_D), lo, "right")),
+                 int(np.searchsorted(runs.rows_before(start_D), hi, "left")))
+
+
+def packed_rows_of(grid: ParallelGrid, runs: SampleRuns, blocks: Sequence[range], rank: int) -> tuple[int, int] | None:
+    """(first, past the last) row of the DP block that ``rank`` packs in ``packed_runs`` (its
+    pieces lie within), None for a rank packing none (not in ``grid``, a later pipeline stage)."""
+    coords = grid.coords(rank) if rank in grid else None
+    if coords is None or any(v for d, v in coords.items() if d not in ("tp", "cp", "dp")):
+        return None
+    block = blocks[coords.get("dp", 0)]
+    lo, hi = runs.rows_before(np.array([block.start, block.stop], dtype=np.int64)).tolist()
+    return lo, hi
+
+
+# ``_order_by`` sorts a combined key from this many keys on (below, the lexsort is as quick)
+ORDER_BY_ARGSORT = 256
+
+
+def _order_by(major_V: np.ndarray, minor_V: np.ndarray) -> np.ndarray:
+    """``np.lexsort((minor, major))`` of integer keys: one stable argsort of a combined key
+    while it fits in int64 (several times faster on thousands of keys), else the lexsort."""
+    if len(major_V) < ORDER_BY_ARGSORT or not len(major_V):
+        return np.lexsort((minor_V, major_V))
+    major_lo, minor_lo = int(major_V.min()), int(minor_V.min())
+    span = int(minor_V.max()) - minor_lo + 1
+    if (int(major_V.max()) - major_lo + 1) * span >= 2 ** 62:
+        return np.lexsort((minor_V, major_V))
+    return np.argsort((major_V - major_lo) * span + (minor_V - minor_lo), kind="stable")
+
+
 def _compact_pieces(rank_V, local_V, row_V, len_V):
     """Pieces of compact local buffers: each rank's rows in the order of their local
     positions, joined where logical rows continue. Returns (order of the first item of each
     piece, rank, row, rows, local row)."""
-    order = np.lexsort((local_V, rank_V))
+    order = _order_by(rank_V, local_V)
     rank_V, row_V, len_V = rank_V[order], row_V[order], len_V[order]
     before = _exclusive_cumsum(len_V)[:-1]
     new_rank = np.ones(len(rank_V), dtype=bool)
@@ -888,17 +1015,27 @@ def _compact_pieces(rank_V, local_V, row_V, len_V):
 
 
 def packed_runs(grid: ParallelGrid, runs: SampleRuns, blocks: Sequence[range], hidden: int,
-                sequence_parallel: bool = False) -> RunPlacement:
+                sequence_parallel: bool = False, rows: tuple[int, int] | None = None) -> RunPlacement:
     """``packed_placement`` as arrays (the same pieces, local rows and replica groups), from
     runs of rows: every run is cut where a CP chunk or an SP part ends, and mapped to its rank
-    and local position as ``PackLayout.locate`` maps each of its positions."""
+    and local position as ``PackLayout.locate`` maps each of its positions.
+
+    ``rows`` (lo, hi): only the pieces of the DP blocks holding some of rows lo .. hi-1, the
+    other ranks holding none and no local rows here: all that the plans of a rank whose rows
+    are those read (every holder of its rows), built from its share of the runs, not the world's."""
     tp, cp, dp = (grid.shape.get(d, 1) for d in ("tp", "cp", "dp"))
     if len(blocks) != dp:
         raise LayoutError(f"{len(blocks)} DP blocks for dp={dp}")
     start_D, stop_D = block_bounds(blocks)
-    block_N, padded_N, before_N, local_len_D = _pack_offsets(runs, start_D, stop_D, tp, cp, sequence_parallel)
-    keep = runs.len_U > 0
-    sample_V, start_V, len_V, row_V = (a[keep] for a in (runs.sample_U, runs.start_U, runs.len_U, runs.row_U))
+    _check_blocks(start_D, stop_D, len(runs.seq_len_N))
+    d = range(0, dp) if rows is None else _blocks_reaching(runs, start_D, stop_D, rows)
+    n0, n1 = (int(start_D[d.start]), int(stop_D[d.stop - 1])) if len(d) else (0, 0)  # their samples
+    block_N, padded_N, before_N, local_len_D = _pack_offsets(runs.seq_len_N[n0:n1], start_D[d.start:d.stop] - n0,
+                                                             stop_D[d.start:d.stop] - n0, tp, cp, sequence_parallel)
+    u = slice(*np.searchsorted(runs.sample_U, [n0, n1]).tolist())  # their runs
+    keep = runs.len_U[u] > 0
+    sample_V, start_V, len_V, row_V = (a[u][keep] for a in (runs.sample_U, runs.start_U, runs.len_U, runs.row_U))
+    sample_V = sample_V - n0
     if cp > 1:  # a run continues in the pack only inside one of its sample's 2cp chunks
         chunk_V = padded_N[sample_V] // (2 * cp)
         u, split_V, len_V = _split_runs(start_V, len_V, chunk_V)
@@ -908,8 +1045,8 @@ def packed_runs(grid: ParallelGrid, runs: SampleRuns, blocks: Sequence[range], h
         idx_V = before_N[sample_V] // cp + np.where(chunk < cp, off, chunk_V + off)
     else:
         cp_V, idx_V = np.zeros_like(start_V), before_N[sample_V] + start_V
-    dp_V = block_N[sample_V]
-    table_TCD = _rank_table(grid, ("tp", "cp", "dp"))
+    dp_V = block_N[sample_V]  # of the blocks ``d``
+    table_TCD = _rank_table(grid, ("tp", "cp", "dp"))[:, :, d.start:d.stop]
     if sequence_parallel:  # ... and inside one TP rank's part of the CP rank's sequence
         part_V = local_len_D[dp_V]
         u, split_V, len_V = _split_runs(idx_V, len_V, part_V)
@@ -921,7 +1058,7 @@ def packed_runs(grid: ParallelGrid, runs: SampleRuns, blocks: Sequence[range], h
     replica_GK = np.zeros((0, 0), dtype=np.int64)
     if not sequence_parallel and tp > 1:
         rank_TP = table_TCD[:, cp_V[first], dp_V[first]]
-        order = np.lexsort((np.tile(local_P, tp), rank_TP.ravel()))
+        order = _order_by(rank_TP.ravel(), np.tile(local_P, tp))
         rank_P = rank_TP.ravel()[order]
         row_P, rows_P, local_P = (np.tile(a, tp)[order] for a in (row_P, rows_P, local_P))
         replica_GK = _tp_groups(grid)

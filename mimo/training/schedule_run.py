@@ -37,13 +37,13 @@ from typing import Sequence
 import torch
 
 from mimo.bridges.executor import Bridge
-from mimo.bridges.plan import TransferPlan, rank_plans
+from mimo.bridges.plan import TransferPlan, rank_plans, rows_near
 from mimo.compose.model import MimoModel
 from mimo.data.pipeline import Microbatch
 from mimo.data.plan import SampleArrays
 from mimo.llm.pipeline import StageRunner
 from mimo.parallel.grid import ParallelGrid
-from mimo.parallel.layout import RunPlacement, SampleRuns, dp_runs, packed_runs
+from mimo.parallel.layout import RunPlacement, SampleRuns, dp_runs, packed_rows_of, packed_runs
 from mimo.schedules.pipeline import SCHEDULES, encoder_ticks, tick_of
 from mimo.training.optim import GradSync
 from mimo.training.trace import Trace, note
@@ -93,12 +93,18 @@ def image_bridge_plans(samples: SampleArrays | Sequence, placeholder: str, rows_
     """One encoder's bridge on ``rank`` for a microbatch of ``samples`` (its ``SampleArrays``, or
     ``PlannedSample``s): the encoder's rows (its DP blocks, replicated over its TP), the LLM
     first stage's declared placement of them (``LLMStage.image_placement``, from runs of rows:
-    each image's rows are consecutive positions) and this rank's plans both ways."""
+    each image's rows are consecutive positions) and this rank's plans both ways.
+
+    The LLM's placement holds only the pieces of the LLM DP blocks that hold some of this
+    rank's rows (its encoder block's, its LLM block's; ``packed_runs``' ``rows``): every move of
+    its plans lies there and its own pieces and local rows are all there, so the work follows
+    its share, not the world. Other ranks hold nothing in it: it serves this rank's bridge only."""
     arrays = SampleArrays.of(samples)
     runs = SampleRuns.of_image_arrays(arrays.tokens_N, arrays.images_for(placeholder), arrays.image_starts(placeholder),
                                       rows_per_image)
     src = dp_runs(encoder_grid, runs.rows_N, encoder_blocks, hidden)
-    dst = packed_runs(llm_grid, runs, llm_blocks, hidden, sequence_parallel)
+    rows = rows_near(rank, src, packed_rows_of(llm_grid, runs, llm_blocks, rank))
+    dst = packed_runs(llm_grid, runs, llm_blocks, hidden, sequence_parallel, rows or (0, 0))
     return src, dst, rank_plans(src, dst, rank)
 
 
