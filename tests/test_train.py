@@ -427,3 +427,48 @@ def test_a_rank_where_nothing_trains_joins_the_norm_on_its_device(pools, demo_co
         assert r["device"] == r["model_device"] == r["reduced_on"]  # named by the step, not taken from parameters
     assert frozen["own_sq"] == 0.0 and llm["own_sq"] > 0 and llm["loss"] > 0
     assert frozen["grad_norm"] == llm["grad_norm"] == pytest.approx(llm["own_sq"] ** 0.5, rel=1e-6)
+
+
+def _tables_per_step_case(config_path, overrides):
+    """Two training steps; counts the parameter tables (``param_table``, ``train_params``) the
+    second one builds: the run's table is built once, with its gradient buffers."""
+    import torch.distributed as dist
+
+    import mimo.compose.model as model_module
+    from mimo.training.run import build_run
+    from mimo.training.step import train_step
+
+    run = build_run(load_config(config_path, overrides), dist.get_rank())
+    model = run.model
+    train_step(model, run.pipeline, 1, run.optimizers, run.policy)
+    count = [0]
+    real_table, real_params = model_module.param_table, type(model).train_params
+    stage_cls = type(model.stage) if model.stage is not None else None
+    real_stage_table = stage_cls.param_table if stage_cls is not None else None
+
+    def counting(fn):
+        def wrapped(*args, **kwargs):
+            count[0] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    model_module.param_table = counting(real_table)
+    type(model).train_params = counting(real_params)
+    if stage_cls is not None:
+        stage_cls.param_table = counting(real_stage_table)
+    try:
+        result = train_step(model, run.pipeline, 2, run.optimizers, run.policy)
+    finally:  # the pool's processes run later cases too
+        model_module.param_table, type(model).train_params = real_table, real_params
+        if stage_cls is not None:
+            stage_cls.param_table = real_stage_table
+        run.close()
+    return {"tables": count[0], "loss": result.loss}
+
+
+def test_a_step_builds_no_parameter_table(pools, demo_config):
+    """The step boundary's host time: the norm and clipping read the table the gradient buffers
+    were built from, not one rebuilt every step (about 20 ms a step at llava-1.3b's 56 layers
+    on this machine). Mutation: ``model.train_params()`` per step counts here."""
+    for r in pools(4).run(_tables_per_step_case, demo_config, []):
+        assert r["tables"] == 0 and r["loss"] > 0

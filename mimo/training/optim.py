@@ -112,6 +112,7 @@ class GradSync:
         if mode not in REDUCE_MODES:
             raise ValueError(f"GradSync mode must be one of {REDUCE_MODES}, not {mode!r}")
         self.mode = mode
+        self.params = list(params)  # what it was built from: the step's norm and clipping read these, not a rebuilt table
         self.reduce_dtype = policy.grad_reduce if policy else torch.float32
         self.note = note
         self.buckets: dict[str, list[_Bucket]] = {}  # per module: the DP-summed buckets, in launch order

@@ -127,11 +127,11 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     # one tick loop runs both schedules; microbatches accumulate into the run's main gradients,
     # and each module's DP sums start bucket by bucket during its last backward on this rank
     # (the tied-embedding sum below commutes with them)
-    params = model.train_params()
     layers = moe_layers(model)
     if layers and model.stage is not None:  # nothing but this step's forwards counts
         reset_accumulators(model.stage)
     grad_sync = grad_sync_for(model, policy)
+    params = grad_sync.params  # the run's table, built once with the buffers (not per step: host time at the step boundary)
     grad_sync.zero_grad()
     loss_local = run_schedule(model, mbs, max(num_loss_tokens, 1.0), cfg.train.schedule, cfg.train.encoder_prefetch, events,
                               grad_sync)
