@@ -231,6 +231,7 @@ class VisionTransformer(nn.Module):
         self.norm_pre = LayerNorm(D, arch.norm_eps, ctx, **dd) if arch.pre_norm else None
         self.blocks = nn.ModuleList(Block(arch, ctx, **dd) for _ in range(self.num_blocks))
         self.norm = LayerNorm(D, arch.norm_eps, ctx, **dd) if self.post_norm else None
+        self.graphs = False  # the blocks replay as CUDA graphs (train.cuda_graphs)
 
     def set_recompute(self, mode: str, layers: int | None = None) -> None:
         """Activation recompute for the first ``layers`` blocks (all when None), as
@@ -286,6 +287,8 @@ class VisionTransformer(nn.Module):
             x_TD = self.norm_pre(x_TD)
         for block in self.blocks:
             x_TD = checkpoint(block, x_TD, N, L) if getattr(block, "recompute_full", False) else block(x_TD, N, L)
+        if self.graphs:  # out of the CUDA graphs' memory, which their next replay overwrites (an eval cache keeps it)
+            x_TD = x_TD.clone()
         if self.norm is not None:
             x_TD = self.norm(x_TD)
         if self.sequence_parallel:

@@ -519,3 +519,20 @@ def test_readme_documents_every_config_key():
     missing = sorted(f"{cls}.{name}" for cls, names in fields.items() for name in names if f"`{name}`" not in section
                      and f"`arch.{name}`" not in section)
     assert not missing, f"README.md's config reference does not mention: {', '.join(missing)}"
+
+
+def test_cuda_graphs_need_compile_and_encoders_at_tp_1_without_recompute():
+    """``train.cuda_graphs`` replays the vision blocks' kernels as captured: without
+    ``train.compile`` there are no graphs, a TP collective inside a block or a recompute in
+    the backward cannot replay; each is named. The accepted form passes."""
+    ok = ["train.compile=true", "train.cuda_graphs=true"]
+    config_from_dict(small_config(), ok)
+    assert problems_of(small_config(), ["train.cuda_graphs=true"]) == [
+        "train.cuda_graphs: the graphs are torch.compile's; set train.compile: true too"]
+    problems = problems_of(small_config(), ok + ["modules.vision.parallel.tp=2", "modules.vision.parallel.dp=1",
+                                                  "modules.vision.recompute=full"])
+    assert len(problems) == 2
+    assert problems[0].startswith("train.cuda_graphs: modules.vision.parallel.tp > 1 puts TP collectives")
+    assert problems[1].startswith("train.cuda_graphs: modules.vision recomputes its blocks")
+    assert problems_of(small_config(), ok + ["train.recompute=selective"])[0].startswith(
+        "train.cuda_graphs: modules.vision recomputes its blocks")

@@ -431,7 +431,8 @@ def test_a_rank_where_nothing_trains_joins_the_norm_on_its_device(pools, demo_co
 
 def _tables_per_step_case(config_path, overrides):
     """Two training steps; counts the parameter tables (``param_table``, ``train_params``) the
-    second one builds: the run's table is built once, with its gradient buffers."""
+    second one builds (the run's table is built once, with its gradient buffers), and the new
+    steps of CUDA graphs it marks with the model's ``cuda_graphs`` set."""
     import torch.distributed as dist
 
     import mimo.compose.model as model_module
@@ -441,8 +442,11 @@ def _tables_per_step_case(config_path, overrides):
     run = build_run(load_config(config_path, overrides), dist.get_rank())
     model = run.model
     train_step(model, run.pipeline, 1, run.optimizers, run.policy)
-    count = [0]
+    count, marks = [0], [0]
     real_table, real_params = model_module.param_table, type(model).train_params
+    real_mark = torch.compiler.cudagraph_mark_step_begin
+    model.cuda_graphs = True  # as train.cuda_graphs sets it (the blocks themselves run as built)
+    torch.compiler.cudagraph_mark_step_begin = lambda: marks.__setitem__(0, marks[0] + 1)
     stage_cls = type(model.stage) if model.stage is not None else None
     real_stage_table = stage_cls.param_table if stage_cls is not None else None
 
@@ -460,15 +464,18 @@ def _tables_per_step_case(config_path, overrides):
         result = train_step(model, run.pipeline, 2, run.optimizers, run.policy)
     finally:  # the pool's processes run later cases too
         model_module.param_table, type(model).train_params = real_table, real_params
+        torch.compiler.cudagraph_mark_step_begin = real_mark
         if stage_cls is not None:
             stage_cls.param_table = real_stage_table
         run.close()
-    return {"tables": count[0], "loss": result.loss}
+    return {"tables": count[0], "graph_steps": marks[0], "loss": result.loss}
 
 
 def test_a_step_builds_no_parameter_table(pools, demo_config):
     """The step boundary's host time: the norm and clipping read the table the gradient buffers
     were built from, not one rebuilt every step (about 20 ms a step at llava-1.3b's 56 layers
-    on this machine). Mutation: ``model.train_params()`` per step counts here."""
+    on this machine). Mutation: ``model.train_params()`` per step counts here. Under
+    ``train.cuda_graphs`` the step marks exactly one new step of the graphs, on every rank."""
     for r in pools(4).run(_tables_per_step_case, demo_config, []):
         assert r["tables"] == 0 and r["loss"] > 0
+        assert r["graph_steps"] == 1

@@ -114,6 +114,10 @@ class TrainConfig:
     schedule: Literal["simple", "1f1b"] = "1f1b"
     encoder_prefetch: int = 1  # microbatches whose encoder forward is done by stage 0's F(k) (1f1b)
     compile: bool = False  # torch.compile each LLM layer and vision block (fused elementwise work; GPU runs)
+    # with compile: each vision block's forward and backward replayed as CUDA graphs (torch.compile's
+    # reduce-overhead mode): no launch work on the host for the encoders. Their shapes repeat while
+    # the image count does (each new count records its graphs once); GPU runs, encoders at tp 1
+    cuda_graphs: bool = False
     grad_bucket_mb: float = 25.0  # DP gradient sums run in buckets of this many MiB, overlapping backward
     # activation recompute (mimo.parallel.recompute) of every module's first recompute_layers
     # layers of each pipeline stage (ViT blocks; None: all); modules.<name>.recompute overrides
@@ -155,6 +159,8 @@ class TrainConfig:
                             f"main-gradient shards (use grad_reduce: fp32)")
         if self.recompute_layers is not None and self.recompute_layers < 1:
             problems.append(f"{join_path(path, 'recompute_layers')}: must be >= 1 (or unset: all layers), got {self.recompute_layers}")
+        if self.cuda_graphs and not self.compile:
+            problems.append(f"{join_path(path, 'cuda_graphs')}: the graphs are torch.compile's; set train.compile: true too")
         return problems + self._lr_schedule_problems(path)
 
     @property
@@ -330,6 +336,22 @@ class MimoConfig:
             problems += self._tokenizer_problems(llms[0])
             problems += self._dispatcher_problems(llms[0])
             problems += self._fp8_problems(llms[0])
+        return problems + self._cuda_graph_problems()
+
+    def _cuda_graph_problems(self) -> list[str]:
+        """``train.cuda_graphs`` against the encoders' layouts: a graph replays its kernels as
+        captured, so no TP collective may sit inside a block, and no recompute may run it a
+        second time inside the backward."""
+        if not self.train.cuda_graphs:
+            return []
+        problems = []
+        for name in self.encoders:
+            if self.modules[name].parallel.tp > 1:
+                problems.append(f"train.cuda_graphs: modules.{name}.parallel.tp > 1 puts TP collectives inside the vision "
+                                f"blocks; graphs take encoders at tp 1 (set tp: 1, or drop train.cuda_graphs)")
+            if self.recompute_for(name)[0] != "none":
+                problems.append(f"train.cuda_graphs: modules.{name} recomputes its blocks in the backward; graphs take "
+                                f"encoders without recompute (set modules.{name}.recompute: none, or drop train.cuda_graphs)")
         return problems
 
     def _fp8_problems(self, llm: str) -> list[str]:

@@ -100,6 +100,13 @@ class MimoModel:
         # the run's gradient buffers (``mimo.training.optim.GradSync``), built once by the
         # training side on its first step and kept
         self.grad_sync = None
+        self.cuda_graphs = False  # the vision blocks replay as CUDA graphs (mimo.training.run.compile_blocks)
+
+    def graph_step(self) -> None:
+        """A new step of the CUDA-graphed blocks: outputs of the last one may be overwritten
+        (torch.compile's cudagraph trees); called where a step or a forward-only pass begins."""
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
 
     def set_fp8(self, f8: Fp8Config | None) -> None:
         """FP8 GEMMs (``train.fp8``) on every LLM layer but ``bf16_layers`` and every vision

@@ -92,16 +92,21 @@ def compile_blocks(model: MimoModel) -> int:
     """``train.compile``: each LLM layer and each vision block through ``torch.compile``, in
     place (compiled on first use; the weights stay the module's own). Repeated blocks share one
     compiled graph; LLM layers are compiled for dynamic lengths, since every pack's differs.
-    Embedding, head and loss stay eager (the loss works in chunks). Returns the count."""
+    Embedding, head and loss stay eager (the loss works in chunks). ``train.cuda_graphs``: the
+    vision blocks in reduce-overhead mode, their kernels replayed as CUDA graphs (on a CUDA
+    device; elsewhere torch runs them as compiled). Returns the count."""
     n = 0
     if model.stage is not None:
         options = _dynamic_length_options()
         for layer in model.stage.layers.values():
             layer.compile(dynamic=True, options=options)
             n += 1
+    graphs = model.config.train.cuda_graphs
     for part in model.encoders.values():
         if part.module is not None:
+            part.module.tower.graphs = graphs  # its output then leaves the graphs' memory
             for block in part.module.tower.blocks:
-                block.compile()
+                block.compile(mode="reduce-overhead" if graphs else None)
                 n += 1
+    model.cuda_graphs = graphs
     return n

@@ -162,6 +162,7 @@ def forward_only(model: MimoModel, mb: Microbatch, runner: StageRunner | None, c
     encoders, bridges, this rank's stage (``runner``, from ``stage_runner``; ``cache``: its
     generation cache, ``mimo.llm.cache``); the last stage's vocab-parallel logits, else None.
     Stages run in order: each receive waits for a send posted by a stage that has already run."""
+    model.graph_step()
     with torch.no_grad():
         _, image_rows = encode_and_bridge(model, mb)
         if runner is None:

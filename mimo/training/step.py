@@ -119,6 +119,7 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     """One step; ``on_grads(model, grad_norm)`` (optional) sees the gradients before clipping.
     ``trace``: record this rank's events (``mimo.training.trace``)."""
     cfg = model.config
+    model.graph_step()
     mbs = pipeline.step(step)
     # the global loss-token count: each LLM DP rank's packs, summed over DP (DESIGN §2)
     local = sum(mb.loss_tokens for mb in mbs) if model.stage is not None else 0  # counted on the CPU
