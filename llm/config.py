@@ -180,7 +180,7 @@ class HybridArch:
     mamba_state: int = 128
     mamba_groups: int = 1  # groups of heads sharing B and C
     mamba_chunk: int = 128  # tokens per chunk of the torch SSD scan (speed / memory only, same function)
-    mamba_dt_min: float = 0.0  # floor of softplus(dt) (Hugging Face Nemotron-H: time_step_min); 0: none
+    mamba_dt_min: float = 0.0  # floor of softplus(dt) (Hugging Face Nemotron-H: time_step_limit[0]); 0: none
     # Gated DeltaNet (G layers)
     gdn_heads: int | None = None  # query / key heads
     gdn_v_heads: int | None = None  # value heads (a multiple of gdn_heads)

@@ -8,8 +8,11 @@ its mixer.
     M  Mamba-2: in_proj rows z | x | B | C | dt -> our in_proj_weight (z | x | dt) and
        in_bc_weight (B | C); conv1d [x | B | C, 1, K] -> conv_x_* and conv_bc_* [.., K];
        dt_bias, A_log, D; norm.weight -> norm_weight (gated RMSNorm over n_groups groups);
-       dt = max(softplus(dt + dt_bias), time_step_min), as Hugging Face's torch path and
-       mamba_ssm's dt_limit clamp it (arch.mamba_dt_min)
+       dt = softplus(dt + dt_bias) clamped to time_step_limit (mamba_dt_limit), as
+       mamba_ssm's dt_limit and transformers >= 5.25 clamp it: its lower bound is
+       arch.mamba_dt_min (0 by default: no floor); a finite upper bound is a MimoError.
+       transformers < 5.25 clamped at (time_step_min, inf) whatever time_step_limit said;
+       export writes time_step_min = arch.mamba_dt_min too (when > 0), so they read it alike
     *  attention without RoPE (arch.rope false) and without biases, whatever attention_bias says
     -  MLP up / down with mlp_hidden_act (relu2, or gelu) and mlp_bias
     E  MoE: gate.weight (fp32) -> router.weight; the buffer gate.e_score_correction_bias ->
@@ -53,13 +56,17 @@ BLOCK_OF_KIND = {"mamba": "linear_attention", "attention": "full_attention", "ml
 ACTIVATIONS = ("relu2", "gelu")  # transformers' ACT2FN names that are ours too (non-gated)
 ROUTER_NORM_EPS = 1e-20  # NemotronHTopkRouter's renormalisation epsilon
 # config.json spellings of older Nemotron-H configs (NemotronHConfig.__post_init__ renames them)
-LEGACY_KEYS = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "time_step_min": "mamba_dt_min",
+LEGACY_KEYS = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "time_step_limit": "mamba_dt_limit",
                "use_conv_bias": "mamba_conv_bias", "chunk_size": "mamba_chunk_size"}
+# NemotronHConfig's time_step_min: only dt_bias's random init in transformers >= 5.25 (the floor of
+# dt before); export writes it (arch.mamba_dt_min when > 0), import reads time_step_limit instead
+TIME_STEP_MIN = 0.001
 # NemotronHConfig's defaults of the keys read here (a test checks them against transformers)
 DEFAULTS = {
     "head_dim": 128, "max_position_embeddings": 4096, "intermediate_size": 21504,
     "mlp_hidden_act": "relu2", "mlp_bias": False, "ssm_state_size": 128, "mamba_num_heads": 128,
-    "mamba_head_dim": 64, "mamba_hidden_act": "silu", "n_groups": 8, "conv_kernel": 4, "time_step_min": 0.001,
+    "mamba_head_dim": 64, "mamba_hidden_act": "silu", "n_groups": 8, "conv_kernel": 4,
+    "time_step_limit": (0.0, float("inf")),
     "use_conv_bias": True, "chunk_size": 128, "use_bias": False, "n_routed_experts": 8, "num_experts_per_tok": 2,
     "moe_intermediate_size": 7688, "moe_shared_expert_intermediate_size": 7688, "moe_latent_size": None,
     "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
@@ -114,8 +121,19 @@ def _staged(pattern: str, pattern_stages: Iterable[int] | None) -> str:
     return "|".join(pattern[s : s + n] for s, n in zip(starts, sizes))
 
 
+def _time_step_limit(cfg: Mapping) -> tuple[float, float]:
+    """``time_step_limit`` (or ``mamba_dt_limit``): the (low, high) clamp of Mamba-2's dt."""
+    limit = _get(cfg, "time_step_limit")
+    try:
+        low, high = (float(v) for v in limit)
+    except (TypeError, ValueError):
+        raise MimoError(f"{MODEL_TYPE}: time_step_limit {limit!r} is not a pair of numbers (low, high)") from None
+    return low, high
+
+
 def _reject(cfg: Mapping, pattern: str) -> None:
     """MimoError for a Nemotron-H config our layers cannot express."""
+    low, high = _time_step_limit(cfg)
     checks = [
         ("M" in pattern and _get(cfg, "use_bias"), "use_bias: true (biases on the Mamba-2 in_proj / out_proj)"),
         ("M" in pattern and not _get(cfg, "use_conv_bias"), "use_conv_bias: false (a Mamba-2 convolution without bias)"),
@@ -123,6 +141,8 @@ def _reject(cfg: Mapping, pattern: str) -> None:
         ("E" in pattern and _get(cfg, "mlp_bias"), "mlp_bias: true with MoE layers (biases on the shared expert and latent projections)"),
         (_get(cfg, "mlp_hidden_act") not in ACTIVATIONS, f"mlp_hidden_act {_get(cfg, 'mlp_hidden_act')!r} (one of {', '.join(ACTIVATIONS)})"),
         ("E" in pattern and not _get(cfg, "moe_shared_expert_intermediate_size"), "moe_shared_expert_intermediate_size: 0"),
+        ("M" in pattern and high != float("inf"),
+         f"time_step_limit {[low, high]} (a finite upper bound on Mamba-2's dt; only its floor, arch.mamba_dt_min)"),
     ]
     for bad, what in checks:
         if bad:
@@ -157,7 +177,7 @@ def arch_from_hf_config(cfg: Mapping, pattern_stages: Iterable[int] | None = Non
         init_std=float(_get(cfg, "initializer_range")),
         mamba_heads=int(_get(cfg, "mamba_num_heads")), mamba_head_dim=int(_get(cfg, "mamba_head_dim")),
         mamba_state=int(_get(cfg, "ssm_state_size")), mamba_groups=int(_get(cfg, "n_groups")),
-        mamba_chunk=int(_get(cfg, "chunk_size")), mamba_dt_min=float(_get(cfg, "time_step_min")),
+        mamba_chunk=int(_get(cfg, "chunk_size")), mamba_dt_min=max(0.0, _time_step_limit(cfg)[0]),
         conv_kernel=int(_get(cfg, "conv_kernel")), moe=moe,
     )
 
@@ -174,8 +194,6 @@ def _export_problems(arch: HybridArch) -> list[str]:
             problems.append("Nemotron-H attention has no QK-norm and no biases (qk_norm, qkv_bias, o_bias)")
     if arch.mlp_act not in ACTIVATIONS:
         problems.append(f"arch.mlp_act {arch.mlp_act!r}: Nemotron-H MLPs are non-gated ({', '.join(ACTIVATIONS)})")
-    if "mamba" in kinds and arch.mamba_dt_min <= 0:
-        problems.append("Nemotron-H clamps Mamba-2's dt at time_step_min > 0; set arch.mamba_dt_min (0.001 as Nemotron-H)")
     moe = arch.moe
     if "moe" in kinds and moe is not None:
         wrong = [f"{k}: {getattr(moe, k)!r} (needs {v!r})" for k, v in (
@@ -210,7 +228,8 @@ def hf_config_from_arch(arch: HybridArch, model_type: str = MODEL_TYPE) -> dict:
         cfg.update(mamba_num_heads=arch.mamba_heads, mamba_head_dim=arch.mamba_head_dim, ssm_state_size=arch.mamba_state,
                    n_groups=arch.mamba_groups, conv_kernel=arch.conv_kernel, expand=max(1, d_inner // arch.hidden),
                    chunk_size=arch.mamba_chunk, mamba_hidden_act="silu", use_conv_bias=True, use_bias=False,
-                   time_step_min=arch.mamba_dt_min, time_step_max=max(0.1, arch.mamba_dt_min))
+                   time_step_limit=[arch.mamba_dt_min, float("inf")], time_step_min=arch.mamba_dt_min or TIME_STEP_MIN,
+                   time_step_max=max(0.1, arch.mamba_dt_min))
     if "moe" in kinds:
         m = arch.moe
         cfg.update(n_routed_experts=m.experts, num_experts_per_tok=m.topk, moe_intermediate_size=m.ffn,

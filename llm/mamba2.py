@@ -259,7 +259,7 @@ class Mamba2Mixer(TPModule):
         if not self.bc_sharded:  # each local head reads its own group's B, C
             B_TGN, C_TGN = B_TGN[:, self.head_group], C_TGN[:, self.head_group]
         dt_TH = F.softplus(dt_TH.to(cdt) + self.dt_bias.to(cdt))
-        if cfg.dt_min > 0:  # Nemotron-H's time_step_min (mamba_ssm's dt_limit): no gradient below it
+        if cfg.dt_min > 0:  # Nemotron-H's time_step_limit[0] (mamba_ssm's dt_limit[0]): no gradient below it
             dt_TH = dt_TH.clamp_min(cfg.dt_min)
         A_H = -torch.exp(self.A_log.to(cdt))
         per_head = lambda v_TGS: v_TGS.repeat_interleave(hl // v_TGS.shape[1], dim=1).to(cdt)  # noqa: E731 (B, C of each head)

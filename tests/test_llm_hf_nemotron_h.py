@@ -24,8 +24,9 @@ SMALL = dict(vocab_size=96, hidden_size=64, hybrid_override_pattern="ME*E-", num
              ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8, n_routed_experts=8, num_experts_per_tok=2,
              moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, moe_latent_size=32, n_group=2,
              topk_group=1, routed_scaling_factor=2.5)
-# B, C replicated over tp 2 (one group), MLP biases, no MoE
-PLAIN = dict(SMALL, hybrid_override_pattern="M-*M", n_groups=1, mlp_bias=True)
+# B, C replicated over tp 2 (one group), MLP biases, no MoE; dt floored at 1e-3 (SMALL: the default
+# time_step_limit (0, inf), no floor)
+PLAIN = dict(SMALL, hybrid_override_pattern="M-*M", n_groups=1, mlp_bias=True, time_step_limit=(1e-3, float("inf")))
 
 
 def hf_config(**kw):
@@ -37,7 +38,8 @@ def hf_config(**kw):
 @torch.no_grad()
 def hf_model(kw: dict, seed: int = 0):
     """A random Nemotron-H where every path shows: ``randomize_``d weights, a non-zero
-    e_score_correction_bias, and two Mamba heads whose dt sits below time_step_min."""
+    e_score_correction_bias, and two Mamba heads whose dt sits near 1e-4: below PLAIN's floor
+    time_step_limit[0] = 1e-3 (the clamp decides), above SMALL's 0 (no clamp, as transformers >= 5.25)."""
     import transformers
 
     model = transformers.NemotronHForCausalLM(hf_config(**kw)).eval()
@@ -48,7 +50,7 @@ def hf_model(kw: dict, seed: int = 0):
             b.copy_(0.3 * torch.randn(b.shape, generator=gen))
     for layer in model.model.layers:
         if layer.block_type == "linear_attention":
-            layer.mixer.dt_bias[:2] = -9.0  # softplus(dt) ~ 1e-4 < time_step_min = 1e-3: the clamp decides
+            layer.mixer.dt_bias[:2] = -9.0  # softplus(dt) ~ 1e-4: PLAIN's floor 1e-3 decides, SMALL has none
     return model
 
 
@@ -135,7 +137,7 @@ def test_correction_bias_changes_routing():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Checkpoint directories of the two random models (non-zero correction bias, clamped dt)."""
+    """Checkpoint directories of the two random models (non-zero correction bias, tiny dt: PLAIN's clamped)."""
     root = tmp_path_factory.mktemp("nemotron-h")
     out = {}
     for name, kw in (("small", SMALL), ("plain", PLAIN)):
@@ -163,12 +165,15 @@ def test_verify_llm_random_init(pools, tmp_path):
 
 def test_config_round_trip_and_defaults():
     """arch -> config.json -> arch is the identity; NemotronHConfig reads our config; our
-    defaults are NemotronHConfig's; older key spellings read the same."""
+    defaults are NemotronHConfig's; older key spellings read the same; dt's floor is
+    time_step_limit[0] (0 by default), not time_step_min."""
     import transformers
 
     arch = nh.arch_from_hf_config(hf_config(**SMALL).to_dict())
     assert (arch.rope, arch.tie_embeddings, arch.mamba_dt_min, arch.moe.expert_bias, arch.moe.norm_eps) == (
-        False, False, 1e-3, True, 1e-20)
+        False, False, 0.0, True, 1e-20)
+    assert nh.arch_from_hf_config(hf_config(**PLAIN).to_dict()).mamba_dt_min == 1e-3
+    assert nh.arch_from_hf_config(hf_config(**SMALL, time_step_min=0.01).to_dict()).mamba_dt_min == 0.0
     cfg = nh.hf_config_from_arch(arch)
     assert nh.arch_from_hf_config(cfg) == arch
     assert nh.arch_from_hf_config(transformers.NemotronHConfig(**{k: v for k, v in cfg.items() if k != "model_type"}).to_dict()) == arch
@@ -185,6 +190,7 @@ def test_config_round_trip_and_defaults():
     (dict(use_conv_bias=False), "use_conv_bias"),
     (dict(mlp_bias=True), "mlp_bias: true with MoE layers"),
     (dict(mlp_hidden_act="silu"), "mlp_hidden_act 'silu'"),
+    (dict(time_step_limit=[0.0, 0.1]), "time_step_limit"),
 ])
 def test_unsupported_configs_are_clear_errors(change, message):
     with pytest.raises(MimoError, match=message):
@@ -193,7 +199,7 @@ def test_unsupported_configs_are_clear_errors(change, message):
 
 def test_export_rejects_what_nemotron_h_cannot_hold():
     arch = nh.arch_from_hf_config(hf_config(**SMALL).to_dict())
-    for change, message in ((dict(rope=True), "arch.rope: false"), (dict(mamba_dt_min=0.0), "mamba_dt_min"),
+    for change, message in ((dict(rope=True), "arch.rope: false"),
                             (dict(moe=dataclasses.replace(arch.moe, score="softmax")), "arch.moe.score")):
         with pytest.raises(MimoError, match=message):
             nh.hf_config_from_arch(dataclasses.replace(arch, **change))
