@@ -113,6 +113,7 @@ class GradSync:
             raise ValueError(f"GradSync mode must be one of {REDUCE_MODES}, not {mode!r}")
         self.mode = mode
         self.params = list(params)  # what it was built from: the step's norm and clipping read these, not a rebuilt table
+        self._norm_grads: list[torch.Tensor] | None = None  # built on first use (``norm_grads``)
         self.reduce_dtype = policy.grad_reduce if policy else torch.float32
         self.note = note
         self.buckets: dict[str, list[_Bucket]] = {}  # per module: the DP-summed buckets, in launch order
@@ -337,6 +338,33 @@ class GradSync:
             raise ValueError("GradSync.shards: only in reduce_scatter mode")
         return [(b.shard, b.shard.numel() * dist.get_rank(b.group)) for b in self.buckets.get(module, [])]
 
+    def norm_grads(self) -> list[torch.Tensor] | None:
+        """The tensors whose squared norms sum to this rank's term of the global gradient norm,
+        as few as the buckets allow (a step's host time): a bucket's whole buffer where each of
+        its parameters counts once (in all_reduce mode the buffer is exactly their main
+        gradients), else each counted parameter's main gradient as often as it counts. Built
+        once (the buffers persist); None in reduce_scatter mode (the shards decide there)."""
+        if self.mode != "all_reduce":
+            return None
+        if self._norm_grads is None:
+            counts: dict[int, int] = defaultdict(int)
+            for p in self.params:
+                counts[id(p.param)] += bool(p.counts_in_norm)
+            out = []
+            for b in self._all:
+                times = [counts[id(p)] for p in b.params]
+                if all(t == 1 for t in times):
+                    out.append(b.flat)
+                else:
+                    out += [p.main_grad for p, t in zip(b.params, times) for _ in range(t)]
+            self._norm_grads = out
+        return self._norm_grads
+
+    def all_grads(self) -> list[torch.Tensor] | None:
+        """Every main gradient once, as the buckets' buffers (all_reduce mode; else None):
+        what clipping scales."""
+        return [b.flat for b in self._all] if self.mode == "all_reduce" else None
+
     def round_grads_(self, module: str | None = None) -> None:
         """``.grad`` = the main gradient rounded to the weight's dtype, where they differ (an
         optimizer that reads ``.grad`` of bf16 weights: bf16-pure); of ``module``, or all."""
@@ -365,7 +393,8 @@ def _reduce_scatter(shard: torch.Tensor, flat: torch.Tensor, group):
     return fn(shard, flat, group=group, async_op=True)
 
 
-def global_grad_norm(params: Iterable[TrainParam], device: torch.device | str, world_group=None) -> torch.Tensor:
+def global_grad_norm(params: Iterable[TrainParam], device: torch.device | str, world_group=None,
+                     grads: list[torch.Tensor] | None = None) -> torch.Tensor:
     """L2 norm of the whole model's gradient, as a 0-dim fp64 tensor left on ``device``: one
     world-wide all-reduce of one number.
 
@@ -375,9 +404,13 @@ def global_grad_norm(params: Iterable[TrainParam], device: torch.device | str, w
     CPU tensor there against CUDA tensors elsewhere: different NCCL/gloo collectives, a hang).
     Per-tensor norms in fp32 (``torch._foreach_norm``; fp64 for fp64 gradients, the references),
     squared and summed in fp64; nothing is read back to the host here (``clip_grads_`` takes the
-    tensor), so the step need not wait for the device."""
+    tensor), so the step need not wait for the device. ``grads``: the counted gradients as
+    ``GradSync.norm_grads`` gives them (the same sum over fewer tensors), instead of ``params``'."""
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-    for p in params:
+    if grads is not None:
+        for g in grads:
+            by_device[g.device].append(g.detach())
+    for p in params if grads is None else ():
         g = main_grad(p.param)
         if p.counts_in_norm and g is not None:
             by_device[g.device].append(g.detach())
@@ -399,15 +432,19 @@ def clip_scale(max_norm: float | None, norm: torch.Tensor) -> torch.Tensor:
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
-def clip_grads_(params: Iterable[TrainParam], max_norm: float | None, norm: torch.Tensor) -> None:
+def clip_grads_(params: Iterable[TrainParam], max_norm: float | None, norm: torch.Tensor,
+                grads: list[torch.Tensor] | None = None) -> None:
     """Scale gradients so the global norm is at most ``max_norm``: by
-    ``min(1, max_norm / (norm + 1e-6))``, computed where ``norm`` lives (no host read)."""
+    ``min(1, max_norm / (norm + 1e-6))``, computed where ``norm`` lives (no host read).
+    ``grads``: every main gradient once, as ``GradSync.all_grads`` gives them, instead of ``params``'."""
     if max_norm is None:
         return
     scale = clip_scale(max_norm, norm)
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for g in grads or ():
+        by_device[g.device].append(g)
     seen: set[int] = set()  # a parameter listed under two names is scaled once
-    for p in params:
+    for p in params if grads is None else ():
         g = main_grad(p.param)
         if g is not None and id(p.param) not in seen:
             seen.add(id(p.param))

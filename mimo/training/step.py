@@ -150,7 +150,7 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     if bucketed:  # every module's: their shards hold the gradients
         norm_t = bucket_grad_norm(bucketed, model.device)
     else:
-        norm_t = global_grad_norm(params, model.device)
+        norm_t = global_grad_norm(params, model.device, grads=grad_sync.norm_grads())
     if on_grads is not None:
         on_grads(model, float(norm_t))
     if bucketed:
@@ -158,7 +158,7 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
         for opt in bucketed:
             opt.clip_(scale)
     else:
-        clip_grads_(params, cfg.train.grad_clip, norm_t)
+        clip_grads_(params, cfg.train.grad_clip, norm_t, grads=grad_sync.all_grads())
     lrs = {}
     for module, opt in optimizers.items():
         # each module's own base lr (AdamW keeps it in defaults), on the shared schedule
