@@ -351,15 +351,19 @@ class StepThread:
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._failed: BaseException | None = None
+        self._closed = False
         self._thread = threading.Thread(target=self._serve, name="mimo-data-step", daemon=True)
         self._thread.start()
 
     def submit(self, fn, *args) -> cf.Future:
+        if self._closed:  # no thread would ever run it: the caller would wait forever
+            raise DataError("the data pipeline is closed: no step can be prepared after its run was closed")
         future: cf.Future = cf.Future()
         self._jobs.put((future, fn, args))
         return future
 
     def close(self, wait: bool = True) -> None:
+        self._closed = True
         self._jobs.put(None)
         if wait:
             self._thread.join()

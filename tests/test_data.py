@@ -446,6 +446,12 @@ def test_the_step_thread_fails_later_jobs_without_running_them():
             f.result(timeout=10)
     thread.close()
     assert ran == [1, 2]
+    # closed, it refuses new work with a clear error: no job would ever run, and the caller
+    # (a step asked of a closed run's pipeline) would wait forever
+    from mimo.core.errors import DataError
+
+    with pytest.raises(DataError, match="pipeline is closed"):
+        thread.submit(job, 4)
 
 
 def test_batched_tokenization_equals_the_tokenizer_call(dataset):
