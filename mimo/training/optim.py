@@ -132,7 +132,7 @@ class GradSync:
         self._before_accumulate: dict[str, list] = defaultdict(list)
         by_module: dict[str, list[TrainParam]] = defaultdict(list)
         seen: set[int] = set()  # a parameter listed twice (shared by two names) is reduced once
-        for p in params:
+        for p in self.params:
             if p.param.requires_grad and id(p.param) not in seen:
                 seen.add(id(p.param))
                 by_module[p.module].append(p)
@@ -406,18 +406,11 @@ def global_grad_norm(params: Iterable[TrainParam], device: torch.device | str, w
     squared and summed in fp64; nothing is read back to the host here (``clip_grads_`` takes the
     tensor), so the step need not wait for the device. ``grads``: the counted gradients as
     ``GradSync.norm_grads`` gives them (the same sum over fewer tensors), instead of ``params``'."""
-    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-    if grads is not None:
-        for g in grads:
-            by_device[g.device].append(g.detach())
-    for p in params if grads is None else ():
-        g = main_grad(p.param)
-        if p.counts_in_norm and g is not None:
-            by_device[g.device].append(g.detach())
+    if grads is None:
+        grads = [g for p in params if p.counts_in_norm and (g := main_grad(p.param)) is not None]
     total = torch.zeros((), dtype=torch.float64, device=torch.device(device))
-    for grads in by_device.values():
-        wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-        norms = torch._foreach_norm(grads, 2, dtype=wide)
+    for on_device, wide in _by_device([g.detach() for g in grads]):
+        norms = torch._foreach_norm(on_device, 2, dtype=wide)
         total += torch.stack(norms).double().pow(2).sum().to(total.device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total, group=world_group)
@@ -440,18 +433,20 @@ def clip_grads_(params: Iterable[TrainParam], max_norm: float | None, norm: torc
     if max_norm is None:
         return
     scale = clip_scale(max_norm, norm)
-    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-    for g in grads or ():
-        by_device[g.device].append(g)
-    seen: set[int] = set()  # a parameter listed under two names is scaled once
-    for p in params if grads is None else ():
-        g = main_grad(p.param)
-        if g is not None and id(p.param) not in seen:
-            seen.add(id(p.param))
-            by_device[g.device].append(g)
-    for device, grads in by_device.items():
-        wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32  # fp64 references
-        torch._foreach_mul_(grads, scale.to(device=device, dtype=wide))
+    if grads is None:
+        unique = {id(p.param): p.param for p in params}  # a parameter listed under two names is scaled once
+        grads = [g for p in unique.values() if (g := main_grad(p)) is not None]
+    for on_device, wide in _by_device(grads):
+        torch._foreach_mul_(on_device, scale.to(device=on_device[0].device, dtype=wide))
+
+
+def _by_device(grads: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], torch.dtype]]:
+    """``grads`` grouped by device, each group with the dtype its norms and scales work in:
+    fp32, or fp64 where a gradient is fp64 (the references)."""
+    groups: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        groups[g.device].append(g)
+    return [(gs, torch.float64 if any(g.dtype == torch.float64 for g in gs) else torch.float32) for gs in groups.values()]
 
 
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
