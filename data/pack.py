@@ -10,8 +10,10 @@ last token (causal layers never let real tokens see it). Padding never carries l
 from __future__ import annotations
 
 from dataclasses import dataclass
+import itertools
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from mimo.core.batch import CPSlice, PackedBatch
@@ -31,33 +33,35 @@ class PackItem:
 
 
 def pack(items: Sequence[PackItem], rows_per_image: dict[str, int], tp: int, cp: int, sequence_parallel: bool, pad_id: int) -> PackedBatch:
+    # numpy, filled slice by slice: the data thread builds a pack each step while the training
+    # thread launches kernels, and per-token Python lists would hold the interpreter lock for
+    # milliseconds
     layout = PackLayout(tuple(len(it.tokens) for it in items), tp, cp, sequence_parallel)
-    tokens, positions, labels, mask, cu = [], [], [], [], [0]
-    slots: dict[str, list[int]] = {p: [] for p in rows_per_image}
-    for it, padded in zip(items, layout.padded_lens):
-        n, off = len(it.tokens), len(tokens)
+    total = layout.total_len
+    seg_N1 = np.fromiter(itertools.accumulate(layout.padded_lens, initial=0), dtype=np.int64, count=len(items) + 1)
+    tail = total - int(seg_N1[-1])
+    cu_S1 = np.append(seg_N1, total) if tail else seg_N1  # the SP padding at the end of a cp=1 pack: its own segment
+    tokens_T = np.full(total, pad_id, dtype=np.int64)
+    labels_T = np.full(total, pad_id, dtype=np.int64)  # next-token targets inside the sample; the last token has none
+    mask_T = np.zeros(total, dtype=bool)
+    slots: dict[str, list[np.ndarray]] = {p: [] for p in rows_per_image}
+    for it, off in zip(items, seg_N1.tolist()):
+        n = len(it.tokens)
+        tokens_T[off : off + n] = it.tokens
+        labels_T[off : off + n - 1] = tokens_T[off + 1 : off + n]
+        if it.ok and n > 1:
+            mask_T[off : off + n - 1] = np.asarray(it.target[1:], dtype=bool)
         for p, starts in it.image_starts.items():
-            slots[p].extend(off + s + r for s in starts for r in range(rows_per_image[p]))
-        tokens += it.tokens + [pad_id] * (padded - n)
-        positions += list(range(padded))
-        # next-token targets inside the sample; the last token has none
-        labels += it.tokens[1:] + [pad_id] * (padded - n + 1)
-        mask += ([t and it.ok for t in it.target[1:]] + [False]) + [False] * (padded - n)
-        cu.append(len(tokens))
-    tail = layout.total_len - len(tokens)
-    if tail:  # the SP padding at the end of a cp=1 pack: its own segment
-        tokens += [pad_id] * tail
-        positions += list(range(tail))
-        labels += [pad_id] * tail
-        mask += [False] * tail
-        cu.append(len(tokens))
+            slots[p].append((off + np.asarray(starts, dtype=np.int64)[:, None] + np.arange(rows_per_image[p])).reshape(-1))
+    # positions restart at every segment (padding segments included)
+    positions_T = np.arange(total, dtype=np.int64) - np.repeat(cu_S1[:-1], np.diff(cu_S1))
     return PackedBatch(
-        tokens=torch.tensor(tokens, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        labels=torch.tensor(labels, dtype=torch.int64),
-        loss_mask=torch.tensor(mask, dtype=torch.bool),
-        image_slots={p: torch.tensor(v, dtype=torch.int64) for p, v in slots.items()},
+        tokens=torch.from_numpy(tokens_T),
+        positions=torch.from_numpy(positions_T),
+        cu_seqlens=torch.from_numpy(cu_S1.astype(np.int32)),
+        labels=torch.from_numpy(labels_T),
+        loss_mask=torch.from_numpy(mask_T),
+        image_slots={p: torch.from_numpy(np.concatenate(v) if v else np.zeros(0, dtype=np.int64)) for p, v in slots.items()},
         sample_ids=torch.tensor([it.id for it in items], dtype=torch.int64),
         cp=CPSlice(cp, None, tuple(layout.chunk_lens()), tuple(len(it.tokens) for it in items)) if cp > 1 else None,
     )

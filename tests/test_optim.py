@@ -1,4 +1,5 @@
-"""MasterWeightAdamW (train.precision bf16): AdamW's update on fp32 master weights."""
+"""MasterWeightAdamW (train.precision bf16): AdamW's update on fp32 master weights; mimo's AdamW
+(torch's, its lists kept between steps)."""
 
 import copy
 
@@ -7,7 +8,7 @@ import torch
 
 from mimo.training.checkpoint import _load_optimizer, _save_optimizer
 from mimo.core.errors import CheckpointError
-from mimo.training.optim import MasterWeightAdamW, PrecisionPolicy, TrainParam, build_optimizers
+from mimo.training.optim import AdamW, MasterWeightAdamW, PrecisionPolicy, TrainParam, build_optimizers
 
 
 def _params(dtype, seed=0):
@@ -103,7 +104,7 @@ def test_checkpoint_of_another_precision_is_refused(tmp_path):
         _load_optimizer(MasterWeightAdamW(_groups(ps), lr=1e-3), names, str(tmp_path / "opt.safetensors"))
 
 
-@pytest.mark.parametrize("name, kind", [("fp32", torch.optim.AdamW), ("bf16", MasterWeightAdamW), ("bf16-pure", torch.optim.AdamW)])
+@pytest.mark.parametrize("name, kind", [("fp32", AdamW), ("bf16", MasterWeightAdamW), ("bf16-pure", AdamW)])
 def test_precision_picks_the_optimizer(name, kind):
     policy = PrecisionPolicy.named(name)
     ps = [TrainParam("m", f"p{i}", p, None, True) for i, p in enumerate(_params(policy.params))]
@@ -112,3 +113,48 @@ def test_precision_picks_the_optimizer(name, kind):
     state = PrecisionPolicy.named(name).optimizer_state
     _run(opts["m"], [p.param for p in ps], 1)
     assert all(v.dtype == state for st in opts["m"].state.values() for k, v in st.items() if k != "step")
+
+
+@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_listed_adamw_equals_torch_adamw(kernel, dtype, tmp_path):
+    """Steps on the kept lists are torch's AdamW steps, bit for bit: gradients kept in place
+    (as the run's gradient buffers are, where the lists are reused), replaced by new tensors,
+    a gradient missing at one step (torch skips the parameter), the lr changed between
+    steps, and a state saved and loaded midway (the lists are rebuilt from the loaded state)."""
+    kw = {"fused": True} if kernel == "fused" else {"foreach": True}
+    a, b = _params(dtype), _params(dtype)
+    ref = torch.optim.AdamW(_groups(a), lr=1e-2, betas=(0.9, 0.95), **kw)
+    opt = AdamW(_groups(b), lr=1e-2, betas=(0.9, 0.95), **kw)
+    kept = [torch.zeros_like(p) for p in b]  # b's gradients live in these from step 2 on
+    g = torch.Generator().manual_seed(3)
+    names = [f"p{i}" for i in range(len(b))]
+    listed = []
+    for i in range(9):
+        for j, (p, q) in enumerate(zip(a, b)):
+            grad = torch.randn(p.shape, generator=g).to(dtype)
+            if (i, j) == (5, 2):
+                p.grad = q.grad = None
+            elif i in (1, 2, 3, 6, 7, 8):
+                p.grad = grad
+                q.grad = kept[j]
+                kept[j].copy_(grad)
+            else:
+                p.grad, q.grad = grad, grad.clone()
+        for o in (ref, opt):
+            for group in o.param_groups:
+                group["lr"] = 1e-2 / (1 + i)
+        listed.append(opt._listed() is not None)
+        ref.step()
+        opt.step()
+        if i == 6:  # a state round trip through the checkpoint's optimizer file
+            _save_optimizer(opt, names, str(tmp_path / "opt.safetensors"))
+            opt = AdamW(_groups(b), lr=1e-2, betas=(0.9, 0.95), **kw)
+            _load_optimizer(opt, names, str(tmp_path / "opt.safetensors"))
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), (i, kernel)
+    for p, q in zip(a, b):
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(ref.state[p][k].cpu(), opt.state[q][k].cpu()), k
+    # the kept lists served exactly where every gradient was the one listed at the step before
+    assert listed == [False, False, True, True, False, False, False, False, True]
