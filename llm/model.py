@@ -70,6 +70,7 @@ class LLMStage(nn.Module):
         self.sequence_parallel = ctx.sequence_parallel
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.tied = arch.tie_embeddings
+        self.compiled_loss = False  # train.compile: the cross entropy's row math as fused kernels
         if self.is_first:
             self.embed = VocabParallelEmbedding(arch.vocab, arch.hidden, ctx)
         self.layers = nn.ModuleDict({str(s.index): build_layer(arch, s, ctx) for s in self.specs})
@@ -247,7 +248,8 @@ class LLMStage(nn.Module):
 
     def token_losses(self, logits_TV: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """fp32 per-token losses ``[T]`` (0 where the loss mask is off or the label < 0)."""
-        return vocab_parallel_cross_entropy(logits_TV, batch.labels, self.tp_group, self.arch.vocab, batch.loss_mask)
+        return vocab_parallel_cross_entropy(logits_TV, batch.labels, self.tp_group, self.arch.vocab, batch.loss_mask,
+                                            compiled=self.compiled_loss)
 
     def loss(self, logits_TV: torch.Tensor, batch: PackedBatch, num_loss_tokens: float | torch.Tensor) -> torch.Tensor:
         """Sum of this pack's token losses / ``num_loss_tokens``, the loss-token count over every

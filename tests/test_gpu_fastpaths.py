@@ -180,16 +180,16 @@ def test_compiled_vision_block_matches_exact():
     _check(_fwd_bwd(fast, x, n, L), _fwd_bwd(ref, x.float(), n, L), "compiled vision block", _fwd_bwd(eager, x, n, L))
 
 
-def _ce_case(device, dtype, rows=777, vocab=1000, chunk_logits=None, monkeypatch=None):
+def _ce_case(device, dtype, rows=777, vocab=1000, chunk_logits=None, monkeypatch=None, compiled=False, pad=24):
     gen = torch.Generator().manual_seed(rows)
-    logits = (3 * torch.randn(rows, vocab + 24, generator=gen)).to(device, dtype)  # 24 padding columns
+    logits = (3 * torch.randn(rows, vocab + pad, generator=gen)).to(device, dtype)  # padding columns
     labels = torch.randint(0, vocab, (rows,), generator=gen).to(device)
     labels[::7] = -100
     mask = (torch.rand(rows, generator=gen) > 0.2).to(device)
     if chunk_logits is not None:
         monkeypatch.setattr(ce, "CHUNK_LOGITS", chunk_logits)
     x = logits.detach().clone().requires_grad_(True)
-    loss = vocab_parallel_cross_entropy(x, labels, None, vocab, mask)
+    loss = vocab_parallel_cross_entropy(x, labels, None, vocab, mask, compiled=compiled)
     w = torch.randn(rows, generator=gen).to(device)
     (loss * w).sum().backward()
     return loss.double().cpu(), x.grad.double().cpu(), logits, labels, mask, w
@@ -212,12 +212,26 @@ def test_chunked_cross_entropy_matches_reference_cpu(monkeypatch, chunk_logits):
     assert grad[:, 1000:].abs().max() == 0  # padding columns
 
 
+@pytest.mark.parametrize("pad", [24, 0], ids=["padding columns", "no padding"])
+def test_compiled_cross_entropy_matches_reference_cpu(pad):
+    """``compiled=True`` (train.compile): the row math as fused kernels over all rows; with
+    padding columns the gradient is written into a zeroed buffer, without it returned as
+    computed. fp32 on the CPU against the fp64 reference."""
+    loss, grad, logits, labels, mask, w = _ce_case("cpu", torch.float32, compiled=True, pad=pad)
+    ref_loss, ref_grad = _ce_reference(logits, labels, mask, w, 1000)
+    assert rel_err(loss, ref_loss) <= 1e-6 and rel_err(grad, ref_grad) <= 1e-6
+    if pad:
+        assert grad[:, 1000:].abs().max() == 0
+
+
 @needs_cuda
-def test_chunked_cross_entropy_bf16_on_gpu(monkeypatch):
-    loss, grad, logits, labels, mask, w = _ce_case("cuda", torch.bfloat16, rows=4099, vocab=32000, chunk_logits=1 << 22, monkeypatch=monkeypatch)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_chunked_cross_entropy_bf16_on_gpu(monkeypatch, compiled):
+    loss, grad, logits, labels, mask, w = _ce_case("cuda", torch.bfloat16, rows=4099, vocab=32000, chunk_logits=1 << 22,
+                                                   monkeypatch=monkeypatch, compiled=compiled)
     ref_loss, ref_grad = _ce_reference(logits, labels, mask, w, 32000)
     errs = rel_err(loss, ref_loss), rel_err(grad, ref_grad)
-    print(f"chunked cross entropy bf16 logits: rel err loss {errs[0]:.2e}, grad {errs[1]:.2e}")
+    print(f"cross entropy bf16 logits ({'compiled' if compiled else 'chunked'}): rel err loss {errs[0]:.2e}, grad {errs[1]:.2e}")
     assert max(errs) <= BF16_TOL
 
 

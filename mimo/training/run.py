@@ -92,15 +92,17 @@ def compile_blocks(model: MimoModel) -> int:
     """``train.compile``: each LLM layer and each vision block through ``torch.compile``, in
     place (compiled on first use; the weights stay the module's own). Repeated blocks share one
     compiled graph; LLM layers are compiled for dynamic lengths, since every pack's differs.
-    Embedding, head and loss stay eager (the loss works in chunks). ``train.cuda_graphs``: the
-    vision blocks in reduce-overhead mode, their kernels replayed as CUDA graphs (on a CUDA
-    device; elsewhere torch runs them as compiled). Returns the count."""
+    Embedding and head stay eager; the cross entropy's row math compiles into fused kernels
+    (``vocab_parallel_cross_entropy(compiled=True)``). ``train.cuda_graphs``: the vision blocks
+    in reduce-overhead mode, their kernels replayed as CUDA graphs (on a CUDA device; elsewhere
+    torch runs them as compiled). Returns the count."""
     n = 0
     if model.stage is not None:
         options = _dynamic_length_options()
         for layer in model.stage.layers.values():
             layer.compile(dynamic=True, options=options)
             n += 1
+        model.stage.compiled_loss = True
     graphs = model.config.train.cuda_graphs
     for part in model.encoders.values():
         if part.module is not None:
