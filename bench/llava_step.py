@@ -13,6 +13,11 @@ tokens/s.
 
     python bench/llava_step.py [--steps 13] [--warmup 3] [--no-baseline] [--baseline PATH] [key=value ...]
     python bench/llava_step.py --tiny --no-baseline     # a few-second CPU smoke run
+
+An FP8 variant's ``fp8_gain`` is the FP8 goal's ratio: the mean step of the same variant without
+FP8 in this process over its own (``fp8_gain_against`` names them; run the bf16 variant before
+and after, e.g. ``compile,compile@rowwise,compile@none``, so that neither side gains from running
+second).
 """
 
 from __future__ import annotations
@@ -229,6 +234,26 @@ def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: li
     return {"variants": out, "real_tokens": sum(s.tokens for s in timed), "samples": timed, "policy": policy, "build_s": build_s}
 
 
+def fp8_gains(res: dict) -> None:
+    """Each FP8 variant (``NAME[:MODE]@RECIPE``) gets ``fp8_gain``: the mean step of the variants of
+    the same NAME[:MODE] without FP8 (``@none`` included) in this process, over its own; and the
+    names it was taken against (``fp8_gain_against``)."""
+    def base(name: str) -> tuple[str, str]:
+        stem, _, recipe = name.split("#")[0].partition("@")
+        return stem, recipe
+
+    plain = {}
+    for name, v in res.items():
+        if isinstance(v, dict) and "step_s_mean" in v and base(name)[1] in ("", "none"):
+            plain.setdefault(base(name)[0], []).append(name)
+    for name, v in res.items():
+        stem, recipe = base(name) if isinstance(v, dict) and "step_s_mean" in v else ("", "")
+        if recipe not in ("", "none") and plain.get(stem):
+            against = plain[stem]
+            v["fp8_gain"] = statistics.mean(res[n]["step_s_mean"] for n in against) / v["step_s_mean"]
+            v["fp8_gain_against"] = against
+
+
 def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "configs/llava-1.3b.yaml", tiny: list[str] = TINY,
          baselines=BASELINE_CANDIDATES, baseline_arg: str = "eager", baseline_env: tuple[str, ...] = ()) -> dict:
     """The bench (see module doc); ``bench/llava_moe_step.py`` runs it with its own model,
@@ -312,6 +337,7 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
         if baseline is not None:
             r["ratio_tokens_per_s"] = r["real_tokens_per_s"] / baseline["real_tokens_per_s"]
         res[name] = r
+    fp8_gains(res)
     print(json.dumps(res))
     return res
 
