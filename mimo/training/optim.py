@@ -519,35 +519,40 @@ def adamw_update(group: dict, params, grads, exp_avgs, exp_avg_sqs, steps, fused
 
 
 class AdamW(torch.optim.AdamW):
-    """torch's AdamW, its per-step tensor lists kept from one step to the next. torch's ``step``
-    collects them anew every step (a Python pass over every parameter: about 4 ms of host time
-    at each step boundary for llava-1.3b's ~450 on the H200's host, while the device waits);
-    here that pass runs only when a parameter's ``.grad`` is another tensor than the one listed
-    (a gradient missing, replaced), or after ``load_state_dict``. The update, state and state
-    dict are torch's own (same kernel, same arguments; the class name stays AdamW for
-    checkpoints)."""
+    """torch's AdamW, its per-parameter state lists kept from one step to the next. torch's
+    ``step`` collects them anew every step (a Python pass over every parameter's state: about
+    4 ms of host time at each step boundary for llava-1.3b's ~450 on the H200's host, while the
+    device waits); here only the gradients are read each step (they may be new tensors: bf16-pure
+    rounds its main gradients into fresh ones). torch's own step runs, and the lists are taken
+    again after it, at the first step, when a gradient is missing, when the parameter groups
+    changed, and after ``load_state_dict``. The update, state and state dict are torch's (the same
+    kernel and arguments; the class name stays AdamW for checkpoints)."""
 
     def __init__(self, params, **kwargs):
         super().__init__(params, **kwargs)
-        self._lists: list[tuple] | None = None  # per group: (params, grads, exp_avgs, exp_avg_sqs, steps)
+        self._lists: list[tuple] | None = None  # per group: (params, exp_avgs, exp_avg_sqs, steps)
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
         self._lists = None
 
-    def _listed(self) -> list[tuple] | None:
-        """The kept lists, if every parameter's gradient is still the listed tensor."""
+    def _grads(self) -> list[list[torch.Tensor]] | None:
+        """Every group's gradients in the kept lists' order, if the lists still hold the groups'
+        parameters and every one of them has a gradient."""
         if self._lists is None or len(self._lists) != len(self.param_groups):
             return None
-        for group, (params, grads, *_) in zip(self.param_groups, self._lists):
-            if len(params) != len(group["params"]) or any(
-                    p is not q or p.grad is not g for p, q, g in zip(group["params"], params, grads)):
+        grads = []
+        for group, (params, *_) in zip(self.param_groups, self._lists):
+            if len(params) != len(group["params"]) or any(p is not q for p, q in zip(group["params"], params)):
                 return None
-        return self._lists
+            grads.append([p.grad for p in params])
+            if any(g is None for g in grads[-1]):
+                return None
+        return grads
 
     def _keep_lists(self) -> None:
         """Lists for the next step, when every parameter has a gradient and a state (as after
-        a step of torch's own)."""
+        a step of torch's own) and the group takes the plain fused or foreach update."""
         lists = []
         for group in self.param_groups:
             params = list(group["params"])
@@ -557,20 +562,19 @@ class AdamW(torch.optim.AdamW):
                 self._lists = None
                 return
             states = [self.state[p] for p in params]
-            lists.append((params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                          [s["exp_avg_sq"] for s in states], [s["step"] for s in states]))
+            lists.append((params, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [s["step"] for s in states]))
         self._lists = lists
 
     @torch.no_grad()
     def step(self, closure=None):
-        lists = self._listed() if closure is None else None
-        if lists is None:
+        grads = self._grads() if closure is None else None
+        if grads is None:
             loss = super().step(closure)
             self._keep_lists()
             return loss
-        for group, (params, grads, exp_avgs, exp_avg_sqs, steps) in zip(self.param_groups, lists):
+        for group, (params, exp_avgs, exp_avg_sqs, steps), g in zip(self.param_groups, self._lists, grads):
             if params:
-                adamw_update(group, params, grads, exp_avgs, exp_avg_sqs, steps, bool(group["fused"]))
+                adamw_update(group, params, g, exp_avgs, exp_avg_sqs, steps, bool(group["fused"]))
         return None
 
 
