@@ -11,6 +11,8 @@ is complete on every rank, and d loss / d logits = softmax - onehot is local.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -35,31 +37,33 @@ def _row_max(x_CV: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
     return x_CV.to(wide).amax(dim=-1)
 
 
+# (in place where a value is not needed again: eager, a chunk holds at most two fp32 temporaries;
+# compiled, the in-place ops are functionalized and change nothing)
 def _picked_and_sum_exp(x_CV: torch.Tensor, max_C: torch.Tensor, idx_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     z_CV = x_CV.to(max_C.dtype) - max_C.unsqueeze(-1)
-    return z_CV.gather(-1, idx_C.unsqueeze(-1)).squeeze(-1), z_CV.exp().sum(dim=-1)
+    return z_CV.gather(-1, idx_C.unsqueeze(-1)).squeeze(-1), z_CV.exp_().sum(dim=-1)
 
 
 def _softmax_grad(x_CV: torch.Tensor, lse_C: torch.Tensor, scale_C: torch.Tensor, idx_C: torch.Tensor,
                   minus_C: torch.Tensor) -> torch.Tensor:
     """d loss / d logits = (softmax - onehot) * scale, in the logits' dtype (``minus_C``: -scale
     where the target is a local column, else 0)."""
-    g_CV = (x_CV.to(lse_C.dtype) - lse_C.unsqueeze(-1)).exp() * scale_C.unsqueeze(-1)
+    g_CV = (x_CV.to(lse_C.dtype) - lse_C.unsqueeze(-1)).exp_().mul_(scale_C.unsqueeze(-1))
     hit_CV = torch.arange(x_CV.shape[-1], device=x_CV.device) == idx_C.unsqueeze(-1)
-    return torch.where(hit_CV, g_CV + minus_C.unsqueeze(-1), g_CV).to(x_CV.dtype)
+    return g_CV.add_(torch.where(hit_CV, minus_C.unsqueeze(-1), 0.0)).to(x_CV.dtype)
 
 
-_COMPILED: dict = {}
+_MATH = (_row_max, _picked_and_sum_exp, _softmax_grad)
 
 
-def _math(compiled: bool):
+@functools.cache
+def _compiled_math() -> tuple:
+    return tuple(torch.compile(f, dynamic=True) for f in _MATH)
+
+
+def _math(compiled: bool) -> tuple:
     """(row max, picked and sum of exponentials, softmax gradient): eager, or compiled once per process."""
-    fns = (_row_max, _picked_and_sum_exp, _softmax_grad)
-    if not compiled:
-        return fns
-    if not _COMPILED:
-        _COMPILED["fns"] = tuple(torch.compile(f, dynamic=True) for f in fns)
-    return _COMPILED["fns"]
+    return _compiled_math() if compiled else _MATH
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
