@@ -238,20 +238,17 @@ def fp8_gains(res: dict) -> None:
     """Each FP8 variant (``NAME[:MODE]@RECIPE``) gets ``fp8_gain``: the mean step of the variants of
     the same NAME[:MODE] without FP8 (``@none`` included) in this process, over its own; and the
     names it was taken against (``fp8_gain_against``)."""
-    def base(name: str) -> tuple[str, str]:
-        stem, _, recipe = name.split("#")[0].partition("@")
-        return stem, recipe
-
-    plain = {}
-    for name, v in res.items():
-        if isinstance(v, dict) and "step_s_mean" in v and base(name)[1] in ("", "none"):
-            plain.setdefault(base(name)[0], []).append(name)
-    for name, v in res.items():
-        stem, recipe = base(name) if isinstance(v, dict) and "step_s_mean" in v else ("", "")
+    measured = {name: name.split("#")[0].partition("@")[::2] for name, v in res.items()
+                if isinstance(v, dict) and "step_s_mean" in v}  # name -> (NAME[:MODE], recipe)
+    plain: dict[str, list[str]] = {}
+    for name, (stem, recipe) in measured.items():
+        if recipe in ("", "none"):
+            plain.setdefault(stem, []).append(name)
+    for name, (stem, recipe) in measured.items():
         if recipe not in ("", "none") and plain.get(stem):
-            against = plain[stem]
-            v["fp8_gain"] = statistics.mean(res[n]["step_s_mean"] for n in against) / v["step_s_mean"]
-            v["fp8_gain_against"] = against
+            v = res[name]
+            v["fp8_gain"] = statistics.mean(res[n]["step_s_mean"] for n in plain[stem]) / v["step_s_mean"]
+            v["fp8_gain_against"] = plain[stem]
 
 
 def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "configs/llava-1.3b.yaml", tiny: list[str] = TINY,
