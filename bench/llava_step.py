@@ -268,8 +268,8 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
     parser.add_argument("--baseline-env", action="append", default=list(baseline_env), metavar="KEY=VALUE",
                         help=f"environment of the baseline's run (default {list(baseline_env)})")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
-    parser.add_argument("--cuda-graphs", action="store_true", help="the compile variant with train.cuda_graphs "
-                        "(the vision blocks replayed as CUDA graphs)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, help="the compile variant with "
+                        "train.cuda_graphs (the vision blocks replayed as CUDA graphs); default: the config's")
     parser.add_argument("--profile", metavar="PREFIX", help="profile two more steps per variant; kernel tables to PREFIX.<variant>.txt")
     parser.add_argument("--sync-steps", action="store_true", help="read each step's loss before starting the next "
                         "(the default reads them after the timed steps, as the baseline does)")
@@ -283,9 +283,11 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
     from mimo.compose.config import load_config
     from mimo.training.flops import model_flops, param_counts
 
-    # built eager; the "compile" variant compiles the same model afterwards (train.compile's work)
-    config = load_config(args.config, (tiny if args.tiny else []) + args.overrides + ["train.compile=false"])
-    config.train.cuda_graphs = args.cuda_graphs  # taken by the compile variant (compile_blocks)
+    # checked as the compile variant runs it (train.compile, train.cuda_graphs), then built eager: the
+    # "compile" variant compiles the same model afterwards (train.compile's work, compile_blocks)
+    graphs = [] if args.cuda_graphs is None else [f"train.cuda_graphs={str(args.cuda_graphs).lower()}"]
+    config = load_config(args.config, (tiny if args.tiny else []) + args.overrides + ["train.compile=true"] + graphs)
+    config.train.compile = False
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -305,7 +307,7 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
     p = got["policy"]
     res = {
         "bench": bench, "config": os.path.relpath(args.config, ROOT),
-        "overrides": (["--tiny"] if args.tiny else []) + (["--cuda-graphs"] if args.cuda_graphs else []) + args.overrides,
+        "overrides": (["--tiny"] if args.tiny else []) + (["--cuda-graphs"] if config.train.cuda_graphs else []) + args.overrides,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "params_llm": n_llm, "params_vision": n_vis,
         "precision": {"params": str(p.params), "compute": str(p.compute), "grad_reduce": str(p.grad_reduce),

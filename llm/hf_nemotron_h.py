@@ -131,9 +131,10 @@ def _time_step_limit(cfg: Mapping) -> tuple[float, float]:
     return low, high
 
 
-def _reject(cfg: Mapping, pattern: str) -> None:
-    """MimoError for a Nemotron-H config our layers cannot express."""
-    low, high = _time_step_limit(cfg)
+def _reject(cfg: Mapping, pattern: str, dt_limit: tuple[float, float]) -> None:
+    """MimoError for a Nemotron-H config our layers cannot express (``dt_limit``: its
+    ``_time_step_limit``)."""
+    low, high = dt_limit
     checks = [
         ("M" in pattern and _get(cfg, "use_bias"), "use_bias: true (biases on the Mamba-2 in_proj / out_proj)"),
         ("M" in pattern and not _get(cfg, "use_conv_bias"), "use_conv_bias: false (a Mamba-2 convolution without bias)"),
@@ -155,7 +156,8 @@ def arch_from_hf_config(cfg: Mapping, pattern_stages: Iterable[int] | None = Non
     if cfg.get("model_type") != MODEL_TYPE:
         raise MimoError(f"model_type {cfg.get('model_type')!r} is not {MODEL_TYPE!r}")
     pattern = hf_pattern(cfg)
-    _reject(cfg, pattern)
+    dt_limit = _time_step_limit(cfg)
+    _reject(cfg, pattern, dt_limit)
     act = _get(cfg, "mlp_hidden_act")
     hidden, heads = int(_get(cfg, "hidden_size")), int(_get(cfg, "num_attention_heads"))
     moe = None
@@ -177,7 +179,7 @@ def arch_from_hf_config(cfg: Mapping, pattern_stages: Iterable[int] | None = Non
         init_std=float(_get(cfg, "initializer_range")),
         mamba_heads=int(_get(cfg, "mamba_num_heads")), mamba_head_dim=int(_get(cfg, "mamba_head_dim")),
         mamba_state=int(_get(cfg, "ssm_state_size")), mamba_groups=int(_get(cfg, "n_groups")),
-        mamba_chunk=int(_get(cfg, "chunk_size")), mamba_dt_min=max(0.0, _time_step_limit(cfg)[0]),
+        mamba_chunk=int(_get(cfg, "chunk_size")), mamba_dt_min=max(0.0, dt_limit[0]),
         conv_kernel=int(_get(cfg, "conv_kernel")), moe=moe,
     )
 

@@ -76,6 +76,13 @@ def test_every_argument_has_help(capsys):
     assert "training steps to run and compare" in capsys.readouterr().out
 
 
+def test_verify_train_refuses_fp8_and_says_what_to_verify(capsys, tiny):
+    """A layout under FP8 cannot be told from the reference by any tolerance (rounding flips):
+    refused before any rank starts, with the way to verify it."""
+    code, _, result, _ = run(capsys, "verify-train", tiny, "train.fp8={recipe: rowwise}")
+    assert code == 2 and "train.fp8=null" in result["errors"][0] and "rounding flips" in result["errors"][0]
+
+
 # ---------------------------------------------------------------- point 5: a run directory per run
 
 

@@ -73,6 +73,34 @@ def test_linear_is_its_quantization_in_fp64(kind, rows):
         assert torch.equal(owner.fp8_history[0, :, 0], want)
 
 
+def _graph_nodes(t: torch.Tensor) -> set[str]:
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo += [n for n, _ in node.next_functions]
+    return names
+
+
+@pytest.mark.parametrize("kind", ["tensorwise", "rowwise", "delayed"])
+def test_scales_stay_out_of_autograd(kind):
+    """The amaxes and scales take no gradient: no autograd node may compute them (it would hold
+    |x| until backward, and put a TP group's all-reduce of an amax into the graph)."""
+    x = torch.randn(32, 64, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(48, 64))
+    owner = torch.nn.Module()
+    owner.w = w
+    owner.register_buffer("fp8_history", torch.zeros(1, 3, 4))
+    site = FP8Site(kind, None, (), owner if kind == "delayed" else None, [w])
+    nodes = _graph_nodes(gemm.linear(x * 2, w, None, site))
+    experts = torch.nn.Parameter(torch.randn(3, 48, 64))
+    nodes |= _graph_nodes(gemm.grouped_linear(x * 2, experts, torch.tensor([10, 20, 32]), FP8Site("rowwise", None, (), None, [experts])))
+    assert not {n for n in nodes if n.startswith(("Abs", "Amax", "Reciprocal", "Clamp", "Div"))}, nodes
+
+
 def test_delayed_history_window_and_its_scales():
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(32, 32))

@@ -227,14 +227,17 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     lead = x.shape[:-1]
     x_TI = x.reshape(-1, x.shape[-1])
     split, hist = weight.fp8_split, site.history(weight)
+    # the scales take no gradient: amaxes of detached operands keep them (and the TP all-reduce
+    # of an amax) out of autograd, which would otherwise hold |x| for a backward never taken
+    xd, wd = x_TI.detach(), weight.detach()
     if site.kind == "rowwise":
-        x_amax, w_amax = site.amax(x_TI, -1, split), site.amax(weight, -1, split)
+        x_amax, w_amax = site.amax(xd, -1, split), site.amax(wd, -1, split)
     elif hist is None:
-        x_amax, w_amax = site.amax(x_TI), site.amax(weight)
+        x_amax, w_amax = site.amax(xd), site.amax(wd)
     else:
-        x_amax, w_amax = site.delayed_amax(x_TI, hist, 0), site.delayed_amax(weight, hist, 1)
-    xq, x_inv = quantize(x_TI.detach(), E4M3, x_amax)
-    wq, w_inv = quantize(weight.detach(), E4M3, w_amax)
+        x_amax, w_amax = site.delayed_amax(xd, hist, 0), site.delayed_amax(wd, hist, 1)
+    xq, x_inv = quantize(xd, E4M3, x_amax)
+    wq, w_inv = quantize(wd, E4M3, w_amax)
     y = _Fp8Linear.apply(x_TI, weight, xq, x_inv, wq, w_inv, hist, site.kind, site.group, split, site.warm,
                          site.native(x_TI))
     y = y.reshape(*lead, weight.shape[0])
