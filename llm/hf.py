@@ -501,14 +501,15 @@ def family(model_type: str | None) -> HFFamily:
 
 def hf_model_type(arch: HybridArch) -> str:
     """The family whose ``config_from_arch`` accepts ``arch`` (MimoError with each family's reason otherwise)."""
-    reasons = []
+    reasons: dict[str, list[str]] = {}  # reason -> the families that gave it (the decoder families share most)
     for model_type, fam in HF_FAMILIES.items():
         try:
             fam.config_from_arch(arch, model_type)
             return model_type
         except MimoError as e:
-            reasons.append(str(e))
-    raise MimoError("no Hugging Face family fits the arch: " + " | ".join(reasons))
+            reasons.setdefault(str(e), []).append(model_type)
+    raise MimoError("no Hugging Face family fits the arch: "
+                    + " | ".join(f"{', '.join(types)}: {reason}" for reason, types in reasons.items()))
 
 
 # ---------------------------------------------------------------- config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -11,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from mimo.core.errors import MimoError
 from mimo.llm.hf import (
+    HF_FAMILIES,
     HFCheckpoint,
     arch_from_hf_config,
     export_hf_state,
@@ -157,8 +159,18 @@ def test_unsupported_configs_are_clear_errors():
     with pytest.raises(MimoError, match="arch.moe.norm_topk is False, mixtral needs True"):
         hf_config_from_arch(mixtral, "mixtral")
     mixtral.moe.score = "sigmoid"
-    with pytest.raises(MimoError, match="no Hugging Face family fits"):
+    with pytest.raises(MimoError, match="no Hugging Face family fits") as e:
         hf_model_type(mixtral)
+    # each family's reason once, a reason shared by families once with their names
+    text = str(e.value)
+    assert "arch.moe.score is 'sigmoid', mixtral needs 'softmax'" in text
+    for name in HF_FAMILIES:
+        assert text.count(f" {name}:") + text.count(f" {name},") == 1, (name, text)
+    hybrid = copy.deepcopy(mixtral)
+    hybrid.pattern = "M*EM*E"
+    with pytest.raises(MimoError) as e:
+        hf_model_type(hybrid)
+    assert str(e.value).count("the pattern 'M*EM*E' is not") == 1
 
 
 def _legacy_checkpoint(tmp_path, name: str, edit) -> str:
