@@ -1,15 +1,20 @@
 """Shared fixtures: ``pools(N)`` gives an N-rank gloo worker pool, started once per test module;
 ``write_demo_config`` writes the demo config over fresh demo shards, ``write_moe_configs``
-tests/configs/moe_{tp,pp}.yaml over them."""
+tests/configs/moe_{tp,pp}.yaml over them. Helper modules of this folder (``test_hf_llava``'s tiny
+LLaVAs, ``sequence_mixer_checks``) import by name: under ``--import-mode=importlib`` the folder is
+put on ``sys.path`` here (worker pools' processes inherit it)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import yaml
 
 from mimo.training.launch import WorkerPool
+
+sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(scope="module")

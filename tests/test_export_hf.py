@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ import yaml
 
 from mimo.commands.cli import main
 from mimo.core.testing import Yardstick, rel_err
-sys.path.insert(0, os.path.dirname(__file__))  # --import-mode=importlib: the tiny LLaVA helpers of test_hf_llava
+
 from test_hf_llava import CONVERSATIONS, _images, hf_model, llava_config, llava_modules, make_tokenizer, write_shards
 
 TOL = 1e-5

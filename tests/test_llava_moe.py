@@ -14,8 +14,6 @@ aux-loss coefficient 0 on both sides (Hugging Face adds its balancing loss only 
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -26,8 +24,7 @@ from mimo.commands.cli import main
 from mimo.commands.hf_llava import NAMINGS, export_llava_grads, export_llava_state, import_llava_state, llava_arch, llava_modules, load_llava, save_llava
 from mimo.core.testing import rel_err
 
-sys.path.insert(0, os.path.dirname(__file__))  # --import-mode=importlib: the tiny LLaVA helpers of test_hf_llava
-from test_hf_llava import (  # noqa: E402
+from test_hf_llava import (
     CONVERSATIONS, IMAGE_TOKEN_ID, VOCAB, _hf_batch, _images, _mimo_step, assert_same_state, hf_model,
     make_tokenizer, write_parity_case, write_shards,
 )
