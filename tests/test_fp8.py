@@ -24,7 +24,8 @@ from mimo.llm.experts import GroupedExperts
 from mimo.llm.router import Routing
 from mimo.parallel import gemm
 from mimo.parallel.context import ParallelContext
-from mimo.parallel.fp8 import (E4M3, E5M2, FP8Site, amax_of, apply_fp8, history_step, padded_groups, quantize)
+from mimo.parallel.fp8 import (E4M3, E5M2, FP8Site, amax_of, apply_fp8, fit_history, history_step, padded_groups,
+                                quantize)
 from mimo.parallel.grid import ParallelGrid
 from mimo.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mimo.parallel.placement import gather_full, shard_full
@@ -339,6 +340,38 @@ def test_delayed_history_resumes_exactly_from_a_checkpoint(write_demo_config, tm
     # train.fp8 turned off, then on, across a resume: the histories are optional state
     train(tmp_path / "whole", "train.steps=4")
     train(tmp_path / "plain", fp8, "train.steps=4")
+
+    # amax_history changed across a resume: the stored windows fitted (the newest steps kept, zeros
+    # where the window grew), at another layout (resharded: LLM tp 1 x dp 2) and at the same one
+    def histories(run, step):
+        out = {}
+        step_dir = tmp_path / run / "ckpt" / f"step-{step:08d}"
+        for f in sorted(p for p in os.listdir(step_dir) if p.endswith(".model.safetensors")):
+            with safe_open(f"{step_dir}/{f}", "pt") as fh:
+                out.update({k: fh.get_tensor(k) for k in fh.keys() if k.endswith("fp8_history") and k not in out})
+        return out
+
+    before = histories("resumed", 3)
+    assert before and all(h.shape[-1] == 3 for h in before.values())
+    assert sum(bool(h[..., 1:].any()) for h in before.values()) > len(before) // 2
+    at_tp1 = ["modules.language.parallel.tp=1", "modules.language.parallel.dp=2", "modules.language.parallel.sequence_parallel=false"]
+    for step, window, layout in ((4, 4, []), (5, 5, at_tp1)):
+        train(tmp_path / "resumed", fp8.replace("amax_history: 2", f"amax_history: {window}"), f"train.steps={step}", *layout)
+        after = histories("resumed", step)
+        assert after.keys() == before.keys()
+        kept = before[next(iter(before))].shape[-1] - 1  # past steps stored
+        for name, h in after.items():  # slot 1: this step's amaxes; then the stored steps, newest first; then none
+            assert h.shape[-1] == window + 1, name
+            assert torch.equal(h[..., 2:2 + kept], before[name][..., 1:1 + kept]) and not h[..., 2 + kept:].any(), name
+        before = after
+
+
+def test_history_fits_another_window():
+    saved = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4)  # current slot + 3 past steps
+    assert torch.equal(fit_history(saved, (2, 3, 2)), saved[..., :2])  # the current slot and the newest step
+    grown = fit_history(saved, (2, 3, 6))
+    assert torch.equal(grown[..., :4], saved) and not grown[..., 4:].any()
+    assert fit_history(saved, (3, 3, 4)) is None  # another number of products: not a window change
 
 
 # ---- the GPU's kernels ----------------------------------------------------------------------

@@ -360,6 +360,19 @@ def history_step(model: torch.nn.Module, groups=()) -> None:
         m.recipe.warm = True
 
 
+def fit_history(saved: torch.Tensor, shape) -> torch.Tensor | None:
+    """A stored ``fp8_history`` fitted to a window of another length (``train.fp8.amax_history``
+    changed across a resume): the current slot and the newest past steps kept (the oldest
+    dropped), zeros (no history yet) where the new window is longer. None where more than the
+    window's length differs (another model)."""
+    if tuple(saved.shape[:-1]) != tuple(shape[:-1]):
+        return None
+    out = saved.new_zeros(shape)
+    n = min(saved.shape[-1], shape[-1])
+    out[..., :n] = saved[..., :n]  # slot 0: the current step, then the past, newest first
+    return out
+
+
 # ---- putting the recipe on a model -----------------------------------------------------------
 
 

@@ -55,7 +55,7 @@ import shutil
 import time
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -66,6 +66,7 @@ from safetensors.torch import save_file
 from mimo.compose.config import MimoConfig
 from mimo.compose.model import MimoModel
 from mimo.core.errors import CheckpointError
+from mimo.parallel.fp8 import fit_history
 from mimo.parallel.params import ParamInfo, param_table
 from mimo.parallel.placement import replicated
 from mimo.training.bucket_optim import BucketAdamW, finish_updates
@@ -600,12 +601,20 @@ class _Files:
 
 
 # state a run may add or drop across a resume (``train.fp8`` delayed turned on or off): absent
-# from the checkpoint it starts empty, absent from the model it is left unread
-OPTIONAL_STATE = ("fp8_history",)
+# from the checkpoint it starts empty, absent from the model it is left unread; stored at another
+# shape (a setting changed: ``amax_history``) it is fitted to the model's by its function
+OPTIONAL_STATE = {"fp8_history": fit_history}
 
 
 def optional_state(name: str) -> bool:
     return name.rpartition(".")[2] in OPTIONAL_STATE
+
+
+def _fit_optional(name: str, saved: torch.Tensor, shape, where: str) -> torch.Tensor:
+    fitted = OPTIONAL_STATE[name.rpartition(".")[2]](saved, shape)
+    if fitted is None:
+        raise CheckpointError(f"{where}: {name!r} is {tuple(saved.shape)}, this model's is {tuple(shape)}: another architecture")
+    return fitted
 
 
 @torch.no_grad()
@@ -624,6 +633,9 @@ def _read_part(part: _Part, files: _Files) -> None:
                 continue
             raise CheckpointError(f"{where}: no tensor {name!r}")
         mine = info.record()
+        if records[name] != mine and optional_state(name):  # stored at another shape: fitted
+            info.param.copy_(_fit_optional(name, f.get_tensor(name), info.param.shape, where))
+            continue
         if records[name] != mine:
             raise CheckpointError(f"{where}: {name!r} was written with placement {records[name]}, this rank holds {mine}")
         t = f.get_tensor(name)
@@ -708,6 +720,11 @@ def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.opt
 def _reshard_part(part: _Part, stored) -> None:
     for name, info in part.table.items():
         if optional_state(name) and not stored.has(name, "param"):
+            continue
+        shape = stored.full_shape(name)
+        if optional_state(name) and shape != info.placement.full_shape:  # stored at another shape: fitted
+            whole = stored.read(name, "param", replace(info, placement=replicated(shape)))
+            info.param.copy_(_fit_optional(name, whole, info.param.shape, stored.path))
             continue
         info.param.copy_(stored.read(name, "param", info))
 

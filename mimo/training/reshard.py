@@ -181,6 +181,11 @@ class StoredModule:
     def has(self, name: str, fieldname: str) -> bool:
         return (name, fieldname) in self.sources
 
+    def full_shape(self, name: str) -> tuple[int, ...] | None:
+        """The stored full shape of ``name`` (None: not stored)."""
+        sources = self.sources.get((name, "param"))
+        return tuple(sources[0].placement.full_shape) if sources else None
+
     def read(self, name: str, fieldname: str, info, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``name``'s ``fieldname`` as the local tensor of ``info`` (a ``ParamInfo``: placement,
         sizes, coordinates at the new layout), zeros in padding."""
