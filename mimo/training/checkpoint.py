@@ -719,13 +719,14 @@ def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.opt
 @torch.no_grad()
 def _reshard_part(part: _Part, stored) -> None:
     for name, info in part.table.items():
-        if optional_state(name) and not stored.has(name, "param"):
-            continue
-        shape = stored.full_shape(name)
-        if optional_state(name) and shape != info.placement.full_shape:  # stored at another shape: fitted
-            whole = stored.read(name, "param", replace(info, placement=replicated(shape)))
-            info.param.copy_(_fit_optional(name, whole, info.param.shape, stored.path))
-            continue
+        if optional_state(name):
+            shape = stored.full_shape(name)
+            if shape is None:  # not in the checkpoint: starts empty
+                continue
+            if shape != info.placement.full_shape:  # stored at another shape: fitted
+                whole = stored.read(name, "param", replace(info, placement=replicated(shape)))
+                info.param.copy_(_fit_optional(name, whole, info.param.shape, stored.path))
+                continue
         info.param.copy_(stored.read(name, "param", info))
 
 
