@@ -311,8 +311,6 @@ def test_delayed_history_resumes_exactly_from_a_checkpoint(write_demo_config, tm
 
     from safetensors import safe_open
 
-    from mimo.training.checkpoint import latest_checkpoint
-
     config = write_demo_config(tmp_path, seed=4)
     common = ["world_size=2", "modules.vision.parallel.dp=2", "modules.vision.parallel.ranks=0:2",
               "modules.language.parallel.dp=1", "modules.language.parallel.ranks=0:2", "train.steps=3",
@@ -326,24 +324,7 @@ def test_delayed_history_resumes_exactly_from_a_checkpoint(write_demo_config, tm
         with open(run / "metrics.jsonl") as f:
             return [json.loads(line)["loss"] for line in f if '"eval"' not in line]
 
-    whole = train(tmp_path / "whole", fp8)
-    train(tmp_path / "resumed", fp8, "--stop-at", "2")
-    assert train(tmp_path / "resumed", fp8) == whole
-    assert train(tmp_path / "plain")[1:] != whole[1:]
-    _, step_dir = latest_checkpoint(str(tmp_path / "whole" / "ckpt"))
-    names = []
-    for f in sorted(p for p in os.listdir(step_dir) if p.endswith(".model.safetensors")):
-        with safe_open(f"{step_dir}/{f}", "pt") as fh:
-            names += [k for k in fh.keys() if k.endswith("fp8_history")]
-    assert any(n.startswith("layers.0.") for n in names) and not any(n.startswith("layers.5.") for n in names)
-    assert any("blocks." in n for n in names), names
-    # train.fp8 turned off, then on, across a resume: the histories are optional state
-    train(tmp_path / "whole", "train.steps=4")
-    train(tmp_path / "plain", fp8, "train.steps=4")
-
-    # amax_history changed across a resume: the stored windows fitted (the newest steps kept, zeros
-    # where the window grew), at another layout (resharded: LLM tp 1 x dp 2) and at the same one
-    def histories(run, step):
+    def histories(run, step):  # every fp8_history of a run's step-N checkpoint, by name
         out = {}
         step_dir = tmp_path / run / "ckpt" / f"step-{step:08d}"
         for f in sorted(p for p in os.listdir(step_dir) if p.endswith(".model.safetensors")):
@@ -351,6 +332,19 @@ def test_delayed_history_resumes_exactly_from_a_checkpoint(write_demo_config, tm
                 out.update({k: fh.get_tensor(k) for k in fh.keys() if k.endswith("fp8_history") and k not in out})
         return out
 
+    whole = train(tmp_path / "whole", fp8)
+    train(tmp_path / "resumed", fp8, "--stop-at", "2")
+    assert train(tmp_path / "resumed", fp8) == whole
+    assert train(tmp_path / "plain")[1:] != whole[1:]
+    names = list(histories("whole", 3))
+    assert any(n.startswith("layers.0.") for n in names) and not any(n.startswith("layers.5.") for n in names)
+    assert any("blocks." in n for n in names), names
+    # train.fp8 turned off, then on, across a resume: the histories are optional state
+    train(tmp_path / "whole", "train.steps=4")
+    train(tmp_path / "plain", fp8, "train.steps=4")
+
+    # amax_history changed across a resume: the stored windows fitted (the newest steps kept, zeros
+    # where the window grew), at the same layout and at another (resharded: LLM tp 1 x dp 2)
     before = histories("resumed", 3)
     assert before and all(h.shape[-1] == 3 for h in before.values())
     assert sum(bool(h[..., 1:].any()) for h in before.values()) > len(before) // 2

@@ -633,10 +633,10 @@ def _read_part(part: _Part, files: _Files) -> None:
                 continue
             raise CheckpointError(f"{where}: no tensor {name!r}")
         mine = info.record()
-        if records[name] != mine and optional_state(name):  # stored at another shape: fitted
-            info.param.copy_(_fit_optional(name, f.get_tensor(name), info.param.shape, where))
-            continue
         if records[name] != mine:
+            if optional_state(name):  # stored at another shape: fitted
+                info.param.copy_(_fit_optional(name, f.get_tensor(name), info.param.shape, where))
+                continue
             raise CheckpointError(f"{where}: {name!r} was written with placement {records[name]}, this rank holds {mine}")
         t = f.get_tensor(name)
         if tuple(t.shape) != tuple(info.param.shape):
