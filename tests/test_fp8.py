@@ -43,7 +43,9 @@ def _reference(kind: str, x, w, g):
     """(y, dx, dw) of ``x @ w.T`` with each recipe's quantization, in fp64 (one process)."""
     if kind == "rowwise":
         y = _deq(x, E4M3, amax_of(x, -1)) @ _deq(w, E4M3, amax_of(w, -1)).T
-        dx = _deq(g, E4M3, amax_of(g, -1)) @ _deq(w, E4M3, amax_of(w, 0))
+        wq, w_inv = quantize(w, E4M3, amax_of(w, -1))  # dgrad: the forward's weight, its scales in g
+        gw = g * w_inv.T
+        dx = _deq(gw, E4M3, amax_of(gw, -1)) @ wq.double()
         dw = _deq(g.T, E4M3, amax_of(g.T, -1)) @ _deq(x, E4M3, amax_of(x, 0))
         return y, dx, dw
     xd, wd, gd = _deq(x, E4M3, amax_of(x, None)), _deq(w, E4M3, amax_of(w, None)), _deq(g, E5M2, amax_of(g, None))
@@ -143,12 +145,12 @@ def test_grouped_is_its_rowwise_quantization_and_pads_to_16():
     y.backward(g)
     xd = _deq(x.detach(), E4M3, amax_of(x.detach(), -1))
     wd = _deq(w.detach(), E4M3, amax_of(w.detach(), -1))
-    gd = _deq(g, E4M3, amax_of(g, -1))
-    wdc = _deq(w.detach(), E4M3, amax_of(w.detach(), -2))
+    wq, w_inv = quantize(w.detach(), E4M3, amax_of(w.detach(), -1))
     start, ry, rdx, rdw = 0, [], [], []
     for e, end in enumerate(ends.tolist()):
         ry.append(xd[start:end] @ wd[e].T)
-        rdx.append(gd[start:end] @ wdc[e])
+        gw = g[start:end] * w_inv[e].T  # dgrad: the forward's weight, its row scales in g
+        rdx.append(_deq(gw, E4M3, amax_of(gw, -1)) @ wq[e].double())
         rdw.append(g[start:end].double().T @ x.detach()[start:end].double())  # wgrad: unquantized
         start = end
     for name, got, want in (("y", y, torch.cat(ry)), ("dx", x.grad, torch.cat(rdx)), ("dw", w.grad, torch.stack(rdw))):

@@ -9,8 +9,10 @@ accumulating in fp32 and writing the activations' dtype:
   operands e4m3, the output gradient e5m2 (the "hybrid" format: gradients need range more than
   precision). The quantized input and weight are kept for backward (half the bytes of bf16).
 * ``rowwise``: one scale per row of each operand along the contracted dimension (each token's
-  row of the input, each output row of the weight), all e4m3. Backward contracts other
-  dimensions, so it quantizes the kept bf16 input and weight again along those.
+  row of the input, each output row of the weight), all e4m3. The weight gradient contracts
+  tokens, so it quantizes the kept bf16 input and the output gradient again along them; the
+  input gradient contracts the weight's rows, whose forward scales fold into the output
+  gradient's columns (``fold_row_scales``): the forward's float8 weight serves it as it is.
 * ``delayed``: per-tensor scales from the amax history of earlier steps (``amax_history``
   steps, its maximum; the first step, without history, takes the current amax, reduced over
   TP). Each product
@@ -152,6 +154,17 @@ def scaled_mm(a_q, b_q, a_inv, b_inv, out_dtype: torch.dtype, native: bool, fast
     return ((a_q.float() * a_inv) @ (b_q.float() * b_inv)).to(out_dtype)
 
 
+def fold_row_scales(g_TO: torch.Tensor, w_inv_TO: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output gradient quantized row-wise for the input gradient ``g @ w``, with the
+    weight's forward (row-wise) scales folded in: ``w[o] = wq[o] * w_inv[o]`` and the product
+    contracts ``o``, so ``g @ w = (g * w_inv) @ wq`` and the forward's float8 weight serves
+    backward as it is (no second pass over the weight, quantizing it along ``O``). ``w_inv_TO``
+    broadcasts against ``g`` (each row's expert's scales for grouped products); the rows' amax
+    is reduced over ``group`` where ``O`` is split over TP."""
+    gw_TO = g_TO.float() * w_inv_TO
+    return quantize(gw_TO, E4M3, _reduce_max(amax_of(gw_TO, -1), group))
+
+
 def _pad_rows(x: torch.Tensor, multiple: int = 16) -> torch.Tensor:
     """``x`` with zero rows appended up to a multiple of ``multiple`` rows (the contraction of
     a weight gradient); float8 tensors padded through their bytes. Compiled, it pads by the
@@ -175,8 +188,9 @@ class _Fp8Linear(torch.autograd.Function):
         rowwise = kind == "rowwise"
         y_TO = scaled_mm(xq, wq.t(), x_inv, w_inv.t() if rowwise else w_inv, x_TI.dtype, native, fast=True)
         ctx.kind, ctx.group, ctx.split, ctx.warm, ctx.native, ctx.dtype = kind, group, split, warm, native, x_TI.dtype
-        if rowwise:  # backward scales along other dimensions: keep the operands as they are
-            ctx.save_for_backward(x_TI, w_OI)
+        ctx.w_dtype = w_OI.dtype
+        if rowwise:  # wgrad contracts T: x is quantized again along it; dgrad takes the float8 w
+            ctx.save_for_backward(x_TI, wq, w_inv)
         else:
             # the history is written in place by later forwards: kept on ctx, not saved (its
             # version would change); its past window stays fixed until the step ends
@@ -189,17 +203,16 @@ class _Fp8Linear(torch.autograd.Function):
         dtype, native, group = ctx.dtype, ctx.native, ctx.group
         g_TO = g_TO.contiguous()
         if ctx.kind == "rowwise":
-            x_TI, w_OI = ctx.saved_tensors
-            # dgrad contracts O (split over TP in a column-parallel layer), wgrad contracts T
+            x_TI, wq_OI, w_inv_O1 = ctx.saved_tensors
+            # dgrad contracts O (split over TP in a column-parallel layer): see fold_row_scales
             reduce = group if not ctx.split else None
-            gq, g_inv = quantize(g_TO, E4M3, _reduce_max(amax_of(g_TO, -1), reduce))
-            wq, w_inv = quantize(w_OI, E4M3, _reduce_max(amax_of(w_OI, 0), reduce))
-            dx = scaled_mm(gq, wq, g_inv, w_inv, dtype, native)
-            gT, xP = _pad_rows(g_TO).t(), _pad_rows(x_TI)
+            gq, g_inv = fold_row_scales(g_TO, w_inv_O1.t(), reduce)
+            dx = scaled_mm(gq, wq_OI, g_inv, w_inv_O1.new_ones(1, wq_OI.shape[1]), dtype, native)
+            gT, xP = _pad_rows(g_TO).t(), _pad_rows(x_TI)  # wgrad contracts T
             gTq, gT_inv = quantize(gT, E4M3, amax_of(gT, -1))
             xq, x_inv = quantize(xP, E4M3, amax_of(xP, 0))
             dw = scaled_mm(gTq.contiguous(), xq, gT_inv, x_inv, dtype, native)
-            return (dx, dw.to(w_OI.dtype)) + (None,) * 10
+            return (dx, dw.to(ctx.w_dtype)) + (None,) * 10
         xq, x_inv, wq, w_inv = ctx.saved_tensors
         if ctx.g_hist is None:
             g_amax = _reduce_max(amax_of(g_TO, None), group)
@@ -256,6 +269,11 @@ def fp8_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # ---- grouped products (experts) -------------------------------------------------------------
 
 
+def rows_expert(ends_E: torch.Tensor, rows: int) -> torch.Tensor:
+    """``[rows]``: the group of each row of a grouped product (``ends_E``: cumulative ends)."""
+    return torch.bucketize(torch.arange(rows, device=ends_E.device), ends_E, right=True)
+
+
 def padded_groups(ends_E: torch.Tensor, rows: int, align: int = 16) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Where each row goes when every group starts at a multiple of ``align``: ``(dest_R,
     padded_ends_E, capacity)``, on the device, with no host read (``capacity`` = rows + align
@@ -265,7 +283,7 @@ def padded_groups(ends_E: torch.Tensor, rows: int, align: int = 16) -> tuple[tor
     padded_E = (counts_E + align - 1) // align * align
     pends_E = torch.cumsum(padded_E, 0)
     starts_E, pstarts_E = ends_E - counts_E, pends_E - padded_E
-    group_R = torch.bucketize(torch.arange(rows, device=ends_E.device), ends_E, right=True)
+    group_R = rows_expert(ends_E, rows)
     dest_R = torch.arange(rows, device=ends_E.device) - starts_E[group_R] + pstarts_E[group_R]
     return dest_R, pends_E, rows + align * ends_E.numel()
 
@@ -304,19 +322,20 @@ class _Fp8Grouped(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RI, w_EOI, ends_E, xq_RI, x_inv_R1, wq_EOI, w_inv_EO1, group, split):
         y_RO = _grouped_scaled(xq_RI, x_inv_R1, wq_EOI.transpose(-2, -1), w_inv_EO1.squeeze(-1), ends_E, x_RI.dtype)
-        ctx.save_for_backward(x_RI, w_EOI, ends_E)
-        ctx.group, ctx.split = group, split
+        ctx.save_for_backward(x_RI, wq_EOI, w_inv_EO1, ends_E)
+        ctx.group, ctx.split, ctx.w_dtype = group, split, w_EOI.dtype
         return y_RO
 
     @staticmethod
     def backward(ctx, g_RO):
-        x_RI, w_EOI, ends_E = ctx.saved_tensors
+        x_RI, wq_EOI, w_inv_EO1, ends_E = ctx.saved_tensors
         g_RO = g_RO.contiguous()
         reduce = ctx.group if not ctx.split else None  # dgrad contracts O: split over TP where I is not
-        gq, g_inv = quantize(g_RO, E4M3, _reduce_max(amax_of(g_RO, -1), reduce))
-        wq, w_inv = quantize(w_EOI, E4M3, _reduce_max(amax_of(w_EOI, -2), reduce))
-        dx = _grouped_scaled(gq, g_inv, wq, w_inv.squeeze(-2), ends_E, x_RI.dtype)
-        dw = grouped_weight_grad_op(g_RO, x_RI, ends_E).to(w_EOI.dtype)
+        expert_R = rows_expert(ends_E, g_RO.shape[0])
+        gq, g_inv = fold_row_scales(g_RO, w_inv_EO1.squeeze(-1)[expert_R], reduce)
+        ones_EI = w_inv_EO1.new_ones(wq_EOI.shape[0], wq_EOI.shape[2])
+        dx = _grouped_scaled(gq, g_inv, wq_EOI, ones_EI, ends_E, x_RI.dtype)
+        dw = grouped_weight_grad_op(g_RO, x_RI, ends_E).to(ctx.w_dtype)
         return (dx, dw) + (None,) * 7
 
 
