@@ -63,6 +63,7 @@ import torch.distributed as dist
 
 from mimo.core.errors import LayoutError, MimoError
 from mimo.llm.router import Routing
+from mimo.parallel.grouped import padded_groups
 from mimo.parallel.recompute import replaying
 
 __all__ = ["Dispatched", "DispatchStats", "LocalDispatcher", "AllToAllDispatcher", "DeepEPDispatcher",
@@ -83,6 +84,7 @@ class Dispatched:
     plan: object = None  # the dispatcher's record for combine (``_Plan``, DeepEP's state)
     overlapped: object = None  # what ``while_in_flight()`` returned (the shared expert's output)
     gathered_from: tuple | None = None  # (source, index): ``x_RD`` is ``source[index]`` (recomputable)
+    aligned: bool = False  # every group starts at a multiple of the ``align`` asked for (padding rows between)
 
 
 @dataclass
@@ -148,17 +150,19 @@ class _SlotsToRows(torch.autograd.Function):
 
 
 class _Permute(torch.autograd.Function):
-    """``y[index]`` for a permutation ``index``; backward gathers by its inverse (no atomics)."""
+    """``y[index]`` for a permutation ``index``; backward gathers by its inverse (no atomics).
+    From slots to padded rows (``LocalDispatcher`` with ``align``), ``keep`` zeroes the
+    padding rows."""
 
     @staticmethod
-    def forward(ctx, y, index, inverse):
+    def forward(ctx, y, index, inverse, keep=None):
         ctx.save_for_backward(inverse)
-        return y[index]
+        return y[index] if keep is None else torch.where(keep.view(-1, *([1] * (y.dim() - 1))), y[index], 0)
 
     @staticmethod
     def backward(ctx, g):
         (inverse,) = ctx.saved_tensors
-        return g[inverse], None, None
+        return g[inverse], None, None, None
 
 
 class LocalDispatcher:
@@ -172,29 +176,44 @@ class LocalDispatcher:
         self.experts = experts
         self.stats = DispatchStats()
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing, while_in_flight=None) -> Dispatched:
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing, while_in_flight=None, align: int = 1) -> Dispatched:
+        """``align`` > 1: every expert's rows start at a multiple of ``align`` (the FP8 grouped
+        kernel's rule), padding rows between groups and after the last, ``R = T*K + align*E``
+        rounded up to ``align``, still without a host read; the grouped product then needs no
+        padded copy of its own. A padding row is token 0's row with gate 0: the gates multiply
+        every row before the combine reads it, so its output and its gradient are exact zeros
+        (its gate's gradient goes nowhere: the gates' backward gathers real rows only)."""
         _check_routing(x_TD, routing, self.experts)
         idx_TK, gate_TK = routing.idx_TK, routing.gate_TK
         k, e = idx_TK.shape[1], self.experts
-        flat_R = idx_TK.reshape(-1)
-        order_R, counts_E = _group_by(flat_R, e)
-        inverse_R = torch.empty_like(order_R)
-        inverse_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)
+        flat_S = idx_TK.reshape(-1)
+        order_R, counts_E = _group_by(flat_S, e)  # the slot of each row
+        row_S = torch.empty_like(order_R)  # the row of each slot
+        row_S[order_R] = torch.arange(order_R.numel(), device=order_R.device)
         ends_E = counts_E.cumsum(0)
-        ends_E[-1] = flat_R.numel()  # the padding rows (sentinel E) ride along in the last group
+        ends_E[-1] = flat_S.numel()  # the padding rows (sentinel E) ride along in the last group
+        keep_R = None
+        aligned = align > 1 and x_TD.shape[0] > 0
+        if aligned:
+            dest_R, ends_E, cap = padded_groups(ends_E, flat_S.numel(), align)
+            cap = -(-cap // align) * align
+            ends_E = torch.cat([ends_E[:-1], ends_E.new_full((1,), cap)])  # the tail pads the last group
+            slots_R, keep_R = order_R.new_zeros(cap), torch.zeros(cap, dtype=torch.bool, device=order_R.device)
+            slots_R[dest_R], keep_R[dest_R] = order_R, True
+            order_R, row_S = slots_R, dest_R[row_S]
         token_R = order_R // k
         self.stats.count_call()
-        gate_R = _Permute.apply(gate_TK.reshape(-1), order_R, inverse_R)
-        return Dispatched(_SlotsToRows.apply(x_TD, token_R, inverse_R, k), ends_E, gate_R, token_R, x_TD.shape[0],
-                          plan=(order_R, inverse_R),
+        gate_R = _Permute.apply(gate_TK.reshape(-1), order_R, row_S, keep_R)
+        return Dispatched(_SlotsToRows.apply(x_TD, token_R, row_S, k), ends_E, gate_R, token_R, x_TD.shape[0],
+                          plan=(order_R, row_S),
                           overlapped=while_in_flight() if while_in_flight is not None else None,
-                          gathered_from=(x_TD, token_R))
+                          gathered_from=(x_TD, token_R), aligned=aligned)
 
     def combine(self, y_RD: torch.Tensor, d: Dispatched, gated: bool = False) -> torch.Tensor:
-        order_R, inverse_R = d.plan
+        order_R, row_S = d.plan
         y_RD = y_RD if gated else _gated(y_RD, d)
-        k = order_R.numel() // max(d.rows, 1)
-        return _Permute.apply(y_RD, inverse_R, order_R).view(d.rows, k, y_RD.shape[-1]).sum(1)
+        k = row_S.numel() // max(d.rows, 1)
+        return _Permute.apply(y_RD, row_S, order_R).view(d.rows, k, y_RD.shape[-1]).sum(1)
 
 
 # ---------------------------------------------------------------- all-to-all
@@ -395,7 +414,8 @@ class AllToAllDispatcher(_OverEP):
         self.etp = 1 if etp_group is None else dist.get_world_size(etp_group)
         self.etp_rank = 0 if etp_group is None else dist.get_rank(etp_group)
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing, while_in_flight=None) -> Dispatched:
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing, while_in_flight=None, align: int = 1) -> Dispatched:
+        """(``align``: not taken here; the grouped product pads its own rows.)"""
         _check_routing(x_TD, routing, self.experts)
         idx_TK, gate_TK = routing.idx_TK, routing.gate_TK
         t, k = idx_TK.shape
@@ -596,7 +616,8 @@ class DeepEPDispatcher(_OverEP):
         self.resources["deepep"] = (row_bytes, buffer)
         return buffer
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing, while_in_flight=None) -> Dispatched:
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing, while_in_flight=None, align: int = 1) -> Dispatched:
+        """(``align``: not taken here; the grouped product pads its own rows.)"""
         _check_routing(x_TD, routing, self.experts)
         if x_TD.dtype != torch.bfloat16:
             raise MimoError(f"train.moe_dispatcher: deepep moves bf16 rows, got {x_TD.dtype} (train.precision bf16, "

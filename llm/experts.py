@@ -100,23 +100,25 @@ class GroupedExperts(nn.Module):
         ``while_in_flight()`` returned: it runs while the tokens are in flight to the experts'
         ranks (the shared expert's GEMMs). On the expert view each rank passes tokens no other
         rank of its EP group passes (the MoE layer: its TP slice of the pack)."""
-        d = self.dispatcher.dispatch(x_TI, routing, while_in_flight)
+        d = self.dispatcher.dispatch(x_TI, routing, while_in_flight, align=gemm.grouped_row_align(self.recipe))
         with regathered(d.x_RD, d.gathered_from if self.selective else None):
-            y_RI = self.compute(d.x_RD, d.ends_L, d.gate_R)
+            y_RI = self.compute(d.x_RD, d.ends_L, d.gate_R, d.aligned)
         return self.dispatcher.combine(y_RI, d, gated=True), d.overlapped
 
-    def compute(self, x_RI: torch.Tensor, ends_L: torch.Tensor, gate_R: torch.Tensor | None = None) -> torch.Tensor:
+    def compute(self, x_RI: torch.Tensor, ends_L: torch.Tensor, gate_R: torch.Tensor | None = None,
+                aligned: bool = False) -> torch.Tensor:
         """The local experts on rows grouped by expert (``ends_L``: cumulative row ends): the
         expert GEMM seam (one grouped GEMM per projection). ``gate_R``: each row's gate, applied
         to the activation (the down projection is linear; fused with the activation, and the
-        combine then keeps nothing for backward), as Megatron-Core's grouped MLP does."""
-        h_RF = gemm.grouped_linear(x_RI, self.up_proj, ends_L, self.recipe)
+        combine then keeps nothing for backward), as Megatron-Core's grouped MLP does.
+        ``aligned``: the groups start where the recipe wants them (``gemm.grouped_row_align``)."""
+        h_RF = gemm.grouped_linear(x_RI, self.up_proj, ends_L, self.recipe, aligned)
         parts = h_RF.chunk(2, dim=-1) if self.gated else (h_RF,)
         if gate_R is None:
             a_RF = activate_maybe_recomputed(self.selective, parts, self.act)
         else:
             a_RF = maybe(self.selective, lambda g_R, *p: activate(p, self.act) * g_R[:, None].to(p[0].dtype), gate_R, *parts)
-        return gemm.grouped_linear(a_RF, self.down_proj, ends_L, self.recipe)
+        return gemm.grouped_linear(a_RF, self.down_proj, ends_L, self.recipe, aligned)
 
     def extra_repr(self) -> str:
         where = (f"local={self.first_expert}:{self.first_expert + self.local_experts}, etp={self.ctx.expert.size('etp')}"

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mimo.core.testing import Yardstick
+from mimo.core.testing import Yardstick, rel_err
 from mimo.llm.config import AuxLoss, MoEArch
 from mimo.llm.context import SeqContext
 from mimo.llm.experts import experts_loop
@@ -370,6 +370,46 @@ def test_compiled_fp8_layer_traces_whole_and_once(backend):
     layer.train()
     assert apply_fp8(layer, "rowwise", ParallelContext.for_tp(None)) == 2  # experts, shared expert
     assert_compiled_traces_whole(layer, backend, (([20, 12], 0), ([9, 3], 4)) + PACKS)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch._scaled_grouped_mm)"))])
+def test_fp8_experts_on_aligned_rows_equal_the_padded_copy(device, monkeypatch):
+    """Under FP8 the dispatcher lays each expert's rows out at a multiple of 16 (padding rows of
+    gate 0 between) and the grouped products take them as they are; packed tight instead, each
+    product pads a copy of its own. Both give the same output and gradients (tokens, every
+    weight): the padding rows add exact zeros. On CUDA the two are the kernel's two routes (the
+    weight gradients to bf16 rounding: their sums run over other row counts)."""
+    cfg = moe_arch(ffn=16, shared_ffn=16)
+    state = random_state(cfg, seed=4)
+    seq = make_seq([9, 14, 5], 4, None)
+    h_TD, w_TD = make_inputs(seq, seed=4)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    seen, grouped_linear = [], gemm.grouped_linear
+
+    def recorded(x, w, ends, recipe=gemm.DEFAULT_RECIPE, aligned=False):
+        seen.append((x.shape[0], aligned))
+        return grouped_linear(x, w, ends, recipe, aligned)
+
+    monkeypatch.setattr(gemm, "grouped_linear", recorded)
+
+    def run(align: bool) -> list[torch.Tensor]:
+        if not align:
+            monkeypatch.setattr(gemm, "grouped_row_align", lambda recipe: 1)
+        layer = MoE(HIDDEN, cfg).to(device, dtype)
+        table = param_table(layer)
+        load_full_(table, state)
+        assert apply_fp8(layer, "rowwise", ParallelContext.for_tp(None)) == 2
+        layer.train()
+        h = h_TD.to(device, dtype).requires_grad_(True)
+        (layer(h, seq) * w_TD.to(device, dtype)).sum().backward()
+        return [h.grad, *(p.grad for p in layer.parameters())]
+
+    aligned, tight = run(True), run(False)
+    rows = seq.positions.numel() * 2
+    assert seen == [(-(-(rows + 16 * 6) // 16) * 16, True)] * 2 + [(rows, False)] * 2
+    for a, b in zip(aligned, tight):  # fp32: the same products, sums in another order
+        assert rel_err(a.float(), b.float()) <= (1e-6 if device == "cpu" else 1e-2)
 
 
 # ---------------------------------------------------------------- TP over gloo

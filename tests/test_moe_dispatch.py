@@ -73,11 +73,11 @@ def reference(x_TD, routing, w_EDD, g_TD, dtype):
     return {"out": y.detach(), "x": x.grad, "gate": gate.grad, "w": w.grad}
 
 
-def run_dispatcher(disp, x_TD, routing, w_LDD, g_TD):
+def run_dispatcher(disp, x_TD, routing, w_LDD, g_TD, **align):
     x = x_TD.to(torch.float32, copy=True).requires_grad_()
     gate = routing.gate_TK.to(torch.float32, copy=True).requires_grad_()
     w = w_LDD.to(torch.float32, copy=True).requires_grad_()
-    d = disp.dispatch(x, Routing(routing.idx_TK, gate))
+    d = disp.dispatch(x, Routing(routing.idx_TK, gate), **align)
     y = disp.combine(expert_fn(d.x_RD, d.ends_L, w), d)
     (y * g_TD.float()).sum().backward()
     return {"out": y.detach(), "x": x.grad, "gate": real_slots(gate.grad, routing), "w": w.grad}
@@ -135,6 +135,40 @@ def test_local_dispatcher_equals_the_oracle():
     ys.check_all(got, ref32, ref64)
     ys.assert_ok()
     assert (got["out"][-2:] == 0).all()  # padding routes nowhere
+
+
+@pytest.mark.parametrize("align", [16, 5])
+def test_local_dispatcher_aligned_groups_equal_the_oracle(align):
+    """``align``: every expert's rows start at a multiple of it (padding rows between, gate 0,
+    gradient 0, the tail in the last group), with no host read; the output and every gradient
+    (tokens, real gates, weights: the padding rows add exact zeros) equal the oracle's, and the
+    real rows are the unaligned dispatch's, in its order. An idle expert (0, 5) gets no rows."""
+    gen = torch.Generator().manual_seed(3)
+    r = make_routing(14, 2, {0, 5}, gen)
+    x, g = torch.randn(14, D, generator=gen, dtype=torch.float64), torch.randn(14, D, generator=gen, dtype=torch.float64)
+    w = torch.randn(E, D, D, generator=gen, dtype=torch.float64) / D ** 0.5
+    ys = Yardstick(TOL)
+    ys.check_all(run_dispatcher(LocalDispatcher(E), x, r, w, g, align=align),
+                 reference(x, r, w, g, torch.float32), reference(x, r, w, g, torch.float64))
+    ys.assert_ok()
+    gate = r.gate_TK.float().requires_grad_()
+    with HostReads() as mode:
+        d = LocalDispatcher(E).dispatch(x.float(), Routing(r.idx_TK, gate), align=align)
+    assert not mode.reads and d.aligned
+    plain = LocalDispatcher(E).dispatch(x.float(), Routing(r.idx_TK, r.gate_TK.float()))
+    ends, plain_ends = d.ends_L.tolist(), [0] + plain.ends_L.tolist()
+    rows = 14 * K + align * E
+    assert ends[-1] == d.x_RD.shape[0] == -(-rows // align) * align
+    starts = [0] + ends[:-1]
+    assert all(s_ % align == 0 for s_ in starts) and ends[0] == starts[1]
+    for e in range(E):  # the real rows, then padding (gate 0) up to the next start
+        n = plain_ends[e + 1] - plain_ends[e]
+        assert torch.equal(d.x_RD[starts[e]:starts[e] + n], plain.x_RD[plain_ends[e]:plain_ends[e + 1]])
+        assert torch.equal(d.gate_R[starts[e]:starts[e] + n], plain.gate_R[plain_ends[e]:plain_ends[e + 1]])
+        assert (d.gate_R[starts[e] + n:ends[e]] == 0).all()
+        assert ends[e] - starts[e] - n < align or e == E - 1
+        if e in (0, 5):
+            assert n == 0 and ends[e] == starts[e]
 
 
 def test_bad_routing_is_a_mimo_error():

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mimo.parallel.grouped import grouped_rows_op, grouped_weight_grad_op
+from mimo.parallel.grouped import GROUP_ALIGN, grouped_rows_op, grouped_weight_grad_op, padded_groups, rows_expert
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
@@ -269,49 +269,38 @@ def fp8_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # ---- grouped products (experts) -------------------------------------------------------------
 
 
-def rows_expert(ends_E: torch.Tensor, rows: int) -> torch.Tensor:
-    """``[rows]``: the group of each row of a grouped product (``ends_E``: cumulative ends)."""
-    return torch.bucketize(torch.arange(rows, device=ends_E.device), ends_E, right=True)
-
-
-def padded_groups(ends_E: torch.Tensor, rows: int, align: int = 16) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Where each row goes when every group starts at a multiple of ``align``: ``(dest_R,
-    padded_ends_E, capacity)``, on the device, with no host read (``capacity`` = rows + align
-    x groups bounds the padded length)."""
-    ends_E = ends_E.to(torch.int64)
-    counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
-    padded_E = (counts_E + align - 1) // align * align
-    pends_E = torch.cumsum(padded_E, 0)
-    starts_E, pstarts_E = ends_E - counts_E, pends_E - padded_E
-    group_R = rows_expert(ends_E, rows)
-    dest_R = torch.arange(rows, device=ends_E.device) - starts_E[group_R] + pstarts_E[group_R]
-    return dest_R, pends_E, rows + align * ends_E.numel()
-
-
-def _grouped_scaled(aq_RK, a_inv_R, bq_EKN, b_inv_EN, ends_E, out_dtype) -> torch.Tensor:
-    """``out[group e rows] = (a * a_inv) @ (b[e] * b_inv[e])``: the grouped FP8 kernel on rows
-    padded to 16 per group (CUDA), else dequantized products."""
+def _grouped_scaled(aq_RK, a_inv_R, bq_EKN, b_inv_EN, ends_E, out_dtype, aligned: bool) -> torch.Tensor:
+    """``out[group e rows] = (a * a_inv) @ (b[e] * b_inv[e])``: the grouped FP8 kernel (CUDA) on
+    the rows as they are where every group starts at a multiple of 16 already (``aligned``: the
+    dispatcher laid them out so), else on a copy padded so; off CUDA, dequantized products."""
     if aq_RK.is_cuda and hasattr(torch, "_scaled_grouped_mm") and aq_RK.shape[1] % 16 == 0 and bq_EKN.shape[2] % 16 == 0:
+        if aligned:
+            return _scaled_grouped(aq_RK, a_inv_R.reshape(-1), bq_EKN, b_inv_EN, ends_E).to(out_dtype)
         return _scaled_grouped_padded(aq_RK, a_inv_R, bq_EKN, b_inv_EN, ends_E).to(out_dtype)
     a = aq_RK.float() * a_inv_R.reshape(-1, 1)
     b = bq_EKN.float() * b_inv_EN.unsqueeze(1)
     return grouped_rows_op(a, b.transpose(-2, -1), ends_E).to(out_dtype)
 
 
+def _scaled_grouped(aq_RK, a_inv_R, bq_EKN, b_inv_EN, ends_E) -> torch.Tensor:
+    """``torch._scaled_grouped_mm`` (bf16 out, fast accumulation) on rows whose groups start at
+    multiples of 16; ``b`` laid out column-major per group, as the kernel wants."""
+    return torch._scaled_grouped_mm(aq_RK, bq_EKN.transpose(-2, -1).contiguous().transpose(-2, -1), a_inv_R.float(),
+                                    b_inv_EN.float().contiguous(), offs=ends_E.to(torch.int32), out_dtype=torch.bfloat16,
+                                    use_fast_accum=True)
+
+
 def _scaled_grouped_padded(aq_RK, a_inv_R, bq_EKN, b_inv_EN, ends_E) -> torch.Tensor:
-    """``torch._scaled_grouped_mm`` (bf16 out) on the rows copied into a buffer where each group
-    starts at a multiple of 16 (zero rows, scale 1, between groups), read back at their rows.
-    The buffer is scattered as bytes (uint8), which every compiler backend lowers, unlike a
-    float8 ``index_put``; a zero byte is float8's +0, the same buffer as float8 zeros."""
-    dest_R, pends_E, cap = padded_groups(ends_E, aq_RK.shape[0])
+    """``_scaled_grouped`` on the rows copied into a buffer where each group starts at a
+    multiple of 16 (zero rows, scale 1, between groups), read back at their rows. The buffer is
+    scattered as bytes (uint8), which every compiler backend lowers, unlike a float8
+    ``index_put``; a zero byte is float8's +0, the same buffer as float8 zeros."""
+    dest_R, pends_E, cap = padded_groups(ends_E, aq_RK.shape[0], GROUP_ALIGN)
     a_pad = aq_RK.new_zeros(cap, aq_RK.shape[1], dtype=torch.uint8)
     a_pad[dest_R] = aq_RK.view(torch.uint8)
     s_pad = a_inv_R.new_ones(cap)
     s_pad[dest_R] = a_inv_R.reshape(-1)
-    y = torch._scaled_grouped_mm(a_pad.view(aq_RK.dtype), bq_EKN.transpose(-2, -1).contiguous().transpose(-2, -1), s_pad,
-                                 b_inv_EN.float().contiguous(), offs=pends_E.to(torch.int32), out_dtype=torch.bfloat16,
-                                 use_fast_accum=True)
-    return y[dest_R]
+    return _scaled_grouped(a_pad.view(aq_RK.dtype), s_pad, bq_EKN, b_inv_EN, pends_E)[dest_R]
 
 
 class _Fp8Grouped(torch.autograd.Function):
@@ -320,10 +309,11 @@ class _Fp8Grouped(torch.autograd.Function):
     module doc). Every input is an argument, so that ``torch.compile`` traces it."""
 
     @staticmethod
-    def forward(ctx, x_RI, w_EOI, ends_E, xq_RI, x_inv_R1, wq_EOI, w_inv_EO1, group, split):
-        y_RO = _grouped_scaled(xq_RI, x_inv_R1, wq_EOI.transpose(-2, -1), w_inv_EO1.squeeze(-1), ends_E, x_RI.dtype)
+    def forward(ctx, x_RI, w_EOI, ends_E, xq_RI, x_inv_R1, wq_EOI, w_inv_EO1, group, split, aligned):
+        y_RO = _grouped_scaled(xq_RI, x_inv_R1, wq_EOI.transpose(-2, -1), w_inv_EO1.squeeze(-1), ends_E, x_RI.dtype,
+                               aligned)
         ctx.save_for_backward(x_RI, wq_EOI, w_inv_EO1, ends_E)
-        ctx.group, ctx.split, ctx.w_dtype = group, split, w_EOI.dtype
+        ctx.group, ctx.split, ctx.w_dtype, ctx.aligned = group, split, w_EOI.dtype, aligned
         return y_RO
 
     @staticmethod
@@ -334,19 +324,21 @@ class _Fp8Grouped(torch.autograd.Function):
         expert_R = rows_expert(ends_E, g_RO.shape[0])
         gq, g_inv = fold_row_scales(g_RO, w_inv_EO1.squeeze(-1)[expert_R], reduce)
         ones_EI = w_inv_EO1.new_ones(wq_EOI.shape[0], wq_EOI.shape[2])
-        dx = _grouped_scaled(gq, g_inv, wq_EOI, ones_EI, ends_E, x_RI.dtype)
+        dx = _grouped_scaled(gq, g_inv, wq_EOI, ones_EI, ends_E, x_RI.dtype, ctx.aligned)
         dw = grouped_weight_grad_op(g_RO, x_RI, ends_E).to(ctx.w_dtype)
-        return (dx, dw) + (None,) * 7
+        return (dx, dw) + (None,) * 8
 
 
-def fp8_grouped_linear(x_RI: torch.Tensor, weight_EOI: torch.Tensor, ends_E: torch.Tensor, site: FP8Site) -> torch.Tensor:
+def fp8_grouped_linear(x_RI: torch.Tensor, weight_EOI: torch.Tensor, ends_E: torch.Tensor, site: FP8Site,
+                       aligned: bool = False) -> torch.Tensor:
     """``gemm.grouped_linear`` with row-wise float8 operands under every recipe (see module
-    doc); the forward operands quantized here, in plain torch code, as ``fp8_linear`` does."""
+    doc); the forward operands quantized here, in plain torch code, as ``fp8_linear`` does.
+    ``aligned``: every group starts at a multiple of ``GROUP_ALIGN`` rows already."""
     split = weight_EOI.fp8_split  # the down projection contracts the TP-split F
     x, w = x_RI.detach(), weight_EOI.detach()  # the scales take no gradient
     xq, x_inv = quantize(x, E4M3, site.amax(x, -1, split))
     wq, w_inv = quantize(w, E4M3, site.amax(w, -1, split))
-    return _Fp8Grouped.apply(x_RI, weight_EOI, ends_E, xq, x_inv, wq, w_inv, site.group, split)
+    return _Fp8Grouped.apply(x_RI, weight_EOI, ends_E, xq, x_inv, wq, w_inv, site.group, split, aligned)
 
 
 # ---- the once-per-step history update (delayed) ---------------------------------------------

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from mimo.core.errors import ConfigError
 from mimo.parallel.fp8 import fp8_grouped_linear, fp8_linear, fp8_takes
-from mimo.parallel.grouped import grouped_rows
+from mimo.parallel.grouped import GROUP_ALIGN, grouped_rows
 
 RECIPES = ("default", "tensorwise", "rowwise", "delayed")
 
@@ -52,11 +52,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def grouped_row_align(recipe: GemmRecipe) -> int:
+    """Where ``grouped_linear`` under ``recipe`` wants each group's rows to start (a multiple
+    of it): FP8's grouped kernel takes groups at multiples of 16 rows, and rows laid out so by
+    the caller (``aligned=True``) spare it a padded copy of its operands and output."""
+    return GROUP_ALIGN if recipe.kind != "default" else 1
+
+
 def grouped_linear(x_RI: torch.Tensor, weight_EOI: torch.Tensor, offsets_E: torch.Tensor,
-                   recipe: GemmRecipe = DEFAULT_RECIPE) -> torch.Tensor:
+                   recipe: GemmRecipe = DEFAULT_RECIPE, aligned: bool = False) -> torch.Tensor:
     """``out[rows of group e] = x[rows of group e] @ weight[e].T`` for rows sorted by group:
     group e is rows ``offsets[e-1] .. offsets[e]`` (int32 cumulative ends, ``offsets[-1]`` =
     R). ``weight_EOI`` is ``[E, out, in]`` (``nn.Linear``'s convention per group).
+    ``aligned``: every group starts at a multiple of ``grouped_row_align(recipe)``.
 
     One ``torch._grouped_mm`` (no host synchronisation) where it takes the dtype and sizes;
     otherwise (fp64 references, sizes off its 16-byte rule, fp32 on CUDA) one product per
@@ -67,5 +75,5 @@ def grouped_linear(x_RI: torch.Tensor, weight_EOI: torch.Tensor, offsets_E: torc
 
         return gtp_grouped_linear(x_RI, weight_EOI, offsets_E, grouped_rows)
     if recipe.kind != "default" and fp8_takes(x_RI, weight_EOI):
-        return fp8_grouped_linear(x_RI, weight_EOI, offsets_E, recipe)
+        return fp8_grouped_linear(x_RI, weight_EOI, offsets_E, recipe, aligned)
     return grouped_rows(x_RI, weight_EOI, offsets_E)

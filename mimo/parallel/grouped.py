@@ -17,6 +17,28 @@ def grouped_mm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], weight.shape[-2]))
 
 
+GROUP_ALIGN = 16  # rows: where each group of torch._scaled_grouped_mm must start
+
+
+def rows_expert(ends_E: torch.Tensor, rows: int) -> torch.Tensor:
+    """``[rows]``: the group of each row of a grouped product (``ends_E``: cumulative ends)."""
+    return torch.bucketize(torch.arange(rows, device=ends_E.device), ends_E, right=True)
+
+
+def padded_groups(ends_E: torch.Tensor, rows: int, align: int = GROUP_ALIGN) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each row goes when every group starts at a multiple of ``align``: ``(dest_R,
+    padded_ends_E, capacity)``, on the device, with no host read (``capacity`` = rows + align
+    x groups bounds the padded length)."""
+    ends_E = ends_E.to(torch.int64)
+    counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
+    padded_E = (counts_E + align - 1) // align * align
+    pends_E = torch.cumsum(padded_E, 0)
+    starts_E, pstarts_E = ends_E - counts_E, pends_E - padded_E
+    group_R = rows_expert(ends_E, rows)
+    dest_R = torch.arange(rows, device=ends_E.device) - starts_E[group_R] + pstarts_E[group_R]
+    return dest_R, pends_E, rows + align * ends_E.numel()
+
+
 def grouped_rows(x_RI: torch.Tensor, weight_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """``gemm.grouped_linear`` in the operands' dtype: one ``torch._grouped_mm`` where it takes
     them, else one product per group (reading the offsets on the host)."""
