@@ -29,8 +29,10 @@ reductions a TP layout quantizes exactly as one process does.
 
 Experts: ``torch._scaled_grouped_mm`` takes row-wise scales only, so the grouped product
 quantizes row-wise under every recipe. It needs each group's rows to start at a multiple of
-16: the rows are copied into a buffer where every expert's block is padded with zero rows (the
-zero-probability tokens of Megatron's router padding; their outputs are dropped). The weight
+16: the local dispatcher lays the rows out so when asked (``gemm.grouped_row_align``: padding
+rows of gate 0 between the experts' blocks, as Megatron's router padding adds zero-probability
+tokens); otherwise (the all-to-all dispatchers) the product copies the rows into a buffer padded
+so with zero rows and reads its output back at theirs. The weight
 gradient of the experts is a bf16 grouped product: its contraction runs over each group's rows,
 so its scales would be per group (the kernel's 2d x 2d form takes them, ``[groups x rows]``,
 with every group's rows padded to 16 along the contraction); not built yet: it would speed a
