@@ -168,8 +168,8 @@ class _Permute(torch.autograd.Function):
 class LocalDispatcher:
     """EP = 1: every expert is local (see module doc). Padding rows ride in the last group.
 
-    Every token has exactly ``K`` rows (``R = T*K``), so the row order is a permutation of the
-    slots: combine gathers the (gated) expert outputs back into slot order and sums each
+    Every token has exactly ``K`` rows (``R = T*K``, and padding rows under ``align``), so the
+    row order is a permutation of the slots: combine gathers the (gated) expert outputs back into slot order and sums each
     token's ``K`` rows, no scatter."""
 
     def __init__(self, experts: int):
