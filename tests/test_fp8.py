@@ -4,8 +4,8 @@
   (``torch._scaled_mm`` runs on this CPU; grouped products dequantize), and against the plain
   product within FP8's rounding;
 * layouts: a TP MLP (column- then row-parallel, sequence parallel on and off) and the MoE's
-  grouped experts at tp 2 and 3 against one process: with the amax reductions over TP they
-  quantize exactly as one process does, so they agree to fp32 rounding;
+  grouped experts at tp 2 and 3 and at ep 3 (all-to-all) against one process: with the amax
+  reductions over TP they quantize exactly as one process does, so they agree to fp32 rounding;
 * delayed scaling: the history window, its once-per-step reduction and roll, and resuming a
   `mimo train` run from a checkpoint is exact (the history travels with it);
 * the row padding of grouped FP8 products and ``train.fp8``'s config errors.
@@ -253,6 +253,47 @@ def _experts_case(tp: int):
     return {k: rel_err(out["tp"][k], out["one"][k]) for k in out["one"]}
 
 
+_EP_CTX = {}
+
+
+def _ep_experts_case(tokens: tuple[int, ...]):
+    """FP8 experts on the expert view (ep = world, all-to-all dispatch: the grouped products pad
+    their rows themselves) vs one process over every rank's tokens: each rank's outputs and
+    input gradients, the gathered weight gradients."""
+    from mimo.parallel.grid import GroupRegistry
+
+    r, world = dist.get_rank(), dist.get_world_size()
+    if world not in _EP_CTX:
+        registry = GroupRegistry()
+        grid = ParallelGrid({"tp": 1, "cp": 1, "dp": world, "pp": 1}, registry=registry)
+        _EP_CTX[world] = ParallelContext(grid, r, registry, expert=(1, world))
+    ctx = _EP_CTX[world]
+    E, D, Fh, K = 2 * world, 32, 16, 2
+    g_ = torch.Generator().manual_seed(11)
+    up, down = torch.randn(E, 2 * Fh, D, generator=g_) * 0.2, torch.randn(E, D, Fh, generator=g_) * 0.2
+    T = sum(tokens)
+    X, dY = torch.randn(T, D, generator=g_), torch.randn(T, D, generator=g_)
+    idx = torch.stack([torch.randperm(E, generator=g_)[:K] for _ in range(T)])
+    gate = torch.softmax(torch.randn(T, K, generator=g_), -1)
+    mine = slice(sum(tokens[:r]), sum(tokens[:r + 1]))
+    out = {}
+    for where, c, rows in (("one", ParallelContext.for_tp(None), slice(0, T)), ("ep", ctx, mine)):
+        ex = GroupedExperts(E, D, Fh, "swiglu", c)
+        pls, view = ex.placements(), c.expert or c.dense
+        sizes, coords = {a: view.size(a) for a in ("ep", "etp", "tp")}, {a: view.coord(a) for a in ("ep", "etp", "tp")}
+        with torch.no_grad():
+            ex.up_proj.copy_(shard_full(up, pls["up_proj"], sizes, coords))
+            ex.down_proj.copy_(shard_full(down, pls["down_proj"], sizes, coords))
+        assert apply_fp8(ex, "rowwise", c) == 1
+        x = X[rows].clone().requires_grad_(True)
+        y = ex(x, Routing(idx[rows], gate[rows]))
+        y.backward(dY[rows])
+        out[where] = {"y": y.detach(), "dx": x.grad, "dup": gather_full(ex.up_proj.grad, pls["up_proj"], view),
+                      "ddown": gather_full(ex.down_proj.grad, pls["down_proj"], view)}
+    one = out["one"]
+    return {k: rel_err(v, one[k][mine] if k in ("y", "dx") else one[k]) for k, v in out["ep"].items() if v.numel()}
+
+
 def _check(results, tp):
     active = [x for x in results if x is not None]
     assert len(active) == tp
@@ -270,6 +311,12 @@ def test_tp_mlp_quantizes_as_one_process(pools, tp, kind, sp):
 @pytest.mark.parametrize("tp", [2, 3])
 def test_tp_experts_quantize_as_one_process(pools, tp):
     _check(pools(WORLD).run(_experts_case, tp), tp)
+
+
+def test_ep_experts_quantize_as_one_process(pools):
+    """ep 3 (all-to-all, ragged tokens per rank, one rank without tokens): row-wise FP8 experts
+    quantize as one process does."""
+    _check(pools(WORLD).run(_ep_experts_case, (7, 0, 12)), WORLD)
 
 
 # ---- config ----------------------------------------------------------------------------------
