@@ -99,8 +99,8 @@ def main(argv=None) -> dict:
     seeded = f"fp32-seed{args.fp32_seed}" if args.fp32_seed is not None else None
     fp8 = f"fp8-{args.fp8}" if args.fp8 else None
     names = ["fp32", "bf16"] + [n for n in (seeded, fp8) if n]
-    others = [f"{n}-seed{seed}" for seed in range(1, args.seeds) for n in ("fp32", "bf16", fp8) if n]
-    names += others
+    suffixes = [""] + [f"-seed{seed}" for seed in range(1, args.seeds)]  # seed 0: the config's own
+    names += [f"{n}{sfx}" for sfx in suffixes[1:] for n in ("fp32", "bf16", fp8) if n]
     if args.together:  # the runs at once (one GPU holds them; the small model leaves it idle much of the time)
         started = [start(n, args.steps, os.path.abspath(args.data), args.device, overrides, out) for n in names]
         runs = {n: finish(*s_) for n, s_ in zip(names, started)}
@@ -129,7 +129,7 @@ def main(argv=None) -> dict:
                 result[f"{name}_rel_diff_last10_mean_by_seed"] = [
                     abs(runs[f"{name}{sfx}"]["loss_last10_mean"] - runs[f"fp32{sfx}"]["loss_last10_mean"])
                     / abs(runs[f"fp32{sfx}"]["loss_last10_mean"])
-                    for sfx in [""] + [f"-seed{seed}" for seed in range(1, args.seeds)]]
+                    for sfx in suffixes]
     if fp8:  # within the spread: no further from fp32 than bf16 is (last-10 means); over seeds, no
         # seed's FP8 further than the furthest bf16 (one run's bf16 distance is GPU noise: 0.01-0.6%)
         if args.seeds > 1:

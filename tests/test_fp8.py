@@ -220,37 +220,48 @@ def _mlp_case(tp: int, kind: str, sp: bool):
     return errs
 
 
+def _expert_problem(seed: int, E: int, Fh: int, T: int, D: int = 32, K: int = 2):
+    """Full expert weights (gated), tokens, output gradients and a routing of ``K`` distinct experts."""
+    g_ = torch.Generator().manual_seed(seed)
+    up, down = torch.randn(E, 2 * Fh, D, generator=g_) * 0.2, torch.randn(E, D, Fh, generator=g_) * 0.2
+    X, dY = torch.randn(T, D, generator=g_), torch.randn(T, D, generator=g_)
+    idx = torch.stack([torch.randperm(E, generator=g_)[:K] for _ in range(T)])
+    gate = torch.softmax(torch.randn(T, K, generator=g_), -1)
+    return up, down, X, dY, idx, gate
+
+
+def _run_fp8_experts(ctx, up, down, X, dY, idx, gate) -> dict:
+    """Row-wise FP8 ``GroupedExperts`` on ``ctx`` (its expert view where it has one) holding its
+    shard of ``up`` / ``down``: forward and backward on these tokens; the outputs, the input
+    gradient and the gathered full weight gradients."""
+    E, D, Fh = up.shape[0], up.shape[2], down.shape[2]
+    ex = GroupedExperts(E, D, Fh, "swiglu", ctx)
+    pls, view = ex.placements(), ctx.expert or ctx.dense
+    axes = ("ep", "etp") if ctx.expert else ("tp",)
+    sizes, coords = {a: view.size(a) for a in axes}, {a: view.coord(a) for a in axes}
+    with torch.no_grad():
+        ex.up_proj.copy_(shard_full(up, pls["up_proj"], sizes, coords))
+        ex.down_proj.copy_(shard_full(down, pls["down_proj"], sizes, coords))
+    assert apply_fp8(ex, "rowwise", ctx) == 1
+    x = X.clone().requires_grad_(True)
+    y = ex(x, Routing(idx, gate))
+    y.backward(dY)
+    return {"y": y.detach(), "dx": x.grad, "dup": gather_full(ex.up_proj.grad, pls["up_proj"], view),
+            "ddown": gather_full(ex.down_proj.grad, pls["down_proj"], view)}
+
+
 def _experts_case(tp: int):
     """Grouped FP8 experts (dense view: F split over TP) vs one process, summed over TP."""
     group, r = _group(tp)
     if r is None:
         return None
-    g_ = torch.Generator().manual_seed(3)
-    E, D, Fh, T, K = 4, 32, 96, 40, 2
-    up, down = torch.randn(E, 2 * Fh, D, generator=g_) * 0.2, torch.randn(E, D, Fh, generator=g_) * 0.2
-    X, dY = torch.randn(T, D, generator=g_), torch.randn(T, D, generator=g_)
-    idx = torch.stack([torch.randperm(E, generator=g_)[:K] for _ in range(T)])
-    gate = torch.softmax(torch.randn(T, K, generator=g_), -1)
-    out = {}
-    for where, ctx in (("one", ParallelContext.for_tp(None)), ("tp", ParallelContext.for_tp(group))):
-        ex = GroupedExperts(E, D, Fh, "swiglu", ctx)
-        pls = ex.placements()
-        sizes, coords = {"tp": ctx.tp_size}, {"tp": ctx.tp_rank}
-        with torch.no_grad():
-            ex.up_proj.copy_(shard_full(up, pls["up_proj"], sizes, coords))
-            ex.down_proj.copy_(shard_full(down, pls["down_proj"], sizes, coords))
-        assert apply_fp8(ex, "rowwise", ctx) == 1
-        x = X.clone().requires_grad_(True)
-        y = ex(x, Routing(idx, gate))
-        y.backward(dY)
-        dx = x.grad.clone()
-        if ctx.tp is not None:  # partial sums over TP
-            y = y.detach().clone()
-            dist.all_reduce(y, group=ctx.tp)
-            dist.all_reduce(dx, group=ctx.tp)
-        out[where] = {"y": y.detach(), "dx": dx, "dup": gather_full(ex.up_proj.grad, pls["up_proj"], ctx.dense),
-                      "ddown": gather_full(ex.down_proj.grad, pls["down_proj"], ctx.dense)}
-    return {k: rel_err(out["tp"][k], out["one"][k]) for k in out["one"]}
+    problem = _expert_problem(3, E=4, Fh=96, T=40)
+    one = _run_fp8_experts(ParallelContext.for_tp(None), *problem)
+    got = _run_fp8_experts(ParallelContext.for_tp(group), *problem)
+    for k in ("y", "dx"):  # partial sums over TP
+        got[k] = got[k].clone()
+        dist.all_reduce(got[k], group=group)
+    return {k: rel_err(got[k], one[k]) for k in one}
 
 
 _EP_CTX = {}
@@ -267,31 +278,11 @@ def _ep_experts_case(tokens: tuple[int, ...]):
         registry = GroupRegistry()
         grid = ParallelGrid({"tp": 1, "cp": 1, "dp": world, "pp": 1}, registry=registry)
         _EP_CTX[world] = ParallelContext(grid, r, registry, expert=(1, world))
-    ctx = _EP_CTX[world]
-    E, D, Fh, K = 2 * world, 32, 16, 2
-    g_ = torch.Generator().manual_seed(11)
-    up, down = torch.randn(E, 2 * Fh, D, generator=g_) * 0.2, torch.randn(E, D, Fh, generator=g_) * 0.2
-    T = sum(tokens)
-    X, dY = torch.randn(T, D, generator=g_), torch.randn(T, D, generator=g_)
-    idx = torch.stack([torch.randperm(E, generator=g_)[:K] for _ in range(T)])
-    gate = torch.softmax(torch.randn(T, K, generator=g_), -1)
+    up, down, X, dY, idx, gate = _expert_problem(11, E=2 * world, Fh=16, T=sum(tokens))
     mine = slice(sum(tokens[:r]), sum(tokens[:r + 1]))
-    out = {}
-    for where, c, rows in (("one", ParallelContext.for_tp(None), slice(0, T)), ("ep", ctx, mine)):
-        ex = GroupedExperts(E, D, Fh, "swiglu", c)
-        pls, view = ex.placements(), c.expert or c.dense
-        sizes, coords = {a: view.size(a) for a in ("ep", "etp", "tp")}, {a: view.coord(a) for a in ("ep", "etp", "tp")}
-        with torch.no_grad():
-            ex.up_proj.copy_(shard_full(up, pls["up_proj"], sizes, coords))
-            ex.down_proj.copy_(shard_full(down, pls["down_proj"], sizes, coords))
-        assert apply_fp8(ex, "rowwise", c) == 1
-        x = X[rows].clone().requires_grad_(True)
-        y = ex(x, Routing(idx[rows], gate[rows]))
-        y.backward(dY[rows])
-        out[where] = {"y": y.detach(), "dx": x.grad, "dup": gather_full(ex.up_proj.grad, pls["up_proj"], view),
-                      "ddown": gather_full(ex.down_proj.grad, pls["down_proj"], view)}
-    one = out["one"]
-    return {k: rel_err(v, one[k][mine] if k in ("y", "dx") else one[k]) for k, v in out["ep"].items() if v.numel()}
+    one = _run_fp8_experts(ParallelContext.for_tp(None), up, down, X, dY, idx, gate)
+    got = _run_fp8_experts(_EP_CTX[world], up, down, X[mine], dY[mine], idx[mine], gate[mine])
+    return {k: rel_err(v, one[k][mine] if k in ("y", "dx") else one[k]) for k, v in got.items() if v.numel()}
 
 
 def _check(results, tp):
