@@ -150,6 +150,7 @@ def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: li
     ``compile``: then ``mimo.training.run.compile_blocks``), timing the steps after ``warmup``. Timed
     steps run back to back as the baseline's do (each loss read after the last one), unless
     ``sync_steps``: then each step's loss is read before the next step starts."""
+    from mimo.compose.config import Fp8Config
     from mimo.training.run import build_run, compile_blocks
     from mimo.training.step import train_step
 
@@ -188,10 +189,12 @@ def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: li
         for n, variant in enumerate(variants):
             data_s.clear()
             variant, _, fp8 = variant.partition("@")
-            if fp8:  # FP8 GEMMs from now on (train.fp8's recipe; "none": back to the run's precision)
-                from mimo.compose.config import Fp8Config
-
-                run.model.set_fp8(None if fp8 == "none" else Fp8Config(recipe=fp8))
+            # each variant states its GEMMs: @RECIPE (FP8), @none (the run's dtype), or nothing:
+            # train.fp8 as configured, whatever the variant before it ran
+            f8 = config.train.fp8 if not fp8 else None if fp8 == "none" else Fp8Config(recipe=fp8)
+            if f8 != run.model.fp8:
+                run.model.set_fp8(f8)
+            fp8 = fp8 or (f8.recipe if f8 is not None else "")
             variant, _, recompute = variant.partition(":")
             if variant == "compile" and not compiled:
                 compile_blocks(run.model)
@@ -281,7 +284,8 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
                         "(the default reads them after the timed steps, as the baseline does)")
     parser.add_argument("--variants", default="eager", help="comma-separated, run in turn on one model: eager, compile "
                         "(a repeated name measures again); NAME:MODE also sets activation recompute (none, selective, full); "
-                        "NAME[:MODE]@RECIPE FP8 GEMMs (tensorwise, rowwise, delayed; none: off again)")
+                        "NAME[:MODE]@RECIPE FP8 GEMMs (tensorwise, rowwise, delayed; @none: the run's dtype; no @: "
+                        "train.fp8 as configured)")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")

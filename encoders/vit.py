@@ -118,7 +118,7 @@ class PatchEmbed(nn.Module):
         self.patch, self.dim = patch, dim
         self.weight = nn.Parameter(torch.empty(dim, channels, patch, patch, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(dim, device=device, dtype=dtype)) if bias else None
-        self.recipe = gemm.DEFAULT_RECIPE
+        self.recipe = gemm.default_recipe()
 
     def forward(self, pixels_NCHW: torch.Tensor) -> torch.Tensor:
         N, C, H, W = pixels_NCHW.shape

@@ -82,7 +82,7 @@ class GroupedExperts(nn.Module):
         ep = view.size("ep") if self.folded else 1
         self.local_experts = experts // ep  # this rank's experts: first_expert .. first_expert + local_experts - 1
         self.first_expert = (view.coord("ep") if self.folded else 0) * self.local_experts
-        self.recipe = gemm.DEFAULT_RECIPE
+        self.recipe = gemm.default_recipe()
         self.dispatcher = make_dispatcher("auto", experts, ctx)  # train.moe_dispatcher may replace it
 
     def placements(self) -> dict[str, ParamPlacement]:
@@ -174,7 +174,7 @@ class SharedExpert(nn.Module):
             setattr(self, name, nn.Parameter(torch.empty(pl.local_shape({a: view.size(a) for a in pl.axes}))))
             ctx.gtp_register(getattr(self, name), pl)
         self.has_gate = gate
-        self.recipe = gemm.DEFAULT_RECIPE
+        self.recipe = gemm.default_recipe()
 
     def placements(self) -> dict[str, ParamPlacement]:
         return self._placements

@@ -29,7 +29,7 @@ from mimo.llm.moe import MoE
 from mimo.llm.router import topk_lowest_index
 from mimo.parallel import gemm
 from mimo.parallel.context import ParallelContext
-from mimo.parallel.fp8 import apply_fp8
+from mimo.parallel.fp8 import apply_fp8, clear_fp8
 from mimo.parallel.grouped import grouped_mm_takes
 from mimo.parallel.params import full_tensors, load_full_, param_table, reduce_partial_grads
 
@@ -370,6 +370,34 @@ def test_compiled_fp8_layer_traces_whole_and_once(backend):
     layer.train()
     assert apply_fp8(layer, "rowwise", ParallelContext.for_tp(None)) == 2  # experts, shared expert
     assert_compiled_traces_whole(layer, backend, (([20, 12], 0), ([9, 3], 4)) + PACKS)
+
+
+def test_compiled_layers_of_one_class_each_take_their_own_recipe():
+    """``train.compile`` compiles each layer in place, and layers of one class share the compiled
+    code: a layer's GEMM recipe must be part of what that code checks. With ``bf16_layers`` one
+    MoE layer keeps plain products beside one under FP8, and ``set_fp8`` may switch them after
+    compiling; each compiled layer stays equal to its own eager self, bit for bit, in both
+    settings (torch.compile did not guard an expert's recipe object that the router's default
+    argument had reached first: the FP8 layer ran the bf16 layer's plain graph)."""
+    cfg = moe_arch(ffn=16, shared_ffn=16)
+    layers = [MoE(HIDDEN, cfg).to(torch.bfloat16) for _ in range(2)]
+    for layer in layers:
+        layer.init_weights(seed=3, std=0.2)
+        layer.train()
+    seq = make_seq([9, 14, 5], 4, 20.0)
+    h = make_inputs(seq, seed=3)[0].to(torch.bfloat16)
+    eager = [layer.forward for layer in layers]
+    torch._dynamo.reset()
+    for layer in layers:
+        layer.compile(dynamic=True, backend="eager")
+    ctx = ParallelContext.for_tp(None)
+    for plain, fp8 in ((0, 1), (1, 0)):
+        clear_fp8(layers[plain], gemm.default_recipe)
+        apply_fp8(layers[fp8], "rowwise", ctx)
+        want = [forward(h, seq) for forward in eager]
+        assert not torch.equal(want[0], want[1])  # the same weights: FP8 shows
+        for layer, y in zip(layers, want):
+            torch.testing.assert_close(layer(h, seq), y, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

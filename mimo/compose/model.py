@@ -120,7 +120,7 @@ class MimoModel:
                           lambda n: (m := _LAYER_NAME.match(n)) is not None and int(m.group(1)) not in kept))
         for root, ctx, keep in parts:
             if f8 is None:
-                clear_fp8(root, gemm.DEFAULT_RECIPE)
+                clear_fp8(root, gemm.default_recipe)
             else:
                 apply_fp8(root, f8.recipe, ctx, f8.amax_history, keep)
 

@@ -417,9 +417,9 @@ def apply_fp8(root: torch.nn.Module, kind: str, ctx, amax_history: int = 16, kee
 
 
 def clear_fp8(root: torch.nn.Module, default) -> None:
-    """Undo ``apply_fp8``: every module's recipe back to ``default`` (``gemm.DEFAULT_RECIPE``),
-    its history dropped."""
+    """Undo ``apply_fp8``: every module's recipe back to a new ``default()``
+    (``gemm.default_recipe``: one object per module), its history dropped."""
     for m in root.modules():
         if isinstance(getattr(m, "recipe", None), FP8Site):
-            m.recipe = default
+            m.recipe = default()
             m._buffers.pop("fp8_history", None)

@@ -36,7 +36,15 @@ class GemmRecipe:
             raise ConfigError(f"unknown GEMM recipe {self.kind!r}; known: {', '.join(RECIPES)}")
 
 
-DEFAULT_RECIPE = GemmRecipe()
+DEFAULT_RECIPE = GemmRecipe()  # the functions' default; a module holds its own (default_recipe)
+
+
+def default_recipe() -> GemmRecipe:
+    """A new ``default`` recipe for one module to hold. Never a shared object: torch.compile
+    guards a module's ``recipe`` only where no other path of the traced code (a function's
+    default argument, another module) reached the same object first, so a layer compiled with a
+    shared default would serve a layer of the same class under FP8 with its plain products."""
+    return GemmRecipe()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

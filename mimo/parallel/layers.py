@@ -46,7 +46,7 @@ class TPModule(nn.Module):
         # SP as the module's context resolved it, unless this layer is told otherwise
         self.sequence_parallel = ctx.sequence_parallel if sequence_parallel is None else (
             bool(sequence_parallel) and self.tp_size > 1)
-        self.recipe = gemm.DEFAULT_RECIPE
+        self.recipe = gemm.default_recipe()
 
     def placements(self) -> dict[str, ParamPlacement]:
         raise NotImplementedError
