@@ -57,9 +57,9 @@ def random_state(cfg: MoEArch, seed: int, router_scale: float = 4.0) -> dict[str
     return out
 
 
-def make_seq(seqlens: list[int], pad: int, loss_norm: float | None) -> SeqContext:
+def make_seq(seqlens: list[int], pad: int, loss_norm: float | None, device: str = "cpu") -> SeqContext:
     """A pack of ``seqlens`` samples plus a trailing padding segment of ``pad`` tokens."""
-    seq = SeqContext.from_seqlens(seqlens + ([pad] if pad else []))
+    seq = SeqContext.from_seqlens(seqlens + ([pad] if pad else []), device)
     seq.num_real = sum(seqlens)
     seq.loss_norm = loss_norm
     return seq
@@ -410,7 +410,7 @@ def test_fp8_experts_on_aligned_rows_equal_the_padded_copy(device, monkeypatch):
     weight gradients to bf16 rounding: their sums run over other row counts)."""
     cfg = moe_arch(ffn=16, shared_ffn=16)
     state = random_state(cfg, seed=4)
-    seq = make_seq([9, 14, 5], 4, None)
+    seq = make_seq([9, 14, 5], 4, None, device)
     h_TD, w_TD = make_inputs(seq, seed=4)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     seen, grouped_linear = [], gemm.grouped_linear
