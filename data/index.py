@@ -61,9 +61,11 @@ class Index:
     entries: list[Entry]
     fingerprint: str
     shard_errors: dict[str, str] = field(default_factory=dict)
+    # damaged shard -> how many samples it lost (estimated: ``estimate_lost``; mimo.data.skipped)
+    shard_lost: dict[str, int] = field(default_factory=dict)
 
     def bad_counts(self) -> Counter:
-        return Counter(_reason_kind(e.bad) for e in self.entries if e.bad)
+        return Counter(reason_kind(e.bad) for e in self.entries if e.bad)
 
     def to_json(self) -> dict:
         return {
@@ -71,6 +73,8 @@ class Index:
             "fingerprint": self.fingerprint,
             "shards": self.shards,
             "shard_errors": self.shard_errors,
+            "shard_lost": self.shard_lost,
+            "shard_stats": {s: _shard_stat(s) for s in self.shards if os.path.isfile(s)},
             "entries": [[e.shard, e.key, e.files, e.tokens, e.images, e.image_starts, e.bad] for e in self.entries],
         }
 
@@ -80,10 +84,16 @@ class Index:
             Entry(s, k, {x: tuple(v) for x, v in f.items()}, t, n, starts, bad)
             for s, k, f, t, n, starts, bad in obj["entries"]
         ]
-        return cls(obj["shards"], entries, obj["fingerprint"], obj.get("shard_errors", {}))
+        return cls(obj["shards"], entries, obj["fingerprint"], obj.get("shard_errors", {}), obj.get("shard_lost", {}))
+
+    def samples_per_shard(self) -> Counter:
+        return Counter(self.shards[e.shard] for e in self.entries)
 
 
-def _reason_kind(reason: str) -> str:
+LOST = "lost in damaged shards"  # the count key of the samples damaged shards lost (Index.shard_lost)
+
+
+def reason_kind(reason: str) -> str:
     """'corrupt image: cannot identify ...' -> 'corrupt image' (the count key)."""
     return reason.split(":", 1)[0]
 
@@ -164,6 +174,23 @@ def _scan_one(args) -> tuple[int, list[Entry], str | None]:
     return shard_id, entries, error
 
 
+def estimate_lost(index: Index, previous: dict[str, int] | None = None) -> dict[str, int]:
+    """Samples each damaged shard lost: its count in the index this one replaces (``previous``:
+    shard -> samples) where that was more, else the median count of the intact shards (shards are
+    written at one size) less its own; shards with no estimate are left out (still named by
+    ``shard_errors``)."""
+    counts = index.samples_per_shard()
+    intact = sorted(counts[s] for s in index.shards if s not in index.shard_errors)
+    median = intact[len(intact) // 2] if intact else None
+    lost = {}
+    for shard in index.shard_errors:
+        before = (previous or {}).get(shard)
+        expected = before if before is not None and before > counts[shard] else median
+        if expected is not None and expected > counts[shard]:
+            lost[shard] = expected - counts[shard]
+    return lost
+
+
 def build_index(pattern: str, spec: TextSpec, workers: int = 2) -> Index:
     shards = shard_paths(pattern)
     missing = [s for s in shards if not os.path.isfile(s)]
@@ -195,7 +222,7 @@ def prepare(pattern: str, spec: TextSpec, workers: int = 2, rebuild: bool = Fals
     if missing:
         raise DataError(f"missing shard {missing[0]!r} (of {pattern!r})")
     want = fingerprint(shards, spec)
-    status = "built"
+    status, previous = "built", None
     if os.path.isfile(path) and not rebuild:
         try:
             with open(path) as f:
@@ -205,10 +232,12 @@ def prepare(pattern: str, spec: TextSpec, workers: int = 2, rebuild: bool = Fals
         if obj is not None:
             if obj.get("version") == INDEX_VERSION and obj.get("fingerprint") == want:
                 return Index.from_json(obj), "loaded"
-            status = "rebuilt: shards, tokenizer, template or encoders changed since it was written"
+            status = "rebuilt: " + _what_changed(obj, shards)
             log.info("index %s is stale; %s", path, status)
+            previous = _samples_per_shard(obj)
     _check_writable(path)
     index = build_index(pattern, spec, workers)
+    index.shard_lost = estimate_lost(index, previous)
     tmp = f"{path}.{os.getpid()}.tmp"  # concurrent builders each write whole files, then rename
     try:
         with open(tmp, "w") as f:
@@ -217,6 +246,30 @@ def prepare(pattern: str, spec: TextSpec, workers: int = 2, rebuild: bool = Fals
     except OSError as e:
         raise DataError(f"cannot write the data index {path!r}: {e.strerror or e}; set data.index_dir to a writable folder") from None
     return index, status
+
+
+def _samples_per_shard(obj: dict) -> dict[str, int] | None:
+    """Shard -> samples of a stored index (any version that lists shards and entries)."""
+    try:
+        return dict(Counter(obj["shards"][e[0]] for e in obj["entries"]))
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def _what_changed(obj: dict, shards: list[str]) -> str:
+    """Why a stored index is stale, as far as it tells: the shards whose size or time changed
+    (named), else the tokenizer, template or encoders."""
+    stored = obj.get("shard_stats") or {}
+    changed = [s for s in shards if stored.get(s) != _shard_stat(s)]
+    if stored and changed:
+        named = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        return f"shard(s) changed since it was written: {named}"
+    return "shards, tokenizer, template or encoders changed since it was written"
+
+
+def _shard_stat(path: str) -> list[int]:
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns]
 
 
 def load_index(pattern: str, spec: TextSpec, index_dir: str | None = None) -> Index:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mimo.data.index import Entry, Index
+from mimo.data.index import LOST, Entry, Index
 from mimo.core.errors import DataError
 
 
@@ -103,6 +103,8 @@ class DataPlan:
         self.tokens_per_microbatch = tokens_per_microbatch
         self.seed, self.shuffle = seed, shuffle
         self.skipped = Counter(index.bad_counts())
+        if index.shard_lost:
+            self.skipped[LOST] = sum(index.shard_lost.values())
         self.valid: list[int] = []
         self.too_long: list[int] = []  # entry ids of the samples longer than max_sample_tokens
         for i, e in enumerate(index.entries):

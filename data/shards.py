@@ -1,9 +1,10 @@
 """WebDataset tar shards: scanning samples with their byte locations, and reading one back.
 
 Files are grouped into samples by WebDataset's own rule (``base_plus_ext``: the key is the
-name up to the first dot of the basename; consecutive files with the same key form a sample).
-The scan records where each file's bytes lie in the (uncompressed) tar, so a sample can be
-read later by seeking, without reading the shard from its start.
+name up to the first dot of the basename; consecutive files with the same key form a sample;
+its regex is copied here: importing ``webdataset`` imports torch, and ``check-config`` samples
+shards without it). The scan records where each file's bytes lie in the (uncompressed) tar, so
+a sample can be read later by seeking, without reading the shard from its start.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from mimo.core.errors import DataError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 _IMAGE_KEY = re.compile(r"^(?:(\d+)\.)?(jpg|jpeg|png|webp)$")
+_BASE_PLUS_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset.tariterators.base_plus_ext's
 
 
 @dataclass
@@ -28,14 +30,13 @@ class SampleLocation:
 
 
 def _split_name(name: str) -> tuple[str, str] | None:
-    from webdataset.tariterators import base_plus_ext
-
-    prefix, suffix = base_plus_ext(name)
-    return None if prefix is None else (prefix, suffix.lower())
+    m = _BASE_PLUS_EXT.match(name)
+    return None if m is None else (m.group(1), m.group(2).lower())
 
 
-def scan_shard(path: str) -> tuple[list[SampleLocation], str | None]:
-    """Samples of a shard in order, and an error text if the tar ends early or is unreadable."""
+def scan_shard(path: str, limit: int | None = None) -> tuple[list[SampleLocation], str | None]:
+    """Samples of a shard in order, and an error text if the tar ends early or is unreadable.
+    ``limit``: stop after that many samples (complete: the next one has begun), unchecked beyond."""
     samples: list[SampleLocation] = []
     end = 0  # where the last member's data ends (rounded to the 512-byte block)
     try:
@@ -52,6 +53,8 @@ def scan_shard(path: str) -> tuple[list[SampleLocation], str | None]:
                 if member.offset_data + member.size > size:
                     return samples, f"truncated tar: {member.name} ends past the end of the file"
                 if not samples or samples[-1].key != key:
+                    if limit is not None and len(samples) == limit:
+                        return samples, None
                     samples.append(SampleLocation(key))
                 samples[-1].files[ext] = (member.offset_data, member.size)
     except (tarfile.TarError, EOFError, OSError) as e:

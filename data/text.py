@@ -198,6 +198,9 @@ class TextEncoder:
         return TokenizedSample(tokens, target, starts, image_files(occurrences, images))
 
 
+COUNTS_DIFFER = "placeholder and image counts differ"  # the reason (kind) of a sample whose counts fit neither rule
+
+
 def image_files(occurrences: dict[str, list[int]], images: int) -> dict[str, list[int]]:
     """Placeholder -> the image file each of its occurrences takes (module doc), from each
     placeholder's occurrence indices among all placeholders of the text."""
@@ -207,7 +210,7 @@ def image_files(occurrences: dict[str, list[int]], images: int) -> dict[str, lis
     if sum(counts.values()) == images:  # each image feeds the encoder whose placeholder takes it
         return {p: list(v) for p, v in occurrences.items()}
     found = ", ".join(f"{n} x {p!r}" for p, n in counts.items())
-    raise DataError(f"placeholder and image counts differ: {found} for {images} image(s); each placeholder needs one "
+    raise DataError(f"{COUNTS_DIFFER}: {found} for {images} image(s); each placeholder needs one "
                     f"per image (shared images) or all placeholders together one per image (one encoder each)")
 
 

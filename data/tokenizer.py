@@ -8,10 +8,14 @@ uses: the id at image positions (the placeholder's own token, else pad, else eos
 replaces those embeddings with image rows, so any real token works, never an arbitrary 0) and
 the padding id (pad, else eos).
 
-``read_facts`` reads a tokenizer directory with the ``tokenizers`` library and its JSON files
-only (check-config must not import torch, which transformers does); a directory without
-``tokenizer.json`` is loaded with transformers. ``facts_of`` gives the same facts of a loaded
-Hugging Face tokenizer (what the pipeline uses).
+``read_tokenizer`` reads a tokenizer directory with the ``tokenizers`` library and its JSON
+files only (check-config must not import torch, which transformers does) into a ``FileTokenizer``:
+what the pipeline's ``TextEncoder`` uses of a Hugging Face fast tokenizer, so check-config can
+tokenize sample shards as the index does. ``read_facts`` gives its facts (a directory without
+``tokenizer.json`` is loaded with transformers); ``facts_of`` gives the same facts of a loaded
+Hugging Face tokenizer (what the pipeline uses). A directory with no tokenizer files at all is
+one clear error when loaded (``missing_tokenizer_files``: by check-config and by the run), naming
+the files expected.
 """
 
 from __future__ import annotations
@@ -58,29 +62,57 @@ def facts_of(tokenizer) -> TokenizerFacts:
     return TokenizerFacts(size, specials, template, lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+class FileTokenizer:
+    """A ``tokenizer.json`` directory read with the ``tokenizers`` library (no transformers, no
+    torch), with what the pipeline uses of a Hugging Face fast tokenizer: the special tokens
+    (``eos_token``, ``bos_token_id``, ``special_tokens_map``), ``chat_template``,
+    ``added_tokens_decoder``, ``len()``, ``backend_tokenizer`` and ``tok(text,
+    add_special_tokens=False)["input_ids"]``. Token ids are the backend's, as the fast tokenizer's."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        try:
+            self.backend_tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+            config = _read_json(os.path.join(path, "tokenizer_config.json"))
+            special_map = _read_json(os.path.join(path, "special_tokens_map.json"))
+        except Exception as e:  # noqa: BLE001 - tokenizers and json raise many kinds; the user needs the path
+            raise DataError(f"cannot load a tokenizer from {path!r}: {e}") from None
+        self.special_tokens_map: dict[str, str] = {}
+        for key in SPECIALS:
+            value = config.get(key, special_map.get(key))
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                self.special_tokens_map[key] = value
+        self.added_tokens_decoder = {int(i): t for i, t in (config.get("added_tokens_decoder") or {}).items()}
+        self.chat_template = _chat_template(path, config)
+
+    def __getattr__(self, name: str):  # bos_token, eos_token, ...: None where unset, as transformers has it
+        if name in SPECIALS:
+            return self.special_tokens_map.get(name)
+        if name.endswith("_token_id") and name[: -len("_id")] in SPECIALS:
+            text = self.special_tokens_map.get(name[: -len("_id")])
+            return None if text is None else self.backend_tokenizer.token_to_id(text)
+        raise AttributeError(name)
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids}
+
+
+def read_tokenizer(path: str):
+    """The directory's tokenizer as the pipeline uses it: a ``FileTokenizer`` (no torch) where it
+    has ``tokenizer.json``, else loaded with transformers (which imports torch)."""
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return FileTokenizer(path)
+    return load_tokenizer(path)
+
+
 def read_facts(path: str) -> TokenizerFacts:
     """The facts of a tokenizer directory, without transformers where it has ``tokenizer.json``."""
-    tokenizer_json = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(tokenizer_json):
-        return facts_of(load_tokenizer(path))
-    from tokenizers import Tokenizer
-
-    try:
-        backend = Tokenizer.from_file(tokenizer_json)
-        config = _read_json(os.path.join(path, "tokenizer_config.json"))
-        special_map = _read_json(os.path.join(path, "special_tokens_map.json"))
-    except Exception as e:  # noqa: BLE001 - tokenizers and json raise many kinds; the user needs the path
-        raise DataError(f"cannot load a tokenizer from {path!r}: {e}") from None
-    specials = {}
-    for key in SPECIALS:
-        value = config.get(key, special_map.get(key))
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            specials[key] = value
-    added = [int(i) + 1 for i in config.get("added_tokens_decoder", {}) or {}]
-    size = max([backend.get_vocab_size(with_added_tokens=True), *added])
-    return TokenizerFacts(size, specials, _chat_template(path, config),
-                          lambda text: backend.encode(text, add_special_tokens=False).ids)
+    return facts_of(read_tokenizer(path))
 
 
 def _read_json(path: str) -> dict:
@@ -149,11 +181,37 @@ def tokenizer_problems(facts: TokenizerFacts, template: str, placeholders: Seque
     return problems
 
 
+# what AutoTokenizer loads a tokenizer from: tokenizer.json (fast), or a vocabulary file of a slow one
+# (sentencepiece's tokenizer.model / spiece.model, BPE's vocab.json + merges.txt, WordPiece's vocab.txt;
+# any *.model, *.tiktoken or vocab.* counts, so that no rarer layout is refused)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+
+
+def _is_tokenizer_file(name: str) -> bool:
+    return name in TOKENIZER_FILES or name.endswith((".model", ".tiktoken")) or name.startswith("vocab.")
+
+
+def missing_tokenizer_files(path: str) -> str | None:
+    """What is wrong with a tokenizer directory that holds no tokenizer file (None if it holds
+    one): the files expected and those it has, instead of the complaint transformers makes about
+    whatever tokenizer class it falls back to (sentencepiece, typically)."""
+    try:
+        found = sorted(os.listdir(path))
+    except OSError:
+        found = []
+    if any(_is_tokenizer_file(f) and os.path.isfile(os.path.join(path, f)) for f in found):
+        return None
+    has = (f"it holds {', '.join(found[:8])}{' ...' if len(found) > 8 else ''}" if found else "it is empty")
+    return (f"{path!r} holds no tokenizer: expected tokenizer.json (what a fast tokenizer's save_pretrained writes), "
+            f"or a slow tokenizer's tokenizer_config.json with its vocabulary (tokenizer.model, vocab.json + merges.txt, "
+            f"or vocab.txt); {has}")
+
+
 def config_tokenizer_problems(tokenizer: str | None, template: str, placeholders: Sequence[str], vocab: int,
                               vocab_key: str) -> list[str]:
     """The config check: the tokenizer directory's problems (none to report when it is unset or
     absent: the data section reports that; nor when it holds no tokenizer files yet: loading it
-    reports that, naming the folder)."""
+    reports that, naming the files expected, and check-config loads it: mimo.compose.preflight)."""
     if not tokenizer or not any(os.path.isfile(os.path.join(tokenizer, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         return []
     try:
@@ -164,6 +222,9 @@ def config_tokenizer_problems(tokenizer: str | None, template: str, placeholders
 
 
 def load_tokenizer(path: str):
+    missing = missing_tokenizer_files(path) if os.path.isdir(path) else None
+    if missing:
+        raise DataError(missing)
     from transformers import AutoTokenizer
 
     try:

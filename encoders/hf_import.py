@@ -43,7 +43,7 @@ from mimo.core.weights import load_exactly_
 
 __all__ = [
     "read_config_json", "read_hf_config", "hf_arch", "hf_rules", "load_hf_state", "import_hf_state", "import_hf",
-    "save_hf_checkpoint", "build_hf_model", "hf_features", "import_llava_projector", "check_hf_tower",
+    "save_hf_checkpoint", "build_hf_model", "hf_features", "import_llava_projector", "check_hf_tower", "check_hf",
 ]
 
 FAMILIES = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
@@ -245,15 +245,24 @@ def load_hf_state(path: str, shapes_only: bool = False, lazy: bool = False) -> d
     raise MimoError(f"{path!r} has no model.safetensors (or model.safetensors.index.json)")
 
 
-def import_hf(path: str, arch: VitArch | None = None) -> ImportedWeights:
-    """``init: {hf: DIR}``: the checkpoint mapped onto ``arch`` (default: the checkpoint's own)."""
+def import_hf(path: str, arch: VitArch | None = None, shapes_only: bool = False) -> ImportedWeights:
+    """``init: {hf: DIR}``: the checkpoint mapped onto ``arch`` (default: the checkpoint's own).
+    ``shapes_only``: every check, nothing read (meta tensors from the safetensors headers): what
+    ``mimo check-config`` runs before any process starts (``check_hf``)."""
     family, vision, whole = read_hf_config(path)
     source_arch = hf_arch(family, vision)
     arch = source_arch if arch is None else arch
     # the files stay where they are: each rank reads its own slices when the tower loads them
-    weights = import_hf_state(load_hf_state(path, lazy=True), arch, family, f"checkpoint {path!r}", whole)
+    state = load_hf_state(path, shapes_only=shapes_only, lazy=not shapes_only)
+    weights = import_hf_state(state, arch, family, f"checkpoint {path!r}", whole)
     check_arch(arch, source_arch, f"checkpoint {path!r}")
     return weights
+
+
+def check_hf(path: str, arch: VitArch) -> ImportedWeights:
+    """MimoError unless the checkpoint directory fits ``arch`` (``import_hf``'s checks, on the
+    safetensors headers only); the mapping of meta tensors (``meta``: prefix, family, config)."""
+    return import_hf(path, arch, shapes_only=True)
 
 
 def save_hf_checkpoint(path: str, weights: ImportedWeights, tower_state: Mapping[str, torch.Tensor] | None = None) -> None:

@@ -720,6 +720,11 @@ def import_hf_state_(stage: LLMStage, get: Getter, shapes: Mapping[str, tuple[in
     gives every tensor's shape. Persistent buffers the family maps are loaded whole."""
     layout = _Layout(stage.arch, rename, model_type)
     _check(layout, shapes, source)
+    _load_checked_(stage, layout, get)
+
+
+def _load_checked_(stage: LLMStage, layout: _Layout, get: Getter) -> None:
+    """``import_hf_state_`` after its check: this rank's slices and the family's buffers."""
     for ours, info in stage.param_table().items():
         read = layout.reader(ours, get)
         local = read_local(read, info.placement, info.sizes, info.coords, info.param.dtype, info.param.device)
@@ -872,16 +877,103 @@ def checkpoint_tensors(ckpt: HFCheckpoint) -> tuple[dict, Rename, dict[str, tupl
     return config, rename, shapes, get
 
 
+# arch fields whose difference from the checkpoint's config.json ``load_hf_checkpoint`` only warns
+# about (the weights still fit; the model computes something else than the checkpoint's)
+SOFT_FIELDS = ("rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qk_norm", "qk_norm_full", "moe")
+# those that size the weights (by the layer kind that has them; None: every arch), named when the
+# tensors do not fit; heads / kv_heads / head_dim refuse the checkpoint even where the shapes
+# agree (the same rows split into other heads)
+SIZE_FIELDS = {"vocab": None, "hidden": None, "heads": "attention", "kv_heads": "attention", "head_dim": "attention",
+               "ffn": "mlp", "mamba_heads": "mamba", "mamba_head_dim": "mamba", "mamba_state": "mamba",
+               "mamba_groups": "mamba", "gdn_heads": "gdn", "gdn_v_heads": "gdn", "gdn_head_dim": "gdn",
+               "gdn_v_head_dim": "gdn"}
+HEAD_FIELDS = ("heads", "kv_heads", "head_dim")
+
+
+@dataclass(frozen=True)
+class CheckedCheckpoint:
+    """A Hugging Face checkpoint that fits an arch (``check_hf_checkpoint``): its causal-LM
+    config and family, the arch its config.json gives, the soft differences from the configured
+    arch (``SOFT_FIELDS``), and what loading it needs (nothing read yet)."""
+
+    path: str
+    model_type: str
+    config: dict  # the causal LM's config.json (a LLaVA's text config)
+    llava: bool
+    theirs: HybridArch
+    differences: tuple[str, ...]  # "arch.norm_eps=1e-05 differs from the checkpoint's config.json (1e-06)"
+    layout: _Layout
+    get: Getter
+
+    @property
+    def layers(self) -> int:
+        """Hugging Face layers (``num_hidden_layers``)."""
+        return int(self.config.get("num_hidden_layers") or 0)
+
+
+def _layer_kinds(arch: HybridArch) -> list[str]:
+    return [layer.kind for layer in arch.layer_pattern().layers]
+
+
+def _size_differences(arch: HybridArch, theirs: HybridArch, fields: Iterable[str] = tuple(SIZE_FIELDS)) -> list[str]:
+    """How the configured arch's sizes differ from the checkpoint's config.json (layer count and
+    kinds, the sizes of the kinds of layers both have, experts), for messages."""
+    out = []
+    ours_kinds, their_kinds = _layer_kinds(arch), _layer_kinds(theirs)
+    if ours_kinds != their_kinds:
+        count = lambda kinds: ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))  # noqa: E731
+        out.append(f"layers: {count(ours_kinds)} in arch.pattern {arch.pattern!r}, {count(their_kinds)} in the checkpoint "
+                   f"({theirs.pattern!r})")
+    both = set(ours_kinds) & set(their_kinds)
+    for name in fields:
+        if getattr(arch, name) != getattr(theirs, name) and SIZE_FIELDS[name] in (None, *both):
+            out.append(f"arch.{name} is {getattr(arch, name)}, the checkpoint's {getattr(theirs, name)}")
+    if arch.moe is not None and theirs.moe is not None:
+        out += [f"arch.moe.{name} is {getattr(arch.moe, name)}, the checkpoint's {getattr(theirs.moe, name)}"
+                for name in ("experts", "ffn", "shared_ffn") if getattr(arch.moe, name) != getattr(theirs.moe, name)]
+    return out
+
+
+def check_hf_checkpoint(arch: HybridArch, path: str, source: str | None = None) -> CheckedCheckpoint:
+    """MimoError unless the Hugging Face checkpoint directory ``path`` (a causal LM, or the
+    language model of a LLaVA checkpoint) fits ``arch``: a supported ``model_type``, every tensor
+    the arch needs with its shape and none more (names and shapes from the safetensors headers:
+    no tensor is read), the same heads; a misfit names the first bad tensor and the sizes
+    config.json gives otherwise. What ``load_hf_checkpoint`` checks on every rank, and
+    ``mimo check-config`` before any process starts (``source``: how messages name the
+    checkpoint; default its path)."""
+    source = path if source is None else source
+    config_file = os.path.join(path, "config.json")
+    if os.path.isfile(config_file):  # an unsupported family first, before what its files hold
+        model_type = read_config_json(config_file).get("model_type")
+        if model_type != "llava":
+            family(model_type)
+    ckpt = HFCheckpoint(path)
+    config, rename, shapes, get = checkpoint_tensors(ckpt)
+    model_type = config.get("model_type")
+    theirs = arch_from_hf_config(config)
+    layout = _Layout(arch, rename, model_type)
+    try:
+        _check(layout, shapes, source)
+    except MimoError as e:
+        sizes = _size_differences(arch, theirs)
+        raise MimoError(f"{e}" + (f" (its config.json differs: {'; '.join(sizes)})" if sizes else "")) from None
+    heads = _size_differences(arch, theirs, HEAD_FIELDS)
+    if heads:
+        raise MimoError(f"{source}: the tensors fit, but the heads do not: {'; '.join(heads)}")
+    soft = tuple(f"arch.{f}={getattr(arch, f)!r} differs from the checkpoint's config.json ({getattr(theirs, f)!r})"
+                 for f in SOFT_FIELDS if getattr(theirs, f) != getattr(arch, f))
+    return CheckedCheckpoint(path, model_type, config, ckpt.config.get("model_type") == "llava", theirs, soft, layout, get)
+
+
 def load_hf_checkpoint(stage: LLMStage, path: str) -> None:
     """``init: {hf: DIR}``: load a Hugging Face checkpoint directory into this rank's stage: a
-    causal LM, or the language model of a LLaVA checkpoint (either key naming)."""
-    config, rename, shapes, get = checkpoint_tensors(HFCheckpoint(path))
-    theirs = arch_from_hf_config(config)
-    for field in ("rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qk_norm", "qk_norm_full", "moe"):
-        if getattr(theirs, field) != getattr(stage.arch, field):
-            log.warning("%s: arch.%s=%r differs from the checkpoint's config.json (%r)",
-                        path, field, getattr(stage.arch, field), getattr(theirs, field))
-    import_hf_state_(stage, get, shapes, path, rename, config.get("model_type"))
+    causal LM, or the language model of a LLaVA checkpoint (either key naming); checked first
+    (``check_hf_checkpoint``)."""
+    checked = check_hf_checkpoint(stage.arch, path)
+    for difference in checked.differences:
+        log.warning("%s: %s", path, difference)
+    _load_checked_(stage, checked.layout, checked.get)
 
 
 def save_hf_checkpoint(path: str, hf_state: Mapping[str, torch.Tensor], config: Mapping,

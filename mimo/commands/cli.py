@@ -25,6 +25,9 @@ from typing import Any, Callable, Sequence
 from mimo.compose.config import load_config
 from mimo.data.demo import HELDOUT_SAMPLES, TRAIN_SAMPLES
 from mimo.commands.demo import DEMO_DATA_DIR  # configs/demo.yaml points here
+from mimo.commands.generate import generate_arguments, run_generate
+from mimo.core import strict_json
+from mimo.core.console import ClosableStdout, to_devnull
 from mimo.core.errors import ConfigError, MimoError
 
 
@@ -76,11 +79,17 @@ def format_layout(rows: list[dict[str, Any]]) -> str:
 
 
 def run_check_config(args: argparse.Namespace) -> dict[str, Any]:
+    from mimo.compose.preflight import check_inputs
+
     config = load_config(args.config, args.overrides)
     rows = config.layout_rows()
     print(f"{args.config}: valid; world_size={config.world_size}")
     print(format_layout(rows))
-    return {"ok": True, "command": "check-config", "world_size": config.world_size, "modules": rows}
+    # what the config loads (init.hf checkpoints, tokenizer, a sample of the shards): a line per
+    # check, then ConfigError listing every problem (exit 2), before anything starts
+    inputs = check_inputs(config, echo=print)
+    return {"ok": True, "command": "check-config", "world_size": config.world_size, "modules": rows,
+            "inputs": inputs.as_dict()}
 
 
 # ---------------------------------------------------------------- verify-bridge
@@ -187,6 +196,7 @@ def prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_prepare_data(args: argparse.Namespace) -> dict[str, Any]:
     from mimo.compose.inputs import data_plan, ensure_index, index_location
+    from mimo.data.skipped import SkipReport
 
     config = load_config(args.config, args.overrides)
     if config.data.source != "webdataset":
@@ -205,11 +215,16 @@ def run_prepare_data(args: argparse.Namespace) -> dict[str, Any]:
         print(f"  too long: {index.shards[e.shard]}:{e.key}: {e.tokens} tokens > data.max_sample_tokens={config.data.max_sample_tokens}")
     if len(too_long) > 20:
         print(f"  ... and {len(too_long) - 20} more too long samples")
-    for shard, error in index.shard_errors.items():
-        print(f"  shard {shard}: {error}")
+    report = SkipReport.of(plan, config.data.max_sample_tokens)
+    for line in report.lines():
+        if line.startswith("damaged shard"):  # the samples are listed above
+            print(f"  {line}")
+    print(f"  {100 * report.fraction:.2f}% of the samples dropped (data.max_skipped_fraction="
+          f"{config.data.max_skipped_fraction:g}: `mimo train` stops above it)")
     return {
         "ok": True, "command": "prepare-data", "index": where, "status": status,
         "samples": len(index.entries), "usable": len(plan.valid), "skipped": plan.skipped_counts(),
+        "dropped_fraction": report.fraction, "shard_lost": index.shard_lost,
         "too_long": [{"shard": index.shards[e.shard], "key": e.key, "tokens": e.tokens} for e in too_long[:20]],
         "shard_errors": index.shard_errors,
     }
@@ -495,6 +510,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("check-config", "validate a config (and overrides) without starting anything", config_arguments, run_check_config),
     Command("train", "train a config: launch its ranks, log, checkpoint, resume", train_arguments, run_train),
     Command("eval", "held-out loss and exact match of greedy answers (a checkpoint at any layout)", eval_arguments, run_eval),
+    Command("generate", "a checkpoint's answer to a prompt and images (greedy or sampled; any layout)", generate_arguments, run_generate),
     Command("make-demo-data", "write learnable demo shards and a local tokenizer", make_demo_data_arguments, run_make_demo_data),
     Command("prepare-data", "index the shards of a config (once; train prepares a missing index itself)", prepare_data_arguments, run_prepare_data),
     Command("inspect-data", "read packed microbatches through the real pipeline and report counts", inspect_data_arguments, run_inspect_data),
@@ -549,6 +565,14 @@ def parse_command_line(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    stdout, sys.stdout = sys.stdout, ClosableStdout(sys.stdout)
+    try:
+        return _main(argv)
+    finally:
+        sys.stdout = stdout
+
+
+def _main(argv: Sequence[str] | None) -> int:
     command = None
     try:
         args = parse_command_line(argv)
@@ -560,19 +584,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in problems:
             print(problem, file=sys.stderr)
         sys.stderr.flush()
-        _print_line(json.dumps({"ok": False, "command": command, "errors": problems}))
+        _print_line(strict_json.dumps({"ok": False, "command": command, "errors": problems}))
         return 2
-    _print_line(json.dumps(result))
+    _print_line(strict_json.dumps(result))  # a NaN as null: the last line is JSON to every reader
     return 0 if result.get("ok", True) else 1
 
 
 def _print_line(line: str) -> None:
     """``line`` and its newline in one write: the ranks of a node may share one stdout file, and
     a print unbuffered (``python -u``) writes the two apart, so two ranks' lines could merge."""
-    sys.stdout.flush()
     try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, io.UnsupportedOperation):  # a captured stream (tests)
-        print(line, flush=True)
-        return
-    os.write(fd, (line + "\n").encode())
+        sys.stdout.flush()
+        try:
+            fd = sys.stdout.fileno()
+        except (AttributeError, OSError, io.UnsupportedOperation):  # a captured stream (tests)
+            print(line, flush=True)
+            return
+        os.write(fd, (line + "\n").encode())
+    except OSError:  # stdout closed (`| head`, a closed terminal): the result goes nowhere, quietly
+        to_devnull(sys.stdout)

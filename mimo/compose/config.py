@@ -108,6 +108,9 @@ class TrainConfig:
     # gradients beside bf16 weights), or bf16 (the weights' own .grad; 4 bytes a parameter less)
     grad_reduce: Literal["fp32", "bf16"] = "fp32"
     grad_clip: float | None = 1.0  # max global gradient norm; None: no clipping
+    # a step whose loss or gradient norm is not finite: stop (the run ends with exit status 2 and
+    # writes no checkpoint of it), or skip_step (no update; counted in metrics.jsonl's skipped_steps)
+    on_nonfinite: Literal["stop", "skip_step"] = "stop"
     seed: int = 0  # parameter initialisation and dropout
     # "simple": every microbatch forward, then every backward; "1f1b": the tick-table pipeline
     # schedule of mimo.schedules (1F1B per LLM stage, encoders ahead by encoder_prefetch)

@@ -29,3 +29,7 @@ class CheckpointError(MimoError):
 
 class DistributedError(MimoError):
     """A rank failed or a collective timed out; carries the failing rank's message."""
+
+
+class TrainingError(MimoError):
+    """A run that cannot be trusted any more (a loss or gradient norm that is not finite)."""

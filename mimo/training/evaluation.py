@@ -16,6 +16,8 @@ round appends the argmax at each still-unfinished sample's last position (the vo
 logits gathered over TP), each LLM DP rank for its own samples. The new tokens are summed over
 the world (one small all-reduce), so every rank knows every sample's length and which samples
 are done (end-of-turn token or ``eval.max_new_tokens``), and all ranks run the same rounds.
+The loop (``Completer``) is ``mimo generate``'s too (``mimo.training.generation``: a user's
+prompts instead of held-out samples, the next token greedy or sampled).
 
 With ``eval.cache`` (the default) the first round is a *prefill*: the whole distributed forward
 (encoders, bridges, every LLM stage) on the prompts, each LLM stage rank keeping a
@@ -234,84 +236,81 @@ def _loss(model, runner, mb) -> tuple[float, float]:
     return float(losses.sum()), float(count_loss_tokens(mb.pack))
 
 
-class _Scorer:
-    """Greedy generation over the distributed model and exact-match scoring (module doc)."""
+def greedy(logits_NV, samples: list[int]) -> dict[int, int]:
+    """The argmax of each row: sample ``samples[n]``'s next token from row ``n`` (the default pick)."""
+    return dict(zip(samples, logits_NV.argmax(-1).tolist()))
 
-    def __init__(self, model, pipeline, runner, req: EvalRequest, cache: bool = False):
-        self.model, self.pipeline, self.runner, self.req, self.cache = model, pipeline, runner, req, cache
+
+class Completer:
+    """Generation over the distributed model (module doc): ``complete`` extends each sample's
+    prompt by a token per round, until its stop token or ``max_new_tokens``. The next token is
+    ``pick(logits_NV, samples)`` of the full-vocabulary logits at each sample's last position
+    (on the last stage's TP rank 0): ``greedy`` by default; ``mimo generate`` samples with it too.
+    Shared by the evaluator (``_Scorer``: prompts cut from held-out samples) and
+    ``mimo.training.generation`` (prompts a user gave), so both run one loop."""
+
+    def __init__(self, model, pipeline, runner, max_new_tokens: int, stop_id: int | None, cache: bool = False, pick=greedy):
+        self.model, self.pipeline, self.runner, self.cache = model, pipeline, runner, cache
+        self.max_new_tokens, self.stop_id, self.pick = max_new_tokens, stop_id, pick
         grid, rank = model.llm_grid, model.rank
         c = grid.coords(rank) if rank in grid else None
         self.dp = c["dp"] if c is not None else None
         self.is_last_tp0 = c is not None and model.stage.is_last and c["tp"] == 0
-        # the DP group's reader (tp = pp = 0) scores its samples; it holds the tokenizer
-        self.is_scorer = pipeline.is_reader
-        self.counts = {"matched": 0, "scored": 0, "captions": 0, "read_failures": 0, "generated_tokens": 0}
-        self.examples: list[dict] = []
-        self.generated: dict[int, list[int]] = {}  # sample id -> greedy tokens (scored samples)
+        self.block = range(0)  # this LLM rank's DP block of the microbatch being completed
 
-    def _is_caption(self, sample) -> bool:
-        files = self.pipeline.plan.index.entries[sample.id].files
-        return "json" not in files and "txt" in files
+    def block_tokens(self, mb) -> dict[int, tuple[list[int], list[bool]]]:
+        """On LLM ranks: each sample of this rank's DP block (by its index in ``mb``) with its
+        tokens and loss mask, whole (under context parallelism too); empty elsewhere."""
+        self.block = mb.llm_blocks[self.dp] if mb.pack is not None else range(0)
+        if mb.pack is None:
+            return {}
+        whole = self._whole(mb.pack)
+        cu = whole.cu_seqlens.tolist()
+        out = {}
+        for j, i in enumerate(self.block):
+            n = mb.samples[i].tokens
+            out[i] = whole.tokens[cu[j] : cu[j] + n].tolist(), whole.loss_mask[cu[j] : cu[j] + n].tolist()
+        return out
 
-    def generate(self, mb) -> None:
+    def complete(self, mb, prompt, tokens: dict[int, list[int]]) -> dict[int, list[int]]:
+        """Collective (every rank, after ``block_tokens``): the new tokens of every sample of
+        ``mb`` whose ``prompt`` length is > 0 (``prompt``: int64 ``[samples]``, each length set
+        on exactly one rank, 0 elsewhere; summed here). ``tokens``: on LLM ranks, each block
+        sample's tokens, of which the first ``prompt`` are its prompt."""
         import torch
         import torch.distributed as dist
 
         from mimo.llm.cache import GenerationCache
 
         n = len(mb.samples)
-        # each sample's prompt length (0: not generated), from the DP block's pack holders
-        prompt = torch.zeros(n, dtype=torch.int64)
-        answers: dict[int, list[int]] = {}
-        tokens: dict[int, list[int]] = {}  # on LLM ranks: this DP block's full sample tokens
-        self.block = mb.llm_blocks[self.dp] if mb.pack is not None else range(0)
-        if mb.pack is not None:
-            whole = self._whole(mb.pack)
-            cu = whole.cu_seqlens.tolist()
-            for j, i in enumerate(self.block):
-                s = mb.samples[i]
-                toks = whole.tokens[cu[j] : cu[j] + s.tokens].tolist()
-                mask = whole.loss_mask[cu[j] : cu[j] + s.tokens].tolist()
-                span = last_answer([False] + mask[:-1])  # loss_mask[t] marks token t+1 as a target
-                tokens[i] = toks
-                if self.is_scorer:
-                    if span is None:
-                        self.counts["read_failures"] += 1
-                    elif self._is_caption(s):
-                        self.counts["captions"] += 1
-                    else:
-                        prompt[i] = span[0]
-                        answers[i] = toks[span[0] : span[1]]
         dist.all_reduce(prompt)
         active = [i for i in range(n) if prompt[i] > 0]
         generated: dict[int, list[int]] = {i: [] for i in active}
         # this stage's cache of this DP block's unfinished samples, row r = the r-th in block order
-        cache = GenerationCache(self.req.max_new_tokens) if self.cache and self.runner is not None else None
+        cache = GenerationCache(self.max_new_tokens) if self.cache and self.runner is not None else None
         prefilled = False
         while active:
             nxt = torch.zeros(n, dtype=torch.int64)
             if prefilled:
-                logits_at = self._step(mb, active, prompt, generated, cache)
+                picked = self._step(mb, active, prompt, generated, cache)
             else:
-                logits_at = self._round(mb, active, prompt, tokens, generated, cache)
+                picked = self._round(mb, active, prompt, tokens, generated, cache)
                 prefilled = self.cache
-            if logits_at is not None:
-                for i, tok in logits_at.items():
+            if picked is not None:
+                for i, tok in picked.items():
                     nxt[i] = tok + 1  # 0 means "not mine"
             dist.all_reduce(nxt)
             still = []
             for i in active:
                 tok = int(nxt[i]) - 1
                 generated[i].append(tok)
-                if tok != self.req.stop_id and len(generated[i]) < self.req.max_new_tokens:
+                if tok != self.stop_id and len(generated[i]) < self.max_new_tokens:
                     still.append(i)
             if cache is not None:  # finished samples leave the cache
                 going = set(still)
                 cache.keep([r for r, i in enumerate(self._mine(active)) if i in going])
             active = still
-        if self.is_scorer:
-            self._score(answers, generated)
-            self.generated.update({mb.samples[i].id: generated[i] for i in answers})
+        return generated
 
     def _whole(self, batch):
         """The whole DP pack's tokens and loss mask (under context parallelism every CP rank
@@ -341,7 +340,7 @@ class _Scorer:
 
     def _round(self, mb, active: list[int], prompt, tokens: dict, generated: dict, cache=None) -> dict[int, int] | None:
         """One forward of the active samples (prompt + generated so far); the last stage's TP
-        rank 0 returns the argmax at each of its samples' last position. With ``cache`` (this
+        rank 0 returns the picked token at each of its samples' last position. With ``cache`` (this
         stage's, empty) the forward is its prefill."""
         import torch
 
@@ -360,11 +359,13 @@ class _Scorer:
         pixels = {}
         for name, x in mb.pixels.items():  # this encoder rank's images, of the kept samples only
             mine = mb.encoder_blocks[name][model.encoders[name].grid.coords(model.rank)["dp"]]
+            placeholder = cfg.encoders[name].placeholder  # a sample's images for this encoder (not all its files)
             offsets, rows = 0, []
             for i in mine:
+                images = mb.samples[i].images_for(placeholder)
                 if i in keep:
-                    rows.append(x[offsets : offsets + mb.samples[i].images])
-                offsets += mb.samples[i].images
+                    rows.append(x[offsets : offsets + images])
+                offsets += images
             pixels[name] = torch.cat(rows) if rows else x[:0]
         batch, order = None, []
         if mb.pack is not None:
@@ -387,12 +388,12 @@ class _Scorer:
             where = [(j, i, layout.locate_cp(j, lengths[i] - 1)) for j, i in enumerate(order)]
             mine = [(j, i) for j, i, (c, _) in where if c == cp_rank]
             last = [local for _, _, (c, local) in where if c == cp_rank]
-        return self._argmax(logits, last, [i for _, i in mine])
+        return self._pick(logits, last, [i for _, i in mine])
 
     def _step(self, mb, active: list[int], prompt, generated: dict, cache) -> dict[int, int] | None:
         """A decode step (with the cache the prefill filled): each of this DP block's active
         samples' latest token at its position, through this rank's LLM stage only; the last
-        stage's TP rank 0 returns the argmax of each."""
+        stage's TP rank 0 returns the picked token of each."""
         from mimo.llm.cache import decode_pack
 
         if self.runner is None:  # encoders ran in the prefill: nothing to do here
@@ -404,11 +405,12 @@ class _Scorer:
                             self.pipeline.pad_id)
         logits = self.runner.forward(batch.to(model.device), cache=cache).logits
         self.runner.finish()
-        return None if logits is None else self._argmax(logits, list(range(len(order))), order)
+        return None if logits is None else self._pick(logits, list(range(len(order))), order)
 
-    def _argmax(self, logits, rows: list[int], samples: list[int]) -> dict[int, int] | None:
-        """The greedy token of each of ``samples`` from its row of this rank's vocab-parallel
-        logits (gathered over TP: a collective); on the last stage's TP rank 0, else None."""
+    def _pick(self, logits, rows: list[int], samples: list[int]) -> dict[int, int] | None:
+        """The next token of each of ``samples`` (``pick``: greedy by default) from its row of this
+        rank's vocab-parallel logits (gathered over TP: a collective); on the last stage's TP
+        rank 0, else None."""
         import torch
 
         from mimo.parallel import gather_along
@@ -417,7 +419,47 @@ class _Scorer:
         full = gather_along(logits.index_select(0, rows), -1, self.model.stage.tp_group)[:, : self.model.config.llm.arch.vocab]
         if not self.is_last_tp0:
             return None
-        return dict(zip(samples, full.argmax(-1).tolist()))
+        return self.pick(full, samples)
+
+
+class _Scorer(Completer):
+    """Greedy generation of each held-out sample's last answer, and exact-match scoring (module doc)."""
+
+    def __init__(self, model, pipeline, runner, req: EvalRequest, cache: bool = False):
+        super().__init__(model, pipeline, runner, req.max_new_tokens, req.stop_id, cache)
+        self.req = req
+        # the DP group's reader (tp = pp = 0) scores its samples; it holds the tokenizer
+        self.is_scorer = pipeline.is_reader
+        self.counts = {"matched": 0, "scored": 0, "captions": 0, "read_failures": 0, "generated_tokens": 0}
+        self.examples: list[dict] = []
+        self.generated: dict[int, list[int]] = {}  # sample id -> greedy tokens (scored samples)
+
+    def _is_caption(self, sample) -> bool:
+        files = self.pipeline.plan.index.entries[sample.id].files
+        return "json" not in files and "txt" in files
+
+    def generate(self, mb) -> None:
+        """Collective: each scored sample's last answer generated from everything before it, then scored."""
+        import torch
+
+        prompt = torch.zeros(len(mb.samples), dtype=torch.int64)  # each sample's prompt length (0: not generated)
+        answers: dict[int, list[int]] = {}
+        tokens: dict[int, list[int]] = {}  # on LLM ranks: this DP block's full sample tokens
+        for i, (toks, mask) in self.block_tokens(mb).items():
+            span = last_answer([False] + mask[:-1])  # loss_mask[t] marks token t+1 as a target
+            tokens[i] = toks
+            if self.is_scorer:
+                if span is None:
+                    self.counts["read_failures"] += 1
+                elif self._is_caption(mb.samples[i]):
+                    self.counts["captions"] += 1
+                else:
+                    prompt[i] = span[0]
+                    answers[i] = toks[span[0] : span[1]]
+        generated = self.complete(mb, prompt, tokens)
+        if self.is_scorer:
+            self._score(answers, generated)
+            self.generated.update({mb.samples[i].id: generated[i] for i in answers})
 
     def _score(self, answers: dict[int, list[int]], generated: dict[int, list[int]]) -> None:
         tok = self.pipeline.reader.tokenizer

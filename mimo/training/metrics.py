@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from mimo.core import strict_json
+from mimo.core.console import to_devnull
 from mimo.core.errors import ConfigError
 from mimo.training.flops import device_peak_flops, model_flops, param_counts, throughput
 from mimo.training.optim import lr_for
@@ -202,6 +204,8 @@ class Reporter:
         peak = self.cfg.train.log.peak_tflops
         self.peak_flops = peak * 1e12 if peak is not None else device_peak_flops(run.model.device, self.cfg.train.precision)
         self.tty = sys.stdout.isatty()
+        self.console_closed = False  # stdout went away (a closed pipe or terminal): the run stops as on Ctrl-C
+        self.skipped_steps = steps[-1].get("skipped_steps", 0) if steps else 0
         self.recent: list[float] = []
         self.last_report = time.perf_counter()
         self.tb = None
@@ -224,6 +228,7 @@ class Reporter:
         step_s = stats["time_s"]["step"]
         tflops, mfu = throughput(model_flops(self.cfg, samples, self.param_counts), step_s, self.cfg.world_size, self.peak_flops)
         self.read_failures_total += stats["read_failures"]
+        self.skipped_steps += result.skipped
         rec = {
             "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
             "lr": {m: lr_for(self.cfg.train, step, base) for m, base in self.base_lr.items()},
@@ -232,6 +237,7 @@ class Reporter:
             "tflops": tflops, "mfu": mfu, "mem_peak_gib": stats.get("mem_peak_gib"),
             "time_s": stats["time_s"], "read_failures": stats["read_failures"], "read_failures_total": self.read_failures_total,
             "skipped": {**self.skipped, "read failure": self.read_failures_total}, "checkpoint": checkpoint,
+            "skipped_step": result.skipped, "skipped_steps": self.skipped_steps,
             "wall_time": time.time(),
             **getattr(result, "moe", {}),  # moe/max_load, moe/dead_experts, moe/aux_loss, moe/layer<i>/... (MoE LLMs)
         }
@@ -241,10 +247,23 @@ class Reporter:
         if self.tty:
             done = (step - self.start) / max(self.last_step - self.start, 1)
             bar = "#" * int(20 * done) + "-" * (20 - int(20 * done))
-            sys.stdout.write(f"\r[{bar}] {line}\033[K")
-            sys.stdout.flush()
+            self._console(f"\r[{bar}] {line}\033[K")
         elif (step - self.start) % self.log_every == 0 or step == self.last_step:
-            print(line, flush=True)
+            self._console(line + "\n")
+
+    def _console(self, text: str) -> None:
+        """``text`` to stdout; a closed pipe (``| head``) or terminal does not end the rank: stdout
+        goes to /dev/null from then on and the run stops after the next step, checkpointed."""
+        if self.console_closed:
+            return
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except OSError as e:  # BrokenPipeError; EIO from a terminal that closed
+            self.console_closed = True
+            to_devnull(sys.stdout)
+            log.warning("stdout was closed (%s): stopping after the next step, with a checkpoint, as on Ctrl-C; "
+                        "`mimo train` with the same config resumes", e.strerror or type(e).__name__)
 
     def eval(self, step: int, result: dict, seconds: float) -> None:
         """An ``eval.every`` evaluation after ``step`` (``Evaluator.run_summed``'s result): one
@@ -256,13 +275,11 @@ class Reporter:
         line = (f"eval at step {step} | loss {rec['eval_loss']:.4f} | exact match "
                 f"{'-' if em is None else f'{em:.3f}'} ({rec['eval_matched']}/{rec['eval_scored']}) | {seconds:.1f} s")
         log.info(line, extra={"file_only": True})
-        if self.tty:
-            sys.stdout.write("\n")
-        print(line, flush=True)
+        self._console(("\n" if self.tty else "") + line + "\n")
 
     def _write(self, rec: dict) -> None:
         """One metrics.jsonl line; its numbers to TensorBoard and W&B."""
-        self.file.write(json.dumps(rec) + "\n")
+        self.file.write(strict_json.dumps(rec) + "\n")  # a NaN loss as null: every JSON reader takes the file
         self.file.flush()
         scalars = _scalars(rec)
         if self.tb is not None:
@@ -281,13 +298,13 @@ class Reporter:
             rate += f" | MFU {rec['mfu']:.1%}"
         if rec["mem_peak_gib"]:
             rate += f" | mem {max(v for v in rec['mem_peak_gib'].values() if v is not None):.1f} GiB"
+        skipped_step = " | update skipped (gradient norm not finite)" if rec["skipped_step"] else ""
         return (f"step {rec['step']}/{self.last_step} | loss {rec['loss']:.4f} | {rate} | "
-                f"ETA {timedelta(seconds=round(eta))} | skipped {skipped}")
+                f"ETA {timedelta(seconds=round(eta))} | skipped {skipped}{skipped_step}")
 
     def close(self) -> None:
         if self.tty:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            self._console("\n")
         self.file.close()
         if self.tb is not None:
             self.tb.close()

@@ -68,14 +68,15 @@ def model_optimizers(config: MimoConfig, model: MimoModel, policy: PrecisionPoli
     return build_optimizers(model.train_params(), *config.optimizer_settings(), policy=policy)
 
 
-def data_pipeline(config: MimoConfig, model: MimoModel, plan, micro_batches: int, ahead: bool = True) -> DataPipeline:
+def data_pipeline(config: MimoConfig, model: MimoModel, plan, micro_batches: int, ahead: bool = True, make_reader=None) -> DataPipeline:
     """The data pipeline of ``model``'s rank over ``plan`` (training's, or ``mimo eval``'s
     held-out microbatches), delivering on the model's device. ``ahead``: each step's data
     prepared on a thread of its own during the step before (training's; only one pipeline of
-    a run may: they would share the data groups)."""
+    a run may: they would share the data groups). ``make_reader``: samples read from elsewhere
+    than the config's shards (``mimo generate``'s prompts), delivered the same way."""
     return DataPipeline(plan, text_spec(config), model.llm_grid, model.llm_ctx.sequence_parallel,
                         encoder_feeds(config, model.encoder_grids()), micro_batches, config.data.workers, config.data.prefetch,
-                        model.rank, make_reader=lambda: sample_reader(config, plan), device=model.device, ahead=ahead)
+                        model.rank, make_reader=make_reader or (lambda: sample_reader(config, plan)), device=model.device, ahead=ahead)
 
 
 def _dynamic_length_options() -> dict:

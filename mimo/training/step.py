@@ -21,6 +21,7 @@ rank in the step's one loss all-reduce (each stage knows only its own layers).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +53,7 @@ class StepResult:
     # MoE stats for metrics.jsonl (``mimo.llm.balance.stats_metrics`` keys; {} without MoE);
     # handed over as (layers, [L, 3] tensor) and read on first access, like the loss
     moe: dict | tuple = field(default_factory=dict)
+    skipped: bool = False  # train.on_nonfinite skip_step: the gradient norm was not finite, no update
 
     def __getattribute__(self, name):
         value = object.__getattribute__(self, name)
@@ -153,6 +155,12 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
         norm_t = global_grad_norm(params, model.device, grads=grad_sync.norm_grads())
     if on_grads is not None:
         on_grads(model, float(norm_t))
+    # skip_step reads the norm here (a device sync the default stop does without: it looks at the
+    # step's result after the update, and no checkpoint of that update is written); the norm is
+    # world-wide, so every rank skips the same steps
+    if cfg.train.on_nonfinite == "skip_step" and not math.isfinite(float(norm_t)):
+        return StepResult(_world_loss(model, loss_local)[0], norm_t, int(num_loss_tokens), {}, _read_failures(mbs), events,
+                          skipped=True)
     if bucketed:
         scale = clip_scale(cfg.train.grad_clip, norm_t)
         for opt in bucketed:
@@ -176,17 +184,29 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     # the step's loss: the last stage's DP ranks hold the parts; read only after the optimizer's
     # kernels are queued (at world 1 only when the caller asks), so that reading it does not
     # idle the device
-    loss, moe = loss_local, ((layers, stats.table_L3) if stats is not None else {})
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        holds = model.stage is not None and model.stage.is_last and model.llm_grid.coords(model.rank)["tp"] == 0
-        t = torch.tensor([float(loss_local) if holds else 0.0], dtype=torch.float64)
-        if layers:  # the MoE stats ride along (every rank enters with the same size)
-            t = torch.cat([t, _moe_table(model, layers, stats).reshape(-1)])
-        dist.all_reduce(t)
-        loss = t[0].item()
-        moe = (layers, t[1:].view(len(layers), len(STATS))) if layers else {}
+    loss, moe_sum = _world_loss(model, loss_local, _moe_table(model, layers, stats).reshape(-1) if layers else None)
+    moe = (layers, stats.table_L3) if stats is not None else {}
+    if moe_sum is not None:  # every layer's stats, gathered over the stages
+        moe = (layers, moe_sum.view(len(layers), len(STATS)))
+    return StepResult(loss, norm_t, int(num_loss_tokens), lrs, _read_failures(mbs), events, moe)
+
+
+def _world_loss(model: MimoModel, loss_local, extra: torch.Tensor | None = None):
+    """(the step's loss, ``extra`` summed) on every rank: the last stage's DP ranks hold the loss's
+    parts; ``extra`` (e.g. the MoE stats) rides along in the one all-reduce. At world 1: as they are."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return loss_local, None
+    holds = model.stage is not None and model.stage.is_last and model.llm_grid.coords(model.rank)["tp"] == 0
+    t = torch.tensor([float(loss_local) if holds else 0.0], dtype=torch.float64)
+    if extra is not None:  # every rank enters with the same size
+        t = torch.cat([t, extra])
+    dist.all_reduce(t)
+    return t[0].item(), (t[1:] if extra is not None else None)
+
+
+def _read_failures(mbs) -> dict:
     failures: dict = {}
     for mb in mbs:
         for k, v in mb.read_failures.items():
             failures[k] = failures.get(k, 0) + v
-    return StepResult(loss, norm_t, int(num_loss_tokens), lrs, failures, events, moe)
+    return failures

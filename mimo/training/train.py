@@ -13,7 +13,8 @@ Either way a collective that does not complete within ``--timeout`` seconds rais
 waiting in it (the process group's timeout), which ends the run with a message naming the rank
 and step.
 
-Stopping. SIGINT / SIGTERM (or ``--stop-at STEP``) stop cleanly: every rank finishes the
+Stopping. SIGINT / SIGTERM / SIGHUP (or ``--stop-at STEP``, or rank 0's stdout closing: a pipe
+to ``head``, a closed terminal) stop cleanly: every rank finishes the
 current step, a checkpoint is written, and a later ``mimo train`` with the same config resumes
 from it. The stop request travels in the per-step statistics all-gather, so all ranks stop
 after the same step. A second Ctrl-C to the launcher aborts at once.
@@ -39,8 +40,13 @@ Exact resume: the step number fixes the data (DESIGN §2), the learning rate is 
 the step, and the checkpoint holds parameters, optimizer states and RNG; a resumed run
 therefore computes the uninterrupted run's steps bit for bit (CPU, fp32).
 
+Non-finite steps: a step whose loss or gradient norm is not finite (the same on every rank:
+both are world-wide) ends the run with exit status 2 and no checkpoint of it
+(``train.on_nonfinite: stop``), or is not applied (``skip_step``: counted in metrics.jsonl).
+
 Test hook: ``MIMO_TRAIN_FAULT=KIND:RANK:STEP`` makes rank RANK, at step STEP, ``raise`` an
-exception, ``hang`` (stop responding before the step's collectives), or ``stall-save`` (stop
+exception, ``nan`` (one of its weights NaN during that step), ``hang`` (stop responding before
+the step's collectives), or ``stall-save`` (stop
 after writing its checkpoint files, before the checkpoint is committed; with
 ``train.checkpoint.async_save`` the rank's background writer stalls, before its done mark,
 and training goes on until the next save waits for it).
@@ -62,13 +68,15 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 
 from mimo.compose.config import MimoConfig, load_config
-from mimo.core.errors import ConfigError, DistributedError
+from mimo.core.errors import ConfigError, DistributedError, TrainingError
 from mimo.training.cluster import TORCHRUN_ENV  # noqa: F401  (tests keep a child's environment free of them)
 from mimo.training.cluster import ClusterRank, FailureNotice, detect, end_with_launcher, is_communication_failure, one_line
 
 log = logging.getLogger("mimo.training.train")
 
 FAULT_ENV = "MIMO_TRAIN_FAULT"
+# a clean stop (the step finished, a checkpoint written): Ctrl-C, a scheduler's TERM, a closed terminal
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass
@@ -111,15 +119,18 @@ def train(config_path: str, overrides: list[str], options: TrainOptions) -> dict
         if done is not None:
             return done
         from mimo.compose.inputs import ensure_index
+        from mimo.compose.preflight import check_inputs
         from mimo.training.launch import WorkerPool, resolve_device
         from mimo.training.metrics import check_reporting
 
         options = replace(options, device=resolve_device(options.device, config.world_size))
+        check_inputs(config, samples=0, echo=log.info)  # init.hf checkpoints and the tokenizer, before any rank starts
         log.info("indexing data (%s)", config.data.shards)
         index, status = ensure_index(config)  # once, before any rank reads it
         check_reporting(config)  # train.log.wandb's package; eval.every's held-out index
         log.info("data index %s%s", status, "" if index is None else f": {len(index.entries)} samples")
         _prepare_run_dir(config, options.run_dir, config_path, overrides)
+        account_for_data(config, index, status, options.run_dir)
         log.info("starting %d ranks (%s) to train %s; run directory %s", config.world_size, options.device, config_path,
                  options.run_dir)
         with _stop_on_signals(), WorkerPool(config.world_size, timeout_s=math.inf, collective_timeout_s=options.timeout_s,
@@ -128,7 +139,7 @@ def train(config_path: str, overrides: list[str], options: TrainOptions) -> dict
                 results = pool.run(train_rank, config_path, list(overrides), options)
             except DistributedError as e:
                 raise DistributedError(_short_failure(str(e), options.run_dir)) from None
-        return {"ok": True, "command": "train", **results[0]}
+        return _summary(results[0])
     finally:
         logging.getLogger("mimo").removeHandler(handler)
 
@@ -226,6 +237,35 @@ def _prepare_run_dir(config: MimoConfig, run_dir: str, config_path: str, overrid
     os.replace(tmp, os.path.join(run_dir, "config.yaml"))
 
 
+SKIPPED_FILE = "skipped-samples.jsonl"  # in the run directory: every sample the run does not train on, with its reason
+
+
+def account_for_data(config: MimoConfig, index, status: str, run_dir: str) -> None:
+    """Before any step: what the run will not train on, where the user looks. Per reason its count
+    (with the first samples and every damaged shard when the index was just built or rebuilt),
+    the full list in the run directory, and a DataError when more than data.max_skipped_fraction
+    of the samples would be dropped."""
+    if index is None:  # synthetic data
+        return
+    from mimo.compose.inputs import data_plan
+    from mimo.data.skipped import SkipReport
+
+    report = SkipReport.of(data_plan(config, index), config.data.max_sample_tokens)
+    path = os.path.join(run_dir, SKIPPED_FILE)
+    if not report.counts() and not report.shards:
+        if os.path.exists(path):
+            os.remove(path)  # an earlier index's list
+        return
+    report.write(path)
+    counts = ", ".join(f"{kind} {n}" for kind, n in report.counts().items())
+    log.warning("data: %d of %d samples (%.2f%%) will not be trained on (%s); every one listed in %s",
+                sum(report.counts().values()), report.samples, 100 * report.fraction, counts or "-", path)
+    if status != "loaded":  # the details once, when the index is built or rebuilt
+        for line in report.lines():
+            log.warning("  %s", line)
+    report.check(config.data.max_skipped_fraction)
+
+
 def _launcher_logging() -> logging.Handler:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s [launcher] %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
@@ -253,7 +293,7 @@ def _stop_on_signals():
             except ProcessLookupError:
                 pass
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -303,19 +343,31 @@ def _train_under_launcher(place: ClusterRank, config_path: str, overrides: list[
 
             from mimo.training.metrics import check_reporting
 
-            ensure_index(config)
+            index, status = ensure_index(config)
             check_reporting(config)
             _prepare_run_dir(config, options.run_dir, config_path, overrides)
+            account_for_data(config, index, status, options.run_dir)
         dist.barrier()
         training.append(True)
-        summary = train_rank(config_path, overrides, options)
+        summary = _summary(train_rank(config_path, overrides, options), place.rank)
+    except TrainingError:
+        raise  # the same verdict on every rank: nobody failed
     except Exception as e:
         raise DistributedError(_posted_failure(e, notice, place.rank, options.run_dir)) from e
     finally:
         notice.close()
         dist.destroy_process_group()
         signal.signal(signal.SIGTERM, previous)
-    return {"ok": True, "command": "train", "rank": place.rank, **summary}
+    return summary
+
+
+def _summary(result: dict, rank: int | None = None) -> dict:
+    """The command's result from rank 0's (or, under a launcher, this rank's): a TrainingError
+    (exit status 2) when the run ended on a non-finite loss or gradient norm."""
+    if result.get("nonfinite"):
+        raise TrainingError(result["nonfinite"])
+    result = {k: v for k, v in result.items() if k != "nonfinite"}
+    return {"ok": True, "command": "train", **({} if rank is None else {"rank": rank}), **result}
 
 
 def _local_gpu(local_rank: int) -> int:
@@ -412,20 +464,27 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions) ->
         report = Reporter(run, options.run_dir, options.log_every, start, last_step) if rank == 0 else None
         if config.eval.every:  # built on every rank at the same point (its data pipeline's groups)
             evaluator = Evaluator(config, run.model, request_for(config, None, None))
-        step, loss, path, stopped = start, None, None, False
+        step, loss, path, stopped, failed, skipped_steps = start, None, None, False, None, []
         log.info("training steps %d..%d", start + 1, last_step)
         for step in range(start + 1, last_step + 1):
             with _name_timeouts(rank, step, options.timeout_s):
                 fault.at_step(step)
                 timer.begin()
-                result = train_step(run.model, timer.pipeline, step, run.optimizers, run.policy,
-                                    trace=step in config.train.trace_steps)
+                with fault.poisoned(run.model, step):
+                    result = train_step(run.model, timer.pipeline, step, run.optimizers, run.policy,
+                                        trace=step in config.train.trace_steps)
+                if report is not None and report.console_closed:  # stdout went away: stop as on Ctrl-C
+                    stop.requested = True
                 stats = timer.end(result.read_failures, stop.requested or step == options.stop_at)
                 if result.trace is not None:  # train.trace_steps: open in Perfetto or chrome://tracing
                     write_trace(result.trace, rank, os.path.join(options.run_dir, "traces", f"step-{step:08d}-rank{rank}.json"))
+                # the loss and norm are world-wide: every rank takes the same turn here
+                nonfinite = None if result.skipped else _nonfinite(result.loss, result.grad_norm)
                 stopped = stats["stop"] and step < config.train.steps
                 saved_at = None
-                if (ckpt.every and step % ckpt.every == 0) or step == config.train.steps or stats["stop"]:
+                if nonfinite is not None and config.train.on_nonfinite == "stop":
+                    pass  # no checkpoint of an update that read a non-finite gradient
+                elif (ckpt.every and step % ckpt.every == 0) or step == config.train.steps or stats["stop"]:
                     t0 = time.perf_counter()
                     path = saver.save(run.model, run.optimizers, step, after_write=(lambda s=step: fault.during_save(s)))
                     # what the step paid: the whole save, or (async_save) waiting for the previous one and the snapshot
@@ -434,6 +493,13 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions) ->
             loss = result.loss
             if report is not None:
                 report.step(step, result, stats, saved_at)
+            if result.skipped:
+                skipped_steps.append(step)
+                log.warning("step %d: gradient norm %s; the update was skipped (train.on_nonfinite: skip_step)", step,
+                            result.grad_norm)
+            if nonfinite is not None and config.train.on_nonfinite == "stop":
+                failed = f"step {step}: {nonfinite}"
+                break
             if evaluator is not None and step % config.eval.every == 0:
                 t0 = time.perf_counter()
                 with _name_timeouts(rank, step, options.timeout_s):
@@ -446,11 +512,17 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions) ->
             saver.wait()  # an asynchronous save of the last step committed before anything reads it
         if report is not None:
             report.close()
-        if stopped and rank == 0:
-            log.warning("stopped after step %d; `mimo train` with the same config resumes from %s", step, path)
         latest = latest_checkpoint(ckpt_dir)
+        if failed is not None:
+            failed += (f"; stopped without writing a checkpoint of it (the newest is {latest[1]}). Lower train.lr or check "
+                       f"the data of that step, or set train.on_nonfinite: skip_step" if latest else
+                       "; stopped without writing a checkpoint of it")
+            log.error(failed)
+        elif stopped and rank == 0:
+            log.warning("stopped after step %d; `mimo train` with the same config resumes from %s", step, path)
         return {"steps": step, "final_loss": loss, "run_dir": options.run_dir, "checkpoint": latest[1] if latest else None,
-                "resumed_from": start or None, "steps_run": step - start, "stopped": stopped}
+                "resumed_from": start or None, "steps_run": step - start, "stopped": stopped, "skipped_steps": skipped_steps,
+                "nonfinite": failed}
     except BaseException:
         log.exception("rank %d failed", rank, extra={"file_only": True})
         raise
@@ -464,6 +536,12 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions) ->
         for h in handlers:
             logging.getLogger("mimo").removeHandler(h)
             h.close()
+
+
+def _nonfinite(loss: float, grad_norm: float) -> str | None:
+    """What is not finite about a step ('loss nan, gradient norm inf'), or None."""
+    bad = [f"{name} {value}" for name, value in (("loss", loss), ("gradient norm", grad_norm)) if not math.isfinite(value)]
+    return ", ".join(bad) if bad else None
 
 
 def _groups_inherit_timeout(timeout_s: float) -> None:
@@ -527,7 +605,7 @@ class _StopRequest:
 
     def __init__(self):
         self.requested = False
-        self._previous = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        self._previous = {s: signal.signal(s, self._handler) for s in STOP_SIGNALS}
 
     def restore(self) -> None:
         for s, h in self._previous.items():
@@ -556,8 +634,8 @@ class _Fault:
             at_rank, step = int(at_rank), int(step)
         except ValueError:
             raise ConfigError(f"{FAULT_ENV}={spec!r}: expected KIND:RANK:STEP") from None
-        if kind not in ("raise", "hang", "stall-save"):
-            raise ConfigError(f"{FAULT_ENV}={spec!r}: KIND is raise, hang or stall-save")
+        if kind not in ("raise", "hang", "stall-save", "nan"):
+            raise ConfigError(f"{FAULT_ENV}={spec!r}: KIND is raise, hang, stall-save or nan")
         return cls(kind, step) if at_rank == rank else cls()
 
     def at_step(self, step: int) -> None:
@@ -569,6 +647,25 @@ class _Fault:
             log.warning("%s: not responding from step %d on", FAULT_ENV, step)
             while True:
                 time.sleep(3600)
+
+    @contextmanager
+    def poisoned(self, model, step: int):
+        """``nan``: one of this rank's trainable weights is NaN during the step (its loss and
+        gradient norm with it), and as before afterwards (unless the step updated it)."""
+        params = [p.param for p in model.train_params()] if self.kind == "nan" and step == self.step else []
+        if not params:
+            yield
+            return
+        import torch
+
+        saved = params[0].detach().clone()
+        with torch.no_grad():
+            params[0].fill_(math.nan)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                params[0].copy_(saved)
 
     def during_save(self, step: int) -> None:
         if self.kind == "stall-save" and step == self.step:
