@@ -68,7 +68,7 @@ def _bench_rank(config_path: str, overrides: list[str], req, device: str, repeat
     from mimo.training.launch import rank_compute_device
 
     config = load_config(config_path, overrides)
-    if config.train.precision == "fp32":  # an fp32 comparison on the GPU: no TF32 (DESIGN §3)
+    if config.train.precision == "fp32":  # an fp32 comparison on the GPU: no TF32 (docs/design.md §3)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     dev = rank_compute_device(device)
     model = MimoModel(config, dist.get_rank(), device=dev)

@@ -269,7 +269,7 @@ class DataPipeline:
             return wire.view(-1, c, s, s)
         x = self._norm[feed.name](wire[:, :numel].reshape(-1, c, s, s))
         read = wire[:, numel].bool().view(-1, 1, 1, 1)
-        return x.masked_fill_(~read, 0.0)  # a failed sample's slot: zero pixels (DESIGN §2)
+        return x.masked_fill_(~read, 0.0)  # a failed sample's slot: zero pixels (docs/design.md §2)
 
     def _prepare(self, k: int) -> Microbatch:
         """Microbatch ``k`` on the CPU (read, packed, pixels routed)."""

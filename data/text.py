@@ -7,7 +7,7 @@ occurrence of an encoder's placeholder becomes exactly that encoder's rows per i
 image positions (token id: the placeholder's own token, else pad, else eos: mimo.data.tokenizer; the
 LLM replaces them with image rows).
 
-Which image file feeds which encoder (several encoders, DESIGN §2) follows from the counts of
+Which image file feeds which encoder (several encoders, docs/design.md §2) follows from the counts of
 placeholders in the text, for a sample with N image files (ordered ``png``/``0.png``, ``1.png``, ...):
 
 * every encoder's placeholder occurs N times: each image feeds every encoder (one picture seen

@@ -1,4 +1,4 @@
-"""Small WebDataset shards for two encoders feeding one LLM (DESIGN §2 "several encoders"):
+"""Small WebDataset shards for two encoders feeding one LLM (docs/design.md §2 "several encoders"):
 an image tower with ``<image>`` and a sketch tower with ``<sketch>``.
 
 Samples mix every way images can map to encoders (``mimo.data.text``): a picture and a

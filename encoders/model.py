@@ -3,7 +3,7 @@
 ``VisionEncoder(cfg, llm_hidden, ctx)`` maps pixels ``[N, C, S, S]`` to LLM-sized rows
 ``[N * cfg.rows_per_image, llm_hidden]``, replicated over the TP group of ``ctx`` (the
 module's ``ParallelContext``: TP group, sequence parallel, the gradient group). Freezing follows
-DESIGN §2: a frozen part has ``requires_grad=False``; a frozen tower (nothing trainable
+docs/design.md §2: a frozen part has ``requires_grad=False``; a frozen tower (nothing trainable
 upstream of it: its input is pixels) runs without autograd state.
 """
 

@@ -8,7 +8,7 @@ and compares the features on the same random images with the original's own forw
 weight gradients of a random linear loss are compared too, gathered to full tensors and
 mapped back to the original's parameter names. Error = ||a - b|| / ||b||, the worst reported.
 
-The verdict is the yardstick of ``mimo.core.testing`` (DESIGN §9): the original runs in fp64
+The verdict is the yardstick of ``mimo.core.testing`` (docs/design.md §9): the original runs in fp64
 too (a copy of it, ``.double()``), and our fp32 tower must be within ``max(tol, k * e1)`` of
 it, where ``e1`` is the *original's own fp32 run* against its fp64 run: the rounding floor of
 the computation itself, measured on every rank beside the reference, without a second mimo run.

@@ -2,7 +2,7 @@
 
 An ``LLMStage`` runs its slice of the pattern's layers on one rank's pack. The first stage
 also owns the token embedding and the scatter of image rows into their slots, and *declares*
-where it wants those rows (``image_placement``: DESIGN §2, so bridges know nothing about
+where it wants those rows (``image_placement``: docs/design.md §2, so bridges know nothing about
 models). The last stage owns the final norm, the vocab-parallel head and the loss. Stages
 never look at layer types: layers come from ``mimo.llm.blocks``.
 
@@ -253,7 +253,7 @@ class LLMStage(nn.Module):
 
     def loss(self, logits_TV: torch.Tensor, batch: PackedBatch, num_loss_tokens: float | torch.Tensor) -> torch.Tensor:
         """Sum of this pack's token losses / ``num_loss_tokens``, the loss-token count over every
-        DP rank and microbatch of the step (DESIGN §2), so that summing gradients over them
+        DP rank and microbatch of the step (docs/design.md §2), so that summing gradients over them
         gives the per-token mean of the whole batch."""
         return self.token_losses(logits_TV, batch).sum() / num_loss_tokens
 

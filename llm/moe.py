@@ -10,7 +10,7 @@ logits and tokens are gathered over TP (``gather_seq``: gradients reduce-scatter
 routed and shared experts' partial outputs are summed once: an all-reduce, or under sequence
 parallelism a reduce-scatter back to this rank's tokens. Weights applied to partial sums or to
 replicated inputs whose gradient is partial (router, shared-expert gate, latent projections)
-are replicated with ``partial=("tp",)`` placements (DESIGN §2).
+are replicated with ``partial=("tp",)`` placements (docs/design.md §2).
 
 Parameter names (canonical, inside ``layers.<i>.``): ``norm.weight``, ``router.weight``,
 ``experts.up_proj`` / ``experts.down_proj`` (``mimo.llm.experts``), ``shared.up_proj`` /

@@ -20,7 +20,7 @@ experts and gate values:
 
 Pack padding routes nowhere: its gates are 0 and it counts nowhere.
 
-**Balancing state** (fp32 buffers outside autograd, DESIGN §9): ``expert_bias`` and ``qb_beta``
+**Balancing state** (fp32 buffers outside autograd, docs/design.md §9): ``expert_bias`` and ``qb_beta``
 are persistent (checkpointed); the step accumulators (``step_counts``: assignments per expert;
 ``qb_sum`` / ``qb_n``: quantile-balancing column quantiles; ``aux_*``) are not. Accumulators
 change only in a training forward (``self.training`` and grad enabled: never in eval, nor in

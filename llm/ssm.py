@@ -225,7 +225,7 @@ def find_kernel(name: str, impl: str, x: torch.Tensor):
     """The kernel a layer with ``impl`` (one of ``IMPLS``) should call for input ``x``, or None.
 
     "kernel": the kernel whenever installed (the caller decides what a missing one means).
-    "auto": only on CUDA in bf16/fp16 (DESIGN §3: fast paths are half precision; fp32 runs the
+    "auto": only on CUDA in bf16/fp16 (docs/design.md §3: fast paths are half precision; fp32 runs the
     exact torch path), and only if a tiny forward + backward with sample boundaries ran on this
     device (probed once per process and device: a package can import yet refuse to run, e.g.
     fla on Hopper with Triton < 3.7.1 raises in backward). "chunked" / "naive": None.

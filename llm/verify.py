@@ -10,7 +10,7 @@ report the largest per-sample ``‖ours − hf‖ / ‖hf‖`` of the logits, th
 Hugging Face per-token loss, and whether exporting our weights gives back the Hugging Face
 state dict bit for bit.
 
-The verdict is the yardstick of ``mimo.core.testing`` (DESIGN §9): the Hugging Face model also
+The verdict is the yardstick of ``mimo.core.testing`` (docs/design.md §9): the Hugging Face model also
 runs in fp64 (a ``.double()`` copy), and our fp32 logits and loss must be within
 ``max(tol, k * e1)`` of it, where ``e1`` is the *Hugging Face fp32 run's* error against its fp64
 run: the rounding floor of the same function in fp32, measured in this process, with no second

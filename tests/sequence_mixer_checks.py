@@ -102,7 +102,7 @@ def _packed_and_alone(layer, x0: torch.Tensor, dy: torch.Tensor) -> tuple[dict, 
 
 
 def check_packed_equals_unpacked(layer: torch.nn.Module, salt) -> None:
-    """fp32: <= 1e-5 (DESIGN §3), and exactly (1e-10) in fp64.
+    """fp32: <= 1e-5 (docs/design.md §3), and exactly (1e-10) in fp64.
 
     The gradients of the few decay parameters (one value per head, summed over every token with
     both signs) can carry more fp32 rounding than 1e-5 whatever the packing: the naive

@@ -1,4 +1,4 @@
-"""GPU fast paths against the exact paths (DESIGN §3): varlen flash attention (forward and
+"""GPU fast paths against the exact paths (docs/design.md §3): varlen flash attention (forward and
 backward), ``train.compile``'s compiled LLM layers and vision blocks, and the chunked cross
 entropy. Fast paths run in bf16 on CUDA; the reference is the exact path in fp32 on the same
 (bf16-rounded) weights and inputs, TF32 off. Tolerance: ‖fast − ref‖ / ‖ref‖ ≤ 2e-2 for every

@@ -1,4 +1,4 @@
-"""Import direction (DESIGN §1): base (mimo/core, mimo/parallel) -> encoders/llm/bridges ->
+"""Import direction (docs/design.md §1): base (mimo/core, mimo/parallel) -> encoders/llm/bridges ->
 data/schedules -> mimo/compose -> mimo/training -> mimo/commands, read from the folders.
 
 Parses every module's imports (including those inside functions) and checks that none

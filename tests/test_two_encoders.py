@@ -1,4 +1,4 @@
-"""Two encoders feeding one LLM, each with its own placeholder (DESIGN §2): which image file
+"""Two encoders feeding one LLM, each with its own placeholder (docs/design.md §2): which image file
 feeds which encoder, bad mappings listed with a clear reason, and training with an image tower
 colocated with the LLM and a different sketch tower on its own ranks equal to the one-process
 reference under 1F1B with encoder prefetch."""

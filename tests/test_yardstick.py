@@ -1,4 +1,4 @@
-"""The tolerance yardstick (mimo.core.testing, DESIGN §9): a tensor of a layout passes when its
+"""The tolerance yardstick (mimo.core.testing, docs/design.md §9): a tensor of a layout passes when its
 error against the fp64 one-process reference is at most max(tol, k * e1), e1 being the fp32
 one-process run's own error against fp64.
 

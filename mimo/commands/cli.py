@@ -1,4 +1,4 @@
-"""The ``mimo`` command line (DESIGN §4).
+"""The ``mimo`` command line (docs/design.md §4).
 
 Each subcommand is a ``Command``: its arguments and a ``run(args) -> dict`` that prints what
 a person reads and returns the result, which ``main`` prints as the last line (one JSON
@@ -322,7 +322,7 @@ def verify_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a hung rank fails the run")
 
 
-# bf16: weights, activations and Adam state rounded to 8 bits of mantissa, against fp32 (DESIGN §3);
+# bf16: weights, activations and Adam state rounded to 8 bits of mantissa, against fp32 (docs/design.md §3);
 # gradients and parameters then compared per module (see mimo.commands.verify_train.compare)
 VERIFY_TRAIN_TOL = {"fp32": 1e-5, "bf16": 5e-2}
 

@@ -6,7 +6,7 @@ global gradient norm and every gradient gathered to full tensors *before* clippi
 the last step every parameter. Errors are ||a-b|| / ||b||.
 
 The reference runs twice on one process, in fp32 and in fp64 (the same code, a dtype of its
-precision policy). The verdict is the yardstick of ``mimo.core.testing`` (DESIGN §9): each
+precision policy). The verdict is the yardstick of ``mimo.core.testing`` (docs/design.md §9): each
 tensor of the layout must be within ``max(tol, k * e1)`` of the fp64 run, ``e1`` being the
 fp32 reference's own error against fp64. The report's ``max_*_rel_err`` keys stay the errors
 against the fp32 reference; ``yardstick`` and ``max_*_rel_err_vs_fp64`` carry the verdict.

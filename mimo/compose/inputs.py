@@ -135,7 +135,7 @@ def inspect(config: MimoConfig, batches: int) -> dict:
     ``padding_fraction``: the share of the token budget (data.tokens_per_microbatch over the LLM
     DP ranks) that no sample fills, 1 - mean tokens per DP rank / capacity per DP rank;
     ``pack_padding_fraction``: positions the packs hold for SP / CP alignment that belong to no
-    sample (DESIGN §2, what the LLM computes beyond the samples)."""
+    sample (docs/design.md §2, what the LLM computes beyond the samples)."""
     index, status = ensure_index(config)
     plan = data_plan(config, index)
     spec = text_spec(config)

@@ -1,4 +1,4 @@
-"""PackedBatch: one rank's pack of samples in THD form (DESIGN §2 "Packed batches")."""
+"""PackedBatch: one rank's pack of samples in THD form (docs/design.md §2 "Packed batches")."""
 
 from __future__ import annotations
 

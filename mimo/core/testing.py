@@ -1,7 +1,7 @@
-"""Comparison helpers for the reference discipline (DESIGN §3): error = ||a-b|| / ||b||.
+"""Comparison helpers for the reference discipline (docs/design.md §3): error = ||a-b|| / ||b||.
 
 ``Yardstick`` is the tolerance of every check of a parallel layout against its one-process
-reference (DESIGN §9): the reference runs in fp64 as well as fp32, and a tensor of the layout
+reference (docs/design.md §9): the reference runs in fp64 as well as fp32, and a tensor of the layout
 passes when its error against the fp64 run is at most ``max(tol, k * e1)``, ``e1`` being the
 one-process fp32 run's own error against fp64. A fixed ``tol`` alone sits at the noise floor of
 reduction-heavy and near-zero tensors; ``k * e1`` is that floor, measured per tensor. A layout

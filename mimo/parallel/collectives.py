@@ -3,7 +3,7 @@
 A process group of ``None`` stands for a group of one rank (``ParallelGrid.group`` returns
 ``None`` there): every helper then does no communication and returns its input.
 
-Gradient convention (DESIGN §2): a tensor replicated over a TP group carries the complete
+Gradient convention (docs/design.md §2): a tensor replicated over a TP group carries the complete
 gradient on every rank. So the adjoint of "all-gather to a replicated tensor" is "keep your
 own slice" (``gather_along``), while a gather whose consumers each produce a *partial*
 gradient (sequence parallel: the gathered sequence feeds a column-sharded matmul) has a

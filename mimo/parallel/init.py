@@ -1,4 +1,4 @@
-"""Layout-independent initialisation that draws only this rank's shard (DESIGN §8, §9).
+"""Layout-independent initialisation that draws only this rank's shard (docs/design.md §8, §9).
 
 Each parameter draws from its own seed, ``param_seed(base_seed, name)``, so the weights never
 depend on the layout, on the order parameters are created, or on the global RNG. A small

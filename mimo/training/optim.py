@@ -27,7 +27,7 @@ from mimo.parallel.params import TrainParam, main_grad
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """Which dtype each thing uses (DESIGN §8). ``master_params``: the dtype of the copy of the
+    """Which dtype each thing uses (docs/design.md §8). ``master_params``: the dtype of the copy of the
     weights that the optimizer updates (None: it updates the model's weights themselves)."""
 
     params: torch.dtype

@@ -13,7 +13,7 @@ needs, whatever the old layout was (tp, pp, dp, cp, ep, etp, gtp, colocation, a 
 or not).
 
 What is not a tensor of the model: the data position is the step's (global microbatches do not
-depend on the layout, DESIGN §2); the RNG files are per rank, and each rank restores the one of its
+depend on the layout, docs/design.md §2); the RNG files are per rank, and each rank restores the one of its
 own rank number where the checkpoint has it (mimo's training draws from generators seeded by
 name and step, init and data order, so the global streams do not reach the results).
 

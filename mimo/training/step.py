@@ -123,7 +123,7 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     cfg = model.config
     model.graph_step()
     mbs = pipeline.step(step)
-    # the global loss-token count: each LLM DP rank's packs, summed over DP (DESIGN §2)
+    # the global loss-token count: each LLM DP rank's packs, summed over DP (docs/design.md §2)
     local = sum(mb.loss_tokens for mb in mbs) if model.stage is not None else 0  # counted on the CPU
     num_loss_tokens = _sum_over(local, model.llm_dp) if model.stage is not None else 0.0
     events: Trace | None = [] if trace else None

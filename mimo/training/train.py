@@ -36,7 +36,7 @@ ranks, the distributed optimizer) is resharded on load, with a warning; a config
 otherwise (``train.checkpoint`` and data loader settings aside) is resumed with a
 warning naming the keys, as it will not reproduce an uninterrupted run.
 
-Exact resume: the step number fixes the data (DESIGN §2), the learning rate is a function of
+Exact resume: the step number fixes the data (docs/design.md §2), the learning rate is a function of
 the step, and the checkpoint holds parameters, optimizer states and RNG; a resumed run
 therefore computes the uninterrupted run's steps bit for bit (CPU, fp32).
 
