@@ -249,7 +249,7 @@ def test_incomplete_checkpoints_are_never_loaded_and_pruning(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "x.safetensors").write_text("")
         if meta:
-            (tmp_path / name / "meta.json").write_text("{}")
+            (tmp_path / name / "meta.json").write_text('{"format": 2}')  # usable: prune counts it toward keep
 
     make("step-00000002", True)
     make("step-00000003", True)

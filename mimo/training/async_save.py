@@ -5,10 +5,15 @@ the training path (a CPU tensor cloned; a CUDA tensor copied into a pinned host 
 blocking, all of a save's copies in flight at once and waited for by one synchronize, the
 buffers kept for the next save), the RNG state, and the ``step-N.tmp`` folder made with the
 barrier of a synchronous save. A background thread per rank then writes the same files as
-``save_checkpoint``, fsyncs them and leaves a mark ``done-rank<R>`` in the folder. Rank 0's
-thread waits for every rank's mark by listing the folder, not by a collective (torch.distributed
-is not safe to call from a second thread while training calls it), deletes the marks and commits
-as a synchronous save does: meta.json, fsync, rename, prune. A writer that fails leaves
+``save_checkpoint``, each with the crc32 of its bytes computed as they are written, fsyncs them,
+reads them back against those checksums, leaves the checksums beside them
+(``checksums-rank<R>.json``) and then a mark ``done-rank<R>`` in the folder. Rank 0's thread
+waits for every rank's mark by listing the folder, not by a collective (torch.distributed is not
+safe to call from a second thread while training calls it), deletes the marks and commits as a
+synchronous save does: every rank's checksums gathered into meta.json, fsync, rename, prune
+(only after the commit, counting usable checkpoints only: ``checkpoint.prune``). Reading the
+files back happens on the writer threads, so an asynchronous save's step pays for none of it.
+A writer that fails (a file that does not read back as written included) leaves
 ``error-rank<R>`` with its message instead, so rank 0 stops waiting at once; a rank that has not
 marked its files after ``timeout_s`` is an error naming it.
 
@@ -31,7 +36,8 @@ import torch.distributed as dist
 
 from mimo.compose.model import MimoModel
 from mimo.core.errors import CheckpointError
-from mimo.training.checkpoint import _about, _begin_save, _commit, _File, _host_copy, _rank_files, _write_files, save_checkpoint
+from mimo.training.checkpoint import (_about, _begin_save, _commit, _File, _host_copy, _rank_files, _seal, _write_files,
+                                      save_checkpoint)
 
 log = logging.getLogger("mimo.training.async_save")
 
@@ -96,8 +102,9 @@ class _Writer(threading.Thread):
     def run(self) -> None:
         t0 = time.perf_counter()
         try:
-            _write_files(self.files, self.tmp)
+            records = _write_files(self.files, self.tmp)
             self.files = None  # the host copies (not the pinned buffers: the staging keeps those)
+            _seal(self.tmp, self.rank, records)  # read back against their checksums, which go beside them
             if self.after_write is not None:
                 self.after_write()
             _mark(self.tmp, "done", self.rank)

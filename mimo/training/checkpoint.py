@@ -27,19 +27,34 @@ on the replica axes), checks the stored record against its own, and copies the t
 checkpoint records the layout it was written at; loading it at another layout reads each local
 tensor from the stored pieces that overlap it (``mimo.training.reshard``).
 
+Checksums: every file is written by mimo's own safetensors writer (``_write_tensors``: the
+format ``save_file`` writes), which computes the crc32 of its bytes from the tensors' memory as
+it writes them, on helper threads beside the writes (no file is read back to checksum it). Each
+rank then reads its files back against those checksums (``_verify_written``) and leaves them
+beside the files (``checksums-rank<R>.json``); the commit gathers every rank's into meta.json
+(``checksums``: per file its ``crc32`` and ``bytes``). A file that does not read back as written
+is an error on that rank, and the checkpoint is not committed.
+
 Finding one to load: ``usable_checkpoint`` takes the newest complete checkpoint whose files are all
-there and readable (each safetensors header parses and covers its file; ``validate_checkpoint``),
-skipping newer ones that are not with a warning naming the bad file. A file that cannot be read
-while loading is a ``CheckpointError`` naming it, never a bare SafetensorError.
+there, readable (each safetensors header parses and covers its file) and hold the bytes written
+(each file's size and crc32, streamed over it, equal to its checksum: ``validate_checkpoint``,
+which reads every byte once), skipping newer ones that are not with a warning naming the bad
+file; an explicit one (``resolve_checkpoint``: ``--resume-from``, ``train.init_from``) that is
+not is a ``CheckpointError`` naming it. A checkpoint written before checksums has none: its
+headers are checked, its bytes are not (logged once at info). A file that cannot be read while
+loading is a ``CheckpointError`` naming it, never a bare SafetensorError.
 
 Atomicity: all ranks write into ``step-N.tmp``; after a barrier rank 0 writes ``meta.json``
 last, fsyncs, and renames the folder to ``step-N``. A crash at any point (kill -9 included)
 leaves either no ``step-N`` or a complete one; a complete checkpoint is a ``step-N`` folder
-with ``meta.json``. Old checkpoints beyond ``keep`` are renamed to ``.old`` before deletion,
-so a crash while pruning never leaves a half-deleted folder that looks complete. An
-asynchronous save (``train.checkpoint.async_save``, ``mimo.training.async_save``) writes the
-same files from a background thread per rank: each rank marks its files done with a file in
-``step-N.tmp`` instead of the barrier, and rank 0's thread commits as above once every mark is there.
+with ``meta.json``. Only then, the new checkpoint committed and its files verified, are old
+checkpoints pruned: those older than the newest ``keep`` usable ones (``prune``: a damaged
+checkpoint never counts toward ``keep``, so it never costs a good one its place). They are
+renamed to ``.old`` before deletion, so a crash while pruning never leaves a half-deleted
+folder that looks complete. An asynchronous save (``train.checkpoint.async_save``,
+``mimo.training.async_save``) writes, checksums and verifies the same files from a background
+thread per rank: each rank marks its files done with a file in ``step-N.tmp`` instead of the
+barrier, and rank 0's thread commits as above once every mark is there.
 
 The checkpoint folder must be visible to every rank (a shared filesystem across nodes).
 """
@@ -48,13 +63,17 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import random
 import re
 import shutil
+import struct
 import time
+import zlib
 from collections import defaultdict
-from contextlib import ExitStack, contextmanager
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Iterator, Mapping
 
@@ -76,6 +95,7 @@ log = logging.getLogger("mimo.training.checkpoint")
 FORMAT = 2  # 1: one file per (module, dense grid coordinates), no placements
 META = "meta.json"
 _COMPLETE = re.compile(r"^step-(\d{8})$")
+_CHECKSUMS = re.compile(r"^checksums-rank\d{5}\.json$")  # a rank's checksums in step-N.tmp, merged into meta.json
 _LEFTOVER = re.compile(r"^step-(\d{8})\.(tmp|old)$")
 
 
@@ -188,20 +208,75 @@ def open_tensors(path: str):
         yield f
 
 
-def validate_checkpoint(path: str) -> dict:
-    """The meta of the checkpoint at ``path`` once every file it lists is there and readable
-    (headers only: cheap, and what a cut or damaged file fails); else a CheckpointError naming
-    the first bad file."""
+def validate_checkpoint(path: str, checksums: bool = True) -> dict:
+    """The meta of the checkpoint at ``path`` once every file it lists is there, readable (its
+    header parses and covers the file: what a cut file fails), of the size written and, with
+    ``checksums``, holding the bytes written: its crc32, streamed over the file, equal to the
+    one recorded when it was written (what bytes overwritten in place fail; reads every byte
+    once). ``checksums=False``: headers and sizes only, no tensor bytes read (``prune``, on
+    every save). Else a CheckpointError naming the first bad file. A checkpoint written before
+    mimo recorded checksums has none: its headers are checked, its bytes are not (logged once)."""
     meta = read_meta(path)
-    for name in meta.get("files", []):
-        file = os.path.join(path, name)
-        if not name.endswith(".safetensors"):
-            if not os.path.isfile(file):
+    records = meta.get("checksums")
+    if records is None:
+        _note_unverified(path)
+    elif not isinstance(records, dict):
+        raise CheckpointError(f"{os.path.join(path, META)}: its checksums are unreadable ({type(records).__name__}): "
+                              f"use another checkpoint")
+    with _crc_threads() if checksums and records else nullcontext() as pool:
+        for name in meta.get("files", []):
+            file = os.path.join(path, name)
+            if name.endswith(".safetensors"):
+                with open_tensors(file):
+                    pass
+            elif not os.path.isfile(file):
                 raise CheckpointError(f"{file}: missing")
-            continue
-        with open_tensors(file):
-            pass
+            if records is not None:
+                problem = _file_problem(file, records.get(name), pool)
+                if problem:
+                    raise CheckpointError(f"{file}: damaged: {problem} (restore the file, or use an older checkpoint)")
     return meta
+
+
+_unverified: set[str] = set()  # checkpoints without checksums already logged (once each)
+
+
+def _note_unverified(path: str) -> None:
+    if path not in _unverified:
+        _unverified.add(path)
+        log.info("%s: written without checksums (by an earlier mimo): its files' bytes are not verified", path)
+
+
+def _file_problem(file: str, record: object, pool: ThreadPoolExecutor | None) -> str | None:
+    """What is wrong with ``file`` against its checksum ``record`` ({"crc32", "bytes"}), or None:
+    its size, then (given the threads to read it with, ``pool``) its crc32."""
+    if not (isinstance(record, dict) and isinstance(record.get("bytes"), int) and isinstance(record.get("crc32"), str)):
+        return f"no readable checksum for it in {META} (which records one for every file written): {record!r}"
+    size = os.path.getsize(file)
+    if size != record["bytes"]:
+        return f"{size} bytes, {record['bytes']} were written"
+    if pool is not None:
+        crc = _file_crc32(file, pool)
+        if crc != record["crc32"]:
+            return f"its bytes are not those written (crc32 {crc}, written {record['crc32']})"
+    return None
+
+
+def _file_crc32(path: str, pool: ThreadPoolExecutor) -> str:
+    """The crc32 of the file at ``path`` (8 hex digits), its pieces on ``pool``'s threads, over a
+    read-only mapping of the file: no copy of it in memory beside the page cache's (reading it
+    into buffers costs a copy more: 1.2-1.6x the time on the dev box)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return f"{0:08x}"
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            if hasattr(mmap, "MADV_SEQUENTIAL"):  # read ahead (Linux, macOS)
+                mapped.madvise(mmap.MADV_SEQUENTIAL)
+            crc = _Crc32(pool)
+            for start in range(0, size, _WRITE_CHUNK):
+                crc.feed_mapped(mapped, start, min(start + _WRITE_CHUNK, size))
+            return crc.value()  # every piece done before the mapping closes
 
 
 def usable_checkpoint(directory: str) -> tuple[int, str] | None:
@@ -247,18 +322,52 @@ def remove_leftovers(directory: str) -> list[str]:
     return removed
 
 
-def prune(directory: str, keep: int | None) -> list[str]:
-    """Delete all but the newest ``keep`` complete checkpoints; returns the deleted paths."""
-    found = complete_checkpoints(directory)
-    if keep is None or len(found) <= keep:
+def prune(directory: str, keep: int | None, newest: int | None = None) -> list[str]:
+    """Delete the checkpoints older than the newest ``keep`` usable ones; returns the deleted
+    paths, oldest first. Runs once the checkpoint of step ``newest`` is committed, its files
+    read back against their checksums by the ranks that wrote them (``_verify_written``).
+
+    Only usable checkpoints count toward ``keep`` (``validate_checkpoint`` short of reading the
+    tensor bytes: meta.json, every file there, its header, the size written), so a damaged one
+    never takes a good one's place: with keep=3, one good checkpoint, two damaged newer ones and
+    the new one, nothing is deleted. A damaged one among the kept stays (to look at; loading
+    skips it); one older than the newest ``keep`` usable ones goes with the rest.
+
+    Checkpoints of steps after ``newest`` are not this run's: ones it skipped as damaged when it
+    resumed (bytes overwritten in place included, which the resume's full read found), or left
+    behind resuming from an older one (``--resume-from``). They neither count nor are deleted:
+    the run's own save of that step replaces them. So a run resumed past damaged checkpoints
+    keeps the good one it resumed from until ``keep`` newer ones of its own are verified.
+
+    What this does not see: bytes overwritten in place, at the same size, in a checkpoint older
+    than the new one (only reading every byte finds that: the next resume does). It counts, but
+    the new checkpoint, just verified, always stays beside it. Reading every kept checkpoint on
+    every save would cost each save up to ``keep`` times its own writing, all on rank 0.
+    ``newest=None``: every checkpoint counts."""
+    if keep is None:
         return []
-    deleted = []
-    for _, path in found[: len(found) - keep]:
-        doomed = path + ".old"
-        os.rename(path, doomed)  # no longer looks complete, even if the deletion is cut short
-        shutil.rmtree(doomed, ignore_errors=True)
-        deleted.append(path)
-    return deleted
+    found = [(step, path) for step, path in complete_checkpoints(directory) if newest is None or step <= newest]
+    usable, doomed = 0, []
+    for _, path in reversed(found):
+        if usable >= keep:
+            doomed.append(path)
+        elif _intact(path):
+            usable += 1
+    for path in reversed(doomed):
+        os.rename(path, path + ".old")  # no longer looks complete, even if the deletion is cut short
+        shutil.rmtree(path + ".old", ignore_errors=True)
+    return doomed[::-1]
+
+
+def _intact(path: str) -> bool:
+    """Whether the checkpoint at ``path`` passes ``validate_checkpoint`` without reading its
+    tensor bytes; a warning naming the bad file where it does not."""
+    try:
+        validate_checkpoint(path, checksums=False)
+    except CheckpointError as e:
+        log.warning("checkpoint %s is damaged, not counted toward train.checkpoint.keep: %s", path, e)
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- what each rank holds
@@ -352,6 +461,145 @@ def _fsync(path: str) -> None:
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values in CPU memory of their own (what a save writes: training may change ``t`` next)."""
     return t.detach().to("cpu", copy=True).contiguous()
+
+
+# safetensors' name of each dtype it stores (the header's "dtype")
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64", torch.complex64: "C64",
+           torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+           torch.float8_e5m2fnuz: "F8_E5M2FNUZ"}
+_WRITE_CHUNK = 64 << 20  # bytes per piece: what one helper thread checksums at a time, written beside it
+
+
+def _safetensors_layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> tuple[bytes, list[memoryview]]:
+    """The bytes of a safetensors file of ``tensors``: its header (the JSON's length, 8 bytes
+    little-endian, then the JSON padded with spaces to a multiple of 8, as ``save_file`` writes
+    it) and each tensor's bytes, as views of its memory. Larger elements first, then by name:
+    every tensor starts at a multiple of its element size, as in ``save_file``'s files."""
+    header: dict[str, object] = {}
+    if metadata is not None:
+        odd = [k for k, v in metadata.items() if not isinstance(v, str)]
+        if odd:
+            raise TypeError(f"safetensors metadata holds strings only: {odd[0]!r} is a {type(metadata[odd[0]]).__name__}")
+        header["__metadata__"] = metadata
+    views, offset = [], 0
+    for name in sorted(tensors, key=lambda n: (-tensors[n].element_size(), n)):
+        t = tensors[name]
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name!r}: safetensors cannot store {t.dtype}")
+        data = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        views.append(data)
+        offset += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, views
+
+
+_CRC_POLY = 0xEDB88320  # crc32's polynomial, bits reflected (as zlib has it)
+
+
+def _gf2_times(a: int, b: int) -> int:
+    """``a`` times ``b`` modulo crc32's polynomial (zlib's ``multmodp``)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if a & (m - 1) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+
+
+_X_POW2 = [1 << 30]  # x^(2^k) modulo the polynomial, k = 0..31 (x^1 is bit 30, reflected)
+for _ in range(31):
+    _X_POW2.append(_gf2_times(_X_POW2[-1], _X_POW2[-1]))
+
+
+def _crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The crc32 of A + B from crc32(A), crc32(B) and B's length: zlib's ``crc32_combine``,
+    which Python's zlib lacks. What lets pieces of a file be checksummed on several threads."""
+    p, k = 1 << 31, 3  # x^0; x^(8 len2): bytes to bits
+    while len2:
+        if len2 & 1:
+            p = _gf2_times(_X_POW2[k & 31], p)
+        len2 >>= 1
+        k += 1
+    return _gf2_times(p, crc1) ^ crc2
+
+
+def _pieces(views: Iterable[memoryview], size: int) -> Iterator[list[memoryview]]:
+    """``views`` in order, in pieces of about ``size`` bytes: a large view cut, small ones together."""
+    piece, held = [], 0
+    for view in views:
+        for start in range(0, len(view), size):
+            piece.append(view[start:start + size])
+            held += len(piece[-1])
+            if held >= size:
+                yield piece
+                piece, held = [], 0
+    if piece:
+        yield piece
+
+
+def _crc32_of(piece: list[memoryview]) -> int:
+    crc = 0
+    for view in piece:
+        crc = zlib.crc32(view, crc)
+    return crc
+
+
+def _crc32_of_mapped(mapped: mmap.mmap, start: int, end: int) -> int:
+    with memoryview(mapped) as whole, whole[start:end] as part:  # let go of before the mapping closes
+        return zlib.crc32(part)
+
+
+class _Crc32:
+    """The crc32 of the pieces fed to it, in order: each piece's computed on ``pool``'s threads
+    while the caller goes on (writing it: zlib and file writes let go of the GIL), combined in
+    order at the end. A save pays for the checksum only where no core is free for it (crc32 runs
+    at 2-3.5 GB/s a thread: docs/performance.md, 2026-12-06)."""
+
+    def __init__(self, pool: ThreadPoolExecutor):
+        self._pool, self._pieces = pool, []
+
+    def feed(self, piece: list[memoryview]) -> None:
+        """Views in memory that stays put until ``value()``."""
+        self._pieces.append((self._pool.submit(_crc32_of, piece), sum(len(v) for v in piece)))
+
+    def feed_mapped(self, mapped: mmap.mmap, start: int, end: int) -> None:
+        self._pieces.append((self._pool.submit(_crc32_of_mapped, mapped, start, end), end - start))
+
+    def value(self) -> str:
+        wait([f for f, _ in self._pieces])  # all of them, even where one failed: their memory may go next
+        crc = 0
+        for crc_of_piece, size in self._pieces:
+            crc = _crc32_combine(crc, crc_of_piece.result(), size)
+        return f"{crc:08x}"
+
+
+@contextmanager
+def _crc_threads() -> Iterator[ThreadPoolExecutor]:
+    """The threads that checksum a save's or a check's pieces (up to 8: memory bandwidth)."""
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="checkpoint-crc32") as pool:
+        yield pool
+
+
+def _write_tensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None,
+                   pool: ThreadPoolExecutor) -> dict:
+    """``tensors`` and ``metadata`` written to ``path`` as a safetensors file (not fsynced);
+    returns its checksum record: the crc32 and number of the bytes written, computed from the
+    tensors' memory as it is written (``_Crc32``; not read back from disk)."""
+    header, views = _safetensors_layout(tensors, metadata)
+    crc, size = _Crc32(pool), 0
+    with open(path, "wb") as f:
+        for piece in _pieces([memoryview(header), *views], _WRITE_CHUNK):
+            crc.feed(piece)
+            for view in piece:
+                f.write(view)
+                size += len(view)
+    return {"crc32": crc.value(), "bytes": size}
 
 
 def _optimizer_state(opt: torch.optim.Optimizer, names: list[str], only: set[str] | None = None,
@@ -509,20 +757,58 @@ def _rank_files(model: MimoModel, optimizers: dict[str, torch.optim.Optimizer], 
     yield f"rng-rank{model.rank:05d}.safetensors", tensors, meta
 
 
-def _write_files(files: Iterable[_File], directory: str) -> list[str]:
-    """``files`` written into ``directory`` and fsynced; their paths."""
-    paths = []
-    for name, tensors, metadata in files:
-        paths.append(os.path.join(directory, name))
-        save_file(tensors, paths[-1], metadata=metadata)
-    for path in paths:
-        _fsync(path)
-    return paths
+def _write_files(files: Iterable[_File], directory: str) -> dict[str, dict]:
+    """``files`` written into ``directory`` and fsynced; the checksum record of each, by name
+    ({"crc32", "bytes"} of the bytes written, ``_write_tensors``)."""
+    records = {}
+    with _crc_threads() as pool:
+        for name, tensors, metadata in files:
+            records[name] = _write_tensors(os.path.join(directory, name), tensors, metadata, pool)
+    for name in records:
+        _fsync(os.path.join(directory, name))
+    return records
 
 
-def _write_part(part: _Part, opt: torch.optim.Optimizer | None, directory: str, rank: int, step: int) -> list[str]:
-    """This rank's files of ``part`` (``_part_files``) written into ``directory``; their paths."""
+def _write_part(part: _Part, opt: torch.optim.Optimizer | None, directory: str, rank: int, step: int) -> dict[str, dict]:
+    """This rank's files of ``part`` (``_part_files``) written into ``directory``; their checksum records."""
     return _write_files(_part_files(part, opt, rank, step), directory)
+
+
+def _verify_written(directory: str, records: dict[str, dict]) -> None:
+    """Each file of ``records`` in ``directory`` read back (streamed) and compared with the
+    checksum of the bytes written: a rank's check of its own files before it declares them
+    done, so that no checkpoint is committed (and none pruned for it) that does not read back
+    as written. A CheckpointError naming the file where one differs."""
+    with _crc_threads() as pool:
+        for name, record in records.items():
+            file = os.path.join(directory, name)
+            problem = _file_problem(file, record, pool)
+            if problem:
+                raise CheckpointError(f"{file}: does not read back as written right after writing it: {problem} (a "
+                                      f"failing disk or filesystem?); not committed, the previous checkpoint stays in force")
+
+
+def _seal(directory: str, rank: int, records: dict[str, dict]) -> None:
+    """Rank ``rank``'s files in ``directory`` verified (``_verify_written``), then their checksums
+    left beside them (``checksums-rank<R>.json``, fsynced) for the commit to gather into meta.json."""
+    _verify_written(directory, records)
+    path = os.path.join(directory, f"checksums-rank{rank:05d}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(records, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _gather_checksums(tmp: str) -> dict[str, dict]:
+    """Every rank's checksums in ``tmp`` (``_seal``), merged; their files removed (meta.json holds them)."""
+    merged: dict[str, dict] = {}
+    for name in sorted(os.listdir(tmp)):
+        if _CHECKSUMS.match(name):
+            path = os.path.join(tmp, name)
+            with open(path, encoding="utf-8") as f:
+                merged.update(json.load(f))
+            os.remove(path)
+    return merged
 
 
 def _begin_save(model: MimoModel, optimizers: dict[str, torch.optim.Optimizer], step: int, directory: str) -> tuple[str, str]:
@@ -546,10 +832,19 @@ def _about(model: MimoModel, step: int, extra_meta: dict | None) -> dict:
 
 
 def _commit(tmp: str, final: str, keep: int | None, about: dict) -> None:
-    """Rank 0, once every rank's files are on disk in ``tmp``: meta.json last, fsynced, the
-    rename to ``final`` (the commit), then old checkpoints beyond ``keep`` pruned."""
+    """Rank 0, once every rank's files are on disk in ``tmp`` and sealed (verified, their
+    checksums beside them: ``_seal``): meta.json last, with every file's checksum, fsynced, the
+    rename to ``final`` (the commit), then old checkpoints beyond ``keep`` usable ones pruned
+    (``prune``). A file without a checksum is an error: nothing is committed."""
     directory = os.path.dirname(final)
-    meta = {**about, "files": sorted(os.listdir(tmp)), "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    checksums = _gather_checksums(tmp)
+    files = sorted(os.listdir(tmp))
+    unsealed = [name for name in files if name not in checksums]
+    if unsealed:
+        raise CheckpointError(f"{os.path.join(tmp, unsealed[0])}: written without a checksum (not by _write_files, "
+                              f"or its rank's checksums-rank file is missing); not committed, the previous checkpoint stays in force")
+    meta = {**about, "files": files, "checksums": {name: checksums[name] for name in files},
+            "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=1, default=str)
         f.flush()
@@ -560,7 +855,7 @@ def _commit(tmp: str, final: str, keep: int | None, about: dict) -> None:
         shutil.rmtree(final + ".old", ignore_errors=True)
     os.rename(tmp, final)  # the commit
     _fsync(directory)
-    for path in prune(directory, keep):
+    for path in prune(directory, keep, newest=about["step"]):
         log.info("deleted old checkpoint %s (keep=%s)", path, keep)
 
 
@@ -573,7 +868,7 @@ def save_checkpoint(model: MimoModel, optimizers: dict[str, torch.optim.Optimize
     ``after_write`` runs on each rank after its files are written, before the commit (a test hook).
     """
     tmp, final = _begin_save(model, optimizers, step, directory)
-    _write_files(_rank_files(model, optimizers, step), tmp)
+    _seal(tmp, model.rank, _write_files(_rank_files(model, optimizers, step), tmp))
     if after_write is not None:
         after_write()
     _barrier()  # every rank's files are on disk
