@@ -1,0 +1,179 @@
+"""Native-resolution image preprocessing in the Qwen3-VL style (the first brick of issue 47).
+
+A native-resolution tower does not crop images to one square: each image keeps (about) its own
+aspect ratio and size, is resized so both sides are multiples of ``patch * merge`` and its pixel
+count lies in ``[min_pixels, max_pixels]``, and becomes a variable number of patch rows. The
+numbers here are those of transformers' Qwen2-VL image processor with Qwen3-VL's released
+settings (the processor Qwen3-VL loads), so a checkpoint trained there sees the same inputs here:
+
+* target size: round each side to the nearest multiple of ``factor = patch * merge``; if that
+  holds more than ``max_pixels``, scale both sides down by one factor and floor to multiples
+  (never below one factor); if fewer than ``min_pixels``, scale up and ceil to multiples;
+* resize: bicubic with antialiasing on uint8 (torch's CPU uint8 kernel, as the processor's
+  torchvision backend runs it), the result rounded back to uint8;
+* values: ``(x - 255*mean) / (255*std)`` in float32, i.e. rescale by 1/255 then normalise,
+  folded into one step the way the processor folds it (so the floats agree bit for bit);
+* rows: one row per ``patch x patch`` patch, patches listed merge block by merge block (the
+  ``merge x merge`` patches the bridge later fuses into one LLM token sit next to each other),
+  each row ``C x temporal_patch x patch x patch`` with the single frame repeated in time.
+
+The row count and the token count depend only on the image size, which an image file's header
+gives without decoding the pixels (``grid_from_bytes``): planners can lay out packs before any
+decode. Images that cannot be honoured raise ``DataError`` (a pipeline may count them as skips):
+an empty side, an aspect ratio over 200 (the processor refuses these too), a size whose target
+would break the ``[min_pixels, max_pixels]`` budget (only tight budgets reach it: a short side
+bumped up to one factor, or a ceil/floor that jumps over the other bound), and a file whose
+header is unreadable or bigger than PIL agrees to decode (its decompression-bomb limit).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from mimo.core.errors import DataError
+
+MAX_ASPECT = 200  # longest side / shortest side beyond which the processor refuses an image
+
+
+@dataclass(frozen=True)
+class NativeImageSpec:
+    """How a native-resolution tower cuts images (defaults: Qwen3-VL's released processor:
+    16-pixel patches, 2 frames per temporal patch, 2x2 merge, 256^2..4096^2 pixels, mean/std 0.5)."""
+
+    patch: int = 16
+    temporal_patch: int = 2
+    merge: int = 2
+    min_pixels: int = 65536  # 256 * 256
+    max_pixels: int = 16777216  # 4096 * 4096
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    channels: int = 3
+
+    @property
+    def factor(self) -> int:
+        """Both resized sides are multiples of this: whole merge blocks of whole patches."""
+        return self.patch * self.merge
+
+    @property
+    def row_numel(self) -> int:
+        """Values in one patch row: channels x temporal patch x patch x patch."""
+        return self.channels * self.temporal_patch * self.patch * self.patch
+
+
+def smart_size(height: int, width: int, spec: NativeImageSpec = NativeImageSpec()) -> tuple[int, int]:
+    """The ``(height, width)`` an image of this size is resized to (the processor's
+    ``smart_resize``), or ``DataError`` where no honest target exists."""
+    if height < 1 or width < 1:
+        raise DataError(f"image of {height}x{width} (height x width) is empty: too small to cut into patches")
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT:
+        raise DataError(f"image of {height}x{width} (height x width) has aspect ratio {ratio:.1f}, over the "
+                        f"limit of {MAX_ASPECT} that native-resolution towers accept")
+    f = spec.factor
+    # Python's round: halves go to the even multiple, as in the processor.
+    h, w = round(height / f) * f, round(width / f) * f
+    if h * w > spec.max_pixels:
+        shrink = math.sqrt(height * width / spec.max_pixels)
+        h = max(f, math.floor(height / shrink / f) * f)
+        w = max(f, math.floor(width / shrink / f) * f)
+    elif h * w < spec.min_pixels:
+        grow = math.sqrt(spec.min_pixels / (height * width))
+        h = math.ceil(height * grow / f) * f
+        w = math.ceil(width * grow / f) * f
+    if not spec.min_pixels <= h * w <= spec.max_pixels:
+        kind = "small" if h * w < spec.min_pixels else "large"
+        raise DataError(f"image of {height}x{width} (height x width) is too {kind} for the pixel budget "
+                        f"[{spec.min_pixels}, {spec.max_pixels}] at a {f}-pixel grid: the nearest target "
+                        f"{h}x{w} holds {h * w} pixels")
+    return h, w
+
+
+def image_grid(height: int, width: int, spec: NativeImageSpec = NativeImageSpec()) -> tuple[int, int, int]:
+    """``(t, gh, gw)`` patches of one image (the processor's ``image_grid_thw``): a still image is
+    one temporal patch (its frame repeated), so ``t`` is 1."""
+    h, w = smart_size(height, width, spec)
+    return 1, h // spec.patch, w // spec.patch
+
+
+def image_tokens(height: int, width: int, spec: NativeImageSpec = NativeImageSpec()) -> int:
+    """LLM tokens one image becomes: its patches over the ``merge x merge`` fusion."""
+    t, gh, gw = image_grid(height, width, spec)
+    return t * gh * gw // (spec.merge * spec.merge)
+
+
+def _open(data: bytes):
+    """PIL image opened lazily (header parsed, pixels not decoded), failures as ``DataError``."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        return Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as e:
+        raise DataError(f"image too large to decode: {e}") from None
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise DataError(f"unreadable image header ({len(data)} bytes): {e}") from None
+
+
+def grid_from_bytes(data: bytes, spec: NativeImageSpec = NativeImageSpec()) -> tuple[int, int, int]:
+    """``image_grid`` of an encoded image from its header alone (``Image.open`` reads the size
+    without decoding pixels), so packs can be planned before any decode. Like the processor,
+    EXIF orientation is not applied: the stored size is the one that is cut."""
+    width, height = _open(data).size
+    return image_grid(height, width, spec)
+
+
+def _rgb_uint8_CHW(img) -> torch.Tensor:
+    """PIL image or uint8 ``[H, W, 3]`` / ``[H, W]`` array -> contiguous uint8 ``[3, H, W]``.
+    Transparent PIL images are composited onto white first, as the processor does."""
+    from PIL import Image
+
+    if isinstance(img, Image.Image):
+        if "A" in img.getbands() or img.info.get("transparency") is not None:
+            rgba = img.convert("RGBA")
+            img = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+        arr_HWC = np.asarray(img.convert("RGB"))
+    else:
+        arr_HWC = np.asarray(img)
+        if arr_HWC.dtype != np.uint8:
+            raise DataError(f"image array must be uint8, got {arr_HWC.dtype}")
+        if arr_HWC.ndim == 2:
+            arr_HWC = arr_HWC[:, :, None]
+        if arr_HWC.ndim != 3 or arr_HWC.shape[2] not in (1, 3):
+            raise DataError(f"image array must be [H, W, 3] or [H, W] uint8 (pass images with alpha as PIL), "
+                            f"got shape {tuple(arr_HWC.shape)}")
+        if arr_HWC.shape[2] == 1:
+            arr_HWC = np.repeat(arr_HWC, 3, axis=2)
+    # A copy: PIL's arrays are read-only views, and the caller's array stays untouched.
+    return torch.from_numpy(np.array(arr_HWC, order="C", copy=True)).permute(2, 0, 1).contiguous()
+
+
+def preprocess(img, spec: NativeImageSpec = NativeImageSpec()) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """PIL image or uint8 HWC array -> (float32 ``[gh*gw, C*tp*p*p]`` patch rows, ``(t, gh, gw)``),
+    the processor's ``pixel_values`` / ``image_grid_thw`` for one image (on the CPU)."""
+    x_CHW = _rgb_uint8_CHW(img)
+    C, H, W = x_CHW.shape
+    h, w = smart_size(H, W, spec)
+    if (h, w) != (H, W):
+        # uint8 in, uint8 out: torch's CPU antialiased bicubic kernel works on bytes directly
+        # (PIL's algorithm), which is what the processor's torchvision resize calls.
+        x_CHW = F.interpolate(x_CHW[None], size=(h, w), mode="bicubic", align_corners=False, antialias=True)[0]
+    # Rescale and normalise folded into one affine step in byte units, as the processor folds them.
+    mean_C11 = (torch.tensor(spec.mean, dtype=torch.float32) * 255.0).view(C, 1, 1)
+    std_C11 = (torch.tensor(spec.std, dtype=torch.float32) * 255.0).view(C, 1, 1)
+    x_CHW = (x_CHW.to(torch.float32) - mean_C11) / std_C11
+
+    p, m, tp = spec.patch, spec.merge, spec.temporal_patch
+    gh, gw = h // p, w // p
+    # [C, H, W] -> [C, block row, row in block, pixel row, block col, col in block, pixel col]
+    x = x_CHW.reshape(C, gh // m, m, p, gw // m, m, p)
+    # Patch order: merge block by merge block (row-major), and inside a block row-major; each
+    # row's values: channel, then time, then the patch's pixels row-major.
+    x = x.permute(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, p, p]
+    x = x.unsqueeze(5).expand(gh // m, gw // m, m, m, C, tp, p, p)  # the still frame repeated in time
+    patches_NP = x.reshape(gh * gw, C * tp * p * p).contiguous()
+    return patches_NP, (1, gh, gw)
