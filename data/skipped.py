@@ -62,10 +62,13 @@ class SkipReport:
                 continue
             first = [d for d in self.dropped if reason_kind(d.reason) == kind][:examples]
             out.append(f"{kind}: {count} sample(s), e.g. " + "; ".join(f"{d.shard}:{d.key} ({d.reason})" for d in first))
-        for shard, error in self.shards.items():
-            n = self.lost.get(shard)
-            out.append(f"damaged shard {shard}: {error}; " + (f"about {n} sample(s) lost" if n else "samples lost: unknown"))
-        return out
+        return out + self.shard_lines()
+
+    def shard_lines(self) -> list[str]:
+        """Every damaged shard by name, with its error and the samples it lost."""
+        return [f"damaged shard {shard}: {error}; " + (f"about {n} sample(s) lost" if (n := self.lost.get(shard))
+                                                        else "samples lost: unknown")
+                for shard, error in self.shards.items()]
 
     def write(self, path: str) -> None:
         """The full list, one JSON object a line (shard, key, reason; damaged shards with their estimate)."""

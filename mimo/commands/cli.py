@@ -216,9 +216,8 @@ def run_prepare_data(args: argparse.Namespace) -> dict[str, Any]:
     if len(too_long) > 20:
         print(f"  ... and {len(too_long) - 20} more too long samples")
     report = SkipReport.of(plan, config.data.max_sample_tokens)
-    for line in report.lines():
-        if line.startswith("damaged shard"):  # the samples are listed above
-            print(f"  {line}")
+    for line in report.shard_lines():  # the samples are listed above
+        print(f"  {line}")
     print(f"  {100 * report.fraction:.2f}% of the samples dropped (data.max_skipped_fraction="
           f"{config.data.max_skipped_fraction:g}: `mimo train` stops above it)")
     return {
