@@ -2,7 +2,7 @@
 every file a save writes carries the crc32 of its bytes in meta.json; a file whose bytes were
 overwritten in place (same size, header intact) is found: ``usable_checkpoint`` falls back to the
 older checkpoint with a warning naming the file, ``resolve_checkpoint`` refuses it; a checkpoint
-written before checksums still loads; pruning only follows a verified save and counts only
+written before checksums still loads; pruning only follows a checked save and counts only
 usable checkpoints toward ``keep``, so damaged ones never cost the last good one its place."""
 
 from __future__ import annotations
@@ -74,26 +74,52 @@ def _steps(directory) -> list[int]:
     return [step for step, _ in complete_checkpoints(str(directory))]
 
 
-@pytest.mark.parametrize("piece", [ckpt._WRITE_CHUNK, 40])
-def test_the_writer_writes_safetensors_with_the_crc32_of_its_bytes(tmp_path, monkeypatch, piece):
-    """Pieces of 40 bytes: tensors cut and grouped, their crc32s combined, on the writer's and the check's threads."""
-    monkeypatch.setattr(ckpt, "_WRITE_CHUNK", piece)
-    tensors = {"f32": torch.randn(3, 5), "bf16": torch.randn(7).bfloat16(), "f16": torch.randn(2, 2).half(),
-               "i64": torch.arange(5), "u8": torch.arange(3, dtype=torch.uint8), "bool": torch.tensor([True, False, True]),
-               "fp8": torch.randn(4).to(torch.float8_e4m3fn), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
-               "strided": torch.randn(4, 6).t()}
-    records = ckpt._write_files([("a.safetensors", tensors, {"placements": "{}", "step": "3"})], str(tmp_path))
-    file = tmp_path / "a.safetensors"
-    assert records == {"a.safetensors": {"crc32": f"{zlib.crc32(file.read_bytes()):08x}", "bytes": file.stat().st_size}}
+_EVERY_DTYPE = {"f32": torch.randn(3, 5), "bf16": torch.randn(7).bfloat16(), "f16": torch.randn(2, 2).half(),
+                "f64": torch.randn(3).double(), "c64": torch.randn(2, dtype=torch.complex64), "i64": torch.arange(5),
+                "i32": torch.arange(3, dtype=torch.int32), "i16": torch.arange(3, dtype=torch.int16),
+                "i8": torch.arange(3, dtype=torch.int8), "u64": torch.tensor([1, 2], dtype=torch.uint64),
+                "u32": torch.tensor([1, 2], dtype=torch.uint32), "u16": torch.tensor([1, 2], dtype=torch.uint16),
+                "u8": torch.arange(3, dtype=torch.uint8), "bool": torch.tensor([True, False, True]),
+                "fp8": torch.randn(4).to(torch.float8_e4m3fn), "fp8b": torch.randn(3).to(torch.float8_e5m2),
+                "e8m0": torch.ones(2).to(torch.float8_e8m0fnu), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
+                "strided": torch.randn(4, 6).t()}
+
+
+def _written_as_saved(file, tensors, records, name="a.safetensors") -> None:
+    """``records`` hold ``file``'s crc32 and size; it holds ``tensors`` (bytes equal) and the demo metadata."""
+    assert records == {name: {"crc32": f"{zlib.crc32(file.read_bytes()):08x}", "bytes": file.stat().st_size}}
     with ckpt._crc_threads() as pool:
-        assert ckpt._file_crc32(str(file), pool) == records["a.safetensors"]["crc32"]
+        assert ckpt._file_crc32(str(file), pool) == records[name]["crc32"]
     with safe_open(str(file), "pt") as f:
         assert f.metadata() == {"placements": "{}", "step": "3"}
         assert sorted(f.keys()) == sorted(tensors)
-        for name, t in tensors.items():
-            got = f.get_tensor(name)
+        for key, t in tensors.items():
+            got = f.get_tensor(key)
             same = torch.equal(got.reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8))  # bytes: fp8 has no ==
-            assert got.dtype == t.dtype and got.shape == t.shape and same, name
+            assert got.dtype == t.dtype and got.shape == t.shape and same, key
+
+
+@pytest.mark.parametrize("piece", [ckpt._WRITE_CHUNK, 40])
+def test_the_writer_writes_safetensors_with_the_crc32_of_its_bytes(tmp_path, monkeypatch, caplog, piece):
+    """Pieces of 40 bytes: tensors cut and grouped, their crc32s combined on the threads. Every
+    dtype safetensors stores: the layout checksummed is save_file's (no fallback to reading the file)."""
+    monkeypatch.setattr(ckpt, "_WRITE_CHUNK", piece)
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        records = ckpt._write_files([("a.safetensors", _EVERY_DTYPE, {"placements": "{}", "step": "3"})], str(tmp_path))
+    assert not caplog.records
+    _written_as_saved(tmp_path / "a.safetensors", _EVERY_DTYPE, records)
+    header, _ = ckpt._safetensors_layout({k: t.contiguous() for k, t in _EVERY_DTYPE.items()}, {"placements": "{}", "step": "3"})
+    assert len(ckpt._header_of(str(tmp_path / "a.safetensors"))) == len(header)
+
+
+def test_a_safetensors_that_orders_tensors_otherwise_has_the_checksum_read_from_the_file(tmp_path, monkeypatch, caplog):
+    """The layout mimo expects, wrong (the dtype order reversed): the header read back differs, the
+    crc32 comes from the file, right, with a warning."""
+    monkeypatch.setattr(ckpt, "_DTYPE_ORDER", {k: -v for k, v in ckpt._DTYPE_ORDER.items()})
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        records = ckpt._write_files([("a.safetensors", _EVERY_DTYPE, {"placements": "{}", "step": "3"})], str(tmp_path))
+    assert "lays files out otherwise than mimo expects" in caplog.text
+    _written_as_saved(tmp_path / "a.safetensors", _EVERY_DTYPE, records)
 
 
 def test_bytes_overwritten_in_place_are_found_and_the_older_checkpoint_taken(trained, tmp_path, caplog):
@@ -178,11 +204,11 @@ def test_damaged_checkpoints_do_not_count_toward_keep(trained, tmp_path, caplog)
 
 
 @pytest.mark.parametrize("async_save", [False, True])
-def test_a_save_that_does_not_read_back_as_written_is_not_committed_and_prunes_nothing(trained, tmp_path, monkeypatch, async_save):
-    """The checksum of the bytes written, wrong (as if the storage kept other bytes): the rank's
-    read-back finds it, nothing is committed, the older checkpoint stays although keep=1; the
-    asynchronous writer likewise, its error raised by ``wait``. Without the fault its save
-    carries the same checksums as a synchronous one."""
+def test_a_save_whose_file_is_short_on_disk_is_not_committed_and_prunes_nothing(trained, tmp_path, monkeypatch, async_save):
+    """A file that ends up shorter on disk than written (as if the storage dropped its tail): the
+    rank's check of sizes finds it, nothing is committed, the older checkpoint stays although
+    keep=1; the asynchronous writer likewise, its error raised by ``wait``. Without the fault its
+    save carries the same checksums as a synchronous one."""
     from mimo.training.async_save import CheckpointSaver
 
     model, optimizers = trained
@@ -192,9 +218,16 @@ def test_a_save_that_does_not_read_back_as_written_is_not_committed_and_prunes_n
     meta = json.loads(open(os.path.join(ckpt.step_dir(str(tmp_path), 1), "meta.json")).read())
     assert sorted(meta["checksums"]) == meta["files"]
     validate_checkpoint(ckpt.step_dir(str(tmp_path), 1))
-    monkeypatch.setattr(ckpt, "_crc32_of", lambda piece: 0)  # the writer's checksum of each piece: not its bytes
-    with pytest.raises(CheckpointError, match=r"rank00000\.\w+\.safetensors: does not read back as written right after "
-                       r"writing it: its bytes are not those written .*; not committed, the previous checkpoint stays in force"):
+    real_save_file = ckpt.save_file
+
+    def loses_its_tail(tensors, path, metadata=None):
+        real_save_file(tensors, path, metadata=metadata)
+        if ".model." in path:
+            os.truncate(path, os.path.getsize(path) - 4)
+
+    monkeypatch.setattr(ckpt, "save_file", loses_its_tail)
+    with pytest.raises(CheckpointError, match=r"rank00000\.model\.safetensors: \d+ bytes on disk right after writing \d+ "
+                       r".*; not committed, the previous checkpoint stays in force"):
         saver.save(model, optimizers, 2)
         saver.wait()
     assert _steps(tmp_path) == [1]

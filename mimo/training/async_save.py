@@ -11,9 +11,9 @@ reads them back against those checksums, leaves the checksums beside them
 waits for every rank's mark by listing the folder, not by a collective (torch.distributed is not
 safe to call from a second thread while training calls it), deletes the marks and commits as a
 synchronous save does: every rank's checksums gathered into meta.json, fsync, rename, prune
-(only after the commit, counting usable checkpoints only: ``checkpoint.prune``). Reading the
-files back happens on the writer threads, so an asynchronous save's step pays for none of it.
-A writer that fails (a file that does not read back as written included) leaves
+(only after the commit, counting usable checkpoints only: ``checkpoint.prune``). The
+checksums are computed on the writer's threads, so an asynchronous save's step pays for none of them.
+A writer that fails (a file whose size on disk is not what was written included) leaves
 ``error-rank<R>`` with its message instead, so rank 0 stops waiting at once; a rank that has not
 marked its files after ``timeout_s`` is an error naming it.
 
@@ -104,7 +104,7 @@ class _Writer(threading.Thread):
         try:
             records = _write_files(self.files, self.tmp)
             self.files = None  # the host copies (not the pinned buffers: the staging keeps those)
-            _seal(self.tmp, self.rank, records)  # read back against their checksums, which go beside them
+            _seal(self.tmp, self.rank, records)  # their checksums beside them
             if self.after_write is not None:
                 self.after_write()
             _mark(self.tmp, "done", self.rank)

@@ -27,13 +27,16 @@ on the replica axes), checks the stored record against its own, and copies the t
 checkpoint records the layout it was written at; loading it at another layout reads each local
 tensor from the stored pieces that overlap it (``mimo.training.reshard``).
 
-Checksums: every file is written by mimo's own safetensors writer (``_write_tensors``: the
-format ``save_file`` writes), which computes the crc32 of its bytes from the tensors' memory as
-it writes them, on helper threads beside the writes (no file is read back to checksum it). Each
-rank then reads its files back against those checksums (``_verify_written``) and leaves them
-beside the files (``checksums-rank<R>.json``); the commit gathers every rank's into meta.json
-(``checksums``: per file its ``crc32`` and ``bytes``). A file that does not read back as written
-is an error on that rank, and the checkpoint is not committed.
+Checksums: every file is written by safetensors' ``save_file`` while helper threads compute the
+crc32 of the same bytes from the tensors' memory (``_write_tensors``; ``_safetensors_layout`` lays
+them out as ``save_file`` does, and the file's header and size, read back, confirm it: where they
+differ, the crc32 is read from the file instead). The crc32 costs a save nothing where a core is
+free for it; reading each file back to compare would cost 5% of a save and check the page cache
+rather than the disk (docs/performance.md), so the save checks headers and sizes only, and the
+first load of the checkpoint reads every byte against its checksum. Each rank leaves its
+checksums beside its files (``checksums-rank<R>.json``); the commit gathers every rank's into
+meta.json (``checksums``: per file its ``crc32`` and ``bytes``). A file whose size or header on
+disk is not what was written is an error on that rank, and the checkpoint is not committed.
 
 Finding one to load: ``usable_checkpoint`` takes the newest complete checkpoint whose files are all
 there, readable (each safetensors header parses and covers its file) and hold the bytes written
@@ -47,12 +50,12 @@ loading is a ``CheckpointError`` naming it, never a bare SafetensorError.
 Atomicity: all ranks write into ``step-N.tmp``; after a barrier rank 0 writes ``meta.json``
 last, fsyncs, and renames the folder to ``step-N``. A crash at any point (kill -9 included)
 leaves either no ``step-N`` or a complete one; a complete checkpoint is a ``step-N`` folder
-with ``meta.json``. Only then, the new checkpoint committed and its files verified, are old
+with ``meta.json``. Only then, the new checkpoint committed and its files checked, are old
 checkpoints pruned: those older than the newest ``keep`` usable ones (``prune``: a damaged
 checkpoint never counts toward ``keep``, so it never costs a good one its place). They are
 renamed to ``.old`` before deletion, so a crash while pruning never leaves a half-deleted
 folder that looks complete. An asynchronous save (``train.checkpoint.async_save``,
-``mimo.training.async_save``) writes, checksums and verifies the same files from a background
+``mimo.training.async_save``) writes and checksums the same files from a background
 thread per rank: each rank marks its files done with a file in ``step-N.tmp`` instead of the
 barrier, and rank 0's thread commits as above once every mark is there.
 
@@ -79,6 +82,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+import safetensors
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -325,7 +329,7 @@ def remove_leftovers(directory: str) -> list[str]:
 def prune(directory: str, keep: int | None, newest: int | None = None) -> list[str]:
     """Delete the checkpoints older than the newest ``keep`` usable ones; returns the deleted
     paths, oldest first. Runs once the checkpoint of step ``newest`` is committed, its files
-    read back against their checksums by the ranks that wrote them (``_verify_written``).
+    fsynced and their sizes and headers checked by the ranks that wrote them (``_write_tensors``).
 
     Only usable checkpoints count toward ``keep`` (``validate_checkpoint`` short of reading the
     tensor bytes: meta.json, every file there, its header, the size written), so a damaged one
@@ -341,7 +345,7 @@ def prune(directory: str, keep: int | None, newest: int | None = None) -> list[s
 
     What this does not see: bytes overwritten in place, at the same size, in a checkpoint older
     than the new one (only reading every byte finds that: the next resume does). It counts, but
-    the new checkpoint, just verified, always stays beside it. Reading every kept checkpoint on
+    the new checkpoint, just committed, always stays beside it. Reading every kept checkpoint on
     every save would cost each save up to ``keep`` times its own writing, all on rank 0.
     ``newest=None``: every checkpoint counts."""
     if keep is None:
@@ -468,15 +472,19 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", tor
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
            torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64", torch.complex64: "C64",
            torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-           torch.float8_e5m2fnuz: "F8_E5M2FNUZ"}
+           torch.float8_e5m2fnuz: "F8_E5M2FNUZ", torch.float8_e8m0fnu: "F8_E8M0"}
+# the order of tensors in a safetensors file: by dtype in this order (its Dtype enum from the
+# last), then by name, in safetensors 0.4-0.8; tests/test_checkpoint_integrity.py checks it
+_DTYPE_ORDER = {name: i for i, name in enumerate((
+    "U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "F8_E5M2FNUZ", "F8_E4M3FNUZ",
+    "F8_E8M0", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL"))}
 _WRITE_CHUNK = 64 << 20  # bytes per piece: what one helper thread checksums at a time, written beside it
 
 
 def _safetensors_layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> tuple[bytes, list[memoryview]]:
     """The bytes of a safetensors file of ``tensors``: its header (the JSON's length, 8 bytes
-    little-endian, then the JSON padded with spaces to a multiple of 8, as ``save_file`` writes
-    it) and each tensor's bytes, as views of its memory. Larger elements first, then by name:
-    every tensor starts at a multiple of its element size, as in ``save_file``'s files."""
+    little-endian, then the JSON padded with spaces to a multiple of 8) and each tensor's bytes,
+    as views of its memory, in ``save_file``'s order (``_DTYPE_ORDER``, then by name)."""
     header: dict[str, object] = {}
     if metadata is not None:
         odd = [k for k, v in metadata.items() if not isinstance(v, str)]
@@ -484,10 +492,11 @@ def _safetensors_layout(tensors: dict[str, torch.Tensor], metadata: dict[str, st
             raise TypeError(f"safetensors metadata holds strings only: {odd[0]!r} is a {type(metadata[odd[0]]).__name__}")
         header["__metadata__"] = metadata
     views, offset = [], 0
-    for name in sorted(tensors, key=lambda n: (-tensors[n].element_size(), n)):
+    unknown = [n for n, t in tensors.items() if t.dtype not in _DTYPES]
+    if unknown:
+        raise TypeError(f"{unknown[0]!r}: safetensors cannot store {tensors[unknown[0]].dtype}")
+    for name in sorted(tensors, key=lambda n: (_DTYPE_ORDER[_DTYPES[tensors[n].dtype]], n)):
         t = tensors[name]
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{name!r}: safetensors cannot store {t.dtype}")
         data = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
         header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
         views.append(data)
@@ -586,20 +595,49 @@ def _crc_threads() -> Iterator[ThreadPoolExecutor]:
         yield pool
 
 
+def _header_of(path: str) -> bytes:
+    """The header of the safetensors file at ``path``: its length (8 bytes) and JSON, as written."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        return head + f.read(struct.unpack("<Q", head)[0]) if len(head) == 8 else head
+
+
+def _parsed(header: bytes) -> object:
+    try:
+        return json.loads(header[8:])
+    except ValueError:
+        return None
+
+
 def _write_tensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None,
                    pool: ThreadPoolExecutor) -> dict:
-    """``tensors`` and ``metadata`` written to ``path`` as a safetensors file (not fsynced);
-    returns its checksum record: the crc32 and number of the bytes written, computed from the
-    tensors' memory as it is written (``_Crc32``; not read back from disk)."""
+    """``tensors`` and ``metadata`` written to ``path`` by ``save_file`` (not fsynced); returns
+    its checksum record: the crc32 and number of its bytes. The crc32 of the tensor bytes is
+    computed from the tensors' memory on ``pool``'s threads while ``save_file`` writes
+    (``_Crc32``), that of the header from the file (safetensors orders the metadata as it
+    pleases), the two combined. The file's header must lay the tensors out as
+    ``_safetensors_layout`` does and its size be the one written: a size that differs is a
+    CheckpointError (the storage did not take the bytes); a layout that differs (a safetensors
+    that orders tensors otherwise) has the crc32 read from the file instead, with a warning."""
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
     header, views = _safetensors_layout(tensors, metadata)
-    crc, size = _Crc32(pool), 0
-    with open(path, "wb") as f:
-        for piece in _pieces([memoryview(header), *views], _WRITE_CHUNK):
-            crc.feed(piece)
-            for view in piece:
-                f.write(view)
-                size += len(view)
-    return {"crc32": crc.value(), "bytes": size}
+    crc = _Crc32(pool)
+    for piece in _pieces(views, _WRITE_CHUNK):
+        crc.feed(piece)
+    save_file(tensors, path, metadata=metadata)
+    data_crc, data_size = crc.value(), sum(len(v) for v in views)
+    written = _header_of(path)
+    on_disk = os.path.getsize(path)
+    if _parsed(written) == _parsed(header):
+        if on_disk != len(written) + data_size:
+            raise CheckpointError(f"{path}: {on_disk} bytes on disk right after writing {len(written) + data_size} (a "
+                                  f"failing disk or filesystem?); not committed, the previous checkpoint stays in force")
+        return {"crc32": f"{_crc32_combine(zlib.crc32(written), int(data_crc, 16), data_size):08x}", "bytes": on_disk}
+    log.warning("%s: safetensors %s lays files out otherwise than mimo expects; its checksum is read from the "
+                "file (slower saves)", path, getattr(safetensors, "__version__", "?"))
+    with open_tensors(path):  # the file parses and its header covers it
+        pass
+    return {"crc32": _file_crc32(path, pool), "bytes": on_disk}
 
 
 def _optimizer_state(opt: torch.optim.Optimizer, names: list[str], only: set[str] | None = None,
@@ -774,24 +812,10 @@ def _write_part(part: _Part, opt: torch.optim.Optimizer | None, directory: str, 
     return _write_files(_part_files(part, opt, rank, step), directory)
 
 
-def _verify_written(directory: str, records: dict[str, dict]) -> None:
-    """Each file of ``records`` in ``directory`` read back (streamed) and compared with the
-    checksum of the bytes written: a rank's check of its own files before it declares them
-    done, so that no checkpoint is committed (and none pruned for it) that does not read back
-    as written. A CheckpointError naming the file where one differs."""
-    with _crc_threads() as pool:
-        for name, record in records.items():
-            file = os.path.join(directory, name)
-            problem = _file_problem(file, record, pool)
-            if problem:
-                raise CheckpointError(f"{file}: does not read back as written right after writing it: {problem} (a "
-                                      f"failing disk or filesystem?); not committed, the previous checkpoint stays in force")
-
-
 def _seal(directory: str, rank: int, records: dict[str, dict]) -> None:
-    """Rank ``rank``'s files in ``directory`` verified (``_verify_written``), then their checksums
-    left beside them (``checksums-rank<R>.json``, fsynced) for the commit to gather into meta.json."""
-    _verify_written(directory, records)
+    """Rank ``rank``'s checksum records (``_write_tensors``; its files written and fsynced) left
+    beside its files in ``directory`` (``checksums-rank<R>.json``, fsynced) for the commit to
+    gather into meta.json."""
     path = os.path.join(directory, f"checksums-rank{rank:05d}.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(records, f)
@@ -832,7 +856,7 @@ def _about(model: MimoModel, step: int, extra_meta: dict | None) -> dict:
 
 
 def _commit(tmp: str, final: str, keep: int | None, about: dict) -> None:
-    """Rank 0, once every rank's files are on disk in ``tmp`` and sealed (verified, their
+    """Rank 0, once every rank's files are on disk in ``tmp`` and sealed (checked, their
     checksums beside them: ``_seal``): meta.json last, with every file's checksum, fsynced, the
     rename to ``final`` (the commit), then old checkpoints beyond ``keep`` usable ones pruned
     (``prune``). A file without a checksum is an error: nothing is committed."""
