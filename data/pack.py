@@ -71,8 +71,8 @@ def cp_share(batch: PackedBatch, cp_rank: int) -> PackedBatch:
     """CP rank ``cp_rank``'s share of a whole pack (``pack`` with cp > 1): its two chunks of every
     sample, in ``PackLayout``'s local order, each chunk a segment of its own (positions stay the
     sample's, for RoPE; the layers join the chunks across CP ranks: ``mimo.llm.cp``); image slots
-    become local positions; tokens, labels and loss mask are its positions'. A pack without CP
-    comes back as it is."""
+    become local positions; tokens, labels, loss mask (and M-RoPE ``positions_3d``, by column)
+    are its positions'. A pack without CP comes back as it is."""
     info = batch.cp
     if info is None:
         return batch
@@ -95,6 +95,7 @@ def cp_share(batch: PackedBatch, cp_rank: int) -> PackedBatch:
         tokens=batch.tokens[idx], positions=batch.positions[idx], cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         labels=batch.labels[idx], loss_mask=batch.loss_mask[idx], image_slots=slots, sample_ids=batch.sample_ids,
         cp=CPSlice(cp, cp_rank, info.chunk_lens, info.real_lens),
+        positions_3d=None if batch.positions_3d is None else batch.positions_3d[:, idx],
     )
 
 

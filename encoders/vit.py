@@ -35,7 +35,7 @@ from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import ColumnParallelLinear, FusedColumnParallelLinear, RowParallelLinear
 from mimo.parallel.params import ParamInfo
 from mimo.parallel.placement import ParamPlacement, replicated
-from mimo.parallel.recompute import checkpoint, maybe, set_selective
+from mimo.parallel.recompute import checkpoint, maybe, set_block_recompute
 
 __all__ = ["VisionTransformer", "resolve_feature_layer", "patch_bias"]
 
@@ -236,11 +236,7 @@ class VisionTransformer(nn.Module):
     def set_recompute(self, mode: str, layers: int | None = None) -> None:
         """Activation recompute for the first ``layers`` blocks (all when None), as
         ``mimo.llm.model.LLMStage.set_recompute``."""
-        chosen = list(self.blocks)[:layers]
-        for block in self.blocks:
-            on = any(block is c for c in chosen)
-            block.recompute_full = on and mode == "full"
-            set_selective(block, on and mode == "selective")
+        set_block_recompute(self.blocks, mode, layers)
 
     # ---- weights ----
     def init_weights(self, seed: int) -> None:

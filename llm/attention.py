@@ -5,6 +5,12 @@ One layer = pre-norm, q/k/v projection (one column-parallel GEMM; each TP rank h
 ranks), optional QK-norm (per head: Qwen3; over all heads: OLMoE), RoPE at the pack's per-sample positions, attention that never
 crosses a ``cu_seqlens`` boundary, row-parallel output projection, residual add.
 
+RoPE is 1-D (``SeqContext.positions``), or, with ``mrope_section`` (Qwen3-VL), multimodal: each
+frequency rotates by the time, height or width position of ``SeqContext.positions_3d`` as
+``mimo.llm.mrope`` interleaves them (a pack without ``positions_3d``: every axis is
+``positions``, i.e. plain RoPE). Under sequence parallelism both describe the full local
+sequence the projections are gathered to; under context parallelism this rank's chunks.
+
 Two kernels compute the same function:
 
 * ``exact_attention``: per-sample ``scaled_dot_product_attention`` (causal) — any device and
@@ -28,6 +34,7 @@ from mimo.core.errors import LayoutError
 from mimo.llm.cache import pad_rows
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
+from mimo.llm.mrope import mrope_axes, mrope_tables
 from mimo.llm.norm import RMSNorm, ShardedRMSNorm
 from mimo.llm.rope import RopeConfig, apply_rope, inv_freq, rope_tables
 from mimo.parallel.collectives import all_gather_along, reduce_scatter_along
@@ -49,6 +56,7 @@ class AttentionConfig:
     qk_norm: bool = False
     qk_norm_full: bool = False  # over all heads' q / k at once (OLMoE), not per head
     norm_eps: float = 1e-5
+    mrope_section: tuple[int, ...] | None = None  # M-RoPE (time, height, width) frequency counts
 
     @classmethod
     def from_arch(cls, arch: HybridArch) -> "AttentionConfig":
@@ -56,6 +64,7 @@ class AttentionConfig:
             hidden=arch.hidden, heads=arch.heads, kv_heads=arch.kv_heads, head_dim=arch.head_dim,
             rope=RopeConfig.from_arch(arch) if arch.rope else None, qkv_bias=bool(arch.qkv_bias), o_bias=bool(arch.o_bias),
             qk_norm=arch.qk_norm, qk_norm_full=arch.qk_norm_full, norm_eps=arch.norm_eps,
+            mrope_section=tuple(arch.mrope_section) if arch.rope and arch.mrope_section is not None else None,
         )
 
 
@@ -86,6 +95,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.norm_eps, ctx, partial=True)
         self.o_proj = RowParallelLinear(cfg.heads * hd, cfg.hidden, bias=cfg.o_bias, ctx=ctx, input_is_parallel=True)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # not a buffer: .to(bf16) must not round it
+        self._mrope_axes: dict[torch.device, torch.Tensor] = {}
 
     def init_weights(self, seed: int, std: float, out_std: float | None = None) -> None:
         """TP-invariant: each parameter from ``param_seed(seed, its name in this layer)``."""
@@ -96,6 +106,15 @@ class Attention(nn.Module):
         if device not in self._inv_freq:
             self._inv_freq[device] = inv_freq(self.cfg.rope).to(device)
         return self._inv_freq[device]
+
+    def mrope_tables(self, seq: SeqContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, head_dim]`` of M-RoPE at the pack's 3-D positions (1-D without them)."""
+        device = seq.positions.device
+        if seq.positions_3d is None:
+            return rope_tables(seq.positions, self.inv_freq(device))
+        if device not in self._mrope_axes:
+            self._mrope_axes[device] = mrope_axes(self.cfg.head_dim, self.cfg.mrope_section).to(device)
+        return mrope_tables(seq.positions_3d.to(device), self.inv_freq(device), self._mrope_axes[device])
 
     selective = False  # recompute the attention core in backward (mimo.parallel.recompute)
 
@@ -116,7 +135,10 @@ class Attention(nn.Module):
         if self.cfg.qk_norm and not self.cfg.qk_norm_full:
             q_THD, k_THD = self.q_norm(q_THD), self.k_norm(k_THD)
         if self.cfg.rope is not None:
-            cos_TD, sin_TD = rope_tables(seq.positions, self.inv_freq(seq.positions.device))
+            if self.cfg.mrope_section is None:
+                cos_TD, sin_TD = rope_tables(seq.positions, self.inv_freq(seq.positions.device))
+            else:
+                cos_TD, sin_TD = self.mrope_tables(seq)
             q_THD, k_THD = apply_rope(q_THD, cos_TD, sin_TD), apply_rope(k_THD, cos_TD, sin_TD)
         if seq.cache is None:
             o_THD = packed_attention(q_THD, k_THD, v_THD, seq, scale=hd ** -0.5, impl=self.impl)

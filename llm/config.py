@@ -191,6 +191,15 @@ class HybridArch:
     # MoE (E layers)
     moe: MoEArch | None = None
     rope: bool = True  # false: attention without positions (Nemotron-H)
+    # multimodal RoPE (Qwen3-VL, ``mimo.llm.mrope``): (time, height, width) frequency counts,
+    # summing to head_dim / 2, interleaved as Qwen3-VL does; attention rotates by the pack's
+    # ``positions_3d`` (``PackedBatch``). None: plain 1-D RoPE
+    mrope_section: list[int] | None = None
+    # deepstack (Qwen3-VL): level k of an image's multi-level features is added to its rows'
+    # hidden states right after layer ``deepstack_layers[k]`` (an index into the pattern's
+    # layers, ``layers.<i>``: Qwen3-VL adds after its decoder layer k, our MLP / MoE layer
+    # 2k + 1). Strictly increasing, all on the first pipeline stage (where image rows arrive).
+    deepstack_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         def whole(a: int, b: int) -> int | None:
@@ -216,6 +225,25 @@ class HybridArch:
             self.qkv_bias = self.attention_bias
         if self.o_bias is None:
             self.o_bias = self.attention_bias
+
+    def _mrope_problems(self, key) -> list[str]:
+        sec = self.mrope_section
+        if sec is None:
+            return []
+        half = self.head_dim // 2 if self.head_dim else None
+        if (len(sec) != 3 or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in sec)
+                or sum(sec) != half or self.head_dim % 2):
+            return [f"{key('mrope_section')}: {list(sec)} must be three positive ints summing to head_dim / 2 = "
+                    f"{self.head_dim} / 2"]
+        if not self.rope:
+            return [f"{key('mrope_section')}: M-RoPE needs rope: true"]
+        return []
+
+    @property
+    def deepstack_levels(self) -> int:
+        """Levels of multi-level image features (deepstack) beside the main rows: an image row
+        reaches the first stage as ``hidden * (1 + deepstack_levels)`` columns."""
+        return len(self.deepstack_layers)
 
     def layer_pattern(self) -> LayerPattern:
         """The parsed pattern (ConfigError if it is malformed), its automatic split costed by
@@ -247,6 +275,13 @@ class HybridArch:
             problems.append(f"{key('kv_heads')}: heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
         if self.qk_norm_full and not self.qk_norm:
             problems.append(f"{key('qk_norm_full')}: needs qk_norm: true")
+        problems += self._mrope_problems(key)
+        layers = len(self.layer_pattern().layers)
+        ds = list(self.deepstack_layers)
+        if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < layers for i in ds):
+            problems.append(f"{key('deepstack_layers')}: {ds} must be layer indices 0..{layers - 1} of the pattern")
+        elif any(b <= a for a, b in zip(ds, ds[1:])):
+            problems.append(f"{key('deepstack_layers')}: {ds} must be strictly increasing (level k after layer k's index)")
         if "moe" in kinds and self.moe is None:
             pos = self.pattern.index("E") + 1
             problems.append(f"{key('moe')}: the pattern has MoE layers ('E' at position {pos}); describe them under arch.moe")
@@ -304,9 +339,16 @@ class LLMModuleConfig:
         problems += self._expert_layout_problems(pattern, pkey)
         if par.pp >= 1:
             try:
-                pattern.stages(par.pp)
+                first = {s.index for s in pattern.stages(par.pp)[0]}
             except ConfigError as e:
                 problems += [f"{pkey('pp')}: {p}" for p in e.problems]
+            else:
+                late = [i for i in arch.deepstack_layers  # (indices outside the pattern: HybridArch.validate)
+                        if isinstance(i, int) and 0 <= i < len(pattern.layers) and i not in first]
+                if late:
+                    problems.append(f"{pkey('pp')}: arch.deepstack_layers {late} lie beyond the first pipeline stage "
+                                    f"(layers {min(first)}..{max(first)}); image rows arrive there only: put them on "
+                                    f"it with '|' in arch.pattern")
         if par.tp >= 1:
             sizes = {"heads": arch.heads, "kv_heads": arch.kv_heads}
             if "mlp" in pattern.kinds:

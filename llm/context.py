@@ -34,6 +34,10 @@ class SeqContext:
     # greedy generation: the stage's ``mimo.llm.cache.GenerationCache`` (a prefill, or a decode
     # step of one token per sample); None: a plain forward
     cache: object = None
+    # M-RoPE: ``[3, T]`` int64 (time, height, width) positions of the same tokens as
+    # ``positions`` (``PackedBatch.positions_3d``; under CP this rank's columns); None: every axis
+    # is ``positions``. Read only by attention of an arch with ``mrope_section``
+    positions_3d: torch.Tensor | None = None
 
     def real_mask(self) -> torch.Tensor | None:
         """``[T]`` bool, True at real tokens; None when every position is real."""

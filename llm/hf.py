@@ -1,7 +1,7 @@
 """Hugging Face import / export of causal LMs, one *family* per ``model_type`` (``HF_FAMILIES``).
 
 Decoder families (this file): Llama, Qwen2, Qwen3 and the MoE ones Qwen3-MoE, Qwen2-MoE,
-Mixtral, OLMoE. A Hugging Face decoder layer ``j`` is two of our layers: attention ``2j``
+Mixtral, OLMoE; Qwen3-VL's and Qwen3-VL-MoE's language models. A Hugging Face decoder layer ``j`` is two of our layers: attention ``2j``
 (with ``input_layernorm``) and MLP or MoE ``2j+1`` (with ``post_attention_layernorm``), so
 these models are the pattern ``"*-"`` / ``"*E"`` per decoder layer (``|`` anywhere between
 layers for explicit stages). Qwen MoE configs may make some layers dense (``mlp_only_layers``,
@@ -19,8 +19,15 @@ Model-specific flags, as Hugging Face defines them:
                sliding_window must be unset (or cover max_position_embeddings)
     olmoe      attention_bias -> all four biases; QK-norm over the whole q / k projection (not
                per head: arch.qk_norm_full); experts of intermediate_size; clip_qkv unsupported
+    qwen3_vl_text      Qwen3-VL's language model (the ``text_config`` of a ``qwen3_vl`` config):
+               as qwen3, with M-RoPE (rope_parameters' mrope_section, default [24, 20, 20],
+               interleaved whatever mrope_interleaved says, as transformers computes it) and
+               deepstack after decoder layers 0 .. levels-1 (arch.deepstack_layers 1, 3, ...)
+    qwen3_vl_moe_text  Qwen3-VL-MoE's: as qwen3_vl_text with qwen3_moe's experts (no
+               norm_topk_prob: the router always renormalises); published checkpoints hold
+               the fused experts transposed ([E, D, 2F], [E, F, D]), read either way
 
-MoE routing of all four: softmax over the experts, top-k, gates renormalised when
+MoE routing of the MoE families: softmax over the experts, top-k, gates renormalised when
 ``norm_topk_prob`` (plain division: ``moe.norm_eps`` 0), no scaling, no groups, no bias.
 Imported MoEs have ``aux_loss: none``: Hugging Face adds ``router_aux_loss_coef`` times its
 balancing loss only with ``output_router_logits`` (off by default), so the import is the
@@ -35,6 +42,13 @@ down_proj.weight`` (Mixtral: ``block_sparse_moe.experts.{e}.w1 / w3 / w2`` and
 ``block_sparse_moe.gate``). Import reads either (``decoder_checkpoint_view``: per-expert tensors
 stacked lazily, ``StackedExperts``); export writes ``model.state_dict()``'s names, which
 ``from_pretrained`` loads as they are.
+
+**Qwen3-VL** (``qwen3_vl`` / ``qwen3_vl_moe`` configs): the language model sits under
+``model.language_model.`` with ``lm_head.weight`` beside it (tied as the top-level
+``tie_word_embeddings`` says); the deepstack levels are the vision config's
+``deepstack_visual_indexes``. ``qwen3_vl_arch`` (the arch of a whole config.json),
+``qwen3_vl_text_from_hf`` / ``qwen3_vl_text_to_hf`` (our state from / to the whole model's
+state dict) and ``language_model_of`` (its checkpoints) are what the integration calls.
 
 **The family seam** (``HFFamily``; a family in its own module registers with
 ``HF_FAMILIES[model_type] = family_of(module)``, the module defining the names in brackets):
@@ -153,6 +167,8 @@ class Decoder:
     sparse_layers: bool = False  # mlp_only_layers / decoder_sparse_step (Qwen MoE)
     shared: bool = False  # Qwen2-MoE's gated shared expert
     experts_first: bool = False  # state_dict order of mlp.experts before mlp.gate (Qwen3-MoE)
+    mrope: bool = False  # M-RoPE (mrope_section) and deepstack after decoder layers (Qwen3-VL's text model)
+    transposed_experts: bool = False  # checkpoints may hold the fused experts transposed (Qwen3-VL-MoE)
 
 
 DECODERS = {
@@ -165,6 +181,10 @@ DECODERS = {
     "mixtral": Decoder("MixtralForCausalLM", bias="none", experts="num_local_experts", expert_ffn="intermediate_size",
                        norm_topk=True),
     "olmoe": Decoder("OlmoeForCausalLM", qk_norm="full", experts="num_experts", expert_ffn="intermediate_size"),
+    "qwen3_vl_text": Decoder("Qwen3VLForConditionalGeneration", qk_norm="head", mrope=True),
+    "qwen3_vl_moe_text": Decoder("Qwen3VLMoeForConditionalGeneration", qk_norm="head", experts="num_experts",
+                                 norm_topk=True, sparse_layers=True, experts_first=True, mrope=True,
+                                 transposed_experts=True),
 }
 
 
@@ -258,7 +278,20 @@ def decoder_arch_from_config(model_type: str, cfg: Mapping, pattern_stages: Iter
         max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
         init_std=float(cfg.get("initializer_range", 0.02)),
         moe=_moe_from_config(d, cfg) if "E" in symbols else None,
+        mrope_section=_mrope_from_hf(cfg) if d.mrope else None,
     )
+
+
+def _mrope_from_hf(cfg: Mapping) -> list[int]:
+    """M-RoPE sections of a Qwen3-VL text config (transformers' default when absent)."""
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    return [int(v) for v in params.get("mrope_section") or (24, 20, 20)]
+
+
+def deepstack_after_decoder_layers(levels: int) -> list[int]:
+    """``arch.deepstack_layers`` of Hugging Face's deepstack (Qwen3-VL): level k right after
+    decoder layer k, i.e. after our MLP / MoE layer ``2k + 1``."""
+    return [2 * k + 1 for k in range(levels)]
 
 
 def hf_decoder_layers(arch: HybridArch) -> list[str]:
@@ -319,6 +352,15 @@ def _decoder_problems(d: Decoder, model_type: str, arch: HybridArch, symbols: li
         out += _moe_problems(d, model_type, arch.moe)
     if not arch.rope:
         out.append(f"{model_type} attention has RoPE; set arch.rope: true")
+    if d.mrope and arch.mrope_section is None:
+        out.append(f"{model_type} has M-RoPE; set arch.mrope_section")
+    if not d.mrope and arch.mrope_section is not None:
+        out.append(f"{model_type} has 1-D RoPE; arch.mrope_section is set")
+    if arch.deepstack_layers and not d.mrope:
+        out.append(f"{model_type} has no deepstack; arch.deepstack_layers is set")
+    elif arch.deepstack_layers and list(arch.deepstack_layers) != deepstack_after_decoder_layers(len(arch.deepstack_layers)):
+        out.append(f"{model_type} adds deepstack level k after decoder layer k (arch.deepstack_layers "
+                   f"{deepstack_after_decoder_layers(len(arch.deepstack_layers))}), not {list(arch.deepstack_layers)}")
     return out
 
 
@@ -336,6 +378,8 @@ def decoder_config_from_arch(arch: HybridArch, model_type: str) -> dict:
         if s.type == "llama3":
             rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
                         original_max_position_embeddings=s.original_max_position_embeddings)
+    if d.mrope:  # (deepstack levels live in the vision config: qwen3_vl_arch)
+        rope.update(mrope_section=list(arch.mrope_section), mrope_interleaved=True)
     cfg = {
         "model_type": model_type, "architectures": [d.architecture],
         "vocab_size": arch.vocab, "hidden_size": arch.hidden, "intermediate_size": arch.ffn,
@@ -476,13 +520,44 @@ def _per_expert_keys(name: str, by_expert: dict[int, dict[int, str]]) -> list[li
     return out
 
 
+class _Transposed:
+    """A checkpoint tensor with its last two dims swapped, lazily (indexable like the source)."""
+
+    def __init__(self, src):
+        self.src = src
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.src[(*index[:-2], index[-1], index[-2])].transpose(-1, -2)
+
+
+def transposed_experts_view(arch: HybridArch | None, keys: Iterable[str], shapes: Mapping[str, tuple[int, ...]],
+                            get: Getter):
+    """``decoder_checkpoint_view``, then fused experts stored transposed (Qwen3-VL-MoE's published
+    ``gate_up_proj [E, D, 2F]`` / ``down_proj [E, F, D]``) read as ``model.state_dict()`` holds
+    them (``[E, 2F, D]`` / ``[E, D, F]``), lazily; a tensor already in that shape as it is (the
+    rule of transformers' ``Transpose(check_dims=True)``)."""
+    shapes, get = decoder_checkpoint_view(arch, keys, shapes, get)
+    if arch is None or arch.moe is None:
+        return shapes, get
+    e, f, d = arch.moe.experts, arch.moe.ffn, arch.hidden
+    want = {"mlp.experts.gate_up_proj": (e, 2 * f, d), "mlp.experts.down_proj": (e, d, f)}
+    flipped = {}
+    for name, shape in shapes.items():
+        target = next((w for suffix, w in want.items() if name.endswith("." + suffix)), None)
+        if target is not None and tuple(shape) != target and tuple(shape) == (*target[:-2], target[-1], target[-2]):
+            flipped[name] = target
+    out = {**shapes, **flipped}
+    return out, lambda name: _Transposed(get(name)) if name in flipped else get(name)
+
+
 def _decoder_family(model_type: str) -> HFFamily:
+    d = DECODERS[model_type]
     return HFFamily(
-        DECODERS[model_type].architecture,
+        d.architecture,
         lambda cfg, pattern_stages=None: decoder_arch_from_config(model_type, cfg, pattern_stages),
         lambda arch, model_type_=model_type: decoder_config_from_arch(arch, model_type_),
         lambda arch, rename=_same: decoder_tensor_pieces(model_type, arch, rename),
-        decoder_checkpoint_view,
+        transposed_experts_view if d.transposed_experts else decoder_checkpoint_view,
     )
 
 
@@ -853,10 +928,88 @@ def llava_text_config(config: Mapping) -> dict:
     return {**whole["text_config"], "tie_word_embeddings": bool(whole["tie_word_embeddings"])}
 
 
+# ---------------------------------------------------------------- Qwen3-VL's language model
+
+# a Qwen3-VL config's model_type -> (its transformers config class, the family of its text model)
+QWEN3_VL = {"qwen3_vl": ("Qwen3VLConfig", "qwen3_vl_text"), "qwen3_vl_moe": ("Qwen3VLMoeConfig", "qwen3_vl_moe_text")}
+QWEN3_VL_LM = ("model.language_model.", "lm_head.weight")  # where the causal LM's "model." and head sit
+
+
+def qwen3_vl_lm_key(name: str) -> str:
+    """A causal-LM key (``model.layers.0....``, ``lm_head.weight``) -> its key in a Qwen3-VL state dict."""
+    return llava_lm_key(name, *QWEN3_VL_LM)
+
+
+def normalised_qwen3_vl_config(config: Mapping) -> dict:
+    """A ``qwen3_vl`` / ``qwen3_vl_moe`` ``config.json`` with transformers' defaults filled in."""
+    import transformers
+
+    model_type = config.get("model_type")
+    if model_type not in QWEN3_VL:
+        raise MimoError(f"model_type {model_type!r} is not a Qwen3-VL config ({' or '.join(map(repr, QWEN3_VL))})")
+    cls = getattr(transformers, QWEN3_VL[model_type][0])
+    try:
+        return cls(**{k: v for k, v in config.items() if k != "model_type"}).to_dict()
+    except (TypeError, ValueError) as e:
+        raise MimoError(f"the {model_type} config is not valid for transformers' {cls.__name__}: {e}") from None
+
+
+def qwen3_vl_text_config(config: Mapping) -> dict:
+    """The language model's config inside a Qwen3-VL ``config.json`` (defaults filled in), its
+    ``model_type`` the family's (``qwen3_vl_text`` / ``qwen3_vl_moe_text``) and its tie flag the
+    top level's (what transformers ties by; the MoE text config's own default says otherwise)."""
+    whole = normalised_qwen3_vl_config(config)
+    return {**whole["text_config"], "model_type": QWEN3_VL[config["model_type"]][1],
+            "tie_word_embeddings": bool(whole.get("tie_word_embeddings", False))}
+
+
+def qwen3_vl_arch(config: Mapping, pattern_stages: Iterable[int] | None = None) -> HybridArch:
+    """Our ``HybridArch`` of a whole Qwen3-VL (or Qwen3-VL-MoE) ``config.json`` dict: its text
+    model's (M-RoPE sections included) with one deepstack level per entry of the vision config's
+    ``deepstack_visual_indexes``, added after decoder layers 0, 1, ... (``deepstack_layers`` 1, 3,
+    ...; ``pattern_stages``: decoder layers per explicit pipeline stage, the deepstack ones on
+    the first)."""
+    whole = normalised_qwen3_vl_config(config)
+    arch = arch_from_hf_config(qwen3_vl_text_config(config), pattern_stages)
+    levels = len(whole["vision_config"].get("deepstack_visual_indexes") or ())
+    arch.deepstack_layers = deepstack_after_decoder_layers(levels)
+    if max(arch.deepstack_layers, default=-1) >= len(arch.layer_pattern().layers):
+        raise MimoError(f"{levels} deepstack levels (vision_config.deepstack_visual_indexes) need as many decoder "
+                        f"layers; the text model has {len(arch.layer_pattern().layers) // 2}")
+    return arch
+
+
+def qwen3_vl_text_from_hf(state: Mapping[str, torch.Tensor], arch: HybridArch,
+                          model_type: str | None = None) -> dict[str, torch.Tensor]:
+    """Our full canonical state of the language model in a Qwen3-VL state dict (the whole
+    model's ``state_dict()``, or a checkpoint's tensors: per-expert or transposed fused experts
+    read too); its other tensors are ignored. MimoError naming a missing or misfit tensor."""
+    model_type = hf_model_type(arch) if model_type is None else model_type
+    keys = [k for k in state if k.startswith(QWEN3_VL_LM[0]) or k == QWEN3_VL_LM[1]]
+    shapes, get = family(model_type).checkpoint_view(arch, keys, {k: tuple(state[k].shape) for k in keys},
+                                                     state.__getitem__)
+    layout = _Layout(arch, qwen3_vl_lm_key, model_type)
+    _check(layout, shapes, "the Qwen3-VL state")
+    return {ours: layout.reader(ours, get)(tuple(slice(0, n) for n in layout.placements[ours].full_shape))
+            for ours in layout.sources}
+
+
+def qwen3_vl_text_to_hf(full_state: Mapping[str, torch.Tensor], arch: HybridArch,
+                        model_type: str | None = None) -> dict[str, torch.Tensor]:
+    """The language model's tensors of a Qwen3-VL ``state_dict()`` (``model.language_model.*``
+    and ``lm_head.weight``, a tied one included as the state dict has it) from our full
+    canonical state."""
+    return export_hf_state(full_state, arch, qwen3_vl_lm_key, model_type)
+
+
 def language_model_of(ckpt: HFCheckpoint) -> tuple[dict, Rename, list[str]]:
     """(causal-LM config, causal-LM name -> checkpoint name, the checkpoint's language-model
-    keys) of a causal-LM checkpoint, or of the language model inside a LLaVA one (either naming)."""
+    keys) of a causal-LM checkpoint, or of the language model inside a LLaVA one (either naming)
+    or a Qwen3-VL one (its text config, ``qwen3_vl_text_config``)."""
     config, keys = ckpt.config, ckpt.keys()
+    if config.get("model_type") in QWEN3_VL:
+        return (qwen3_vl_text_config(config), qwen3_vl_lm_key,
+                [k for k in keys if k.startswith(QWEN3_VL_LM[0]) or k == QWEN3_VL_LM[1]])
     if config.get("model_type") != "llava":
         return config, _same, keys
     config = llava_text_config(config)
@@ -879,7 +1032,7 @@ def checkpoint_tensors(ckpt: HFCheckpoint) -> tuple[dict, Rename, dict[str, tupl
 
 # arch fields whose difference from the checkpoint's config.json ``load_hf_checkpoint`` only warns
 # about (the weights still fit; the model computes something else than the checkpoint's)
-SOFT_FIELDS = ("rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qk_norm", "qk_norm_full", "moe")
+SOFT_FIELDS = ("rope_theta", "rope_scaling", "mrope_section", "norm_eps", "tie_embeddings", "qk_norm", "qk_norm_full", "moe")
 # those that size the weights (by the layer kind that has them; None: every arch), named when the
 # tensors do not fit; heads / kv_heads / head_dim refuse the checkpoint even where the shapes
 # agree (the same rows split into other heads)
@@ -946,7 +1099,7 @@ def check_hf_checkpoint(arch: HybridArch, path: str, source: str | None = None) 
     config_file = os.path.join(path, "config.json")
     if os.path.isfile(config_file):  # an unsupported family first, before what its files hold
         model_type = read_config_json(config_file).get("model_type")
-        if model_type != "llava":
+        if model_type != "llava" and model_type not in QWEN3_VL:
             family(model_type)
     ckpt = HFCheckpoint(path)
     config, rename, shapes, get = checkpoint_tensors(ckpt)

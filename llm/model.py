@@ -20,6 +20,15 @@ loaded identically); after backward ``sync_tied_grads`` all-reduces the two copi
 over ``embedding_group`` (first and last stage ranks of one TP/CP/DP coordinate), so both
 take the same optimizer step and stay equal.
 
+Multimodal positions and deepstack (Qwen3-VL): with ``arch.mrope_section`` attention rotates by
+the pack's 3-D ``positions_3d`` (``PackedBatch``; ``mimo.llm.mrope``), carried to every layer in
+the ``SeqContext``. With ``arch.deepstack_layers`` an image row may reach the first stage as
+``hidden * (1 + levels)`` columns (docs/design.md §10: the main features, then each level's):
+the main columns are scattered into the embeddings, level k's are added to the same slots right
+after layer ``deepstack_layers[k]`` has run (Hugging Face's ``_deepstack_process``); those layers
+must lie on the first stage (``LayoutError`` otherwise). Rows of ``hidden`` columns take no
+deepstack add.
+
 Activations: without sequence parallel, the hidden states between layers and stages are the
 whole pack ``[T, D]`` (replicated over TP); with it, this rank's contiguous ``[T/tp, D]`` block
 (the pack must already be padded to a multiple of tp, ``mimo.parallel.layout.PackLayout``).
@@ -49,12 +58,13 @@ from mimo.parallel.init import param_seed
 from mimo.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from mimo.parallel.layout import Placement, packed_placement
 from mimo.parallel.params import ParamInfo, full_tensors, load_full_, main_grad, param_table
-from mimo.parallel.recompute import checkpoint, set_selective
+from mimo.parallel.recompute import checkpoint, set_block_recompute
 
 
 class LLMStage(nn.Module):
     """This rank's stage of the LLM described by ``arch``, on ``ctx`` (default: the one-process
-    model, ``ParallelContext.for_tp()``); see module doc."""
+    model, ``ParallelContext.for_tp()``); see module doc. ``LayoutError`` if a layer of
+    ``arch.deepstack_layers`` is not on the first pipeline stage (on every stage alike)."""
 
     def __init__(self, arch: HybridArch, ctx: ParallelContext | None = None, *, device=None, dtype=None):
         super().__init__()
@@ -66,6 +76,15 @@ class LLMStage(nn.Module):
         pattern = arch.layer_pattern()
         # one stage runs every layer, '|' or not: the one-process reference of any pattern
         self.specs = pattern.layers if num_stages == 1 else pattern.stages(num_stages)[stage]
+        if arch.deepstack_layers:
+            first = pattern.layers if num_stages == 1 else pattern.stages(num_stages)[0]
+            late = [i for i in arch.deepstack_layers if i not in {s.index for s in first}]
+            if late:
+                raise LayoutError(f"arch.deepstack_layers {late} are not layers of the first pipeline stage "
+                                  f"(layers {first[0].index}..{first[-1].index} of {len(pattern.layers)}); image "
+                                  f"rows and their deepstack levels arrive there only")
+        # layer index -> deepstack level added right after it (first stage)
+        self.deepstack_after = {i: k for k, i in enumerate(arch.deepstack_layers)} if stage == 0 else {}
         self.tp_group, self.tp_size, self.tp_rank = ctx.tp, ctx.tp_size, ctx.tp_rank
         self.sequence_parallel = ctx.sequence_parallel
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
@@ -128,11 +147,7 @@ class LLMStage(nn.Module):
         """Activation recompute (``mimo.parallel.recompute``) for this stage's first ``layers``
         layers (all when None): ``full`` re-runs each one's forward in backward, ``selective``
         the memory-heavy cheap parts inside it, ``none`` nothing."""
-        chosen = list(self.layers.values())[:layers]
-        for layer in self.layers.values():
-            on = any(layer is c for c in chosen)
-            layer.recompute_full = on and mode == "full"
-            set_selective(layer, on and mode == "selective")
+        set_block_recompute(self.layers.values(), mode, layers)
 
     # ---------------------------------------------------------------- inputs
     def local_len(self, batch: PackedBatch) -> int:
@@ -158,17 +173,21 @@ class LLMStage(nn.Module):
             if batch.cp.cp != self.ctx.dense.size("cp"):
                 raise LayoutError(f"a pack cut for cp={batch.cp.cp} on an LLM with cp={self.ctx.dense.size('cp')}")
             cp = CPChunks(batch.cp, self.ctx.cp, batch.tokens.device)
-        return SeqContext(batch.cu_seqlens, batch.positions, batch.max_seqlen, batch.num_real_tokens, loss_norm, cp, cache)
+        return SeqContext(batch.cu_seqlens, batch.positions, batch.max_seqlen, batch.num_real_tokens, loss_norm, cp, cache,
+                          positions_3d=batch.positions_3d if self.arch.mrope_section is not None else None)
 
     def image_placement(self, grid: ParallelGrid, samples: Sequence[tuple[int, Sequence[int]]],
-                        blocks: Sequence[range]) -> tuple[Placement, dict[int, list[int]]]:
+                        blocks: Sequence[range], deepstack: bool = False) -> tuple[Placement, dict[int, list[int]]]:
         """Where this stage wants the rows of one encoder: (placement, local slots per rank).
 
         ``samples[i] = (sequence length, positions of its rows)``; ``blocks``: the DP blocks.
         Rows land at their positions in the pack, on the TP rank holding that position under
         sequence parallel (replicated over TP otherwise); each rank's buffer is compact.
+        ``deepstack``: the encoder sends each row with its deepstack levels, ``hidden * (1 +
+        arch.deepstack_levels)`` columns (module doc).
         """
-        return packed_placement(grid, samples, blocks, self.arch.hidden, self.sequence_parallel)
+        width = self.arch.hidden * (1 + (self.arch.deepstack_levels if deepstack else 0))
+        return packed_placement(grid, samples, blocks, width, self.sequence_parallel)
 
     def local_image_slots(self, batch: PackedBatch, key: str) -> torch.Tensor:
         """Positions in this rank's hidden states where ``key``'s compact rows go (in row order);
@@ -182,17 +201,29 @@ class LLMStage(nn.Module):
         return slots[mine] - lo
 
     def embed_tokens(self, batch: PackedBatch, image_rows: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """Token embeddings with image rows scattered into their slots: ``[T_local, D]``."""
+        """Token embeddings with image rows scattered into their slots: ``[T_local, D]`` (of
+        deepstack rows, their first ``hidden`` columns)."""
+        return self._embed(batch, self._image_inputs(batch, image_rows, self.embed.weight.device))
+
+    def _embed(self, batch: PackedBatch, inputs: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         h_TD = self.embed(batch.tokens)
-        for key, rows_RD in (image_rows or {}).items():
-            slots_R = self.local_image_slots(batch, key).to(h_TD.device)
-            if rows_RD.shape != (slots_R.numel(), h_TD.shape[1]):
-                raise LayoutError(
-                    f"image rows {key!r}: got {tuple(rows_RD.shape)}, this rank's slots need "
-                    f"({slots_R.numel()}, {h_TD.shape[1]})"
-                )
-            h_TD = h_TD.index_copy(0, slots_R, rows_RD.to(h_TD.dtype))  # differentiable in both
+        for slots_R, rows_RW in inputs.values():
+            h_TD = h_TD.index_copy(0, slots_R, rows_RW[:, : h_TD.shape[1]].to(h_TD.dtype))  # differentiable in both
         return h_TD
+
+    def _image_inputs(self, batch: PackedBatch, image_rows: Mapping[str, torch.Tensor] | None,
+                      device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per key: (this rank's slots, its rows), the rows' width checked: ``hidden``, or
+        ``hidden * (1 + deepstack levels)``."""
+        out, d = {}, self.arch.hidden
+        widths = {d, d * (1 + self.arch.deepstack_levels)}
+        for key, rows_RD in (image_rows or {}).items():
+            slots_R = self.local_image_slots(batch, key).to(device)
+            if rows_RD.dim() != 2 or rows_RD.shape[0] != slots_R.numel() or rows_RD.shape[1] not in widths:
+                want = " or ".join(f"({slots_R.numel()}, {w})" for w in sorted(widths))
+                raise LayoutError(f"image rows {key!r}: got {tuple(rows_RD.shape)}, this rank's slots need {want}")
+            out[key] = (slots_R, rows_RD)
+        return out
 
     # ---------------------------------------------------------------- compute
     def forward(self, batch: PackedBatch, hidden: torch.Tensor | None = None,
@@ -203,7 +234,8 @@ class LLMStage(nn.Module):
 
         ``batch``: the rank's whole pack; ``hidden``: the previous stage's output (not on the
         first stage); ``image_rows``: per placeholder key, this rank's compact rows
-        ``[R_local, D]`` in the order of ``local_image_slots`` (first stage only);
+        ``[R_local, D]`` in the order of ``local_image_slots`` (first stage only; with deepstack
+        levels ``[R_local, D * (1 + levels)]``, module doc);
         ``loss_norm``: in a training forward, the step's loss-token count (MoE aux losses);
         ``cache``: greedy generation's ``mimo.llm.cache.GenerationCache`` of this stage (its
         first forward the prefill of the samples' prompts, then one decode step per forward).
@@ -212,31 +244,43 @@ class LLMStage(nn.Module):
         if self.is_first:
             if hidden is not None:
                 raise ValueError("the first stage embeds tokens; it takes no hidden states")
-            h_TD = self.embed_tokens(batch, image_rows)
+            inputs = self._image_inputs(batch, image_rows, self.embed.weight.device)
+            h_TD = self._embed(batch, inputs)
+            # rows carrying deepstack levels: (slots, the levels' columns [R, levels * D])
+            d = self.arch.hidden
+            deepstack = [(slots_R, rows_RW[:, d:]) for slots_R, rows_RW in inputs.values()
+                         if self.deepstack_after and rows_RW.shape[1] > d]
         else:
             if hidden is None or hidden.shape[0] != t_local:
                 got = None if hidden is None else tuple(hidden.shape)
                 raise LayoutError(f"stage {self.stage} needs hidden states [{t_local}, {self.arch.hidden}], got {got}")
             if image_rows:
                 raise ValueError("only the first stage takes image rows")
-            h_TD = hidden
+            h_TD, deepstack = hidden, []
         seq = self.context(batch, loss_norm, cache)
         if cache is None:
-            h_TD = self._layers(h_TD, seq)
+            h_TD = self._layers(h_TD, seq, deepstack)
         else:
             cache.begin(batch)
             # compiled layers (train.compile) run eagerly: a decode step's shapes and the cache's
             # host-side lengths change every step, and each change would compile them again
             with torch.compiler.set_stance("force_eager"):
-                h_TD = self._layers(h_TD, seq)
+                h_TD = self._layers(h_TD, seq, deepstack)
             cache.end()
         if not self.is_last:
             return h_TD
         return self.logits(self.norm(h_TD))
 
-    def _layers(self, h_TD: torch.Tensor, seq: SeqContext) -> torch.Tensor:
-        for layer in self.layers.values():
+    def _layers(self, h_TD: torch.Tensor, seq: SeqContext, deepstack=()) -> torch.Tensor:
+        """The stage's layers; ``deepstack``: (slots, level rows ``[R, levels * D]``) added level
+        by level right after the layers of ``deepstack_after``."""
+        for index, layer in self.layers.items():
             h_TD = checkpoint(layer, h_TD, seq) if getattr(layer, "recompute_full", False) else layer(h_TD, seq)
+            level = self.deepstack_after.get(int(index)) if deepstack else None
+            if level is not None:
+                d = h_TD.shape[1]
+                for slots_R, levels_RW in deepstack:  # differentiable in both
+                    h_TD = h_TD.index_add(0, slots_R, levels_RW[:, level * d:(level + 1) * d].to(h_TD.dtype))
         return h_TD
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:

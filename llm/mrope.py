@@ -164,11 +164,19 @@ def mrope_cos_sin(positions_3T: torch.Tensor, head_dim: int, theta: float, secti
     position of its axis (``mrope_axes``), halves duplicated as in mimo's 1-D ``rope_tables``,
     so ``apply_mrope`` is the usual half-split rotation. Same fp32 operations as Hugging Face."""
     freq_F = inv_freq(RopeConfig(head_dim, float(theta)), device=positions_3T.device)
-    axes_F = mrope_axes(head_dim, sections).to(positions_3T.device)
+    cos_TD, sin_TD = mrope_tables(positions_3T, freq_F, mrope_axes(head_dim, sections).to(positions_3T.device))
+    return cos_TD * attention_scaling, sin_TD * attention_scaling
+
+
+def mrope_tables(positions_3T: torch.Tensor, freq_F: torch.Tensor, axes_F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[T, head_dim]`` (fp32) of 3-D positions for given frequencies (``inv_freq``,
+    scaled as the arch says) and their axes (``mrope_axes``): what attention of an M-RoPE arch
+    uses (``mimo.llm.attention``). Where the three axes agree (text), each frequency's angle is
+    the 1-D ``rope_tables``' bit for bit."""
     pos_TF = positions_3T[axes_F].T.float()  # frequency f takes its axis' position
-    freqs_TF = pos_TF * freq_F[None, :]
+    freqs_TF = pos_TF * freq_F.to(positions_3T.device)[None, :]
     emb_TD = torch.cat((freqs_TF, freqs_TF), dim=-1)
-    return emb_TD.cos() * attention_scaling, emb_TD.sin() * attention_scaling
+    return emb_TD.cos(), emb_TD.sin()
 
 
 def apply_mrope(q_THd: torch.Tensor, k_THd: torch.Tensor, cos_TD: torch.Tensor,

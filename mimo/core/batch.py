@@ -38,6 +38,9 @@ class PackedBatch:
     image_slots: per encoder placeholder, the positions ``[R]`` (int64, ascending in row
     order) where that encoder's rows are scattered into the sequence.
     sample_ids: ``[N]`` global ids of the samples, for bookkeeping and exact resume.
+    positions_3d: ``[3, T]`` int64 (time, height, width) positions of a multimodal-RoPE LLM
+    (``mimo.llm.mrope``: Qwen3-VL), each sample's restarting at 0, moved and sliced with the
+    tokens; None (the default, every 1-D model): every axis is ``positions``.
     """
 
     tokens: torch.Tensor
@@ -51,6 +54,9 @@ class PackedBatch:
     # tensors hold its local sequence: each sample's two chunks, every chunk a segment of
     # cu_seqlens, positions those of the whole sample (RoPE), padding inside the last chunks
     cp: CPSlice | None = None
+    # M-RoPE positions beside ``positions`` (see the class doc); on a CP rank's share, its
+    # positions' columns (``mimo.data.pack.cp_share``), as ``positions`` are
+    positions_3d: torch.Tensor | None = None
     # host copy of the sample lengths, taken while cu_seqlens is on the CPU, so that a pack
     # moved to a GPU answers seqlens / max_seqlen without waiting for the device
     _host_seqlens: list[int] | None = field(default=None, repr=False, compare=False)
@@ -123,6 +129,12 @@ class PackedBatch:
         starts[cu[:-1][torch.diff(cu) > 0].long()] = True
         if t and self.cp is None and ((self.positions == 0) != starts).any():
             raise DataError("PackedBatch.positions must restart at 0 exactly at each sample start")
+        p3 = self.positions_3d
+        if p3 is not None:
+            if p3.shape != (3, t) or p3.dtype != torch.int64:
+                raise DataError(f"PackedBatch.positions_3d must be int64 [3, {t}], got {p3.dtype} {tuple(p3.shape)}")
+            if t and self.cp is None and (p3[:, starts] != 0).any():
+                raise DataError("PackedBatch.positions_3d must be 0 on every axis at each sample start")
         for key, slots in self.image_slots.items():
             if slots.numel() and (slots.min() < 0 or slots.max() >= t or (torch.diff(slots) <= 0).any()):
                 raise DataError(f"PackedBatch.image_slots[{key!r}] must be ascending positions inside the pack")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
-__all__ = ["RECOMPUTE_MODES", "checkpoint", "maybe", "replaying", "stash", "set_selective"]
+__all__ = ["RECOMPUTE_MODES", "checkpoint", "maybe", "replaying", "stash", "set_selective", "set_block_recompute"]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -101,3 +101,15 @@ def set_selective(module: torch.nn.Module, on: bool = True) -> None:
     """Mark every submodule of ``module`` selective (those that know what to recompute ask it)."""
     for m in module.modules():
         m.selective = on
+
+
+def set_block_recompute(blocks, mode: str, layers: int | None = None) -> None:
+    """Recompute ``mode`` for the first ``layers`` of ``blocks`` (all when None), none for the
+    rest: ``full`` marks a block ``recompute_full`` (its owner runs it under ``checkpoint``),
+    ``selective`` its memory-heavy cheap parts (``set_selective``), ``none`` neither."""
+    blocks = list(blocks)
+    chosen = {id(b) for b in blocks[:layers]}
+    for block in blocks:
+        on = id(block) in chosen
+        block.recompute_full = on and mode == "full"
+        set_selective(block, on and mode == "selective")
