@@ -1,11 +1,23 @@
-"""Config of a vision-encoder module (``kind: vit``): architecture, weights, projector, layout."""
+"""Config of the vision-encoder modules: architecture, weights, projector, layout.
+
+* ``kind: vit`` (``EncoderModuleConfig``): a fixed-size ViT tower (``VitArch``) and a projector;
+  every image gives ``rows_per_image`` rows.
+* ``kind: qwen3_vl`` (``NativeEncoderModuleConfig``): the Qwen3-VL native-resolution tower
+  (``Qwen3VisionArch``, built by ``mimo.encoders.qwen3_vl``; its mergers are its projector): an
+  image gives as many rows as its grid holds merge blocks, each ``out_hidden * (1 + deepstack
+  levels)`` wide (docs/design.md §10). Its weights import from a Hugging Face Qwen3-VL directory.
+
+Torch-free (``mimo check-config`` reads it without importing torch).
+"""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Mapping
 
+from mimo.core.errors import ConfigError, MimoError
 from mimo.parallel.grid import ParallelConfig
 from mimo.core.schema import at_least, join_path, tp_divides
 
@@ -44,6 +56,133 @@ class VitArch:
         return problems
 
 
+# Hugging Face ``hidden_act`` -> the ViT's activation names (encoders.vit._ACTS); gelu_new is
+# the tanh approximation written out, the same function.
+HF_ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu", "quick_gelu": "quick_gelu"}
+
+# Qwen3VLVisionConfig field -> Qwen3VisionArch field, and the config's defaults (transformers 5)
+_HF_FIELDS = {
+    "depth": ("depth", 27),
+    "hidden_size": ("hidden", 1152),
+    "num_heads": ("heads", 16),
+    "intermediate_size": ("mlp", 4304),
+    "patch_size": ("patch", 16),
+    "temporal_patch_size": ("temporal_patch", 2),
+    "spatial_merge_size": ("spatial_merge", 2),
+    "out_hidden_size": ("out_hidden", 3584),
+    "num_position_embeddings": ("num_position_embeddings", 2304),
+    "deepstack_visual_indexes": ("deepstack_layers", [8, 16, 24]),
+    "hidden_act": ("act", "gelu_pytorch_tanh"),
+    "in_channels": ("channels", 3),
+}
+
+
+@dataclass
+class Qwen3VisionArch:
+    """The architecture of a Qwen3-VL vision tower (Hugging Face's ``Qwen3VLVisionConfig``)."""
+
+    depth: int  # blocks (HF depth)
+    hidden: int  # D (hidden_size)
+    heads: int  # num_heads
+    mlp: int  # the blocks' MLP hidden units (intermediate_size)
+    out_hidden: int  # O: each merger's output width (out_hidden_size; the LLM's hidden size)
+    num_position_embeddings: int  # rows of the learned position table, a square side x side
+    patch: int = 16  # patch_size, pixels
+    temporal_patch: int = 2  # temporal_patch_size: frames per patch row (a still image repeats its frame)
+    spatial_merge: int = 2  # spatial_merge_size: merge x merge patches fuse into one output row
+    # deepstack_visual_indexes: blocks (0-based, increasing) whose output feeds a deepstack merger
+    deepstack_layers: list[int] = field(default_factory=list)
+    act: str = "gelu_pytorch_tanh"  # hidden_act (Hugging Face's name)
+    channels: int = 3  # in_channels
+    norm_eps: float = 1e-6  # every LayerNorm's (HF fixes 1e-6)
+    rope_theta: float = 10000.0  # rope_parameters.rope_theta (axial 2-D rotary)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def merge_width(self) -> int:
+        """M: the width of a fused merge block (merge^2 * D), the mergers' inner width."""
+        return self.spatial_merge**2 * self.hidden
+
+    @property
+    def grid_side(self) -> int:
+        """Side of the square learned position table."""
+        return math.isqrt(self.num_position_embeddings)
+
+    @property
+    def row_numel(self) -> int:
+        """J: values in one patch row (C * temporal_patch * patch * patch)."""
+        return self.channels * self.temporal_patch * self.patch * self.patch
+
+    @property
+    def levels(self) -> int:
+        """Feature levels of an output row: the main merger's, then one per deepstack layer."""
+        return 1 + len(self.deepstack_layers)
+
+    @property
+    def out_width(self) -> int:
+        """X: the width of an output row, out_hidden per level."""
+        return self.out_hidden * self.levels
+
+    def validate(self, path: str) -> list[str]:
+        problems = at_least(self, path, 1, "depth", "hidden", "heads", "mlp", "out_hidden", "num_position_embeddings",
+                            "patch", "temporal_patch", "spatial_merge", "channels")
+        if self.norm_eps <= 0:
+            problems.append(f"{join_path(path, 'norm_eps')}: must be > 0, got {self.norm_eps}")
+        if self.rope_theta <= 0:
+            problems.append(f"{join_path(path, 'rope_theta')}: must be > 0, got {self.rope_theta}")
+        if self.act not in HF_ACTS:
+            problems.append(f"{join_path(path, 'act')}: {self.act!r} is not supported (one of {', '.join(HF_ACTS)})")
+        layers = self.deepstack_layers
+        ints = isinstance(layers, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+        if not ints:
+            problems.append(f"{join_path(path, 'deepstack_layers')}: must be a list of block indices, got {layers!r}")
+        elif list(layers) != sorted(set(layers)) or any(not 0 <= i < self.depth for i in layers):
+            problems.append(f"{join_path(path, 'deepstack_layers')}: {list(layers)} must be increasing block indices "
+                            f"in 0..{self.depth - 1} (depth={self.depth})")
+        if problems:
+            return problems
+        if self.hidden % self.heads:
+            problems.append(f"{join_path(path, 'hidden')}: {self.hidden} is not divisible by heads={self.heads}")
+        elif self.head_dim % 4:
+            problems.append(f"{join_path(path, 'hidden')}: the head size {self.head_dim} (hidden / heads) must be a "
+                            f"multiple of 4 for the 2-D rotary embedding (a quarter of it per axis and half)")
+        side = self.grid_side
+        if side * side != self.num_position_embeddings:
+            problems.append(f"{join_path(path, 'num_position_embeddings')}: {self.num_position_embeddings} is not a "
+                            f"square (the learned positions are a side x side grid)")
+        return problems
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping) -> "Qwen3VisionArch":
+        """From a Hugging Face ``Qwen3VLVisionConfig`` dict, or a whole Qwen3-VL ``config.json``
+        dict holding one under ``vision_config``; keys it lacks take transformers' defaults."""
+        vision = config.get("vision_config", config) if isinstance(config, Mapping) else None
+        if not isinstance(vision, Mapping):
+            raise MimoError(f"a Qwen3-VL vision config must be a dict, got {type(vision).__name__}")
+        kwargs = {ours: vision.get(theirs, default) for theirs, (ours, default) in _HF_FIELDS.items()}
+        kwargs["deepstack_layers"] = list(kwargs["deepstack_layers"] or [])
+        rope = vision.get("rope_parameters") or vision.get("rope_scaling") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise MimoError(f"vision rope_parameters.rope_type {rope.get('rope_type')!r}: the Qwen3-VL tower "
+                            f"has axial rope only")
+        kwargs["rope_theta"] = float(rope.get("rope_theta", vision.get("rope_theta", 10000.0)))
+        arch = cls(**kwargs)
+        problems = arch.validate("vision_config")
+        if problems:
+            raise ConfigError(problems)
+        return arch
+
+    def to_hf_config(self) -> dict:
+        """The ``Qwen3VLVisionConfig`` keyword arguments of this architecture."""
+        out = {theirs: getattr(self, ours) for theirs, (ours, _) in _HF_FIELDS.items()}
+        out["deepstack_visual_indexes"] = list(self.deepstack_layers)
+        out["rope_parameters"] = {"rope_type": "axial", "rope_theta": self.rope_theta}
+        return out
+
+
 @dataclass
 class VitInit:
     """Where the tower's weights come from (all None: random initialisation)."""
@@ -71,6 +210,27 @@ class ProjectorConfig:
     kind: Literal["mlp2x_gelu", "linear"] = "mlp2x_gelu"  # LLaVA-1.5's two-layer MLP, or one linear map
 
 
+def encoder_parallel_problems(par: ParallelConfig, pkey) -> list[str]:
+    """What no encoder module takes (either kind): pipeline or context parallelism, expert layouts."""
+    problems = []
+    for name, what in (
+        ("pp", "pipeline parallelism"),
+        ("cp", "context parallelism"),
+    ):
+        if getattr(par, name) > 1:
+            problems.append(f"{pkey(name)}: {what} for encoders ({name}={getattr(par, name)}) is not supported yet; use {name}: 1")
+    for name in ("ep", "etp", "egtp"):  # expert layouts belong to the LLM's MoE layers
+        if getattr(par, name) is not None and getattr(par, name) > 1:
+            problems.append(f"{pkey(name)}: {name}={getattr(par, name)} applies only to the LLM's MoE experts; "
+                            f"an encoder has none (remove it)")
+    return problems
+
+
+def _freeze_problems(freeze: list, path: str) -> list[str]:
+    repeated = sorted({p for p in freeze if freeze.count(p) > 1})
+    return [f"{join_path(path, 'freeze')}: {', '.join(repeated)} listed more than once"] if repeated else []
+
+
 @dataclass
 class EncoderModuleConfig:
     kind: Literal["vit"]
@@ -90,6 +250,13 @@ class EncoderModuleConfig:
     recompute_layers: int | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
+    native = False  # a fixed number of rows per image (``kind: qwen3_vl`` is native resolution)
+
+    @property
+    def trains(self) -> bool:
+        """Some part of it trains (its tower or its projector)."""
+        return "tower" not in self.freeze or "projector" not in self.freeze
+
     @property
     def rows_per_image(self) -> int:
         """Rows one image gives the projector (and the LLM): its patches, plus [CLS] if kept."""
@@ -99,17 +266,7 @@ class EncoderModuleConfig:
     def validate(self, path: str) -> list[str]:
         arch, par = self.arch, self.parallel
         pkey = lambda name: join_path(path, "parallel", name)  # noqa: E731
-        problems = []
-        for name, what in (
-            ("pp", "pipeline parallelism"),
-            ("cp", "context parallelism"),
-        ):
-            if getattr(par, name) > 1:
-                problems.append(f"{pkey(name)}: {what} for encoders ({name}={getattr(par, name)}) is not supported yet; use {name}: 1")
-        for name in ("ep", "etp", "egtp"):  # expert layouts belong to the LLM's MoE layers
-            if getattr(par, name) is not None and getattr(par, name) > 1:
-                problems.append(f"{pkey(name)}: {name}={getattr(par, name)} applies only to the LLM's MoE experts; "
-                                f"an encoder has none (remove it)")
+        problems = encoder_parallel_problems(par, pkey)
         if par.tp >= 1:
             sizes = {name: getattr(arch, name) for name in ("heads", "hidden", "mlp")}
             problems += tp_divides(par.tp, sizes, pkey("tp"))
@@ -126,7 +283,75 @@ class EncoderModuleConfig:
             )
         if not self.placeholder.strip():
             problems.append(f"{join_path(path, 'placeholder')}: must not be empty")
-        repeated = sorted({p for p in self.freeze if self.freeze.count(p) > 1})
-        if repeated:
-            problems.append(f"{join_path(path, 'freeze')}: {', '.join(repeated)} listed more than once")
-        return problems
+        return problems + _freeze_problems(self.freeze, path)
+
+
+# ---------------------------------------------------------------- kind: qwen3_vl
+
+NATIVE_PLACEHOLDER = "<|image_pad|>"  # Qwen3-VL's image token
+
+
+def native_not_trainable(kind: str, name: str | None = None) -> str:
+    """The one problem a run command reports for a native-resolution encoder (``MimoConfig.trainable_problems``)."""
+    where = f"modules.{name}" if name is not None else "an encoder module"
+    return (f"{where}: kind {kind} (native resolution) cannot be trained from shards yet: its images give "
+            f"rows from their own grids, and that data path is not built yet (docs/design.md §10); mimo import-hf, export-hf "
+            f"and convert-checkpoint work with it")
+
+
+@dataclass
+class NativeInit:
+    """Where the tower's weights come from (None: random initialisation)."""
+
+    hf: str | None = None  # a Hugging Face Qwen3-VL checkpoint directory (its ``model.visual.`` tensors)
+
+    def validate(self, path: str) -> list[str]:
+        if self.hf is not None and not os.path.isdir(self.hf):
+            return [f"{join_path(path, 'hf')}: no directory {self.hf!r}"]
+        return []
+
+
+@dataclass
+class NativeEncoderModuleConfig:
+    """``kind: qwen3_vl``: the Qwen3-VL vision tower (``mimo.encoders.qwen3_vl``), mergers
+    included (they map to the LLM's width: no projector); deepstack levels travel beside each
+    row (an output row is ``arch.out_hidden * (1 + len(arch.deepstack_layers))`` wide, which must
+    be the LLM's ``hidden * (1 + len(deepstack_layers))``)."""
+
+    kind: Literal["qwen3_vl"]
+    arch: Qwen3VisionArch
+    init: NativeInit = field(default_factory=NativeInit)
+    placeholder: str = NATIVE_PLACEHOLDER  # the text token that this encoder's rows replace
+    freeze: list[Literal["tower"]] = field(default_factory=list)  # "tower": the whole tower, mergers included
+    lr: float | None = None  # this module's AdamW learning rate (None: train.lr)
+    weight_decay: float | None = None  # None: train.weight_decay
+    # activation recompute of the tower's blocks (mimo.parallel.recompute); None: train.recompute / recompute_layers
+    recompute: Literal["none", "selective", "full"] | None = None
+    recompute_layers: int | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    native = True  # rows per image follow each image's grid
+
+    @property
+    def trains(self) -> bool:
+        return "tower" not in self.freeze
+
+    @property
+    def rows_per_image(self) -> int:
+        """There is no fixed count: the one problem of the run commands (``native_not_trainable``)."""
+        raise ConfigError([native_not_trainable(self.kind)])
+
+    def validate(self, path: str) -> list[str]:
+        arch, par = self.arch, self.parallel
+        pkey = lambda name: join_path(path, "parallel", name)  # noqa: E731
+        problems = encoder_parallel_problems(par, pkey)
+        if par.gtp > 1:
+            problems.append(f"{pkey('gtp')}: gtp={par.gtp} is not supported for the {self.kind} tower yet; use gtp: 1")
+        if par.tp >= 1 and min(arch.heads, arch.mlp, arch.hidden, arch.spatial_merge) >= 1:
+            problems += tp_divides(par.tp, {"heads": arch.heads, "mlp": arch.mlp}, pkey("tp"))
+            if arch.merge_width % par.tp:
+                problems.append(f"{pkey('tp')}: tp={par.tp} must divide the mergers' width arch.spatial_merge^2 * "
+                                f"arch.hidden = {arch.merge_width}")
+        if not self.placeholder.strip():
+            problems.append(f"{join_path(path, 'placeholder')}: must not be empty")
+        return problems + _freeze_problems(self.freeze, path)

@@ -21,10 +21,17 @@ Mapping (HF, under the prefix -> mimo):
 
 Tensors outside the prefix (the language model, ``lm_head``) are left alone; a tensor under the
 prefix that no rule claims (a block beyond ``depth``, a deepstack merger too many) is an error.
+
+``import_hf(DIR, arch)``: a checkpoint directory (``config.json`` of a ``qwen3_vl`` /
+``qwen3_vl_moe`` model, ``model.safetensors`` or its shards), its vision config checked against
+``arch`` and its tower tensors left in their files (each rank reads its own slices when the tower
+loads them): what ``modules.<name>.init.hf`` of a ``kind: qwen3_vl`` encoder loads;
+``shapes_only``: the same checks on the safetensors headers (``mimo check-config``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 import torch
@@ -33,9 +40,11 @@ from mimo.core.errors import MimoError
 from mimo.encoders.qwen3_vl import Qwen3VisionArch
 from mimo.encoders.weights import ImportedWeights, Rule, map_state, materialize
 
-__all__ = ["DEFAULT_PREFIX", "hf_rules", "import_hf_state", "tower_state_from_hf", "tower_state_to_hf"]
+__all__ = ["DEFAULT_PREFIX", "MODEL_TYPES", "hf_rules", "import_hf_state", "import_hf", "check_arch", "tower_state_from_hf",
+           "tower_state_to_hf"]
 
 DEFAULT_PREFIX = "model.visual."  # Qwen3VLForConditionalGeneration's (and its checkpoints') tower prefix
+MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")  # the config.json model types whose vision_config this tower is
 
 
 def hf_rules(arch: Qwen3VisionArch, prefix: str = DEFAULT_PREFIX) -> list[Rule]:
@@ -128,3 +137,33 @@ def tower_state_to_hf(state: Mapping[str, torch.Tensor], arch: Qwen3VisionArch,
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise MimoError("the mimo state does not fit the Qwen3-VL tower: " + "; ".join(problems[:3]) + more)
     return out
+
+
+def check_arch(configured: Qwen3VisionArch, source: Qwen3VisionArch, where: str) -> None:
+    """MimoError naming every field where the configured tower differs from the checkpoint's
+    vision config (heads, activation, rope and deepstack indices do not show as shapes)."""
+    problems = [f"arch.{f.name} is {getattr(configured, f.name)!r} in the config but {getattr(source, f.name)!r} in {where}"
+                for f in dataclasses.fields(Qwen3VisionArch) if getattr(configured, f.name) != getattr(source, f.name)]
+    if problems:
+        raise MimoError("; ".join(problems))
+
+
+def import_hf(path: str, arch: Qwen3VisionArch | None = None, shapes_only: bool = False) -> ImportedWeights:
+    """The tower of the Hugging Face Qwen3-VL checkpoint directory ``path``, mapped onto ``arch``
+    (default: the checkpoint's own), left in its safetensors files (``LazyTensor``: read region by
+    region when loaded); ``shapes_only``: meta tensors from the headers, nothing read (module doc).
+    ``meta`` holds the whole ``config.json`` (``config``)."""
+    from mimo.encoders.hf_import import load_hf_state, read_config_json
+
+    config = read_config_json(path)
+    where = f"checkpoint {path!r}"
+    if config.get("model_type") not in MODEL_TYPES:
+        raise MimoError(f"{where}: model_type {config.get('model_type')!r} is not a Qwen3-VL model "
+                        f"({' or '.join(MODEL_TYPES)}); a kind: qwen3_vl encoder loads the vision tower of one")
+    source = Qwen3VisionArch.from_hf_config(config)
+    arch = source if arch is None else arch
+    check_arch(arch, source, where)
+    state = load_hf_state(path, shapes_only=shapes_only, lazy=not shapes_only)
+    weights = import_hf_state(state, arch, where=where)
+    weights.meta["config"] = config
+    return weights

@@ -1,10 +1,16 @@
 """An encoder module as the config describes it: tower + projector, weights, freezing.
 
-``VisionEncoder(cfg, llm_hidden, ctx)`` maps pixels ``[N, C, S, S]`` to LLM-sized rows
-``[N * cfg.rows_per_image, llm_hidden]``, replicated over the TP group of ``ctx`` (the
+``VisionEncoder(cfg, llm_hidden, ctx)`` (``kind: vit``) maps pixels ``[N, C, S, S]`` to LLM-sized
+rows ``[N * cfg.rows_per_image, llm_hidden]``, replicated over the TP group of ``ctx`` (the
 module's ``ParallelContext``: TP group, sequence parallel, the gradient group). Freezing follows
 docs/design.md §2: a frozen part has ``requires_grad=False``; a frozen tower (nothing trainable
 upstream of it: its input is pixels) runs without autograd state.
+
+``NativeVisionEncoder(cfg, ctx)`` (``kind: qwen3_vl``): the Qwen3-VL tower
+(``mimo.encoders.qwen3_vl.Qwen3VisionTower``), ``forward(pixels_PJ, grids_N3) -> rows_RX`` (its
+mergers give the LLM's width per level: no projector); ``init.hf`` loads a Qwen3-VL directory's
+``model.visual.`` tensors, each rank reading its own slices. Its parameters are ``tower.*``, as
+the ViT encoder's, so checkpoints hold it like any module.
 """
 
 from __future__ import annotations
@@ -13,14 +19,15 @@ import torch
 import torch.nn as nn
 
 from mimo.core.errors import LayoutError
-from mimo.encoders.config import EncoderModuleConfig, VitInit
+from mimo.encoders.config import EncoderModuleConfig, NativeEncoderModuleConfig, VitInit
 from mimo.encoders.projector import build_projector
+from mimo.encoders.qwen3_vl import Qwen3VisionTower
 from mimo.encoders.vit import VisionTransformer
 from mimo.encoders.weights import ImportedWeights
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.init import param_seed
 
-__all__ = ["VisionEncoder", "load_pretrained"]
+__all__ = ["VisionEncoder", "NativeVisionEncoder", "load_pretrained", "build_encoder"]
 
 
 def load_pretrained(init: VitInit, arch) -> ImportedWeights | None:
@@ -79,3 +86,48 @@ class VisionEncoder(nn.Module):
         else:
             features_TD = self.tower(pixels_NCHW)
         return self.projector(features_TD)
+
+
+class NativeVisionEncoder(nn.Module):
+    """``kind: qwen3_vl`` (module doc)."""
+
+    def __init__(self, cfg: NativeEncoderModuleConfig, ctx: ParallelContext | None = None, *, device=None, dtype=None):
+        super().__init__()
+        self.ctx = ctx = ParallelContext.for_tp() if ctx is None else ctx
+        if ctx.tp_size != cfg.parallel.tp:
+            raise LayoutError(f"the encoder's config says tp={cfg.parallel.tp}, but its parallel context has tp={ctx.tp_size}")
+        self.cfg = cfg
+        self.tower = Qwen3VisionTower(cfg.arch, ctx, device=device, dtype=dtype)
+        self.tower_frozen = "tower" in cfg.freeze
+        if self.tower_frozen:
+            self.tower.requires_grad_(False)
+        self.imported: ImportedWeights | None = None  # the Hugging Face tower it loaded (its config.json in meta)
+
+    def init_weights(self, seed: int) -> None:
+        """Random TP-invariant init (transformers' scheme), then ``init.hf`` if set."""
+        self.tower.init_weights(param_seed(seed, "tower"))
+        if self.cfg.init.hf is not None:
+            from mimo.encoders.hf_qwen3_vl import import_hf
+
+            self.imported = import_hf(self.cfg.init.hf, self.cfg.arch)
+            self.tower.load_weights_(self.imported)
+
+    def export_tower(self) -> dict[str, torch.Tensor]:
+        """Collective: the tower by Hugging Face name (``model.visual.*``)."""
+        from mimo.encoders.hf_qwen3_vl import tower_state_to_hf
+
+        return tower_state_to_hf(self.tower.full_state(), self.cfg.arch)
+
+    def forward(self, pixels_PJ: torch.Tensor, grids_N3: torch.Tensor) -> torch.Tensor:
+        if self.tower_frozen:
+            with torch.no_grad():
+                return self.tower(pixels_PJ, grids_N3)
+        return self.tower(pixels_PJ, grids_N3)
+
+
+def build_encoder(cfg: EncoderModuleConfig | NativeEncoderModuleConfig, llm_hidden: int, ctx: ParallelContext | None = None, *,
+                  device=None, dtype=None) -> VisionEncoder | NativeVisionEncoder:
+    """The encoder module of either kind (``llm_hidden``: the projector's output width, ``kind: vit``)."""
+    if cfg.native:
+        return NativeVisionEncoder(cfg, ctx, device=device, dtype=dtype)
+    return VisionEncoder(cfg, llm_hidden, ctx, device=device, dtype=dtype)

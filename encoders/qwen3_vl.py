@@ -47,16 +47,14 @@ K head size, I the attention output projection's input (this rank's H*K), R merg
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from mimo.core.errors import ConfigError, DataError, LayoutError, MimoError
-from mimo.core.schema import at_least, join_path
+from mimo.encoders.config import HF_ACTS, Qwen3VisionArch  # (defined there: check-config reads it without torch)
 from mimo.encoders.tp_state import full_state, init_tp_invariant, load_full_
 from mimo.encoders.vit import LayerNorm, Mlp
 from mimo.parallel import gemm
@@ -67,133 +65,6 @@ from mimo.parallel.params import ParamInfo
 from mimo.parallel.recompute import checkpoint, maybe, set_block_recompute
 
 __all__ = ["Qwen3VisionArch", "Qwen3VisionTower", "PackPlan", "plan_pack"]
-
-# Hugging Face ``hidden_act`` -> the ViT's activation names (encoders.vit._ACTS); gelu_new is
-# the tanh approximation written out, the same function.
-HF_ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu", "quick_gelu": "quick_gelu"}
-
-# Qwen3VLVisionConfig field -> Qwen3VisionArch field, and the config's defaults (transformers 5)
-_HF_FIELDS = {
-    "depth": ("depth", 27),
-    "hidden_size": ("hidden", 1152),
-    "num_heads": ("heads", 16),
-    "intermediate_size": ("mlp", 4304),
-    "patch_size": ("patch", 16),
-    "temporal_patch_size": ("temporal_patch", 2),
-    "spatial_merge_size": ("spatial_merge", 2),
-    "out_hidden_size": ("out_hidden", 3584),
-    "num_position_embeddings": ("num_position_embeddings", 2304),
-    "deepstack_visual_indexes": ("deepstack_layers", [8, 16, 24]),
-    "hidden_act": ("act", "gelu_pytorch_tanh"),
-    "in_channels": ("channels", 3),
-}
-
-
-@dataclass
-class Qwen3VisionArch:
-    """The architecture of a Qwen3-VL vision tower (Hugging Face's ``Qwen3VLVisionConfig``)."""
-
-    depth: int  # blocks (HF depth)
-    hidden: int  # D (hidden_size)
-    heads: int  # num_heads
-    mlp: int  # the blocks' MLP hidden units (intermediate_size)
-    out_hidden: int  # O: each merger's output width (out_hidden_size; the LLM's hidden size)
-    num_position_embeddings: int  # rows of the learned position table, a square side x side
-    patch: int = 16  # patch_size, pixels
-    temporal_patch: int = 2  # temporal_patch_size: frames per patch row (a still image repeats its frame)
-    spatial_merge: int = 2  # spatial_merge_size: merge x merge patches fuse into one output row
-    # deepstack_visual_indexes: blocks (0-based, increasing) whose output feeds a deepstack merger
-    deepstack_layers: list[int] = field(default_factory=list)
-    act: str = "gelu_pytorch_tanh"  # hidden_act (Hugging Face's name)
-    channels: int = 3  # in_channels
-    norm_eps: float = 1e-6  # every LayerNorm's (HF fixes 1e-6)
-    rope_theta: float = 10000.0  # rope_parameters.rope_theta (axial 2-D rotary)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def merge_width(self) -> int:
-        """M: the width of a fused merge block (merge^2 * D), the mergers' inner width."""
-        return self.spatial_merge**2 * self.hidden
-
-    @property
-    def grid_side(self) -> int:
-        """Side of the square learned position table."""
-        return math.isqrt(self.num_position_embeddings)
-
-    @property
-    def row_numel(self) -> int:
-        """J: values in one patch row (C * temporal_patch * patch * patch)."""
-        return self.channels * self.temporal_patch * self.patch * self.patch
-
-    @property
-    def levels(self) -> int:
-        """Feature levels of an output row: the main merger's, then one per deepstack layer."""
-        return 1 + len(self.deepstack_layers)
-
-    @property
-    def out_width(self) -> int:
-        """X: the width of an output row, out_hidden per level."""
-        return self.out_hidden * self.levels
-
-    def validate(self, path: str) -> list[str]:
-        problems = at_least(self, path, 1, "depth", "hidden", "heads", "mlp", "out_hidden", "num_position_embeddings",
-                            "patch", "temporal_patch", "spatial_merge", "channels")
-        if self.norm_eps <= 0:
-            problems.append(f"{join_path(path, 'norm_eps')}: must be > 0, got {self.norm_eps}")
-        if self.rope_theta <= 0:
-            problems.append(f"{join_path(path, 'rope_theta')}: must be > 0, got {self.rope_theta}")
-        if self.act not in HF_ACTS:
-            problems.append(f"{join_path(path, 'act')}: {self.act!r} is not supported (one of {', '.join(HF_ACTS)})")
-        layers = self.deepstack_layers
-        ints = isinstance(layers, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
-        if not ints:
-            problems.append(f"{join_path(path, 'deepstack_layers')}: must be a list of block indices, got {layers!r}")
-        elif list(layers) != sorted(set(layers)) or any(not 0 <= i < self.depth for i in layers):
-            problems.append(f"{join_path(path, 'deepstack_layers')}: {list(layers)} must be increasing block indices "
-                            f"in 0..{self.depth - 1} (depth={self.depth})")
-        if problems:
-            return problems
-        if self.hidden % self.heads:
-            problems.append(f"{join_path(path, 'hidden')}: {self.hidden} is not divisible by heads={self.heads}")
-        elif self.head_dim % 4:
-            problems.append(f"{join_path(path, 'hidden')}: the head size {self.head_dim} (hidden / heads) must be a "
-                            f"multiple of 4 for the 2-D rotary embedding (a quarter of it per axis and half)")
-        side = self.grid_side
-        if side * side != self.num_position_embeddings:
-            problems.append(f"{join_path(path, 'num_position_embeddings')}: {self.num_position_embeddings} is not a "
-                            f"square (the learned positions are a side x side grid)")
-        return problems
-
-    @classmethod
-    def from_hf_config(cls, config: Mapping) -> "Qwen3VisionArch":
-        """From a Hugging Face ``Qwen3VLVisionConfig`` dict, or a whole Qwen3-VL ``config.json``
-        dict holding one under ``vision_config``; keys it lacks take transformers' defaults."""
-        vision = config.get("vision_config", config) if isinstance(config, Mapping) else None
-        if not isinstance(vision, Mapping):
-            raise MimoError(f"a Qwen3-VL vision config must be a dict, got {type(vision).__name__}")
-        kwargs = {ours: vision.get(theirs, default) for theirs, (ours, default) in _HF_FIELDS.items()}
-        kwargs["deepstack_layers"] = list(kwargs["deepstack_layers"] or [])
-        rope = vision.get("rope_parameters") or vision.get("rope_scaling") or {}
-        if rope.get("rope_type", "axial") != "axial":
-            raise MimoError(f"vision rope_parameters.rope_type {rope.get('rope_type')!r}: the Qwen3-VL tower "
-                            f"has axial rope only")
-        kwargs["rope_theta"] = float(rope.get("rope_theta", vision.get("rope_theta", 10000.0)))
-        arch = cls(**kwargs)
-        problems = arch.validate("vision_config")
-        if problems:
-            raise ConfigError(problems)
-        return arch
-
-    def to_hf_config(self) -> dict:
-        """The ``Qwen3VLVisionConfig`` keyword arguments of this architecture."""
-        out = {theirs: getattr(self, ours) for theirs, (ours, _) in _HF_FIELDS.items()}
-        out["deepstack_visual_indexes"] = list(self.deepstack_layers)
-        out["rope_parameters"] = {"rope_type": "axial", "rope_theta": self.rope_theta}
-        return out
-
 
 def _context(ctx: ParallelContext | None) -> ParallelContext:
     return ParallelContext.for_tp() if ctx is None else ctx

@@ -169,6 +169,34 @@ def run_verify_llm(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+# ---------------------------------------------------------------- verify-hf
+
+
+def verify_hf_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", metavar="DIR", help="a Hugging Face Qwen3-VL / Qwen3-VL-MoE directory: config.json, and "
+                        "safetensors weights (random weights without them)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the LLM and the tower (default 1)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE; the ep ranks are data parallel for "
+                        "the dense layers and the tower); tp x ep local processes")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random samples and weights (default 0)")
+    parser.add_argument("--tol", type=float, default=1e-5, help="the yardstick's floor: ||ours-hf64||/||hf64|| <= max(tol, 4 e1)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung rank fails the run")
+
+
+def run_verify_hf(args: argparse.Namespace) -> dict[str, Any]:
+    from mimo.commands.verify_hf import check_layout, verify_hf
+    from mimo.training.launch import WorkerPool
+
+    check_layout(args.dir, args.tp, args.ep)  # before any process starts
+    with WorkerPool(args.tp * args.ep, timeout_s=args.timeout) as pool:
+        report = verify_hf(args.dir, pool, tp=args.tp, ep=args.ep, seed=args.seed, tol=args.tol)
+    print(f"verify-hf {report['model_type']} tp={args.tp} ep={args.ep}: logits {report['max_logits_rel_err']:.2e}, loss "
+          f"{report['loss_rel_err']:.2e}, grads {report['max_grad_rel_err']:.2e} ({report['worst_grad']}) (vs fp64 "
+          f"{report['max_err_vs_fp64']:.2e}, HF fp32 vs fp64 {report['hf_fp32_rel_err_vs_fp64']:.2e}) -> "
+          + ("ok" if report["ok"] else "MISMATCH"))
+    return report
+
+
 # ---------------------------------------------------------------- data
 
 
@@ -199,6 +227,7 @@ def run_prepare_data(args: argparse.Namespace) -> dict[str, Any]:
     from mimo.data.skipped import SkipReport
 
     config = load_config(args.config, args.overrides)
+    config.require_trainable()  # (a native-resolution encoder has no data path yet)
     if config.data.source != "webdataset":
         raise UsageError(f"prepare-data: data.source is {config.data.source!r}; there are no shards to index")
     index, status = ensure_index(config, rebuild=args.rebuild)
@@ -239,7 +268,9 @@ def run_inspect_data(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.batches < 1:
         raise UsageError("--batches must be >= 1")
-    report = inspect(load_config(args.config, args.overrides), args.batches)
+    config = load_config(args.config, args.overrides)
+    config.require_trainable()  # (a native-resolution encoder has no data path yet)
+    report = inspect(config, args.batches)
     sample = report["sample"]
     if sample is not None:
         where = f" {sample['shard']}:{sample['key']}" if "shard" in sample else ""
@@ -333,6 +364,7 @@ def run_verify_train(args: argparse.Namespace) -> dict[str, Any]:
     if args.steps < 1:
         raise UsageError("--steps must be >= 1")
     config = load_config(args.config, args.overrides)
+    config.require_trainable()  # (a native-resolution encoder has no data path yet)
     if config.train.fp8 is not None:
         raise UsageError("train.fp8 is set: FP8 products round every operand to 3 mantissa bits, so a layout and the "
                          "one-process reference part by whole FP8 steps wherever a rounding flips (the fp32 and fp64 "
@@ -398,11 +430,11 @@ def train_summary(result: dict[str, Any]) -> str:
             f"run directory {result['run_dir']}, checkpoint {result['checkpoint']}")
 
 
-# ---------------------------------------------------------------- import-hf-llava
+# ---------------------------------------------------------------- import-hf (import-hf-llava: its LLaVA-only alias)
 
 
-def import_hf_llava_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", metavar="DIR", help="a Hugging Face LlavaForConditionalGeneration directory")
+def _import_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("checkpoint", metavar="DIR", help=f"a Hugging Face {what} directory")
     parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="dotted overrides of --config")
     parser.add_argument("--yaml", metavar="FILE", help="without --config: write the modules section there (default: print it)")
     parser.add_argument("--config", metavar="CONFIG", help="convert to a mimo checkpoint at this config's layout (train.init_from)")
@@ -410,22 +442,44 @@ def import_hf_llava_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds the conversion may take")
 
 
+def import_hf_llava_arguments(parser: argparse.ArgumentParser) -> None:
+    _import_arguments(parser, "LlavaForConditionalGeneration")
+
+
+def import_hf_arguments(parser: argparse.ArgumentParser) -> None:
+    _import_arguments(parser, "LLaVA, Qwen3-VL or Qwen3-VL-MoE")
+
+
+def _run_import(args: argparse.Namespace, command: str, describe, convert) -> dict[str, Any]:
+    """Without --config: ``describe(DIR, --yaml)`` (the modules section); with it: ``convert`` to a checkpoint."""
+    if args.config is None:
+        if args.out:  # the modules section goes to --yaml; --out is the converted checkpoint of --config
+            raise UsageError(f"{command}: --out is the mimo checkpoint directory written with --config CONFIG; to write the "
+                             f"modules: section to a file, use --yaml {args.out}")
+        if args.overrides:
+            raise UsageError(f"{command}: key=value overrides apply to --config CONFIG; there is none")
+        return describe(args.checkpoint, args.yaml)
+    if args.out is None:
+        raise UsageError(f"{command}: --config needs --out DIR (where the mimo checkpoint goes)")
+    return convert(args.checkpoint, args.config, args.overrides, args.out, args.timeout)
+
+
 def run_import_hf_llava(args: argparse.Namespace) -> dict[str, Any]:
     from mimo.commands.hf_llava import describe_llava, import_to_checkpoint
 
-    if args.config is None:
-        if args.out:  # the modules section goes to --yaml; --out is the converted checkpoint of --config
-            raise UsageError(f"import-hf-llava: --out is the mimo checkpoint directory written with --config CONFIG; to write the "
-                             f"modules: section to a file, use --yaml {args.out}")
-        if args.overrides:
-            raise UsageError("import-hf-llava: key=value overrides apply to --config CONFIG; there is none")
-        result = describe_llava(args.checkpoint, args.yaml)
-        if args.yaml is None:  # the YAML above; then what it says
-            print(f"# import-hf-llava {args.checkpoint}: {result['tensors']} tensors fit the config ({result['naming']} key names)")
+    def describe(path: str, out: str | None) -> dict[str, Any]:
+        result = describe_llava(path, out)
+        if out is None:  # the YAML above; then what it says
+            print(f"# import-hf-llava {path}: {result['tensors']} tensors fit the config ({result['naming']} key names)")
         return result
-    if args.out is None:
-        raise UsageError("import-hf-llava: --config needs --out DIR (where the mimo checkpoint goes)")
-    return import_to_checkpoint(args.checkpoint, args.config, args.overrides, args.out, args.timeout)
+
+    return _run_import(args, "import-hf-llava", describe, import_to_checkpoint)
+
+
+def run_import_hf(args: argparse.Namespace) -> dict[str, Any]:
+    from mimo.commands.import_hf import describe, import_to_checkpoint
+
+    return _run_import(args, "import-hf", describe, import_to_checkpoint)
 
 
 # ---------------------------------------------------------------- export-hf
@@ -517,9 +571,13 @@ COMMANDS: tuple[Command, ...] = (
     Command("verify-bridge", "check a bridge between two layouts against the one-process reference", verify_bridge_arguments, run_verify_bridge),
     Command("verify-encoder", "check an imported timm / Hugging Face vision tower against the original", verify_encoder_arguments, run_verify_encoder),
     Command("verify-llm", "check the LLM at a TP/PP layout against the Hugging Face model", verify_llm_arguments, run_verify_llm),
+    Command("verify-hf", "check a whole Qwen3-VL(-MoE) at a TP/EP layout against the Hugging Face model", verify_hf_arguments,
+            run_verify_hf),
+    Command("import-hf", "check a Hugging Face LLaVA / Qwen3-VL checkpoint; give the mimo modules that load it, or convert it",
+            import_hf_arguments, run_import_hf),
     Command("import-hf-llava", "check a Hugging Face LLaVA checkpoint and give the mimo modules that load it", import_hf_llava_arguments,
             run_import_hf_llava),
-    Command("export-hf", "write a checkpoint as a Hugging Face LLaVA (or, --llm-only, causal LM) directory", export_hf_arguments,
+    Command("export-hf", "write a checkpoint as a Hugging Face LLaVA / Qwen3-VL (or, --llm-only, causal LM) directory", export_hf_arguments,
             run_export_hf),
     Command("convert-checkpoint", "rewrite a checkpoint at another config's layout (offline resharding)",
             convert_checkpoint_arguments, run_convert_checkpoint),

@@ -20,6 +20,11 @@ norm scales). Beside the weights: the run's tokenizer (with its chat template) a
 ``LlavaProcessor`` whose image processor is the run's preprocessing (short side resized to the
 image size, bicubic, centre crop, the run's mean / std).
 
+A run whose encoder is ``kind: qwen3_vl`` is written as Hugging Face's Qwen3-VL
+(``Qwen3VLForConditionalGeneration`` / ``Qwen3VLMoeForConditionalGeneration``) by
+``mimo.commands.hf_qwen3_vl.export_qwen3_vl``: its token ids and tokenizer / processor files
+from the Qwen3-VL directory the run imported from.
+
 ``--llm-only``: the language model alone as its ``*ForCausalLM`` (``mimo.llm.hf``) and the tokenizer.
 """
 
@@ -231,30 +236,6 @@ def _identity_fill(key: str, shape, dtype: torch.dtype) -> torch.Tensor:
     return (torch.ones if is_norm_scale else torch.zeros)(tuple(shape), dtype=dtype)
 
 
-def tower_source(meta: dict, encoder: str, depth: int = 8) -> str | None:
-    """The Hugging Face directory the run's vision tower started from, as its config records it:
-    ``modules.<encoder>.init.hf``, an ``import-hf-llava`` checkpoint's ``imported_from``, or
-    (``train.init_from``) the same of the checkpoint the run started from."""
-    from mimo.training.checkpoint import read_meta, resolve_checkpoint
-
-    for _ in range(depth):
-        cfg = meta.get("config") or {}
-        hf = (((cfg.get("modules") or {}).get(encoder) or {}).get("init") or {}).get("hf")
-        if hf:
-            return hf
-        if meta.get("imported_from"):
-            return meta["imported_from"]
-        start = (cfg.get("train") or {}).get("init_from")
-        if not start:
-            return None
-        try:
-            meta = read_meta(resolve_checkpoint(start))
-        except CheckpointError as e:
-            log.warning("train.init_from %s: %s; the vision blocks mimo does not run are written as identity blocks", start, e)
-            return None
-    return None
-
-
 def llava_state(config, full: Mapping[str, Mapping[str, torch.Tensor]], hf_config: dict, encoder: str,
                 source: str | None) -> tuple[dict[str, torch.Tensor], str]:
     """The LLaVA state dict of the gathered tensors, and where the tensors mimo does not hold came from."""
@@ -345,16 +326,27 @@ def export_hf(checkpoint: str, out: str, llm_only: bool = False, max_shard_bytes
     arch = config.llm.arch
     dtype = next(iter(full[llm].values())).dtype
     if llm_only:
-        hf_config = {**hf_config_from_arch(arch, _text_model_type(arch)), "dtype": str(dtype).removeprefix("torch.")}
+        text_type = _text_model_type(arch)
+        if text_type in ("qwen3_vl_text", "qwen3_vl_moe_text"):
+            raise MimoError(f"--llm-only: Hugging Face has no causal LM of Qwen3-VL's language model ({text_type}: M-RoPE, "
+                            f"deepstack); export the whole model (without --llm-only)")
+        hf_config = {**hf_config_from_arch(arch, text_type), "dtype": str(dtype).removeprefix("torch.")}
         save_hf_checkpoint(tmp, export_hf_state(full[llm], arch), hf_config, max_shard_bytes)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        architecture, filled_from = hf_config["architectures"][0], None
+        architecture, filled_from, extra = hf_config["architectures"][0], None, {}
+    elif any(enc.native for enc in config.encoders.values()):  # a kind: qwen3_vl tower: Hugging Face's Qwen3-VL
+        from mimo.commands.hf_qwen3_vl import export_qwen3_vl
+
+        architecture, extra = export_qwen3_vl(tmp, path, meta, config, full, tokenizer, max_shard_bytes)
+        filled_from = None
     else:
         if tokenizer is None:
             raise MimoError("the run has no data.tokenizer: a LLaVA directory needs one (its processor marks the image "
                             "positions with the tokenizer's image token); --llm-only exports the language model without it")
         from transformers import LlavaProcessor
+
+        from mimo.training.checkpoint import weights_origin
 
         encoder = _only_encoder(config)
         enc = config.encoders[encoder]
@@ -362,7 +354,7 @@ def export_hf(checkpoint: str, out: str, llm_only: bool = False, max_shard_bytes
         if added:
             print(f"the tokenizer has no {enc.placeholder!r} token: added to the exported tokenizer as id {image_token_id}")
         hf_config = llava_hf_config(config, encoder, image_token_id, dtype)
-        state, filled_from = llava_state(config, full, hf_config, encoder, tower_source(meta, encoder))
+        state, filled_from = llava_state(config, full, hf_config, encoder, weights_origin(meta, [encoder]))
         save_llava(tmp, state, hf_config, max_shard_bytes)
         processor = LlavaProcessor(
             image_processor=image_processor(config, encoder), tokenizer=tokenizer, patch_size=enc.arch.patch,
@@ -372,14 +364,14 @@ def export_hf(checkpoint: str, out: str, llm_only: bool = False, max_shard_bytes
         processor.save_pretrained(tmp)
         processor.image_processor.save_pretrained(tmp)  # preprocessor_config.json too, for readers of the older layout
         architecture = "LlavaForConditionalGeneration"
+        extra = {"unused_vision_tensors_from": filled_from, "image_token_id": image_token_id, "image_token_added": added}
     if os.path.isdir(out):
         os.rmdir(out)  # empty (checked above)
     os.replace(tmp, out)
     files = sorted(os.listdir(out))
+    has_tokenizer = tokenizer is not None or any(f.startswith("tokenizer") for f in files)  # (Qwen3-VL: the source's)
     print(f"exported {path} (step {meta['step']}) as {architecture} to {out}: {len(files)} files"
-          + ("" if tokenizer is not None else "; no tokenizer (the run has no data.tokenizer)")
+          + ("" if has_tokenizer else "; no tokenizer (the run has no data.tokenizer)")
           + (f"; vision blocks mimo does not run: {filled_from}" if filled_from not in (None, "none needed") else ""))
     return {"ok": True, "command": "export-hf", "checkpoint": path, "step": meta["step"], "out": out,
-            "architecture": architecture, "llm_only": llm_only, "files": files, "tokenizer": tokenizer is not None,
-            **({} if llm_only else {"unused_vision_tensors_from": filled_from, "image_token_id": image_token_id,
-                                    "image_token_added": added})}
+            "architecture": architecture, "llm_only": llm_only, "files": files, "tokenizer": has_tokenizer, **extra}

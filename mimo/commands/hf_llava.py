@@ -297,6 +297,8 @@ def check_fits(config, w: LlavaWeights, encoder: str | None = None) -> str:
     if encoder not in config.encoders:
         raise MimoError(f"no encoder module {encoder!r} (encoders: {names})")
     enc_cfg, llm = config.encoders[encoder], config.llm_name
+    if enc_cfg.native:
+        raise MimoError(f"modules.{encoder} is kind {enc_cfg.kind}; LLaVA's vision tower goes into a kind: vit encoder")
     if enc_cfg.projector.kind != "mlp2x_gelu":
         raise MimoError(f"modules.{encoder}.projector.kind is {enc_cfg.projector.kind!r}; LLaVA's projector is mlp2x_gelu")
     if enc_cfg.arch != w.arch.vision:
@@ -332,6 +334,16 @@ def load_llava_(model, w: LlavaWeights, encoder: str | None = None) -> None:
 # ---------------------------------------------------------------- `mimo import-hf-llava`
 
 
+def emit_modules(text: str, out: str | None) -> None:
+    """An import's modules section (YAML and its comments): printed, or written to ``out``."""
+    if out is None:
+        print(text, end="")
+        return
+    with open(out, "w") as f:
+        f.write(text)
+    print(f"wrote {out}")
+
+
 def describe_llava(path: str, out: str | None = None) -> dict:
     """Check that every tensor of a LLaVA checkpoint fits its config (shapes from the file
     headers, nothing loaded) and give the ``modules:`` section of a mimo config whose vision
@@ -347,12 +359,7 @@ def describe_llava(path: str, out: str | None = None) -> dict:
             f"# and the data and train sections. init.hf loads the tower and the LLM, not the projector (it starts random,\n"
             f"# as in LLaVA's stage 1); for all three: mimo import-hf-llava {path} --config CONFIG --out DIR, then train.init_from: DIR\n"
             + yaml.safe_dump({"modules": modules}, sort_keys=False))
-    if out is None:
-        print(text, end="")
-    else:
-        with open(out, "w") as f:
-            f.write(text)
-        print(f"wrote {out}")
+    emit_modules(text, out)
     return {"ok": True, "command": "import-hf-llava", "checkpoint": path, "naming": w.naming.name,
             "tensors": len(w.key_order), "modules": modules, "projector_loaded": False, "out": out}
 

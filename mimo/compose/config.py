@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
 from mimo.data.config import DataConfig
-from mimo.encoders.config import EncoderModuleConfig
+from mimo.encoders.config import EncoderModuleConfig, NativeEncoderModuleConfig, native_not_trainable
 from mimo.core.errors import ConfigError, LayoutError
 from mimo.llm.config import LLMModuleConfig
 from mimo.core.schema import apply_overrides, at_least, closest, convert, join_path, load_yaml, validate_tree
 
-ModuleConfig = EncoderModuleConfig | LLMModuleConfig
+EncoderConfig = EncoderModuleConfig | NativeEncoderModuleConfig  # kind: vit, kind: qwen3_vl
+ModuleConfig = EncoderModuleConfig | NativeEncoderModuleConfig | LLMModuleConfig
 
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 
@@ -235,8 +236,23 @@ class MimoConfig:
         return self.modules[self.llm_name]
 
     @property
-    def encoders(self) -> dict[str, EncoderModuleConfig]:
-        return {name: m for name, m in self.modules.items() if isinstance(m, EncoderModuleConfig)}
+    def encoders(self) -> dict[str, EncoderConfig]:
+        """Every encoder module, of either kind (``native``: a ``kind: qwen3_vl`` one)."""
+        return {name: m for name, m in self.modules.items() if isinstance(m, (EncoderModuleConfig, NativeEncoderModuleConfig))}
+
+    def trainable_problems(self) -> list[str]:
+        """What keeps the commands that run the data path (``train``, ``verify-train``, ``eval``,
+        ``generate``, ``inspect-data``, ``prepare-data``, ``check-config``'s data checks) from
+        running this config: a native-resolution encoder (``kind: qwen3_vl``), whose rows per image
+        follow each image's grid, until that data path exists (docs/design.md §10). Import,
+        export and resharding of its checkpoints take it."""
+        return [native_not_trainable(enc.kind, name) for name, enc in self.encoders.items() if enc.native]
+
+    def require_trainable(self) -> None:
+        """ConfigError with ``trainable_problems`` (one line per such encoder), if any."""
+        problems = self.trainable_problems()
+        if problems:
+            raise ConfigError(problems)
 
     def optimizer_settings(self) -> tuple[dict[str, float], dict[str, float]]:
         """Each module's AdamW learning rate and weight decay (its own, else train's)."""
@@ -247,13 +263,13 @@ class MimoConfig:
     def synthetic_shape(self) -> tuple[int, tuple[int, int]]:
         """``source: synthetic``: (samples per microbatch, [lo, hi] text tokens), defaults resolved."""
         d, s = self.data, self.data.synthetic
-        prefix = s.images_per_sample * sum(e.rows_per_image for e in self.encoders.values())
+        prefix = s.images_per_sample * sum(e.rows_per_image for e in self.encoders.values() if not e.native)
         lo, hi = s.text_tokens if s.text_tokens is not None else (1, d.max_sample_tokens - prefix)
         return s.samples_per_microbatch or max(1, d.tokens_per_microbatch // d.max_sample_tokens), (lo, hi)
 
     def _synthetic_problems(self) -> list[str]:
         d, s = self.data, self.data.synthetic
-        prefix = s.images_per_sample * sum(e.rows_per_image for e in self.encoders.values())
+        prefix = s.images_per_sample * sum(e.rows_per_image for e in self.encoders.values() if not e.native)
         samples, (lo, hi) = self.synthetic_shape()
         if s.text_tokens is None and hi < 1:
             return [f"data.max_sample_tokens: {d.max_sample_tokens} leaves no room for text after {prefix} image rows "
@@ -337,9 +353,30 @@ class MimoConfig:
                     f"modules.{llms[0]}.arch.max_seq_len={max_len}"
                 )
             problems += self._tokenizer_problems(llms[0])
+            problems += self._native_width_problems(llms[0])
             problems += self._dispatcher_problems(llms[0])
             problems += self._fp8_problems(llms[0])
         return problems + self._cuda_graph_problems()
+
+    def _native_width_problems(self, llm: str) -> list[str]:
+        """A native encoder's rows reach the LLM's first stage as they leave the tower: the main
+        merger's ``out_hidden`` columns, then each deepstack level's; the LLM takes ``hidden``
+        columns per level (its own, then one per ``arch.deepstack_layers`` entry)."""
+        arch, problems = self.modules[llm].arch, []
+        if not (isinstance(arch.hidden, int) and isinstance(arch.deepstack_layers, list)):
+            return problems
+        wants = arch.hidden * (1 + len(arch.deepstack_layers))
+        for name, enc in self.encoders.items():
+            if not enc.native or not isinstance(enc.arch.deepstack_layers, list):
+                continue
+            levels = len(enc.arch.deepstack_layers)
+            if enc.arch.out_width != wants:
+                problems.append(
+                    f"modules.{name}.arch: the tower's rows are out_hidden * (1 + len(deepstack_layers)) = "
+                    f"{enc.arch.out_hidden} * {1 + levels} = {enc.arch.out_width} wide, but modules.{llm}.arch takes "
+                    f"hidden * (1 + len(deepstack_layers)) = {arch.hidden} * {1 + len(arch.deepstack_layers)} = {wants} "
+                    f"(out_hidden must be the LLM's hidden, and both need as many deepstack levels)")
+        return problems
 
     def _cuda_graph_problems(self) -> list[str]:
         """``train.cuda_graphs`` against the encoders' layouts: a graph replays its kernels as

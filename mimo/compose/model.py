@@ -4,7 +4,8 @@
 the run's ``GroupRegistry`` (one communicator per distinct rank set) and builds, in one fixed
 order, each module's ``ParallelContext`` (the LLM's first, then each encoder's), the
 tied-embedding groups and one group per encoder→LLM bridge over the union of their ranks;
-then the parts this rank runs: the encoders it belongs to (tower + projector) and its LLM
+then the parts this rank runs: the encoders it belongs to (tower + projector; a ``kind:
+qwen3_vl`` encoder: the Qwen3-VL tower, ``mimo.encoders.model.NativeVisionEncoder``) and its LLM
 pipeline stage, each handed its context. Weights are initialised from ``train.seed`` by
 layout-independent names (each rank drawing only its shards), so any layout starts from the
 one-process model's weights; ``init`` sections then load timm / Hugging Face checkpoints.
@@ -19,7 +20,7 @@ import torch
 
 from mimo.compose.config import Fp8Config, MimoConfig
 from mimo.core.errors import MimoError
-from mimo.encoders.model import VisionEncoder
+from mimo.encoders.model import NativeVisionEncoder, VisionEncoder, build_encoder
 from mimo.llm.model import LLMStage, build_stage, embedding_group
 from mimo.llm.moe import set_dispatchers
 from mimo.parallel import gemm, param_seed
@@ -36,7 +37,7 @@ class EncoderPart:
     name: str
     ctx: ParallelContext
     bridge_group: object  # over encoder ∪ LLM ranks
-    module: VisionEncoder | None  # None on ranks outside the encoder's grid
+    module: VisionEncoder | NativeVisionEncoder | None  # None on ranks outside the encoder's grid
 
     @property
     def grid(self) -> ParallelGrid:
@@ -73,12 +74,12 @@ class MimoModel:
             bridge = registry.group(set(ctx.grid.ranks) | set(self.llm_grid.ranks), rank)
             module = None
             if ctx.member:
-                module = VisionEncoder(enc, llm_cfg.arch.hidden, ctx).to(device=device, dtype=dtype)
+                module = build_encoder(enc, llm_cfg.arch.hidden, ctx).to(device=device, dtype=dtype)
                 module.init_weights(param_seed(config.train.seed, name))
                 module.tower.set_recompute(*config.recompute_for(name))
             self.encoders[name] = EncoderPart(name, ctx, bridge, module)
         # the encoders' "trains" must be known on every rank (bridges run backward or not)
-        self.encoder_trains = {name: "tower" not in enc.freeze or "projector" not in enc.freeze for name, enc in config.encoders.items()}
+        self.encoder_trains = {name: enc.trains for name, enc in config.encoders.items()}
         self.stage: LLMStage | None = build_stage(llm_cfg.arch, self.llm_ctx)
         if self.stage is not None:
             self.stage.to(device=device, dtype=dtype)

@@ -14,6 +14,8 @@ check by the same code the late path runs:
   where it has ``tokenizer.json`` (``mimo.data.tokenizer.read_tokenizer``); what the config
   asks of it (vocab, special tokens, template markers) is checked when the config loads
   (``config_tokenizer_problems``), a folder without tokenizer files included.
+* a config with a native-resolution encoder (``kind: qwen3_vl``) gets no data check: its one
+  problem (``MimoConfig.trainable_problems``) is reported instead, after the ``init.hf`` checks.
 * a sample of the shards: the first samples of each shard (up to ``SAMPLES`` in all, spread
   over the shards), each validated as the indexer does (``mimo.data.index.index_sample``),
   and samples over ``data.max_sample_tokens`` counted as the plan does. The dropped share
@@ -45,7 +47,7 @@ from mimo.data.index import index_sample
 from mimo.data.shards import parse_text, read_files, scan_shard
 from mimo.data.text import COUNTS_DIFFER, TextEncoder
 from mimo.data.tokenizer import facts_of, read_tokenizer
-from mimo.encoders.config import EncoderModuleConfig
+from mimo.encoders.config import EncoderModuleConfig, NativeEncoderModuleConfig
 from mimo.llm.config import LLMModuleConfig
 
 SAMPLES = 200  # shard samples read at most
@@ -88,7 +90,7 @@ def check_inputs(config: MimoConfig, samples: int = SAMPLES, echo: Callable[[str
             continue
         key = f"modules.{name}.init.hf"
         try:
-            info = (_check_encoder_hf(module, key) if isinstance(module, EncoderModuleConfig)
+            info = (_check_encoder_hf(module, key) if isinstance(module, (EncoderModuleConfig, NativeEncoderModuleConfig))
                     else _check_llm_hf(module, key))
         except Exception as e:  # noqa: BLE001 - foreign files: a broken one is a problem to report, never a traceback
             message = str(e) if isinstance(e, MimoError) else f"cannot read it as a checkpoint ({type(e).__name__}: {e})"
@@ -100,7 +102,11 @@ def check_inputs(config: MimoConfig, samples: int = SAMPLES, echo: Callable[[str
         line(f"init.hf modules.{name}: ok ({info['summary']})")
         for note in info.get("notes", ()):
             line(f"  note: {note}")
-    if config.data.source == "webdataset" and config.data.tokenizer and config.data.shards:
+    native = config.trainable_problems()
+    if native:  # no data path for a native-resolution encoder yet: one line, no data check
+        report.problems += native
+        line(f"data: FAILED ({len(native)} native-resolution encoder{'s' if len(native) > 1 else ''}: no data path yet)")
+    elif config.data.source == "webdataset" and config.data.tokenizer and config.data.shards:
         encoder = _check_tokenizer(config, report, line)
         if encoder is not None and samples:  # samples=0: `mimo train`, whose index reads every sample
             _check_shards(config, encoder, samples, report, line)
@@ -123,7 +129,14 @@ def _layers(n: int) -> str:
     return f"{n} layer{'' if n == 1 else 's'}"
 
 
-def _check_encoder_hf(enc: EncoderModuleConfig, key: str) -> dict[str, Any]:
+def _check_encoder_hf(enc: EncoderModuleConfig | NativeEncoderModuleConfig, key: str) -> dict[str, Any]:
+    if enc.native:
+        from mimo.encoders.hf_qwen3_vl import import_hf
+
+        weights = import_hf(enc.init.hf, enc.arch, shapes_only=True)
+        whole = weights.meta["config"].get("model_type")
+        return {"summary": f"{whole}'s vision tower, {enc.arch.depth} blocks, {len(enc.arch.deepstack_layers)} deepstack "
+                           f"levels", "family": "qwen3_vl", "model_type": whole, "layers": enc.arch.depth, "notes": []}
     from mimo.encoders.hf_import import check_hf
 
     weights = check_hf(enc.init.hf, enc.arch)

@@ -304,6 +304,31 @@ def usable_checkpoint(directory: str) -> tuple[int, str] | None:
     return None
 
 
+def weights_origin(meta: dict, modules: Iterable[str], accept: Callable[[str], bool] = lambda path: True,
+                   depth: int = 8) -> str | None:
+    """The Hugging Face directory a checkpoint's weights came from (``meta``: its meta.json), as
+    its config records it: ``modules.<m>.init.hf`` of one of ``modules``, an ``import-hf``
+    checkpoint's ``imported_from``, or the same of the checkpoint it was converted from
+    (``converted_from``) or started from (``train.init_from``), up to ``depth`` checkpoints back;
+    the first that ``accept`` takes. None when there is none (a warning where a checkpoint on
+    the way cannot be read)."""
+    for _ in range(depth):
+        cfg = meta.get("config") or {}
+        inits = [(((cfg.get("modules") or {}).get(m) or {}).get("init") or {}).get("hf") for m in modules]
+        for candidate in [*inits, meta.get("imported_from")]:
+            if candidate and accept(candidate):
+                return candidate
+        start = meta.get("converted_from") or (cfg.get("train") or {}).get("init_from")
+        if not start:
+            return None
+        try:
+            meta = read_meta(resolve_checkpoint(start))
+        except CheckpointError as e:
+            log.warning("%s (where the weights came from): %s", start, e)
+            return None
+    return None
+
+
 def resolve_checkpoint(path: str) -> str:
     """A ``step-N`` folder as is, once validated; a folder of them: its newest usable one."""
     if os.path.isfile(os.path.join(path, META)):

@@ -141,6 +141,7 @@ def resolve_source(source: str, overrides: Sequence[str] = (), checkpoint: str |
     overrides = tuple(overrides)
     if os.path.isfile(source):
         config = load_config(source, overrides)  # every problem of the config and overrides, now
+        config.require_trainable()  # (a native-resolution encoder has no data path yet)
         with open(source, encoding="utf-8") as f:
             raw = load_yaml(f.read(), source=source)
         return ConfigSource(raw, overrides, source), resolve_checkpoint(checkpoint or config.train.checkpoint.dir)
@@ -155,7 +156,7 @@ def resolve_source(source: str, overrides: Sequence[str] = (), checkpoint: str |
         step = resolve_checkpoint(source)
     raw, where = checkpoint_config(step)
     config = ConfigSource(raw, overrides, where)
-    config.load()  # the overrides checked now
+    config.load().require_trainable()  # the overrides checked now (and no native-resolution encoder)
     return config, step
 
 

@@ -104,6 +104,7 @@ def under_torchrun() -> bool:
 def train(config_path: str, overrides: list[str], options: TrainOptions) -> dict:
     """``mimo train CONFIG [key=value ...]``; returns the summary printed as the last line."""
     config = load_config(config_path, overrides, run_dir=options.run_dir)
+    config.require_trainable()  # (a native-resolution encoder has no data path yet)
     if options.timeout_s <= 0 or options.log_every < 1:
         raise ConfigError("--timeout must be > 0 and --log-every >= 1")
     if options.stop_at is not None and not 1 <= options.stop_at <= config.train.steps:
