@@ -133,14 +133,14 @@ def _losses(run) -> dict[int, float]:
 
 
 def test_mimo_train_resumes_and_convert_checkpoint_rewrites_at_another_layout(cp_config, tmp_path):
-    """``mimo train`` at layout A (checkpoints at 2 and 4); at layout B (the LLM tp2 x pp2, the
+    """``mimo train`` at layout A (3 steps, a checkpoint at 2); at layout B (the LLM tp2 x pp2, the
     vision tp2 dp2): ``mimo train --resume-from A/step-2`` warns and goes on as A did;
     ``mimo convert-checkpoint`` writes step 2 at B, which then resumes without resharding, the
     same; a checkpoint of another model is a clear error, not a traceback."""
     from mimo.training.checkpoint import layout_of, read_meta
     from mimo.compose.config import load_config
 
-    steps = ["train.steps=4", "train.checkpoint.every=2"]
+    steps = ["train.steps=3", "train.checkpoint.every=2"]
     b = [VIS + "tp=2", VIS + "dp=2", LANG + "cp=1", LANG + "tp=2", LANG + "pp=2", LANG + "dp=1"]
     a_run, b_run, c_run = (str(tmp_path / n) for n in ("a", "b", "c"))
     proc, _ = _cli("train", cp_config, *steps, f"train.checkpoint.dir={a_run}/ckpt", "--run-dir", a_run, cwd=tmp_path)
@@ -153,7 +153,7 @@ def test_mimo_train_resumes_and_convert_checkpoint_rewrites_at_another_layout(cp
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resharding it on load" in proc.stderr and "will not reproduce" not in proc.stderr
     moved = _losses(b_run)
-    assert sorted(moved) == [3, 4] and all(_rel(moved[s], stayed[s]) < 1e-5 for s in (3, 4)), (moved, stayed)
+    assert sorted(moved) == [3] and _rel(moved[3], stayed[3]) < 1e-5, (moved, stayed)
 
     out = str(tmp_path / "converted")
     proc, result = _cli("convert-checkpoint", step2, "--config", cp_config, *b, "--out", out, cwd=tmp_path)
@@ -164,7 +164,7 @@ def test_mimo_train_resumes_and_convert_checkpoint_rewrites_at_another_layout(cp
                    "--resume-from", converted, cwd=tmp_path)
     assert proc.returncode == 0 and "resharding" not in proc.stderr, proc.stderr[-3000:]
     again = _losses(c_run)
-    assert all(_rel(again[s], stayed[s]) < 1e-5 for s in (3, 4)), (again, stayed)
+    assert sorted(again) == [3] and _rel(again[3], stayed[3]) < 1e-5, (again, stayed)
 
     # converting onto itself, and into a model with fewer layers: clear errors
     proc, result = _cli("convert-checkpoint", step2, "--config", cp_config, *b, "--out", out, cwd=tmp_path)
