@@ -21,7 +21,7 @@ over ``embedding_group`` (first and last stage ranks of one TP/CP/DP coordinate)
 take the same optimizer step and stay equal.
 
 Multimodal positions and deepstack (Qwen3-VL): with ``arch.mrope_section`` attention rotates by
-the pack's 3-D ``positions_3d`` (``PackedBatch``; ``mimo.llm.mrope``), carried to every layer in
+the pack's 3-D ``positions_3d`` (``PackedBatch``; ``mimo.data.positions``), carried to every layer in
 the ``SeqContext``. With ``arch.deepstack_layers`` an image row may reach the first stage as
 ``hidden * (1 + levels)`` columns (docs/design.md §10: the main features, then each level's):
 the main columns are scattered into the embeddings, level k's are added to the same slots right

@@ -40,7 +40,7 @@ from mimo.llm.hf import (
     qwen3_vl_text_to_hf,
 )
 from mimo.llm.model import LLMStage
-from mimo.llm.mrope import packed_positions_3d
+from mimo.data.positions import packed_positions_3d
 from mimo.llm.verify import randomize_
 from mimo.parallel.grid import ParallelConfig
 

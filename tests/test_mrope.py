@@ -1,4 +1,4 @@
-"""M-RoPE (llm/mrope.py) against Hugging Face's Qwen3-VL: ``Qwen3VLModel.get_rope_index`` on a
+"""M-RoPE (data/positions.py, llm/mrope.py) against Hugging Face's Qwen3-VL: ``Qwen3VLModel.get_rope_index`` on a
 tiny model for the 3-D positions, ``Qwen3VLTextRotaryEmbedding`` and ``apply_rotary_pos_emb``
 for the tables and the rotation. Non-default, uneven mrope sections; images with h != w and
 t > 1; a video of two frames; a pack of samples each checked against HF run alone."""
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mimo.core.errors import ConfigError, DataError
-from mimo.llm.mrope import apply_mrope, mrope_axes, mrope_cos_sin, packed_positions_3d, positions_3d
+from mimo.data.positions import packed_positions_3d, positions_3d
+from mimo.llm.mrope import apply_mrope, mrope_axes, mrope_cos_sin
 from mimo.llm.rope import RopeConfig, inv_freq, rope_tables
 
 IMG, VID, VS, VE = 60, 61, 58, 59

@@ -7,7 +7,7 @@ appearance, laid out as transformers' Qwen3-VL processor lays them out:
 * an image of grid ``(1, h, w)`` (patches): ``<vision_start> <image_pad> x (h*w / merge^2) <vision_end>``;
 * a video of grid ``(t, h, w)`` (``t`` temporal patches of ``temporal_patch`` frames each):
   per temporal patch its timestamp (text tokens), then its own ``<vision_start> <video_pad> x
-  (h*w / merge^2) <vision_end>`` (``mimo.llm.mrope``: each such frame block is positioned as a
+  (h*w / merge^2) <vision_end>`` (``mimo.data.positions``: each such frame block is positioned as a
   one-step image).
 
 Pixels: an image through ``mimo.data.native_images.preprocess`` (the processor's resize and
@@ -21,7 +21,7 @@ the rows' layout is the processor's.
 The pack (``pack_samples``): the training packer (``mimo.data.pack.pack``) over the samples'
 tokens with next-token labels inside each sample, targets every token but the image / video
 pads (a pad is never predicted; the token before a vision block predicts its
-``<vision_start>``); the 3-D positions of ``mimo.llm.mrope.packed_positions_3d``; one image
+``<vision_start>``); the 3-D positions of ``mimo.data.positions.packed_positions_3d``; one image
 key (``KEY``) whose slots are every image and every video pad position, in token order. The
 tower runs once on every visual of the pack in that same order (``pixels_PJ``, ``grids_N3``),
 so its rows (main features, then each deepstack level: ``Qwen3VisionTower``) land row for row
@@ -52,7 +52,7 @@ from mimo.data.pack import PackItem, pack
 from mimo.encoders.qwen3_vl import Qwen3VisionArch, Qwen3VisionTower
 from mimo.llm.config import HybridArch
 from mimo.llm.model import LLMStage
-from mimo.llm.mrope import packed_positions_3d
+from mimo.data.positions import packed_positions_3d
 from mimo.parallel.context import ParallelContext
 
 __all__ = ["KEY", "VisionTokenIds", "Visual", "VLMSample", "VLMPack", "NativeVLM", "image_spec", "video_patches",
