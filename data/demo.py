@@ -30,15 +30,18 @@ class Shape:
     position: str
 
 
-def draw(shape: Shape, size: int, rng: random.Random) -> bytes:
-    """PNG bytes of one shape (lossless, so the task stays exactly learnable)."""
+def draw(shape: Shape, size: int | tuple[int, int], rng: random.Random) -> bytes:
+    """PNG bytes of one shape (lossless, so the task stays exactly learnable); ``size``: the
+    side of a square, or (width, height)."""
     from PIL import Image, ImageDraw
 
+    width, height = (size, size) if isinstance(size, int) else size
     noise = rng.randint(0, 20)
-    img = Image.new("RGB", (size, size), (noise, noise, noise + 10))
+    img = Image.new("RGB", (width, height), (noise, noise, noise + 10))
     d = ImageDraw.Draw(img)
-    cx, cy = (int(f * size) for f in POSITIONS[shape.position])
-    r = max(2, size // 6)
+    fx, fy = POSITIONS[shape.position]
+    cx, cy = int(fx * width), int(fy * height)
+    r = max(2, min(width, height) // 6)
     colour = COLOURS[shape.colour]
     if shape.shape == "circle":
         d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=colour)
@@ -55,8 +58,11 @@ def _random_shape(rng: random.Random) -> Shape:
     return Shape(rng.choice(list(COLOURS)), rng.choice(SHAPES), rng.choice(list(POSITIONS)))
 
 
-def make_sample(i: int, rng: random.Random, image_size: int) -> dict:
-    """One WebDataset sample dict (``__key__`` plus its files)."""
+def make_sample(i: int, rng: random.Random, image_size: int, sizes: list[tuple[int, int]] | None = None) -> dict:
+    """One WebDataset sample dict (``__key__`` plus its files); ``sizes``: each image drawn at
+    one of these (width, height), picked at random (the native-resolution split), else square."""
+    if sizes is not None:
+        image_size = rng.choice(sizes)
     key = f"{i:07d}"
     kind = rng.random()
     if kind < 0.05:  # text only: copy a word
@@ -100,12 +106,17 @@ def make_tokenizer(path: str) -> None:
 
 
 MANIFEST = "manifest.json"
-TRAIN_SAMPLES, HELDOUT_SAMPLES = 4000, 400  # what `mimo make-demo-data` and `mimo demo` write
+TRAIN_SAMPLES, HELDOUT_SAMPLES, NATIVE_SAMPLES = 4000, 400, 400  # what `mimo make-demo-data` and `mimo demo` write
+# the native split's image sizes (width, height): several aspect ratios, none a multiple of 32, some
+# not even of a small tower's patch x merge, so resizing to the grid is exercised
+NATIVE_SIZES = [(40, 24), (24, 44), (56, 36), (36, 36), (70, 46), (30, 58)]
 
 
-def make_demo_data(out_dir: str, train_samples: int = TRAIN_SAMPLES, heldout_samples: int = HELDOUT_SAMPLES, shard_size: int = 500, image_size: int = 32, seed: int = 0) -> dict:
-    """Write ``train-NNNNNN.tar``, ``heldout-NNNNNN.tar``, ``tokenizer/`` and, last, ``manifest.json``
-    (what was asked for and written) into ``out_dir``.
+def make_demo_data(out_dir: str, train_samples: int = TRAIN_SAMPLES, heldout_samples: int = HELDOUT_SAMPLES, shard_size: int = 500,
+                   image_size: int = 32, seed: int = 0, native_samples: int = NATIVE_SAMPLES) -> dict:
+    """Write ``train-NNNNNN.tar``, ``heldout-NNNNNN.tar``, ``native-NNNNNN.tar`` (the same task with
+    images of several sizes, ``NATIVE_SIZES``: native-resolution towers' data), ``tokenizer/``
+    and, last, ``manifest.json`` (what was asked for and written) into ``out_dir``.
 
     The held-out split is drawn from its own random stream (seeded apart from the train
     stream), so its samples are new draws, never copies of train samples, and do not change
@@ -114,9 +125,12 @@ def make_demo_data(out_dir: str, train_samples: int = TRAIN_SAMPLES, heldout_sam
 
     os.makedirs(out_dir, exist_ok=True)
     request = {"train_samples": train_samples, "heldout_samples": heldout_samples, "shard_size": shard_size,
-               "image_size": image_size, "seed": seed}
+               "image_size": image_size, "seed": seed, "native_samples": native_samples}
     written = {}
-    for split, n in (("train", train_samples), ("heldout", heldout_samples)):
+    for split, n in (("train", train_samples), ("heldout", heldout_samples), ("native", native_samples)):
+        if n < 1:
+            continue
+        sizes = NATIVE_SIZES if split == "native" else None
         rng = random.Random(seed) if split == "train" else random.Random(f"{seed}:{split}")
         shards = max(1, -(-n // shard_size))
         for s in range(shards):
@@ -124,7 +138,7 @@ def make_demo_data(out_dir: str, train_samples: int = TRAIN_SAMPLES, heldout_sam
             tmp = path + ".tmp"
             with wds.TarWriter(tmp) as sink:
                 for i in range(s * shard_size, min(n, (s + 1) * shard_size)):
-                    sink.write(make_sample(i, rng, image_size))
+                    sink.write(make_sample(i, rng, image_size, sizes))
             os.replace(tmp, path)  # a half-written shard never looks complete
         written[split] = os.path.join(out_dir, f"{split}-{{000000..{shards - 1:06d}}}.tar")
     make_tokenizer(os.path.join(out_dir, "tokenizer"))

@@ -22,13 +22,15 @@ from dataclasses import dataclass, field
 
 from mimo.data.config import shard_paths
 from mimo.data.shards import decode_image, image_keys, parse_text, read_files, scan_shard
-from mimo.data.text import TextEncoder, load_tokenizer, turns_from_caption, turns_from_json
+from mimo.data.native_images import NativePlaceholder, grid_from_bytes
+from mimo.data.text import TextEncoder, TokenizedSample, load_tokenizer, turns_from_caption, turns_from_json
 from mimo.core.errors import DataError
 
 log = logging.getLogger("mimo.data")
 # 2: images map to encoders by placeholder (mimo.data.text); 3: a cut tar's last sample is "truncated";
 # 4: an empty caption or answer is bad; earlier verdicts differ
-INDEX_VERSION = 4
+# 5: native-resolution images: each image's grid and rows
+INDEX_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -37,11 +39,27 @@ class TextSpec:
 
     tokenizer: str
     template: str
-    rows_per_image: tuple[tuple[str, int], ...]  # (placeholder, rows), in encoder order
+    rows_per_image: tuple[tuple[str, int], ...]  # (placeholder, rows), in encoder order; 0 for native ones
+    native: tuple[NativePlaceholder, ...] = ()  # the placeholders whose rows follow each image's grid
 
     @property
     def placeholders(self) -> list[str]:
         return [p for p, _ in self.rows_per_image]
+
+    def mrope_merge(self) -> dict[str, int]:
+        """Native placeholder -> its tower's merge size (whose images take 3-D positions)."""
+        return {n.placeholder: n.image.merge for n in self.native}
+
+    def text_encoder(self, tokenizer=None) -> TextEncoder:
+        return TextEncoder(tokenizer if tokenizer is not None else load_tokenizer(self.tokenizer), self.template,
+                           dict(self.rows_per_image), self.native)
+
+    def file_rows(self, image_bytes: list[bytes]) -> tuple[dict[str, list[list[int]]], dict[str, list[int]]]:
+        """Per native placeholder, the grid and the rows of each image file, from its header
+        (``DataError`` for an image its spec cannot take: every file is checked against every
+        native encoder, whichever it feeds)."""
+        grids = {n.placeholder: [list(grid_from_bytes(b, n.image)) for b in image_bytes] for n in self.native}
+        return grids, {n.placeholder: [n.rows(g) for g in grids[n.placeholder]] for n in self.native}
 
 
 @dataclass
@@ -53,6 +71,9 @@ class Entry:
     images: int = 0
     image_starts: dict[str, list[int]] = field(default_factory=dict)
     bad: str | None = None
+    # native placeholders: each image's grid (t, h, w) and rows, in the order of its starts
+    image_grids: dict[str, list[list[int]]] = field(default_factory=dict)
+    image_rows: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,14 +96,15 @@ class Index:
             "shard_errors": self.shard_errors,
             "shard_lost": self.shard_lost,
             "shard_stats": {s: _shard_stat(s) for s in self.shards if os.path.isfile(s)},
-            "entries": [[e.shard, e.key, e.files, e.tokens, e.images, e.image_starts, e.bad] for e in self.entries],
+            "entries": [[e.shard, e.key, e.files, e.tokens, e.images, e.image_starts, e.bad, e.image_grids, e.image_rows]
+                        for e in self.entries],
         }
 
     @classmethod
     def from_json(cls, obj: dict) -> "Index":
         entries = [
-            Entry(s, k, {x: tuple(v) for x, v in f.items()}, t, n, starts, bad)
-            for s, k, f, t, n, starts, bad in obj["entries"]
+            Entry(s, k, {x: tuple(v) for x, v in f.items()}, t, n, starts, bad, grids, rows)
+            for s, k, f, t, n, starts, bad, grids, rows in obj["entries"]
         ]
         return cls(obj["shards"], entries, obj["fingerprint"], obj.get("shard_errors", {}), obj.get("shard_lost", {}))
 
@@ -100,7 +122,7 @@ def reason_kind(reason: str) -> str:
 
 # ---------------------------------------------------------------------------
 def fingerprint(shards: list[str], spec: TextSpec) -> str:
-    h = hashlib.sha256(f"v{INDEX_VERSION}|{spec.template}|{spec.rows_per_image}".encode())
+    h = hashlib.sha256(f"v{INDEX_VERSION}|{spec.template}|{spec.rows_per_image}|{spec.native}".encode())
     for path in shards:
         st = os.stat(path)
         h.update(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode())
@@ -143,26 +165,29 @@ def _check_writable(path: str) -> None:
                         f"storage?); set data.index_dir to a writable folder") from None
 
 
-def index_sample(files: dict[str, bytes], encoder: TextEncoder, placeholders: list[str]) -> tuple[int, int, dict[str, list[int]]]:
-    """(tokens, images, image starts) of a sample; DataError with the reason if it is bad."""
+def index_sample(files: dict[str, bytes], encoder: TextEncoder, spec: TextSpec) -> tuple[TokenizedSample, int, dict]:
+    """A sample's tokens (``TokenizedSample``: length, image starts and rows), its image files
+    and its native images' grids; DataError with the reason if it is bad."""
     kind, text = parse_text(files)
     images = image_keys(files)
     for ext in images:
         decode_image(files[ext])
-    turns = turns_from_json(text) if kind == "json" else turns_from_caption(text, placeholders, len(images))
-    sample = encoder.encode(turns, len(images))
-    return len(sample), len(images), sample.image_starts
+    grids, rows = spec.file_rows([files[ext] for ext in images])
+    turns = turns_from_json(text) if kind == "json" else turns_from_caption(text, spec.placeholders, len(images))
+    sample = encoder.encode(turns, len(images), rows)
+    return sample, len(images), {p: [grids[p][f] for f in sample.image_files[p]] for p in grids}
 
 
 def _scan_one(args) -> tuple[int, list[Entry], str | None]:
     shard_id, path, spec = args
-    encoder = TextEncoder(load_tokenizer(spec.tokenizer), spec.template, dict(spec.rows_per_image))
+    encoder = spec.text_encoder()
     locations, error = scan_shard(path)
     entries = []
     for loc in locations:
         entry = Entry(shard_id, loc.key, dict(loc.files))
         try:
-            entry.tokens, entry.images, entry.image_starts = index_sample(read_files(path, loc), encoder, spec.placeholders)
+            sample, entry.images, entry.image_grids = index_sample(read_files(path, loc), encoder, spec)
+            entry.tokens, entry.image_starts, entry.image_rows = len(sample), sample.image_starts, sample.image_rows
         except DataError as e:
             entry.bad = str(e)
         entries.append(entry)

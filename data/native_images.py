@@ -31,12 +31,14 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from mimo.core.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_ASPECT = 200  # longest side / shortest side beyond which the processor refuses an image
 
@@ -130,6 +132,7 @@ def grid_from_bytes(data: bytes, spec: NativeImageSpec = NativeImageSpec()) -> t
 def _rgb_uint8_CHW(img) -> torch.Tensor:
     """PIL image or uint8 ``[H, W, 3]`` / ``[H, W]`` array -> contiguous uint8 ``[3, H, W]``.
     Transparent PIL images are composited onto white first, as the processor does."""
+    import torch
     from PIL import Image
 
     if isinstance(img, Image.Image):
@@ -155,6 +158,9 @@ def _rgb_uint8_CHW(img) -> torch.Tensor:
 def preprocess(img, spec: NativeImageSpec = NativeImageSpec()) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """PIL image or uint8 HWC array -> (float32 ``[gh*gw, C*tp*p*p]`` patch rows, ``(t, gh, gw)``),
     the processor's ``pixel_values`` / ``image_grid_thw`` for one image (on the CPU)."""
+    import torch
+    import torch.nn.functional as F
+
     x_CHW = _rgb_uint8_CHW(img)
     C, H, W = x_CHW.shape
     h, w = smart_size(H, W, spec)
@@ -177,3 +183,72 @@ def preprocess(img, spec: NativeImageSpec = NativeImageSpec()) -> tuple[torch.Te
     x = x.unsqueeze(5).expand(gh // m, gw // m, m, m, C, tp, p, p)  # the still frame repeated in time
     patches_NP = x.reshape(gh * gw, C * tp * p * p).contiguous()
     return patches_NP, (1, gh, gw)
+
+
+def rows_of_grid(grid, spec: NativeImageSpec) -> int:
+    """LLM rows (tokens) of a ``(t, gh, gw)`` grid: its patches over the ``merge x merge`` fusion."""
+    t, gh, gw = grid
+    return t * gh * gw // (spec.merge * spec.merge)
+
+
+def patch_bytes(img, spec: NativeImageSpec = NativeImageSpec()) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """PIL image or uint8 HWC array -> (uint8 ``[gh*gw, C*p*p]`` patch rows of ONE frame, grid):
+    ``preprocess``'s resize and patch order without the normalisation and the temporal repeat,
+    which ``PatchNorm`` applies on the tower's device (a still image's frames are all the same,
+    so a row travels as a quarter of fp32's bytes divided by ``temporal_patch``)."""
+    import torch.nn.functional as F
+
+    x_CHW = _rgb_uint8_CHW(img)
+    C, H, W = x_CHW.shape
+    h, w = smart_size(H, W, spec)
+    if (h, w) != (H, W):
+        x_CHW = F.interpolate(x_CHW[None], size=(h, w), mode="bicubic", align_corners=False, antialias=True)[0]
+    p, m = spec.patch, spec.merge
+    gh, gw = h // p, w // p
+    x = x_CHW.reshape(C, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # as ``preprocess``
+    return x.reshape(gh * gw, C * p * p).contiguous(), (1, gh, gw)
+
+
+class PatchNorm:
+    """uint8 one-frame patch rows ``[P, C*p*p]`` (``patch_bytes``) -> ``preprocess``'s float32 rows
+    ``[P, C*tp*p*p]`` on the rows' device, bit for bit: each byte looked up in a per-channel table of
+    its 256 values, computed on the CPU as ``preprocess`` computes them, then the frame repeated."""
+
+    def __init__(self, spec: NativeImageSpec):
+        import torch
+
+        self.spec = spec
+        values_C1 = torch.arange(256, dtype=torch.float32).view(1, 256)
+        mean_C1 = (torch.tensor(spec.mean, dtype=torch.float32) * 255.0).view(-1, 1)
+        std_C1 = (torch.tensor(spec.std, dtype=torch.float32) * 255.0).view(-1, 1)
+        self.table_C256 = (values_C1 - mean_C1) / std_C1
+        self._on: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, x_PB: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        spec = self.spec
+        C, pp = spec.channels, spec.patch * spec.patch
+        table = self._on.get(x_PB.device)
+        if table is None:
+            table = self._on[x_PB.device] = self.table_C256.reshape(-1).to(x_PB.device)
+        offsets_1C1 = torch.arange(C, dtype=torch.int32, device=x_PB.device).mul_(256).view(1, C, 1)
+        index = x_PB.view(-1, C, pp).int().add_(offsets_1C1)
+        P = x_PB.shape[0]
+        x_PC1Q = table.index_select(0, index.view(-1)).view(P, C, 1, pp)
+        return x_PC1Q.expand(P, C, spec.temporal_patch, pp).reshape(P, C * spec.temporal_patch * pp)
+
+
+@dataclass(frozen=True)
+class NativePlaceholder:
+    """What the text and the index need of a native-resolution encoder: its placeholder, how it
+    cuts images, and the texts around each image's rows (as Qwen3-VL's processor writes them:
+    ``<|vision_start|>``, one ``<|image_pad|>`` per row, ``<|vision_end|>``; "" for none)."""
+
+    placeholder: str
+    image: NativeImageSpec
+    vision_start: str = "<|vision_start|>"
+    vision_end: str = "<|vision_end|>"
+
+    def rows(self, grid) -> int:
+        return rows_of_grid(grid, self.image)

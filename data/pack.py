@@ -9,7 +9,7 @@ last token (causal layers never let real tokens see it). Padding never carries l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import itertools
 from typing import Sequence
 
@@ -17,7 +17,9 @@ import numpy as np
 import torch
 
 from mimo.core.batch import CPSlice, PackedBatch
-from mimo.parallel.layout import PackLayout
+from mimo.core.errors import DataError
+from mimo.data.positions import layout_positions_3d
+from mimo.parallel.layout import PackLayout, expand
 
 
 @dataclass
@@ -30,9 +32,15 @@ class PackItem:
     target: list[bool]
     image_starts: dict[str, list[int]]
     ok: bool = True
+    # native placeholders: each image's rows and grid (t, h, w) (others: rows_per_image each)
+    image_rows: dict[str, list[int]] = field(default_factory=dict)
+    image_grids: dict[str, list] = field(default_factory=dict)
 
 
-def pack(items: Sequence[PackItem], rows_per_image: dict[str, int], tp: int, cp: int, sequence_parallel: bool, pad_id: int) -> PackedBatch:
+def pack(items: Sequence[PackItem], rows_per_image: dict[str, int], tp: int, cp: int, sequence_parallel: bool, pad_id: int,
+         mrope_merge: dict[str, int] | None = None) -> PackedBatch:
+    """``mrope_merge``: for an M-RoPE LLM, the native placeholders (-> their towers' merge size)
+    whose images take 3-D positions (``PackedBatch.positions_3d``, ``mimo.data.positions``)."""
     # numpy, filled slice by slice: the data thread builds a pack each step while the training
     # thread launches kernels, and per-token Python lists would hold the interpreter lock for
     # milliseconds
@@ -52,9 +60,17 @@ def pack(items: Sequence[PackItem], rows_per_image: dict[str, int], tp: int, cp:
         if it.ok and n > 1:
             mask_T[off : off + n - 1] = np.asarray(it.target[1:], dtype=bool)
         for p, starts in it.image_starts.items():
-            slots[p].append((off + np.asarray(starts, dtype=np.int64)[:, None] + np.arange(rows_per_image[p])).reshape(-1))
+            own = it.image_rows.get(p)
+            if own is None:
+                slots[p].append((off + np.asarray(starts, dtype=np.int64)[:, None] + np.arange(rows_per_image[p])).reshape(-1))
+            elif len(own):
+                run_R, at_R = expand(np.asarray(own, dtype=np.int64))
+                slots[p].append(off + np.asarray(starts, dtype=np.int64)[run_R] + at_R)
     # positions restart at every segment (padding segments included)
     positions_T = np.arange(total, dtype=np.int64) - np.repeat(cu_S1[:-1], np.diff(cu_S1))
+    positions_3d = None
+    if mrope_merge:
+        positions_3d = torch.from_numpy(_positions_3d(items, mrope_merge, cu_S1))
     return PackedBatch(
         tokens=torch.from_numpy(tokens_T),
         positions=torch.from_numpy(positions_T),
@@ -64,7 +80,25 @@ def pack(items: Sequence[PackItem], rows_per_image: dict[str, int], tp: int, cp:
         image_slots={p: torch.from_numpy(np.concatenate(v) if v else np.zeros(0, dtype=np.int64)) for p, v in slots.items()},
         sample_ids=torch.tensor([it.id for it in items], dtype=torch.int64),
         cp=CPSlice(cp, None, tuple(layout.chunk_lens()), tuple(len(it.tokens) for it in items)) if cp > 1 else None,
+        positions_3d=positions_3d,
     )
+
+
+def _positions_3d(items: Sequence[PackItem], mrope_merge: dict[str, int], cu_S1: np.ndarray) -> np.ndarray:
+    """The pack's ``[3, T]`` M-RoPE positions from its layout (``layout_positions_3d``): the
+    native placeholders' images, in position order within each sample."""
+    merges = {mrope_merge[p] for p in mrope_merge}
+    if len(merges) > 1:
+        raise DataError(f"native towers with different merge sizes ({sorted(merges)}) cannot share one M-RoPE pack")
+    sample_U, start_U, grid_U = [], [], []
+    for n, it in enumerate(items):
+        images = sorted((s, tuple(g)) for p in mrope_merge for s, g in zip(it.image_starts.get(p, ()), it.image_grids.get(p, ())))
+        sample_U += [n] * len(images)
+        start_U += [s for s, _ in images]
+        grid_U += [g for _, g in images]
+    return layout_positions_3d(cu_S1, np.array([len(it.tokens) for it in items], dtype=np.int64),
+                               np.array(sample_U, dtype=np.int64), np.array(start_U, dtype=np.int64),
+                               np.array(grid_U, dtype=np.int64).reshape(-1, 3), merges.pop() if merges else 1)
 
 
 def cp_share(batch: PackedBatch, cp_rank: int) -> PackedBatch:

@@ -42,10 +42,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mimo.core.batch import PackedBatch, to_device
+from mimo.core.batch import PackedBatch, PatchBatch, to_device
 from mimo.bridges.executor import Bridge
 from mimo.data.images import ImageSpec, PixelNorm, decode
 from mimo.data.index import Index, TextSpec
+from mimo.data.native_images import NativeImageSpec, PatchNorm, patch_bytes
 from mimo.data.pack import PackItem, cp_share, pack
 from mimo.data.plan import DataPlan, PlannedSample, SampleArrays
 from mimo.data.shards import SampleLocation, decode_image, image_keys, parse_text, read_files
@@ -63,21 +64,55 @@ class EncoderFeed:
 
     name: str
     placeholder: str
-    rows_per_image: int
-    image: ImageSpec
+    rows_per_image: int  # 0 for a native-resolution tower (each image's own, from its grid)
+    image: ImageSpec | None  # a fixed-size tower's images (None: native)
     grid: ParallelGrid
     # how pixels travel: uint8 (decoded images, normalised on the encoder's device) or a float
     # dtype (pixels that are the encoder's numbers already: synthetic data's draws)
     pixel_dtype: torch.dtype = torch.uint8
+    # a native-resolution tower: how it cuts images; what a patch costs beside the attention over
+    # its image's patches (2 * hidden + mlp: a block's matmul work per patch over the attention's per
+    # patch and patch of its image), so that its DP blocks balance compute, not images
+    native: NativeImageSpec | None = None
+    cost_width: int = 0
 
     @property
     def raw(self) -> bool:
         return self.pixel_dtype == torch.uint8
 
     @property
+    def numel(self) -> int:
+        """Values per routed row: an image (fixed size), one frame of a patch (native)."""
+        if self.native is not None:
+            return self.native.channels * self.native.patch * self.native.patch
+        return self.image.numel
+
+    @property
     def wire_cols(self) -> int:
-        """Elements per routed image: the pixels, plus the read flag for raw bytes."""
-        return self.image.numel + (1 if self.raw else 0)
+        """Elements per routed row: the pixels, plus the read flag for raw bytes."""
+        return self.numel + (1 if self.raw else 0)
+
+    def pixel_rows_N(self, arrays: SampleArrays) -> np.ndarray:
+        """Rows each sample routes to this tower: one per image (fixed size), one per patch (native)."""
+        if self.native is None:
+            return arrays.images_for(self.placeholder)
+        return arrays.rows_per_sample(self.placeholder, 0) * self.native.merge**2
+
+    def costs_N(self, arrays: SampleArrays) -> np.ndarray:
+        """What each sample costs this tower (its DP blocks balance it): image rows (fixed size),
+        patches x (cost_width + patches of the image) summed over its images (native)."""
+        if self.native is None:
+            return arrays.images_for(self.placeholder) * self.rows_per_image
+        images_N = arrays.images_for(self.placeholder)
+        patches_I = arrays.image_rows(self.placeholder, 0) * self.native.merge**2
+        return np.bincount(np.repeat(np.arange(len(images_N)), images_N), weights=patches_I * (self.cost_width + patches_I),
+                           minlength=len(images_N)).astype(np.int64)
+
+    def grids_of_block(self, arrays: SampleArrays, block: range) -> torch.Tensor:
+        """``[N, 3]`` grids of a native tower's images in the samples of ``block``."""
+        first_N1 = np.concatenate([[0], np.cumsum(arrays.images_for(self.placeholder))])
+        grids = arrays.image_grids(self.placeholder)[first_N1[block.start]:first_N1[block.stop]]
+        return torch.from_numpy(np.ascontiguousarray(grids, dtype=np.int64))
 
 
 @dataclass
@@ -112,8 +147,8 @@ class Microbatch:
 
 
 def encoder_blocks(samples: list[PlannedSample] | SampleArrays, feed: EncoderFeed) -> list[range]:
-    """An encoder's DP blocks: balanced by its image rows (the same function for every user)."""
-    return dp_blocks(SampleArrays.of(samples).images_for(feed.placeholder) * feed.rows_per_image, feed.grid.shape["dp"])
+    """An encoder's DP blocks: balanced by its cost (``EncoderFeed.costs_N``; the same function for every user)."""
+    return dp_blocks(feed.costs_N(SampleArrays.of(samples)), feed.grid.shape["dp"])
 
 
 def llm_blocks(samples: list[PlannedSample] | SampleArrays, dp: int) -> list[range]:
@@ -130,9 +165,9 @@ class SampleReader:
     fast tokenizers release nothing shared between calls)."""
 
     def __init__(self, index: Index, text: TextSpec, feeds: list[EncoderFeed]):
-        self.index, self.feeds = index, feeds
+        self.index, self.feeds, self.text = index, feeds, text
         self.tokenizer = load_tokenizer(text.tokenizer)
-        self.encoder = TextEncoder(self.tokenizer, text.template, dict(text.rows_per_image))
+        self.encoder = text.text_encoder(self.tokenizer)
         self.placeholders = text.placeholders
         self.pad_id = self.encoder.pad_id
 
@@ -142,21 +177,39 @@ class SampleReader:
         try:
             files = read_files(path, SampleLocation(entry.key, dict(entry.files)))
             kind, text = parse_text(files)
-            images = [decode_image(files[ext]) for ext in image_keys(files)]
+            keys = image_keys(files)
+            images = [decode_image(files[ext]) for ext in keys]
+            _, file_rows = self.text.file_rows([files[ext] for ext in keys])
             turns = turns_from_json(text) if kind == "json" else turns_from_caption(text, self.placeholders, len(images))
-            tok = self.encoder.encode(turns, len(images))
-            if len(tok) != entry.tokens or tok.image_starts != entry.image_starts:
+            tok = self.encoder.encode(turns, len(images), file_rows)
+            if len(tok) != entry.tokens or tok.image_starts != entry.image_starts or tok.image_rows != entry.image_rows:
                 raise DataError("sample changed since indexing")
             # each encoder gets the image files its placeholders take (mimo.data.text.image_files), as bytes
-            pixels = {f.name: torch.stack([decode(images[i], f.image).reshape(-1) for i in tok.image_files[f.placeholder]])
-                      if tok.image_files.get(f.placeholder) else torch.zeros(0, f.image.numel, dtype=torch.uint8)
-                      for f in self.feeds}
-            return ReadSample(PackItem(s.id, tok.tokens, tok.target, tok.image_starts), pixels)
+            pixels = {f.name: self._pixels(f, [images[i] for i in tok.image_files.get(f.placeholder, ())]) for f in self.feeds}
+            return ReadSample(PackItem(s.id, tok.tokens, tok.target, tok.image_starts, image_rows=tok.image_rows,
+                                       image_grids=entry.image_grids), pixels)
         except (DataError, OSError) as e:
             # keep the slot: same length and image positions, no loss, zero pixels
-            item = PackItem(s.id, [self.pad_id] * entry.tokens, [False] * entry.tokens, entry.image_starts, ok=False)
-            pixels = {f.name: torch.zeros(s.images_for(f.placeholder), f.image.numel, dtype=torch.uint8) for f in self.feeds}
+            item = PackItem(s.id, [self.pad_id] * entry.tokens, [False] * entry.tokens, entry.image_starts, ok=False,
+                            image_rows=entry.image_rows, image_grids=entry.image_grids)
+            pixels = {f.name: torch.zeros(self._rows(f, s), f.numel, dtype=torch.uint8) for f in self.feeds}
             return ReadSample(item, pixels, failure=str(e).split(":", 1)[0])
+
+    @staticmethod
+    def _rows(feed: EncoderFeed, s: PlannedSample) -> int:
+        """Pixel rows of ``s`` for ``feed``: its images (fixed size) or their patches (native)."""
+        if feed.native is None:
+            return s.images_for(feed.placeholder)
+        return sum(s.image_rows.get(feed.placeholder, ())) * feed.native.merge**2
+
+    @staticmethod
+    def _pixels(feed: EncoderFeed, images: list) -> torch.Tensor:
+        """uint8 rows of ``images`` for ``feed``: one per image, or one per patch (native)."""
+        if not images:
+            return torch.zeros(0, feed.numel, dtype=torch.uint8)
+        if feed.native is None:
+            return torch.stack([decode(img, feed.image).reshape(-1) for img in images])
+        return torch.cat([patch_bytes(img, feed.native)[0] for img in images])
 
 
 class DataPipeline:
@@ -177,6 +230,7 @@ class DataPipeline:
         make_reader=None,  # () -> a reader of the plan's samples (default: SampleReader over the index)
         device: torch.device | str = "cpu",  # where packs and pixels are delivered (read and routed on the CPU first)
         ahead: bool = True,  # prepare step n+1 on a thread of its own while step n trains (``step``)
+        mrope: bool = False,  # the LLM rotates by 3-D positions: packs carry them (``pack``'s ``mrope_merge``)
     ):
         self.plan, self.text, self.feeds = plan, text, feeds
         self.device = torch.device(device)
@@ -185,6 +239,7 @@ class DataPipeline:
         self.rank = dist.get_rank() if rank is None else rank
         self.tp, self.cp, self.dp = (llm_grid.shape.get(d, 1) for d in ("tp", "cp", "dp"))
         self.rows_per_image = dict(text.rows_per_image)
+        self.mrope_merge = text.mrope_merge() if mrope else None
         # groups: asked for on every rank in the same order, from the run's registry (the LLM
         # grid's). Preparing ahead, the pipeline runs its collectives on its own thread: on
         # groups of its own (purpose "data"), never interleaved with the training thread's on
@@ -196,7 +251,7 @@ class DataPipeline:
                              for f in feeds}
         self.encoder_tp = {f.name: f.grid.group("tp", purpose=purpose) for f in feeds}
         self._feed = {f.name: f for f in feeds}
-        self._norm = {f.name: PixelNorm(f.image) for f in feeds if f.raw}
+        self._norm = {f.name: PatchNorm(f.native) if f.native is not None else PixelNorm(f.image) for f in feeds if f.raw}
         self.pixel_bytes = 0  # pixel bytes this rank sent to other ranks (routing and all-gathers), for benchmarks
         self.readers = [llm_grid.rank_at(dp=d) for d in range(self.dp)]
         self.my_dp = llm_grid.coords(self.rank)["dp"] if self.rank in llm_grid else None
@@ -257,13 +312,22 @@ class DataPipeline:
         """The pack on the device, and the routed pixels as the encoder's float input there."""
         pin = self.device.type == "cuda"
         for name, wire in mb.pixels.items():
-            mb.pixels[name] = self._encoder_input(self._feed[name], to_device(wire, self.device, pin))
+            feed = self._feed[name]
+            x = self._encoder_input(feed, to_device(wire, self.device, pin))
+            if feed.native is not None:  # the tower's images: this rank's DP block of the microbatch
+                block = mb.encoder_blocks[name][feed.grid.coords(self.rank)["dp"]]
+                x = PatchBatch(x, feed.grids_of_block(mb.arrays, block).to(self.device))
+            mb.pixels[name] = x
         if mb.pack is not None and self.device.type != "cpu":
             mb.pack = mb.pack.to(self.device)
         return mb
 
     def _encoder_input(self, feed: EncoderFeed, wire: torch.Tensor) -> torch.Tensor:
-        """Routed rows ``[images, wire_cols]`` -> ``[images, C, S, S]`` floats (on wire's device)."""
+        """Routed rows ``[images, wire_cols]`` -> ``[images, C, S, S]`` floats (on wire's device);
+        native: ``[patches, wire_cols]`` -> the tower's patch rows ``[patches, C*tp*p*p]``."""
+        if feed.native is not None:
+            x = self._norm[feed.name](wire[:, :feed.numel])
+            return x.masked_fill_(~wire[:, feed.numel].bool().view(-1, 1), 0.0)  # a failed sample's slot: zeros
         s, c, numel = feed.image.size, feed.image.channels, feed.image.numel
         if not feed.raw:
             return wire.view(-1, c, s, s)
@@ -311,8 +375,9 @@ class DataPipeline:
         if read:
             items = [r.item for r in read]
         else:  # the plan gives everything but the token values, which the reader broadcasts
-            items = [PackItem(s.id, [0] * s.tokens, [False] * s.tokens, s.image_starts) for s in block]
-        batch = pack(items, self.rows_per_image, self.tp, self.cp, self.sequence_parallel, self.pad_id)
+            items = [PackItem(s.id, [0] * s.tokens, [False] * s.tokens, s.image_starts, image_rows=s.image_rows,
+                              image_grids=s.image_grids) for s in block]
+        batch = pack(items, self.rows_per_image, self.tp, self.cp, self.sequence_parallel, self.pad_id, self.mrope_merge)
         if self.pack_group is not None:
             t = batch.num_tokens
             flat = torch.cat([batch.tokens, batch.labels, batch.loss_mask.long()])
@@ -327,10 +392,10 @@ class DataPipeline:
         if self.rank not in members:
             return None
         cols = feed.wire_cols
-        images_N = mb.arrays.images_for(feed.placeholder)
+        rows_N = feed.pixel_rows_N(mb.arrays)
         # modules are colocated or disjoint (config rule), so source = all LLM ranks works for both
-        src = reader_runs(images_N, mb.llm_blocks, self.readers, self.llm_grid.ranks, cols)
-        dst = dp_runs(feed.grid, images_N, mb.encoder_blocks[feed.name], cols)
+        src = reader_runs(rows_N, mb.llm_blocks, self.readers, self.llm_grid.ranks, cols)
+        dst = dp_runs(feed.grid, rows_N, mb.encoder_blocks[feed.name], cols)
         x = None
         if src.holds_rank(self.rank):
             x = (torch.cat([wire_rows(r, feed) for r in read]) if read

@@ -28,14 +28,23 @@ class PlannedSample:
     tokens: int
     images: int
     image_starts: dict  # placeholder -> first position of each image
+    # native placeholders: each image's rows and grid (t, h, w), as the index holds them
+    image_rows: dict = field(default_factory=dict)
+    image_grids: dict = field(default_factory=dict)
 
     def images_for(self, placeholder: str) -> int:
         """How many images this sample has for the encoder of ``placeholder``."""
         return len(self.image_starts.get(placeholder, ()))
 
+    def rows_of(self, placeholder: str, rows_per_image: int) -> list[int]:
+        """Rows of each of its images for one encoder: their own (native), else ``rows_per_image``."""
+        own = self.image_rows.get(placeholder)
+        return list(own) if own is not None else [rows_per_image] * self.images_for(placeholder)
+
     def positions(self, placeholder: str, rows_per_image: int) -> list[int]:
         """Positions of this sample's rows for one encoder, image after image."""
-        return [s + r for s in self.image_starts.get(placeholder, ()) for r in range(rows_per_image)]
+        return [s + r for s, n in zip(self.image_starts.get(placeholder, ()), self.rows_of(placeholder, rows_per_image))
+                for r in range(n)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,15 +57,22 @@ class SampleArrays:
     tokens_N: np.ndarray
     images_N: dict = field(default_factory=dict)  # placeholder -> images per sample
     image_start_I: dict = field(default_factory=dict)  # placeholder -> first position of each image
+    # native placeholders -> rows and grid (t, h, w) of each image, sample after sample
+    image_rows_I: dict = field(default_factory=dict)
+    image_grid_I3: dict = field(default_factory=dict)
 
     @classmethod
     def of_samples(cls, samples) -> "SampleArrays":
         """From ``PlannedSample``s, one by one (microbatches put together from samples)."""
         placeholders = sorted({p for s in samples for p in s.image_starts})
         starts = {p: [s.image_starts.get(p, ()) for s in samples] for p in placeholders}
+        native = sorted({p for s in samples for p in s.image_rows})
+        flat = lambda key, p: [x for s in samples for x in getattr(s, key).get(p, ())]  # noqa: E731
         return cls(np.array([s.tokens for s in samples], dtype=np.int64).reshape(-1),
                    {p: np.array(list(map(len, st)), dtype=np.int64).reshape(-1) for p, st in starts.items()},
-                   {p: np.fromiter(itertools.chain.from_iterable(st), dtype=np.int64) for p, st in starts.items()})
+                   {p: np.fromiter(itertools.chain.from_iterable(st), dtype=np.int64) for p, st in starts.items()},
+                   {p: np.array(flat("image_rows", p), dtype=np.int64).reshape(-1) for p in native},
+                   {p: np.array(flat("image_grids", p), dtype=np.int64).reshape(-1, 3) for p in native})
 
     @classmethod
     def of(cls, samples) -> "SampleArrays":
@@ -70,6 +86,25 @@ class SampleArrays:
     def image_starts(self, placeholder: str) -> np.ndarray:
         return self.image_start_I.get(placeholder, np.zeros(0, dtype=np.int64))
 
+    def image_rows(self, placeholder: str, rows_per_image: int) -> np.ndarray:
+        """Rows of each image for the encoder of ``placeholder``: their own (native), else
+        ``rows_per_image`` each."""
+        own = self.image_rows_I.get(placeholder)
+        if own is not None:
+            return own
+        return np.full(int(self.images_for(placeholder).sum()), rows_per_image, dtype=np.int64)
+
+    def image_grids(self, placeholder: str) -> np.ndarray:
+        """``[I, 3]`` grids of a native placeholder's images (none: empty)."""
+        return self.image_grid_I3.get(placeholder, np.zeros((0, 3), dtype=np.int64))
+
+    def rows_per_sample(self, placeholder: str, rows_per_image: int) -> np.ndarray:
+        """Each sample's image rows for the encoder of ``placeholder``."""
+        images_N = self.images_for(placeholder)
+        rows_I = self.image_rows(placeholder, rows_per_image)
+        return np.bincount(np.repeat(np.arange(len(images_N)), images_N), weights=rows_I,
+                           minlength=len(images_N)).astype(np.int64)
+
 
 class _IndexColumns:
     """The index's per-entry numbers as arrays (built once per plan): tokens, and per
@@ -79,22 +114,29 @@ class _IndexColumns:
         entries = index.entries
         self.tokens_E = np.array([e.tokens for e in entries], dtype=np.int64)
         placeholders = sorted({p for e in entries for p in e.image_starts})
-        self.offset_E1, self.start_J = {}, {}
+        self.offset_E1, self.start_J, self.rows_J, self.grid_J3 = {}, {}, {}, {}
         for p in placeholders:
             starts = [e.image_starts.get(p, ()) for e in entries]
             self.offset_E1[p] = np.concatenate([[0], np.cumsum(list(map(len, starts)))]).astype(np.int64)
             self.start_J[p] = np.fromiter(itertools.chain.from_iterable(starts), dtype=np.int64)
+        for p in sorted({p for e in entries for p in e.image_rows}):  # native placeholders, aligned with starts
+            self.rows_J[p] = np.fromiter(itertools.chain.from_iterable(e.image_rows.get(p, ()) for e in entries), dtype=np.int64)
+            grids = list(itertools.chain.from_iterable(e.image_grids.get(p, ()) for e in entries))
+            self.grid_J3[p] = np.array(grids, dtype=np.int64).reshape(-1, 3)
 
     def arrays(self, ids_N: np.ndarray) -> SampleArrays:
-        images, starts = {}, {}
+        images, starts, rows, grids = {}, {}, {}, {}
         for p, offset_E1 in self.offset_E1.items():
             first_N = offset_E1[ids_N]
             images[p] = offset_E1[ids_N + 1] - first_N
             # the images, sample after sample: image i of the microbatch, the k-th of its
             # sample n, is entry first[n] + k = i + (first[n] - the images before sample n)
             shift_N = first_N - np.cumsum(images[p]) + images[p]
-            starts[p] = self.start_J[p][np.repeat(shift_N, images[p]) + np.arange(int(images[p].sum()))]
-        return SampleArrays(self.tokens_E[ids_N], images, starts)
+            take_I = np.repeat(shift_N, images[p]) + np.arange(int(images[p].sum()))
+            starts[p] = self.start_J[p][take_I]
+            if p in self.rows_J:
+                rows[p], grids[p] = self.rows_J[p][take_I], self.grid_J3[p][take_I]
+        return SampleArrays(self.tokens_E[ids_N], images, starts, rows, grids)
 
 
 class DataPlan:
@@ -147,7 +189,7 @@ class DataPlan:
 
     def sample(self, entry_id: int) -> PlannedSample:
         e: Entry = self.index.entries[entry_id]
-        return PlannedSample(entry_id, e.tokens, e.images, e.image_starts)
+        return PlannedSample(entry_id, e.tokens, e.images, e.image_starts, e.image_rows, e.image_grids)
 
     def _stream_ids(self, lo: int, hi: int) -> np.ndarray:
         """The entry ids at stream positions ``lo .. hi-1`` (one slice per epoch touched)."""

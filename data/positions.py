@@ -21,11 +21,12 @@ between frames), and each frame is placed as an image of one time step.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from mimo.core.errors import DataError
 
-__all__ = ["TEXT", "IMAGE", "VIDEO", "positions_3d", "packed_positions_3d"]
+__all__ = ["TEXT", "IMAGE", "VIDEO", "positions_3d", "packed_positions_3d", "layout_positions_3d"]
 
 TEXT, IMAGE, VIDEO = 0, 1, 2
 
@@ -138,3 +139,99 @@ def packed_positions_3d(tokens_T, cu_seqlens, image_grids, video_grids, merge: i
              for a, b in zip(cu[:-1], cu[1:])]
     grids.check_all_used()
     return torch.cat(parts, dim=1) if parts else torch.empty(3, 0, dtype=torch.int64)
+
+
+def layout_positions_3d(cu_S1: np.ndarray, real_len_N: np.ndarray, sample_U: np.ndarray, start_U: np.ndarray,
+                        grid_U3: np.ndarray, merge: int) -> np.ndarray:
+    """``[3, T]`` int64 M-RoPE positions of a pack from its layout alone, no token ids
+    (``T = cu_S1[-1]``): what ``packed_positions_3d`` gives for the same pack, so every rank can
+    compute them from the data plan. numpy over tokens and images, no Python loop.
+
+    ``cu_S1``: the pack's segment bounds (``data/pack.py``'s ``cu_S1``, 0 .. T). Segment s < N is
+    sample s: its ``real_len_N[s]`` real tokens, then the padding inside its segment (CP pads
+    every sample); one more segment than samples is the pack's trailing (SP) padding.
+    Image u (``sample_U`` non-decreasing, ``start_U`` ascending and disjoint within a sample)
+    is ``t*h*w/merge**2`` consecutive tokens of sample ``sample_U[u]`` from its position
+    ``start_U[u]``, grid ``grid_U3[u] = (t, h, w)`` in patches before the merge (a video frame:
+    an image with t = 1). Every token outside an image is text.
+
+    Text takes the running position p on all three axes, p rising by 1 per token and starting
+    at 0 in every segment. An image starting at running position p gets ``p + (t_idx, h_idx,
+    w_idx)`` over its merged ``(t, h/merge, w/merge)`` grid, row-major; after it p resumes at
+    ``p + max(h, w)/merge`` whatever t (as ``packed_positions_3d``). So the text token at
+    position i of its segment sits at ``i - sum(tokens - max(h, w)/merge)`` over the segment's
+    images that end at or before it.
+
+    Padding is text: the padding inside a sample's segment continues the sample's running
+    position (one past its last real token's text position, or past its last image's advance
+    when the sample ends with an image); the trailing padding segment counts 0, 1, 2, ... on
+    every axis: what ``packed_positions_3d`` gives with pad-token (text) ids there. Every
+    non-empty segment thus starts at 0 on every axis (an image at a sample's position 0 starts
+    at (0, 0, 0)), as ``PackedBatch.validate`` requires. ``real_len_N`` only bounds the images
+    (they must lie within the real tokens): the positions themselves do not depend on it.
+    Raises DataError for a layout that is not one (images out of their sample, overlapping or
+    out of order, grids not divisible by ``merge``, more than one padding segment).
+    """
+    cu_S1 = np.asarray(cu_S1, dtype=np.int64).reshape(-1)
+    real_len_N = np.asarray(real_len_N, dtype=np.int64).reshape(-1)
+    sample_U = np.asarray(sample_U, dtype=np.int64).reshape(-1)
+    start_U = np.asarray(start_U, dtype=np.int64).reshape(-1)
+    grid_U3 = np.asarray(grid_U3, dtype=np.int64).reshape(-1, 3)
+    n_samples, n_images = len(real_len_N), len(sample_U)
+    if merge < 1:
+        raise DataError(f"the spatial merge must be >= 1, got {merge}")
+    if cu_S1.size == 0 or cu_S1[0] != 0 or np.any(np.diff(cu_S1) < 0):
+        raise DataError(f"cu_S1 must rise from 0, got {cu_S1.tolist()}")
+    seg_len_S = np.diff(cu_S1)
+    if len(seg_len_S) not in (n_samples, n_samples + 1):
+        raise DataError(f"{len(seg_len_S)} segments for {n_samples} samples: want the samples and at most a padding one")
+    if np.any(real_len_N < 0) or np.any(real_len_N > seg_len_S[:n_samples]):
+        raise DataError("every sample's real length must fit its segment")
+    if len(start_U) != n_images or len(grid_U3) != n_images:
+        raise DataError(f"{n_images} images but {len(start_U)} starts and {len(grid_U3)} grids")
+    T = int(cu_S1[-1])
+    if n_images == 0:  # every token at its place in its segment
+        return np.broadcast_to(np.arange(T, dtype=np.int64) - np.repeat(cu_S1[:-1], seg_len_S), (3, T)).copy()
+
+    if np.any(grid_U3 < 1):
+        raise DataError("image grids must be positive (t, h, w) triples")
+    if np.any(grid_U3[:, 1:] % merge):
+        raise DataError(f"image grids must be divisible by the spatial merge {merge}")
+    t_U, gh_U, gw_U = grid_U3[:, 0], grid_U3[:, 1] // merge, grid_U3[:, 2] // merge
+    n_U = t_U * gh_U * gw_U  # tokens
+    end_U = start_U + n_U
+    if np.any(sample_U < 0) or np.any(sample_U >= n_samples) or np.any(np.diff(sample_U) < 0):
+        raise DataError("image samples must be non-decreasing sample indices")
+    if np.any(start_U < 0) or np.any(end_U > real_len_N[sample_U]):
+        raise DataError("every image must lie within its sample's real tokens")
+    same = sample_U[1:] == sample_U[:-1]
+    if np.any(same & (start_U[1:] < end_U[:-1])):
+        raise DataError("a sample's images must be in order and must not overlap")
+
+    # text position of pack token g in segment s: g - cu[s] minus what the images of s that end
+    # at or before g saved (tokens - advance): saved[g] - saved[cu[s]], saved the running sum
+    # over the pack (an image's own tokens see only the images before it; an image ending
+    # exactly at its segment's end counts in saved[cu[s+1]], so the next segment restarts)
+    g_end_U = cu_S1[sample_U] + end_U  # at most T; distinct (images are disjoint, non-empty)
+    saved_T1 = np.zeros(T + 1, dtype=np.int64)
+    saved_T1[g_end_U] = n_U - np.maximum(gh_U, gw_U)
+    np.cumsum(saved_T1, out=saved_T1)
+    base_T = np.arange(T, dtype=np.int64) - saved_T1[:T]
+    base_T -= np.repeat(cu_S1[:-1] - saved_T1[cu_S1[:-1]], seg_len_S)
+    out_3T = np.broadcast_to(base_T, (3, T)).copy()
+
+    # image tokens, row by row of the merged grid (a row: gw tokens of one frame's grid row),
+    # so that only repeats and one subtraction run over the tokens: the image's start position
+    # p (its first token's text position), then p + (frame, row, column)
+    g0_U = cu_S1[sample_U] + start_U  # the image's first token in the pack
+    p_U = base_T[g0_U]
+    rows_U = t_U * gh_U
+    u_R = np.repeat(np.arange(n_images), rows_U)
+    r_R = np.arange(len(u_R), dtype=np.int64) - np.repeat(np.cumsum(rows_U) - rows_U, rows_U)  # row in the image
+    gh_R, gw_R, p_R = gh_U[u_R], gw_U[u_R], p_U[u_R]
+    g_K = np.repeat(g0_U - (np.cumsum(n_U) - n_U), n_U) + np.arange(int(n_U.sum()), dtype=np.int64)
+    out_3T[0, g_K] = np.repeat(p_R + r_R // gh_R, gw_R)
+    out_3T[1, g_K] = np.repeat(p_R + r_R % gh_R, gw_R)
+    row_first_R = np.cumsum(gw_R) - gw_R  # the row's first token among all image tokens
+    out_3T[2, g_K] = np.arange(len(g_K), dtype=np.int64) - np.repeat(row_first_R - p_R, gw_R)
+    return out_3T

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from mimo.core.errors import DataError
+from mimo.data.native_images import NativePlaceholder
 from mimo.data.tokenizer import facts_of, load_tokenizer, special_ids, tokenizer_problems
 
 TEMPLATES = ("plain", "vicuna", "chatml", "tokenizer")  # tokenizer: its own chat_template
@@ -48,6 +49,7 @@ class TokenizedSample:
     target: list[bool]  # True where the token is an assistant token (a label to predict)
     image_starts: dict[str, list[int]] = field(default_factory=dict)  # placeholder -> first position of each image
     image_files: dict[str, list[int]] = field(default_factory=dict)  # placeholder -> the image file of each of them
+    image_rows: dict[str, list[int]] = field(default_factory=dict)  # native placeholder -> rows of each of its images
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -151,7 +153,7 @@ class Template:
 class TextEncoder:
     """Tokenizer + template + placeholders -> TokenizedSample."""
 
-    def __init__(self, tokenizer, template: str, rows_per_image: dict[str, int]):
+    def __init__(self, tokenizer, template: str, rows_per_image: dict[str, int], native: Sequence[NativePlaceholder] = ()):
         facts = facts_of(tokenizer)
         problems = tokenizer_problems(facts, template, list(rows_per_image))
         if problems:  # check-config reports these first; here for callers that skip it
@@ -160,6 +162,7 @@ class TextEncoder:
         self.tok = tokenizer
         self.template = Template(template, tokenizer.eos_token or "", tokenizer)
         self.rows_per_image = dict(rows_per_image)
+        self.native = {n.placeholder: n for n in native}  # placeholders whose rows follow each image's grid
         self.image_tokens, self.pad_id = ids.image, ids.pad
         # a chat template writes its own bos (HF's apply_chat_template adds no special tokens)
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and template != "tokenizer" else []
@@ -173,29 +176,57 @@ class TextEncoder:
             return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
         return [self.tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
-    def encode(self, turns: Sequence[Turn], images: int) -> TokenizedSample:
-        """DataError when the placeholders do not match the image files (module doc)."""
+    def encode(self, turns: Sequence[Turn], images: int, file_rows: dict[str, Sequence[int]] | None = None) -> TokenizedSample:
+        """DataError when the placeholders do not match the image files (module doc).
+        ``file_rows``: per native placeholder, the rows of each image file (its grid's); an
+        occurrence of it becomes the vision start text, the rows of the file it takes, the
+        vision end text (``NativePlaceholder``)."""
         parts: list[tuple[str, bool]] = []
         for text, is_target in self.template.pieces(turns):
             split = self._split.split(text) if self._split is not None and not is_target else [text]
             parts += [(p, is_target) for p in split if p]
-        texts = [p for p, _ in parts if p not in self.rows_per_image]
-        ids = iter(self.ids(texts) if texts else [])
+        occurrences: dict[str, list[int]] = {p: [] for p in self.rows_per_image}  # index among all placeholders
+        seen = 0
+        for part, _ in parts:
+            if part in self.rows_per_image:
+                occurrences[part].append(seen)
+                seen += 1
+        files = image_files(occurrences, images)
+        marks = [m for n in self.native.values() for m in (n.vision_start, n.vision_end) if m]
+        texts = [p for p, _ in parts if p not in self.rows_per_image] + marks
+        ids = self.ids(texts) if texts else []
+        mark_ids = dict(zip(marks, ids[len(ids) - len(marks):]))
+        ids = iter(ids[: len(ids) - len(marks)])
         tokens, target = list(self.bos), [False] * len(self.bos)
         starts: dict[str, list[int]] = {p: [] for p in self.rows_per_image}
-        occurrences: dict[str, list[int]] = {p: [] for p in self.rows_per_image}  # index among all placeholders
+        rows_of: dict[str, list[int]] = {p: [] for p in self.native}
         for part, is_target in parts:
             if part in self.rows_per_image:
-                occurrences[part].append(sum(len(v) for v in starts.values()))
+                native = self.native.get(part)
+                if native is not None:
+                    file = files[part][len(starts[part])]
+                    known = (file_rows or {}).get(part, ())
+                    if file >= len(known):
+                        raise DataError(f"no image grid for image file {file} of placeholder {part!r}")
+                    n = known[file]
+                    rows_of[part].append(n)
+                    lead = mark_ids.get(native.vision_start, [])
+                    tokens += lead
+                    target += [False] * len(lead)
+                else:
+                    n = self.rows_per_image[part]
                 starts[part].append(len(tokens))
-                n = self.rows_per_image[part]
                 tokens += [self.image_tokens[part]] * n
                 target += [False] * n
+                if native is not None:
+                    tail = mark_ids.get(native.vision_end, [])
+                    tokens += tail
+                    target += [False] * len(tail)
             else:
                 piece = next(ids)
                 tokens += piece
                 target += [is_target] * len(piece)
-        return TokenizedSample(tokens, target, starts, image_files(occurrences, images))
+        return TokenizedSample(tokens, target, starts, files, rows_of)
 
 
 COUNTS_DIFFER = "placeholder and image counts differ"  # the reason (kind) of a sample whose counts fit neither rule
@@ -218,10 +249,13 @@ LABEL_OPEN, LABEL_CLOSE = "[[", "]]"
 
 
 def show_sample(tokens: list[int], target: list[bool], image_starts: dict[str, list[int]], rows_per_image: dict[str, int],
-                decode) -> str:
+                decode, image_rows: dict[str, list[int]] | None = None) -> str:
     """A sample as a person reads it: the decoded text with ``[[...]]`` around the label tokens
-    (the ones the loss predicts) and ``{<image> x N}`` for the N image positions of each image."""
-    image_at = {s: p for p, starts in image_starts.items() for s in starts}
+    (the ones the loss predicts) and ``{<image> x N}`` for the N image positions of each image
+    (``image_rows``: each image's own N, native placeholders)."""
+    image_rows = image_rows or {}
+    image_at = {s: (p, image_rows[p][k] if p in image_rows else rows_per_image[p])
+                for p, starts in image_starts.items() for k, s in enumerate(starts)}
     out, run, flag, i = [], [], False, 0
 
     def flush():
@@ -233,9 +267,9 @@ def show_sample(tokens: list[int], target: list[bool], image_starts: dict[str, l
     while i < len(tokens):
         if i in image_at:
             flush()
-            p = image_at[i]
-            out.append(f"{{{p} x {rows_per_image[p]}}}")
-            i += rows_per_image[p]
+            p, n = image_at[i]
+            out.append(f"{{{p} x {n}}}")
+            i += n
             continue
         if target[i] != flag:
             flush()

@@ -291,14 +291,6 @@ class EncoderModuleConfig:
 NATIVE_PLACEHOLDER = "<|image_pad|>"  # Qwen3-VL's image token
 
 
-def native_not_trainable(kind: str, name: str | None = None) -> str:
-    """The one problem a run command reports for a native-resolution encoder (``MimoConfig.trainable_problems``)."""
-    where = f"modules.{name}" if name is not None else "an encoder module"
-    return (f"{where}: kind {kind} (native resolution) cannot be trained from shards yet: its images give "
-            f"rows from their own grids, and that data path is not built yet (docs/design.md §10); mimo import-hf, export-hf "
-            f"and convert-checkpoint work with it")
-
-
 @dataclass
 class NativeInit:
     """Where the tower's weights come from (None: random initialisation)."""
@@ -312,6 +304,31 @@ class NativeInit:
 
 
 @dataclass
+class NativeImageConfig:
+    """How images are cut for the tower (the Hugging Face image processor's settings; defaults:
+    Qwen3-VL's released ``preprocessor_config.json``): each image resized to multiples of
+    ``arch.patch * arch.spatial_merge`` holding between ``min_pixels`` and ``max_pixels`` pixels,
+    then normalised by ``mean`` / ``std`` (``mimo.data.native_images``)."""
+
+    min_pixels: int = 65536  # size.shortest_edge
+    max_pixels: int = 16777216  # size.longest_edge
+    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+
+    def validate(self, path: str) -> list[str]:
+        problems = []
+        if not 0 < self.min_pixels <= self.max_pixels:
+            problems.append(f"{join_path(path, 'min_pixels')}: need 0 < min_pixels <= max_pixels, got "
+                            f"{self.min_pixels} and {self.max_pixels}")
+        for key in ("mean", "std"):
+            values = getattr(self, key)
+            if len(values) != 3 or (key == "std" and min(values) <= 0):
+                problems.append(f"{join_path(path, key)}: three {'positive ' if key == 'std' else ''}numbers, one per "
+                                f"channel, got {values}")
+        return problems
+
+
+@dataclass
 class NativeEncoderModuleConfig:
     """``kind: qwen3_vl``: the Qwen3-VL vision tower (``mimo.encoders.qwen3_vl``), mergers
     included (they map to the LLM's width: no projector); deepstack levels travel beside each
@@ -322,6 +339,10 @@ class NativeEncoderModuleConfig:
     arch: Qwen3VisionArch
     init: NativeInit = field(default_factory=NativeInit)
     placeholder: str = NATIVE_PLACEHOLDER  # the text token that this encoder's rows replace
+    image: NativeImageConfig = field(default_factory=NativeImageConfig)
+    # texts written around each image's rows (Qwen3-VL's processor's); "" for none
+    vision_start: str = "<|vision_start|>"
+    vision_end: str = "<|vision_end|>"
     freeze: list[Literal["tower"]] = field(default_factory=list)  # "tower": the whole tower, mergers included
     lr: float | None = None  # this module's AdamW learning rate (None: train.lr)
     weight_decay: float | None = None  # None: train.weight_decay
@@ -338,8 +359,9 @@ class NativeEncoderModuleConfig:
 
     @property
     def rows_per_image(self) -> int:
-        """There is no fixed count: the one problem of the run commands (``native_not_trainable``)."""
-        raise ConfigError([native_not_trainable(self.kind)])
+        """There is no fixed count: each image has its own (``mimo.data``: the image's grid)."""
+        raise ConfigError([f"kind {self.kind} (native resolution) has no fixed rows per image: each image's follow "
+                           f"from its grid"])
 
     def validate(self, path: str) -> list[str]:
         arch, par = self.arch, self.parallel
@@ -354,4 +376,5 @@ class NativeEncoderModuleConfig:
                                 f"arch.hidden = {arch.merge_width}")
         if not self.placeholder.strip():
             problems.append(f"{join_path(path, 'placeholder')}: must not be empty")
+        problems += self.image.validate(join_path(path, "image"))
         return problems + _freeze_problems(self.freeze, path)

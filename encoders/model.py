@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from mimo.core.batch import PatchBatch
 from mimo.core.errors import LayoutError
 from mimo.encoders.config import EncoderModuleConfig, NativeEncoderModuleConfig, VitInit
 from mimo.encoders.projector import build_projector
@@ -118,7 +119,11 @@ class NativeVisionEncoder(nn.Module):
 
         return tower_state_to_hf(self.tower.full_state(), self.cfg.arch)
 
-    def forward(self, pixels_PJ: torch.Tensor, grids_N3: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixels_PJ: torch.Tensor | PatchBatch, grids_N3: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``[R, out_hidden * (1 + levels)]`` of the images of ``pixels_PJ`` (patch rows,
+        image after image) with grids ``grids_N3``, or of a ``PatchBatch`` (the data pipeline's)."""
+        if isinstance(pixels_PJ, PatchBatch):
+            pixels_PJ, grids_N3 = pixels_PJ.pixels_PJ, pixels_PJ.grids_N3
         if self.tower_frozen:
             with torch.no_grad():
                 return self.tower(pixels_PJ, grids_N3)

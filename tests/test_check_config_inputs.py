@@ -152,6 +152,7 @@ def test_the_torch_free_tokenizer_counts_tokens_as_the_pipeline_does(demo):
     """check-config tokenizes sample shards with ``FileTokenizer`` (no transformers): the same
     token counts and image positions as the pipeline's Hugging Face tokenizer."""
     from mimo.compose.config import load_config
+    from mimo.compose.data_spec import text_spec
     from mimo.data.index import index_sample
     from mimo.data.shards import read_files, scan_shard
     from mimo.data.text import TextEncoder
@@ -159,6 +160,7 @@ def test_the_torch_free_tokenizer_counts_tokens_as_the_pipeline_does(demo):
 
     config = load_config(demo)
     rows = {e.placeholder: e.rows_per_image for e in config.encoders.values()}
+    spec = text_spec(config)
     shard = config.data.shards.replace("{000000..000001}", "000000")
     ours = TextEncoder(FileTokenizer(config.data.tokenizer), config.data.template, rows)
     theirs = TextEncoder(load_tokenizer(config.data.tokenizer), config.data.template, rows)
@@ -166,4 +168,4 @@ def test_the_torch_free_tokenizer_counts_tokens_as_the_pipeline_does(demo):
     assert len(locations) == 40
     for loc in locations:
         files = read_files(shard, loc)
-        assert index_sample(files, ours, list(rows)) == index_sample(files, theirs, list(rows))
+        assert index_sample(files, ours, spec) == index_sample(files, theirs, spec)

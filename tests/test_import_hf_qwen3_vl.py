@@ -1,6 +1,6 @@
 """``mimo import-hf`` / ``mimo export-hf`` of Hugging Face Qwen3-VL and Qwen3-VL-MoE (issue 47
 item 5, part): the ``kind: qwen3_vl`` encoder in configs and in ``MimoModel``, and what the run
-commands say about it until the native-resolution data path exists.
+commands say about it on synthetic data (which draws fixed-size images only).
 
 * Two tiny random models built with transformers' config classes and ``save_pretrained``: a dense
   Qwen3-VL (3 vision heads, deepstack after vision blocks 0 and 2 — not the default indices —,
@@ -15,8 +15,8 @@ commands say about it until the native-resolution data path exists.
 * ``import-hf`` of a LLaVA directory runs the LLaVA path; an unsupported architecture, a
   deepstack width the LLM does not take and a tower arch other than the checkpoint's are clear
   errors; ``train`` (a real subprocess), ``verify-train``, ``eval``, ``generate``,
-  ``inspect-data``, ``prepare-data`` and ``check-config`` on a qwen3_vl config stop with the
-  one ConfigError (exit 2).
+  ``inspect-data``, ``prepare-data`` and ``check-config`` on a qwen3_vl config with synthetic
+  data stop with the one ConfigError (exit 2).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ MODELS = {  # name: (model class, config class, vision, text, top level, world s
             {"tie_word_embeddings": True}, 2),
 }
 SOURCE_FILES = {"tokenizer_config.json": '{"model_max_length": 1024}', "preprocessor_config.json": '{"patch_size": 4}'}
-ONE_LINE = "kind qwen3_vl (native resolution) cannot be trained from shards yet"
+ONE_LINE = "kind qwen3_vl (native resolution) cannot take data.source: synthetic"
 
 
 def _build(name: str, root) -> str:
@@ -216,7 +216,7 @@ def test_run_commands_stop_with_the_one_config_error(sources, tmp_path, capsys):
         assert main(argv) == 2, argv
         captured = capsys.readouterr()
         errors = json.loads(captured.out.strip().splitlines()[-1])["errors"]
-        assert len(errors) == 1 and errors[0].startswith(f"modules.vision: {ONE_LINE}: "), (argv, errors)
+        assert len(errors) == 1 and errors[0].startswith(f"modules.vision: {ONE_LINE} ("), (argv, errors)
     assert "init.hf modules.vision: ok (qwen3_vl's vision tower, 3 blocks, 2 deepstack levels)" in captured.out
     assert "init.hf modules.language: ok" in captured.out
     proc = subprocess.run([sys.executable, "-m", "mimo", "train", str(path)], capture_output=True, text=True, timeout=120,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
 from mimo.data.config import DataConfig
-from mimo.encoders.config import EncoderModuleConfig, NativeEncoderModuleConfig, native_not_trainable
+from mimo.encoders.config import EncoderModuleConfig, NativeEncoderModuleConfig
 from mimo.core.errors import ConfigError, LayoutError
 from mimo.llm.config import LLMModuleConfig
 from mimo.core.schema import apply_overrides, at_least, closest, convert, join_path, load_yaml, validate_tree
@@ -240,13 +240,22 @@ class MimoConfig:
         """Every encoder module, of either kind (``native``: a ``kind: qwen3_vl`` one)."""
         return {name: m for name, m in self.modules.items() if isinstance(m, (EncoderModuleConfig, NativeEncoderModuleConfig))}
 
+    def bridge_width(self, name: str) -> int:
+        """Values per row that encoder ``name``'s bridge moves: the LLM's hidden, times the levels
+        of a native tower's rows (its merger's, then each deepstack level's: docs/design.md §10)."""
+        enc = self.encoders[name]
+        return self.llm.arch.hidden * (1 + len(enc.arch.deepstack_layers) if enc.native else 1)
+
     def trainable_problems(self) -> list[str]:
         """What keeps the commands that run the data path (``train``, ``verify-train``, ``eval``,
         ``generate``, ``inspect-data``, ``prepare-data``, ``check-config``'s data checks) from
-        running this config: a native-resolution encoder (``kind: qwen3_vl``), whose rows per image
-        follow each image's grid, until that data path exists (docs/design.md §10). Import,
-        export and resharding of its checkpoints take it."""
-        return [native_not_trainable(enc.kind, name) for name, enc in self.encoders.items() if enc.native]
+        running this config: a native-resolution encoder (``kind: qwen3_vl``) fed by synthetic
+        data, which draws fixed-size images only."""
+        if self.data.source != "synthetic":
+            return []
+        return [f"modules.{name}: kind {enc.kind} (native resolution) cannot take data.source: synthetic (it draws "
+                f"fixed-size images); use WebDataset shards (mimo make-demo-data writes some)"
+                for name, enc in self.encoders.items() if enc.native]
 
     def require_trainable(self) -> None:
         """ConfigError with ``trainable_problems`` (one line per such encoder), if any."""

@@ -19,21 +19,14 @@ from mimo.compose.config import MimoConfig
 from mimo.data.images import CLIP_MEAN, CLIP_STD, ImageSpec
 from mimo.data.index import Index, TextSpec, index_path, prepare
 from mimo.data.pipeline import EncoderFeed
-from mimo.data.plan import DataPlan
+from mimo.data.plan import DataPlan, SampleArrays
 from mimo.data.synthetic import SyntheticEncoder, SyntheticPlan, SyntheticReader, SyntheticStream
+from mimo.compose.data_spec import mrope_merge, native_spec, rows_per_image, text_spec
 from mimo.encoders.config import EncoderModuleConfig
 from mimo.core.errors import DataError
 from mimo.parallel.grid import ParallelGrid
 
 log = logging.getLogger("mimo.data")
-
-
-def text_spec(config: MimoConfig) -> TextSpec:
-    if config.data.source == "synthetic":  # no tokenizer: the ids are drawn directly
-        return TextSpec("", config.data.template, tuple((e.placeholder, e.rows_per_image) for e in config.encoders.values()))
-    if config.data.tokenizer is None:
-        raise DataError("data.tokenizer is not set")
-    return TextSpec(config.data.tokenizer, config.data.template, tuple((e.placeholder, e.rows_per_image) for e in config.encoders.values()))
 
 
 def image_spec(enc: EncoderModuleConfig) -> ImageSpec:
@@ -65,11 +58,15 @@ def encoder_feeds(config: MimoConfig, grids: Mapping[str, ParallelGrid] | None =
     synthetic data's pixels are drawn as the encoder's float numbers (the Hugging Face baseline's
     stream, ``mimo.data.synthetic``) and travel as they are."""
     pixel_dtype = torch.float32 if config.data.source == "synthetic" else torch.uint8
-    return [
-        EncoderFeed(name, enc.placeholder, enc.rows_per_image, image_spec(enc),
-                    grids[name] if grids is not None else enc.parallel.grid(config.world_size), pixel_dtype)
-        for name, enc in config.encoders.items()
-    ]
+    feeds = []
+    for name, enc in config.encoders.items():
+        grid = grids[name] if grids is not None else enc.parallel.grid(config.world_size)
+        if enc.native:
+            feeds.append(EncoderFeed(name, enc.placeholder, 0, None, grid, pixel_dtype, native_spec(enc).image,
+                                     2 * enc.arch.hidden + enc.arch.mlp))
+        else:
+            feeds.append(EncoderFeed(name, enc.placeholder, enc.rows_per_image, image_spec(enc), grid, pixel_dtype))
+    return feeds
 
 
 def ensure_index(config: MimoConfig, rebuild: bool = False, shards: str | None = None) -> tuple[Index | None, str]:
@@ -114,7 +111,8 @@ def sample_reader(config: MimoConfig, plan: DataPlan | SyntheticPlan):
     return SampleReader(plan.index, text_spec(config), encoder_feeds(config))
 
 
-def read_packs(reader, samples: list, llm_parallel, rows_per_image: dict[str, int], map_fn=map) -> list[tuple[list, PackedBatch]]:
+def read_packs(reader, samples: list, llm_parallel, rows_per_image: dict[str, int], map_fn=map,
+               mrope_merge: dict[str, int] | None = None) -> list[tuple[list, PackedBatch]]:
     """The reader ranks' work for one global microbatch, in one process: each LLM DP block's
     samples read (``map_fn`` may be a thread pool's map) and packed as that rank packs them."""
     from mimo.data.pack import pack
@@ -124,7 +122,8 @@ def read_packs(reader, samples: list, llm_parallel, rows_per_image: dict[str, in
     out = []
     for block in llm_blocks(samples, par.replicas):
         got = list(map_fn(reader.read, [samples[i] for i in block]))
-        out.append((got, pack([r.item for r in got], rows_per_image, par.tp, par.cp, par.sequence_parallel, reader.pad_id)))
+        out.append((got, pack([r.item for r in got], rows_per_image, par.tp, par.cp, par.sequence_parallel, reader.pad_id,
+                              mrope_merge)))
     return out
 
 
@@ -145,10 +144,13 @@ def inspect(config: MimoConfig, batches: int) -> dict:
     failures: Counter = Counter()
     read = computed = real = image_rows = 0
     ratios, example = [], None
+    towers = {f.name: NativeTowerStats(f, config.encoders[f.name]) for f in encoder_feeds(config) if f.native is not None}
     for k in range(batches):
         samples = plan.microbatch(k)
+        for stats in towers.values():
+            stats.add(plan.microbatch_arrays(k) if hasattr(plan, "microbatch_arrays") else SampleArrays.of_samples(samples))
         per_rank = []
-        for got, batch in read_packs(reader, samples, llm, rows):
+        for got, batch in read_packs(reader, samples, llm, rows, mrope_merge=mrope_merge(config)):
             failures.update(r.failure for r in got if r.failure)
             computed += batch.num_tokens
             per_rank.append(sum(len(r.item.tokens) for r in got))
@@ -174,8 +176,47 @@ def inspect(config: MimoConfig, batches: int) -> dict:
         "mean_tokens_per_dp_rank": round(mean_tokens, 2),
         "capacity_per_dp_rank": round(capacity, 2),
         "image_rows": image_rows,
+        **({"native_towers": {name: stats.report() for name, stats in towers.items()}} if towers else {}),
         "sample": example_view(example, index, reader, rows) if example is not None else None,
     }
+
+
+class NativeTowerStats:
+    """``inspect``'s numbers of a native tower, per global microbatch: its images, patches and LLM
+    tokens; and over all of them its packed input's padding (rows a DP rank's tower computes
+    beyond its patches: under sequence parallelism, to whole merge blocks on each TP rank) and
+    the balance of its DP ranks' cost (``EncoderFeed.costs_N``, what its DP blocks balance)."""
+
+    def __init__(self, feed, enc):
+        self.feed = feed
+        self.multiple = enc.parallel.tp * enc.arch.spatial_merge**2 if enc.parallel.sequence_parallel else 1
+        self.images, self.patches, self.tokens = [], [], []
+        self.computed = self.real = 0
+        self.imbalance = 1.0
+
+    def add(self, arrays: SampleArrays) -> None:
+        from mimo.data.pipeline import encoder_blocks
+
+        f = self.feed
+        rows_N = arrays.rows_per_sample(f.placeholder, 0)
+        self.images.append(int(arrays.images_for(f.placeholder).sum()))
+        self.tokens.append(int(rows_N.sum()))
+        patches_N, costs_N = f.pixel_rows_N(arrays), f.costs_N(arrays)
+        self.patches.append(int(patches_N.sum()))
+        costs = []
+        for block in encoder_blocks(arrays, f):
+            real = int(patches_N[block.start:block.stop].sum())
+            self.real += real
+            self.computed += -(-max(real, 1) // self.multiple) * self.multiple if self.multiple > 1 else real
+            costs.append(int(costs_N[block.start:block.stop].sum()))
+        mean = sum(costs) / len(costs)
+        self.imbalance = max(self.imbalance, max(costs) / mean if mean else 1.0)
+
+    def report(self) -> dict:
+        return {"images_per_microbatch": self.images, "patches_per_microbatch": self.patches,
+                "tokens_per_microbatch": self.tokens,
+                "tower_padding_fraction": round(1 - self.real / self.computed, 6) if self.computed else 0.0,
+                "max_over_mean_cost_per_dp_rank": round(self.imbalance, 4)}
 
 
 def example_view(item, index: Index | None, reader, rows_per_image: dict[str, int]) -> dict:
@@ -186,8 +227,9 @@ def example_view(item, index: Index | None, reader, rows_per_image: dict[str, in
     tokenizer = getattr(reader, "tokenizer", None)
     decode = tokenizer.decode if tokenizer is not None else (lambda ids: " ".join(map(str, ids)))
     view = {"tokens": len(item.tokens), "label_tokens": sum(item.target), "labels_at": true_runs(item.target),
-            "image_positions": {p: [[s, s + rows_per_image[p]] for s in starts] for p, starts in item.image_starts.items()},
-            "text": show_sample(item.tokens, item.target, item.image_starts, rows_per_image, decode),
+            "image_positions": {p: [[s, s + (item.image_rows[p][k] if p in item.image_rows else rows_per_image[p])]
+                                    for k, s in enumerate(starts)] for p, starts in item.image_starts.items()},
+            "text": show_sample(item.tokens, item.target, item.image_starts, rows_per_image, decode, item.image_rows),
             "legend": f"{LABEL_OPEN}...{LABEL_CLOSE}: label tokens (the loss predicts them); {{<placeholder> x N}}: N image positions"}
     if index is not None:
         entry = index.entries[item.id]

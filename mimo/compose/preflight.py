@@ -43,7 +43,8 @@ from typing import Any, Callable
 from mimo.compose.config import MimoConfig
 from mimo.core.errors import ConfigError, DataError, MimoError
 from mimo.data.config import shard_paths
-from mimo.data.index import index_sample
+from mimo.compose.data_spec import rows_per_image, text_spec
+from mimo.data.index import TextSpec, index_sample
 from mimo.data.shards import parse_text, read_files, scan_shard
 from mimo.data.text import COUNTS_DIFFER, TextEncoder
 from mimo.data.tokenizer import facts_of, read_tokenizer
@@ -160,18 +161,13 @@ def _check_llm_hf(llm: LLMModuleConfig, key: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- tokenizer
 
 
-def _rows_per_image(config: MimoConfig) -> dict[str, int]:
-    """Placeholder -> rows per image, in encoder order (as ``mimo.compose.inputs.text_spec``)."""
-    return {e.placeholder: e.rows_per_image for e in config.encoders.values()}
-
-
 def _check_tokenizer(config: MimoConfig, report: InputsReport, line) -> TextEncoder | None:
     """The tokenizer loaded as the pipeline loads it (torch-free with tokenizer.json), and the
     pipeline's text encoder over it; None (a problem reported) if it does not load."""
     path = config.data.tokenizer
     try:
         tokenizer = read_tokenizer(path)
-        encoder = TextEncoder(tokenizer, config.data.template, _rows_per_image(config))
+        encoder = text_spec(config).text_encoder(tokenizer)
     except DataError as e:
         message = str(e)
         report.problems.append(message if message.startswith("data.tokenizer") else f"data.tokenizer: {message}")
@@ -179,7 +175,7 @@ def _check_tokenizer(config: MimoConfig, report: InputsReport, line) -> TextEnco
         line("tokenizer: FAILED")
         return None
     facts = facts_of(tokenizer)
-    own = {p: facts.single_id(p) is not None for p in _rows_per_image(config)}
+    own = {p: facts.single_id(p) is not None for p in rows_per_image(config)}
     report.tokenizer = {"ok": True, "path": path, "tokens": facts.size, "template": config.data.template,
                         "placeholder_tokens": own}
     shown = ", ".join(f"{p!r} {'one token' if single else 'not one token (image positions take the pad id)'}"
@@ -234,7 +230,7 @@ def _text_of(files: dict[str, bytes]) -> str:
     return "\n".join(t["value"] for t in turns or () if isinstance(t, dict) and isinstance(t.get("value"), str))
 
 
-def sample_shards(pattern: str, encoder: TextEncoder, placeholders: list[str], max_sample_tokens: int,
+def sample_shards(pattern: str, encoder: TextEncoder, spec: TextSpec, max_sample_tokens: int,
                   samples: int = SAMPLES) -> ShardSample:
     """The first samples of the shards of ``pattern`` (``_chosen``), each validated as the
     indexer validates it (``index_sample``; a cut tar's last sample takes the tar's error, as
@@ -260,14 +256,15 @@ def sample_shards(pattern: str, encoder: TextEncoder, placeholders: list[str], m
             reason, files = None, {}
             try:
                 files = read_files(path, loc)
-                tokens, _, _ = index_sample(files, encoder, placeholders)
+                sample, _, _ = index_sample(files, encoder, spec)
+                tokens = len(sample)
                 if tokens > max_sample_tokens:
                     reason = f"too long: {tokens} tokens > data.max_sample_tokens={max_sample_tokens}"
             except DataError as e:
                 reason = str(e)
                 if reason.startswith(COUNTS_DIFFER):
                     out.counts_differ += 1
-                    out.stray_tags.update({t for t in _TAG.findall(_text_of(files)) if t not in placeholders})
+                    out.stray_tags.update({t for t in _TAG.findall(_text_of(files)) if t not in spec.placeholders})
             if error is not None and i == len(locations) - 1:
                 reason = error if reason is None else f"{error} ({reason})"
             out.verdicts.append((path, loc.key, reason))
@@ -294,7 +291,7 @@ def stray_placeholder(sample: ShardSample, config: MimoConfig) -> str | None:
 def _check_shards(config: MimoConfig, encoder: TextEncoder, samples: int, report: InputsReport, line) -> None:
     d = config.data
     limit = d.max_skipped_fraction
-    sample = sample_shards(d.shards, encoder, list(_rows_per_image(config)), d.max_sample_tokens, samples)
+    sample = sample_shards(d.shards, encoder, text_spec(config), d.max_sample_tokens, samples)
     dropped = sample.dropped()
     share = len(dropped) / sample.sampled if sample.sampled else 0.0
     counts = sample.by_reason()

@@ -148,3 +148,13 @@ def to_device(t: torch.Tensor, device: torch.device | str, pin: bool) -> torch.T
     if pin and t.device.type == "cpu" and not t.is_pinned():
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+@dataclass
+class PatchBatch:
+    """A native-resolution tower's input on one rank: the patch rows of its images, image after
+    image (``[P, C*tp*p*p]``, as ``mimo.data.native_images.preprocess`` lays them out), and
+    each image's grid ``[N, 3]`` (t, h, w in patches)."""
+
+    pixels_PJ: torch.Tensor
+    grids_N3: torch.Tensor

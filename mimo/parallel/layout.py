@@ -732,10 +732,12 @@ class SampleRuns:
         return cls.of_image_arrays(seq_lens, count_N, start_U, rows_per_image)
 
     @classmethod
-    def of_image_arrays(cls, seq_len_N, images_N: np.ndarray, start_U: np.ndarray, rows_per_image: int) -> "SampleRuns":
-        """``of_images`` from arrays: each sample's images, every image's first position."""
+    def of_image_arrays(cls, seq_len_N, images_N: np.ndarray, start_U: np.ndarray, rows_per_image: int | np.ndarray) -> "SampleRuns":
+        """``of_images`` from arrays: each sample's images, every image's first position;
+        ``rows_per_image`` one count for all, or each image's own (native resolution)."""
         sample_U = np.repeat(np.arange(len(images_N)), images_N)
-        len_U = np.full(len(start_U), rows_per_image, dtype=np.int64)
+        len_U = (np.full(len(start_U), rows_per_image, dtype=np.int64) if np.ndim(rows_per_image) == 0
+                 else np.asarray(rows_per_image, dtype=np.int64))
         return cls(np.asarray(seq_len_N, dtype=np.int64), sample_U, np.asarray(start_U, dtype=np.int64), len_U)
 
     @classmethod

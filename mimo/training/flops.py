@@ -44,9 +44,11 @@ def inactive_expert_params(llm) -> int:
 def param_counts(config) -> dict[str, int]:
     """Parameters per module as the model-FLOP count takes them: the LLM with every projector
     (MoE layers: active parameters only), each encoder's whole tower (every block and its final
-    norm, although mimo builds only what ``feature_layer`` needs). Built on the meta device: no
-    memory, no weights."""
+    norm, although mimo builds only what ``feature_layer`` needs). A native tower (``qwen3_vl``):
+    what runs per patch under the encoder's name, its mergers (which run per merged row) under
+    ``"<name>.mergers"``. Built on the meta device: no memory, no weights."""
     from mimo.encoders.projector import build_projector
+    from mimo.encoders.qwen3_vl import Qwen3VisionTower
     from mimo.encoders.vit import VisionTransformer
     from mimo.llm.model import LLMStage
 
@@ -55,6 +57,11 @@ def param_counts(config) -> dict[str, int]:
         llm = LLMStage(config.llm.arch)
         out = {config.llm_name: count(llm) - inactive_expert_params(llm)}
         for name, enc in config.encoders.items():
+            if enc.native:
+                tower = Qwen3VisionTower(enc.arch)
+                mergers = count(tower.merger) + count(tower.deepstack_mergers)
+                out[name], out[f"{name}.mergers"] = count(tower) - tower.pos_embed.numel() - mergers, mergers
+                continue
             out[config.llm_name] += count(build_projector(enc.projector.kind, enc.arch.hidden, config.llm.arch.hidden))
             out[name] = count(VisionTransformer(enc.arch, "post_norm"))
     return out
@@ -69,6 +76,10 @@ def model_flops(config, samples, counts: dict[str, int]) -> float:
     """Model FLOPs of training on ``samples`` (planned samples: ``tokens``, ``images_for``)."""
     flops = 6.0 * counts[config.llm_name] * sum(s.tokens for s in samples)
     for name, enc in config.encoders.items():
+        if enc.native:  # per patch (a merged row is merge^2 patches), the mergers per merged row
+            rows = sum(sum(s.image_rows.get(enc.placeholder, ())) for s in samples)
+            flops += 6.0 * rows * (counts[name] * enc.arch.spatial_merge**2 + counts[f"{name}.mergers"])
+            continue
         images = sum(s.images_for(enc.placeholder) for s in samples)
         flops += 6.0 * counts[name] * images * tokens_per_image(enc)
     return flops

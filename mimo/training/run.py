@@ -76,7 +76,8 @@ def data_pipeline(config: MimoConfig, model: MimoModel, plan, micro_batches: int
     than the config's shards (``mimo generate``'s prompts), delivered the same way."""
     return DataPipeline(plan, text_spec(config), model.llm_grid, model.llm_ctx.sequence_parallel,
                         encoder_feeds(config, model.encoder_grids()), micro_batches, config.data.workers, config.data.prefetch,
-                        model.rank, make_reader=make_reader or (lambda: sample_reader(config, plan)), device=model.device, ahead=ahead)
+                        model.rank, make_reader=make_reader or (lambda: sample_reader(config, plan)), device=model.device, ahead=ahead,
+                        mrope=config.llm.arch.mrope_section is not None)
 
 
 def _dynamic_length_options() -> dict:

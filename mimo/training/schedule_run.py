@@ -86,12 +86,13 @@ def encode_and_bridge(model: MimoModel, mb: Microbatch, trace: Trace | None = No
     return bridges, image_rows
 
 
-def image_bridge_plans(samples: SampleArrays | Sequence, placeholder: str, rows_per_image: int, hidden: int,
+def image_bridge_plans(samples: SampleArrays | Sequence, placeholder: str, rows_per_image: int, width: int,
                        encoder_grid: ParallelGrid, encoder_blocks: Sequence[range], llm_grid: ParallelGrid,
                        llm_blocks: Sequence[range], sequence_parallel: bool, rank: int
                        ) -> tuple[RunPlacement, RunPlacement, tuple[TransferPlan, TransferPlan]]:
     """One encoder's bridge on ``rank`` for a microbatch of ``samples`` (its ``SampleArrays``, or
-    ``PlannedSample``s): the encoder's rows (its DP blocks, replicated over its TP), the LLM
+    ``PlannedSample``s), rows of ``width`` values (``rows_per_image`` each image, or for a native
+    tower (0) each image's own): the encoder's rows (its DP blocks, replicated over its TP), the LLM
     first stage's declared placement of them (``LLMStage.image_placement``, from runs of rows:
     each image's rows are consecutive positions) and this rank's plans both ways.
 
@@ -101,10 +102,10 @@ def image_bridge_plans(samples: SampleArrays | Sequence, placeholder: str, rows_
     its share, not the world. Other ranks hold nothing in it: it serves this rank's bridge only."""
     arrays = SampleArrays.of(samples)
     runs = SampleRuns.of_image_arrays(arrays.tokens_N, arrays.images_for(placeholder), arrays.image_starts(placeholder),
-                                      rows_per_image)
-    src = dp_runs(encoder_grid, runs.rows_N, encoder_blocks, hidden)
+                                      arrays.image_rows(placeholder, rows_per_image))
+    src = dp_runs(encoder_grid, runs.rows_N, encoder_blocks, width)
     rows = rows_near(rank, src, packed_rows_of(llm_grid, runs, llm_blocks, rank))
-    dst = packed_runs(llm_grid, runs, llm_blocks, hidden, sequence_parallel, rows or (0, 0))
+    dst = packed_runs(llm_grid, runs, llm_blocks, width, sequence_parallel, rows or (0, 0))
     return src, dst, rank_plans(src, dst, rank)
 
 
@@ -113,7 +114,8 @@ def _bridge_plans(model: MimoModel, mb: Microbatch, name: str):
     cache = mb.__dict__.setdefault("_bridge_plans", {})
     if name not in cache:
         enc = model.config.encoders[name]
-        cache[name] = image_bridge_plans(mb.arrays, enc.placeholder, enc.rows_per_image, model.config.llm.arch.hidden,
+        cache[name] = image_bridge_plans(mb.arrays, enc.placeholder, 0 if enc.native else enc.rows_per_image,
+                                         model.config.bridge_width(name),
                                          model.encoders[name].grid, mb.encoder_blocks[name], model.llm_grid,
                                          mb.llm_blocks, model.llm_ctx.sequence_parallel, model.rank)
     return cache[name]

@@ -1,0 +1,38 @@
+"""What the data path needs of the encoders, from a config, without torch (``check-config``'s
+tokenizer and shard checks use it too): rows per image, native towers' image specs, the text spec."""
+
+from __future__ import annotations
+
+from mimo.compose.config import MimoConfig
+from mimo.core.errors import DataError
+from mimo.data.index import TextSpec
+from mimo.data.native_images import NativeImageSpec, NativePlaceholder
+from mimo.encoders.config import NativeEncoderModuleConfig
+
+
+def rows_per_image(config: MimoConfig) -> dict[str, int]:
+    """Placeholder -> rows per image, in encoder order (0: a native tower's, each image's own)."""
+    return {e.placeholder: 0 if e.native else e.rows_per_image for e in config.encoders.values()}
+
+
+def native_spec(enc: NativeEncoderModuleConfig) -> NativePlaceholder:
+    """How the data path cuts a native tower's images and writes them into the text."""
+    a, im = enc.arch, enc.image
+    image = NativeImageSpec(a.patch, a.temporal_patch, a.spatial_merge, im.min_pixels, im.max_pixels, tuple(im.mean),
+                            tuple(im.std), a.channels)
+    return NativePlaceholder(enc.placeholder, image, enc.vision_start, enc.vision_end)
+
+
+def text_spec(config: MimoConfig) -> TextSpec:
+    native = tuple(native_spec(e) for e in config.encoders.values() if e.native)
+    rows = tuple(rows_per_image(config).items())
+    if config.data.source == "synthetic":  # no tokenizer: the ids are drawn directly
+        return TextSpec("", config.data.template, rows, native)
+    if config.data.tokenizer is None:
+        raise DataError("data.tokenizer is not set")
+    return TextSpec(config.data.tokenizer, config.data.template, rows, native)
+
+
+def mrope_merge(config: MimoConfig) -> dict[str, int] | None:
+    """What packs need for 3-D positions (``mimo.data.pack.pack``): None for a 1-D LLM."""
+    return text_spec(config).mrope_merge() if getattr(config.llm.arch, "mrope_section", None) is not None else None
