@@ -72,11 +72,11 @@ def smart_size(height: int, width: int, spec: NativeImageSpec = NativeImageSpec(
     """The ``(height, width)`` an image of this size is resized to (the processor's
     ``smart_resize``), or ``DataError`` where no honest target exists."""
     if height < 1 or width < 1:
-        raise DataError(f"image of {height}x{width} (height x width) is empty: too small to cut into patches")
+        raise DataError(f"image too small: {height}x{width} (height x width) is empty, nothing to cut into patches")
     ratio = max(height, width) / min(height, width)
     if ratio > MAX_ASPECT:
-        raise DataError(f"image of {height}x{width} (height x width) has aspect ratio {ratio:.1f}, over the "
-                        f"limit of {MAX_ASPECT} that native-resolution towers accept")
+        raise DataError(f"image aspect ratio too large: {height}x{width} (height x width) has aspect ratio {ratio:.1f}, "
+                        f"over the limit of {MAX_ASPECT} that native-resolution towers accept")
     f = spec.factor
     # Python's round: halves go to the even multiple, as in the processor.
     h, w = round(height / f) * f, round(width / f) * f
@@ -90,7 +90,7 @@ def smart_size(height: int, width: int, spec: NativeImageSpec = NativeImageSpec(
         w = math.ceil(width * grow / f) * f
     if not spec.min_pixels <= h * w <= spec.max_pixels:
         kind = "small" if h * w < spec.min_pixels else "large"
-        raise DataError(f"image of {height}x{width} (height x width) is too {kind} for the pixel budget "
+        raise DataError(f"image too {kind}: {height}x{width} (height x width) is too {kind} for the pixel budget "
                         f"[{spec.min_pixels}, {spec.max_pixels}] at a {f}-pixel grid: the nearest target "
                         f"{h}x{w} holds {h * w} pixels")
     return h, w
@@ -118,7 +118,7 @@ def _open(data: bytes):
     except Image.DecompressionBombError as e:
         raise DataError(f"image too large to decode: {e}") from None
     except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise DataError(f"unreadable image header ({len(data)} bytes): {e}") from None
+        raise DataError(f"corrupt image: unreadable header ({len(data)} bytes): {e}") from None
 
 
 def grid_from_bytes(data: bytes, spec: NativeImageSpec = NativeImageSpec()) -> tuple[int, int, int]:
