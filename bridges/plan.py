@@ -18,7 +18,9 @@ copies with an all-gather of even-sized chunks (see ``FinishGather``).
 ``make_plan`` builds the whole plan cell by cell (the reference). ``rank_plans`` builds one
 rank's part of the plans of both directions (the moves it sends or receives, its all-gather)
 with numpy over the elementary cells of that rank's own rows: the same ``Move`` values in the
-same order, at a cost that follows the rank's share, not the world.
+same order, at a cost that follows the rank's share, not the world. ``image_bridge_plans`` builds a
+microbatch's image bridge as training runs it (both placements from runs of rows, the rank's plans
+of them); ``mimo verify-bridge --rows native`` checks it against the reference builders.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ import bisect
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from mimo.core.errors import LayoutError
-from mimo.parallel.layout import Placement, RunPlacement, as_runs, expand, split_even
+from mimo.parallel.grid import ParallelGrid
+from mimo.parallel.layout import (Placement, RunPlacement, SampleRuns, as_runs, dp_runs, expand, packed_rows_of, packed_runs,
+                                  split_even)
 
 
 @dataclass(frozen=True)
@@ -489,6 +493,33 @@ def _pieces_touching(pl: RunPlacement, lo: int, hi: int) -> RunPlacement:
     keep = (pl.row_P <= hi) & (pl.row_P + pl.rows_P >= lo)
     columns = ("rank_P", "row_P", "rows_P", "local_row_P", "col_P", "cols_P")
     return dataclasses.replace(pl, **{c: getattr(pl, c)[keep] for c in columns})
+
+
+# ---------------------------------------------------------------------------
+# A microbatch's image bridge, as training builds it
+# ---------------------------------------------------------------------------
+def image_bridge_plans(tokens_N: np.ndarray, images_N: np.ndarray, image_start_I: np.ndarray, image_rows_I: np.ndarray,
+                       width: int, encoder_grid: ParallelGrid, encoder_blocks: Sequence[range], llm_grid: ParallelGrid,
+                       llm_blocks: Sequence[range], sequence_parallel: bool, rank: int
+                       ) -> tuple[RunPlacement, RunPlacement, tuple[TransferPlan, TransferPlan]]:
+    """One encoder's bridge on ``rank`` for a microbatch: sample i is ``tokens_N[i]`` positions
+    long and holds ``images_N[i]`` images; image j (sample after sample) starts at position
+    ``image_start_I[j]`` of its sample and has ``image_rows_I[j]`` rows (consecutive positions),
+    each row ``width`` values (a native tower's ``hidden * (1 + deepstack levels)``). Returns the
+    encoder's rows (its DP blocks ``encoder_blocks``, replicated over its TP), the LLM first
+    stage's declared placement of them (``LLMStage.image_placement``: DP blocks ``llm_blocks``
+    packed, CP order, sequence shards with ``sequence_parallel``) and this rank's plans both ways
+    (``rank_plans``: what ``Bridge(..., plans=...)`` runs).
+
+    The LLM's placement holds only the pieces of the LLM DP blocks that hold some of this
+    rank's rows (its encoder block's, its LLM block's; ``packed_runs``' ``rows``): every move of
+    its plans lies there and its own pieces and local rows are all there, so the work follows
+    its share, not the world. Other ranks hold nothing in it: it serves this rank's bridge only."""
+    runs = SampleRuns.of_image_arrays(tokens_N, images_N, image_start_I, image_rows_I)
+    src = dp_runs(encoder_grid, runs.rows_N, encoder_blocks, width)
+    rows = rows_near(rank, src, packed_rows_of(llm_grid, runs, llm_blocks, rank))
+    dst = packed_runs(llm_grid, runs, llm_blocks, width, sequence_parallel, rows or (0, 0))
+    return src, dst, rank_plans(src, dst, rank)
 
 
 # ---------------------------------------------------------------------------

@@ -3,6 +3,13 @@
 Every rank generates the same random logical tensors (the reference), cuts out its local
 part by the source placement, runs the bridge, and compares what it received (forward) and
 the gradient it got back (backward, on every source replica) with the reference, bit for bit.
+
+``ragged`` / ``uniform`` rows: both placements come from the reference builders (``dp_placement``,
+``packed_placement``). ``native`` rows (a native-resolution tower such as Qwen3-VL's): every image
+has its own grid and rows (t*h*w / merge^2), a row carries ``hidden * (1 + deepstack levels)``
+values, and the bridge is the one training runs: placements and this rank's plans from
+``mimo.bridges.plan.image_bridge_plans``, checked against the reference builders' placements
+(and ``make_plan``'s moves) before the values move.
 """
 
 from __future__ import annotations
@@ -10,17 +17,19 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from mimo.bridges.executor import Bridge
-from mimo.bridges.plan import minimum_numel
+from mimo.bridges.plan import TransferPlan, image_bridge_plans, make_plan, minimum_numel
 from mimo.core.errors import LayoutError
 from mimo.parallel.grid import ParallelGrid, parse_rank_range
-from mimo.parallel.layout import Placement, dp_blocks, dp_placement, packed_placement
+from mimo.parallel.layout import Placement, RunPlacement, as_runs, dp_blocks, dp_placement, packed_placement
 from mimo.core.testing import rank_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ROWS = ("ragged", "uniform", "native")
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,124 @@ def random_samples(rng: random.Random, n: int, ragged: bool) -> list[Sample]:
     return out
 
 
+# ---- native-resolution images --------------------------------------------------------------------
+MERGE = 2  # patches merged per side into one LLM row (Qwen3-VL's spatial merge)
+COST_WIDTH = 64  # a stand-in for the tower's cost width: its DP blocks balance patches x (COST_WIDTH + patches)
+
+
+@dataclass(frozen=True)
+class NativeSample:
+    """A sample of ``seq_len`` positions whose images start at ``image_starts`` (in order) and
+    have grids ``image_grids`` ((t, h, w) in patches, h and w multiples of ``MERGE``)."""
+
+    seq_len: int
+    image_starts: tuple[int, ...]
+    image_grids: tuple[tuple[int, int, int], ...]
+
+    @property
+    def image_rows(self) -> tuple[int, ...]:
+        return tuple(t * h * w // MERGE**2 for t, h, w in self.image_grids)
+
+    @property
+    def image_positions(self) -> tuple[int, ...]:
+        """Where its rows sit in the packed sequence: each image's rows consecutive from its start."""
+        return tuple(p for start, rows in zip(self.image_starts, self.image_rows) for p in range(start, start + rows))
+
+
+def native_samples(rng: random.Random, n: int) -> list[NativeSample]:
+    """0..3 images per sample (every fourth sample none), each of a random grid: one row
+    (a 2x2-patch image) now and then, else 1..40 rows of any aspect; 0..3 text tokens before
+    each image (0: it abuts the image before), 1..6 after the last."""
+    out = []
+    for i in range(n):
+        images = 0 if i % 4 == 1 else rng.choice([0, 1, 1, 2, 3])
+        pos, starts, grids = 0, [], []
+        for _ in range(images):
+            pos += rng.randint(0, 3)
+            if rng.random() < 0.2:
+                h = w = 1
+            else:
+                while True:
+                    h, w = rng.randint(1, 8), rng.randint(1, 8)
+                    if h * w <= 40:
+                        break
+            starts.append(pos)
+            grids.append((1, MERGE * h, MERGE * w))
+            pos += h * w
+        out.append(NativeSample(pos + rng.randint(1, 6), tuple(starts), tuple(grids)))
+    return out
+
+
+def check_native(src: LayoutSpec, dst: LayoutSpec) -> None:
+    """Layouts training gives a native tower's bridge: the tower's rows replicated over its TP,
+    the LLM's packed (replicated over TP, or sequence shards)."""
+    if src.shard is not None:
+        raise LayoutError(f"--rows native: the encoder's rows are replicated over its TP in training; shard={src.shard} is not")
+    if dst.shard == "hidden":
+        raise LayoutError("--rows native: the LLM packs its rows (shard=none or seq); shard=hidden is not a layout training uses")
+
+
+def native_blocks(src: LayoutSpec, dst: LayoutSpec, samples: list[NativeSample]) -> tuple[list[range], list[range]]:
+    """(encoder DP blocks, LLM DP blocks) as the data pipeline makes them: the tower's balance
+    patches x (``COST_WIDTH`` + patches) over each sample's images, the LLM's its tokens."""
+    costs = [sum(MERGE**2 * r * (COST_WIDTH + MERGE**2 * r) for r in s.image_rows) for s in samples]
+    return dp_blocks(costs, src.dp), dp_blocks([s.seq_len for s in samples], dst.dp)
+
+
+def native_placements(dst: LayoutSpec, sg: ParallelGrid, dg: ParallelGrid, samples: list[NativeSample], width: int,
+                      blocks: tuple[list[range], list[range]]) -> tuple[Placement, Placement]:
+    """The reference builders' placements of the samples' image rows (``dp_placement`` over
+    each sample's rows, ``packed_placement`` at each row's position)."""
+    src_blocks, dst_blocks = blocks
+    src_pl = dp_placement(sg, [sum(s.image_rows) for s in samples], src_blocks, width)
+    dst_pl, _ = packed_placement(dg, [(s.seq_len, s.image_positions) for s in samples], dst_blocks, width, dst.shard == "seq")
+    return src_pl, dst_pl
+
+
+def production_plans(dst: LayoutSpec, sg: ParallelGrid, dg: ParallelGrid, samples: list[NativeSample], width: int,
+                     blocks: tuple[list[range], list[range]], rank: int
+                     ) -> tuple[RunPlacement, RunPlacement, tuple[TransferPlan, TransferPlan]]:
+    """What training runs for this microbatch on ``rank``: ``image_bridge_plans`` of the
+    samples' arrays (tokens, images per sample, each image's start and rows)."""
+    array = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
+    return image_bridge_plans(array([s.seq_len for s in samples]), array([len(s.image_starts) for s in samples]),
+                              array([p for s in samples for p in s.image_starts]),
+                              array([r for s in samples for r in s.image_rows]), width, sg, blocks[0], dg, blocks[1],
+                              dst.shard == "seq", rank)
+
+
+def _pieces(pl: RunPlacement) -> set:
+    return set(zip(*(getattr(pl, c).tolist() for c in ("rank_P", "row_P", "rows_P", "local_row_P", "col_P", "cols_P"))))
+
+
+def placement_problems(src: RunPlacement, dst: RunPlacement, plans: tuple[TransferPlan, TransferPlan],
+                       src_ref: Placement, dst_ref: Placement, rank: int) -> list[str]:
+    """Where the production bridge differs from the reference as far as ``rank`` sees it: the
+    encoder's placement whole; the LLM's (built near the rank's rows only) its tensor, ranks and
+    replica groups, this rank's pieces, local shape and rows held, and no piece the reference
+    lacks; this rank's plans both ways against ``make_plan``'s moves and all-gathers of the rank."""
+    out = []
+    if src.to_placement() != src_ref:
+        out.append(f"rank {rank}: encoder placement differs from dp_placement")
+    ref = as_runs(dst_ref)
+    if (dst.rows, dst.hidden) != (ref.rows, ref.hidden):
+        out.append(f"rank {rank}: LLM placement of [{dst.rows}, {dst.hidden}] rows, the reference [{ref.rows}, {ref.hidden}]")
+        return out
+    if dst.ranks != ref.ranks or dst.replicas != ref.replicas:
+        out.append(f"rank {rank}: LLM placement ranks or replica groups differ from packed_placement's")
+    if dst.pieces_of(rank) != ref.pieces_of(rank):
+        out.append(f"rank {rank}: its LLM pieces differ from packed_placement's")
+    if (dst.holds_rank(rank), dst.local_shape(rank), dst.held_rows(rank)) != (ref.holds_rank(rank), ref.local_shape(rank), ref.held_rows(rank)):
+        out.append(f"rank {rank}: its LLM buffer differs from packed_placement's")
+    if not _pieces(dst) <= _pieces(ref):
+        out.append(f"rank {rank}: LLM pieces that packed_placement does not have")
+    for name, ref_plan, mine in zip(("forward", "backward"), (make_plan(src_ref, dst_ref), make_plan(dst_ref, src_ref)), plans):
+        if (mine.moves != tuple(m for m in ref_plan.moves if rank in (m.src, m.dst))
+                or mine.gathers != tuple(g for g in ref_plan.gathers if rank in g.ranks) or mine.colocated != ref_plan.colocated):
+            out.append(f"rank {rank}: its {name} plan differs from make_plan's")
+    return out
+
+
 def resolve(src: LayoutSpec, dst: LayoutSpec, world: int, colocated: bool | None) -> tuple[ParallelGrid, ParallelGrid]:
     """Grids for both ends: colocated shares ranks 0..n-1; otherwise source first, then
     destination. The source is an encoder (one pipeline stage, no CP); the destination an
@@ -148,15 +275,26 @@ def _replica_group(grid: ParallelGrid, shard: str | None, rank: int):
     return grid.group("tp") if shard is None and rank in grid else None
 
 
-def bridge_case(src_text: str, dst_text: str, colocated: bool | None, hidden: int, microbatches: int, ragged: bool, seed: int,
-                device: str = "cpu", dtype: str = "fp32") -> dict:
-    """Runs on every rank of the pool; returns this rank's errors and byte counts. ``device``:
+def bridge_case(src_text: str, dst_text: str, colocated: bool | None, hidden: int, microbatches: int, rows: bool | str, seed: int,
+                device: str = "cpu", dtype: str = "fp32", levels: int = 0) -> dict:
+    """Runs on every rank of the pool; returns this rank's errors and byte counts. ``rows``:
+    ``ragged`` (True), ``uniform`` (False) or ``native`` (each image its own grid; rows of
+    ``hidden * (1 + levels)`` values, the bridge built as training builds it); ``device``:
     where the rank's tensors live (``cuda``: its GPU, so they travel over NCCL); ``dtype``: the
     moved tensors' type (the reference is drawn in fp32 and rounded to it; moving is exact)."""
+    rows = {True: "ragged", False: "uniform"}.get(rows, rows)
+    if rows not in ROWS:
+        raise LayoutError(f"rows must be one of {ROWS}, got {rows!r}")
+    native = rows == "native"
+    if levels and not native:
+        raise LayoutError("deepstack levels go with native rows")
     rank, world = dist.get_rank(), dist.get_world_size()
     dev, dt = rank_device(device), DTYPES[dtype]
     src, dst = parse_layout(src_text), parse_layout(dst_text)
     sg, dg = resolve(src, dst, world, colocated)
+    if native:
+        check_native(src, dst)
+    width = hidden * (1 + levels)
     # groups are created on every rank, in the same order (ParallelGrid contract)
     src_tp, dst_tp = sg.group("tp"), dg.group("tp")
     members = sorted(set(sg.ranks) | set(dg.ranks))
@@ -168,19 +306,46 @@ def bridge_case(src_text: str, dst_text: str, colocated: bool | None, hidden: in
     fwd_err = grad_err = 0.0
     sent = {"fwd": 0, "bwd": 0, "allgather": 0}
     minimum = {"fwd": 0, "bwd": 0, "allgather": 0}
+    problems, images, most_rows = [], 0, 0
     for _ in range(microbatches):
-        n = rng.randint(1, 9) if ragged else 4
-        samples = random_samples(rng, n, ragged)
-        src_pl, dst_pl = placements(src, dst, sg, dg, samples, hidden)
-        X = torch.randn(src_pl.rows, hidden, generator=gen).to(dt)
-        G = torch.randn(src_pl.rows, hidden, generator=gen).to(dt)
+        n = rng.randint(1, 9) if rows != "uniform" else 4
+        if native:
+            samples = native_samples(rng, n)
+            blocks = native_blocks(src, dst, samples)
+            src_pl, dst_pl = native_placements(dst, sg, dg, samples, width, blocks)
+            images += sum(len(s.image_starts) for s in samples)
+            most_rows = max([most_rows, *(r for s in samples for r in s.image_rows)])
+        else:
+            samples = random_samples(rng, n, rows == "ragged")
+            src_pl, dst_pl = placements(src, dst, sg, dg, samples, width)
+        X = torch.randn(src_pl.rows, width, generator=gen).to(dt)
+        G = torch.randn(src_pl.rows, width, generator=gen).to(dt)
         for key, (a, b) in {"fwd": (src_pl, dst_pl), "bwd": (dst_pl, src_pl)}.items():
             m = minimum_numel(a, b)
             minimum[key] += m["cross"]
             minimum["allgather"] += m["allgather"]
+        plans = None
+        if native:  # the production bridge, checked before anything moves
+            mine = []
+            if rank in members:
+                try:
+                    bridge_src, bridge_dst, plans = production_plans(dst, sg, dg, samples, width, blocks, rank)
+                    mine = placement_problems(bridge_src, bridge_dst, plans, src_pl, dst_pl, rank)
+                except Exception as e:  # noqa: BLE001 - a production path that fails is a problem found, on every rank alike
+                    mine = [f"rank {rank}: {type(e).__name__}: {e}"]
+            problems += mine
+            flag = torch.tensor([len(mine)], dtype=torch.int64)
+            dist.all_reduce(flag)  # every rank of the pool: a wrong placement anywhere moves nothing
+            if flag.item():
+                continue
         if rank not in members:
             continue
-        bridge = Bridge(src_pl, dst_pl, group, src_replica_group=_replica_group(sg, src.shard, rank), dst_replica_group=_replica_group(dg, dst.shard, rank))
+        if plans is None:
+            bridge = Bridge(src_pl, dst_pl, group, src_replica_group=_replica_group(sg, src.shard, rank),
+                            dst_replica_group=_replica_group(dg, dst.shard, rank))
+        else:  # as ``mimo.training.schedule_run.encode_and_bridge`` builds it
+            bridge = Bridge(bridge_src, bridge_dst, group, src_replica_group=src_tp if rank in sg else None,
+                            dst_replica_group=dst_tp if rank in dg and dst.shard != "seq" else None, rank=rank, plans=plans)
         x = local_view(X, src_pl, rank).to(dev).requires_grad_() if bridge.is_src else None
         y = bridge(x, dtype=dt, device=dev)
         if bridge.is_dst:
@@ -195,7 +360,10 @@ def bridge_case(src_text: str, dst_text: str, colocated: bool | None, hidden: in
         sent["fwd"] += bridge.stats.fwd_sent
         sent["bwd"] += bridge.stats.bwd_sent
         sent["allgather"] += bridge.stats.fwd_allgather + bridge.stats.bwd_allgather
-    return {"fwd_err": fwd_err, "grad_err": grad_err, "sent": sent, "minimum": minimum}
+    out = {"fwd_err": fwd_err, "grad_err": grad_err, "sent": sent, "minimum": minimum}
+    if native:
+        out.update(problems=problems, images=images, most_image_rows=most_rows, width=width)
+    return out
 
 
 def summarise(results: list[dict], itemsize: int = 4) -> dict:
@@ -207,7 +375,7 @@ def summarise(results: list[dict], itemsize: int = 4) -> dict:
     m = results[0]["minimum"]
     bytes_min = (m["fwd"] + m["bwd"]) * itemsize
     ratio = 1.0 if sent == bytes_min == 0 else (sent / bytes_min if bytes_min else float("inf"))
-    return {
+    report = {
         "fwd_max_abs_err": fwd,
         "grad_max_abs_err": grad,
         "bytes_sent": sent,
@@ -217,3 +385,10 @@ def summarise(results: list[dict], itemsize: int = 4) -> dict:
         "bytes_ratio": ratio,
         "ok": fwd == 0.0 and grad == 0.0 and ratio == 1.0 and allgather == m["allgather"] * itemsize,
     }
+    if "problems" in results[0]:  # native rows: the production placements and plans against the reference's
+        problems = [p for r in results for p in r["problems"]]
+        first = results[0]
+        report.update(images=first["images"], most_image_rows=first["most_image_rows"], width=first["width"],
+                      placement_problems=problems[:8], placement_problem_count=len(problems))
+        report["ok"] = report["ok"] and not problems
+    return report

@@ -47,7 +47,9 @@ MODELS = {  # name: (model class, config class, vision, text, top level, world s
             dict(TEXT, num_experts=3, num_experts_per_tok=2, moe_intermediate_size=12, mlp_only_layers=[1]),
             {"tie_word_embeddings": True}, 2),
 }
-SOURCE_FILES = {"tokenizer_config.json": '{"model_max_length": 1024}', "preprocessor_config.json": '{"patch_size": 4}'}
+PROCESSOR = {"patch_size": 4, "size": {"shortest_edge": 1024, "longest_edge": 65536}, "image_mean": [0.4, 0.5, 0.6],
+             "image_std": [0.2, 0.3, 0.25]}
+SOURCE_FILES = {"tokenizer_config.json": '{"model_max_length": 1024}', "preprocessor_config.json": json.dumps(PROCESSOR)}
 ONE_LINE = "kind qwen3_vl (native resolution) cannot take data.source: synthetic"
 
 
@@ -106,6 +108,9 @@ def test_modules_section_validates_and_describes_the_checkpoint(sources, name, t
     config = config_from_dict(_raw(result["modules"]))
     vision, llm = config.modules["vision"], config.llm
     assert vision.kind == "qwen3_vl" and vision.native and vision.placeholder == "<|image_pad|>"
+    # the data path cuts images as the checkpoint's processor does
+    assert result["modules"]["vision"]["image"] == {"min_pixels": 1024, "max_pixels": 65536, "mean": [0.4, 0.5, 0.6],
+                                                    "std": [0.2, 0.3, 0.25]}
     assert vision.init.hf == path and llm.init.hf == path
     assert vision.arch == Qwen3VisionArch.from_hf_config(hf) and vision.arch.deepstack_layers == [0, 2]
     assert llm.arch == qwen3_vl_arch(hf) and llm.arch.deepstack_layers == [1, 3] and llm.arch.mrope_section == [4, 2, 2]

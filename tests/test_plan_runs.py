@@ -17,7 +17,6 @@ import pytest
 
 import mimo.bridges.plan as plan_mod
 import mimo.parallel.layout as layout_mod
-import mimo.training.schedule_run as schedule_run
 from mimo.bridges.plan import make_plan, rank_plans
 from mimo.core.errors import DataError, LayoutError
 from mimo.data.index import Entry, Index
@@ -538,7 +537,7 @@ MUTATIONS = {
     "window one block short": (layout_mod, "_blocks_reaching", lambda *a: (lambda d: range(d.start, max(d.start, d.stop - 1)))(_REACHING(*a)), "window"),
     "window from one block late": (layout_mod, "_blocks_reaching", lambda *a: (lambda d: range(min(d.start + 1, d.stop), d.stop))(_REACHING(*a)), "window"),
     "window without its last row's block": (layout_mod, "_blocks_reaching", _blocks_reaching_all_but_the_last, "window"),
-    "window without the rank's LLM rows": (schedule_run, "packed_rows_of", lambda *a: None, "window"),
+    "window without the rank's LLM rows": (plan_mod, "packed_rows_of", lambda *a: None, "window"),
     "pieces ordered by local row first": (layout_mod, "_order_by", lambda major, minor: np.lexsort((major, minor)), "packed"),
     "uneven columns read from the first piece": (plan_mod, "_col_bounds", lambda pl: np.array([pl.col_P[0], pl.col_P[0] + pl.cols_P[0]]), "many"),
     "window without the pieces crossing its ends": (plan_mod, "_pieces_touching", _pieces_inside, "plans"),

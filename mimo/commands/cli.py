@@ -102,8 +102,11 @@ def verify_bridge_arguments(parser: argparse.ArgumentParser) -> None:
     side = parser.add_mutually_exclusive_group()
     side.add_argument("--colocated", dest="colocated", action="store_const", const=True, help="both ends on the same ranks")
     side.add_argument("--non-colocated", dest="colocated", action="store_const", const=False, help="disjoint ranks: source first")
-    parser.add_argument("--rows", choices=("ragged", "uniform"), default="ragged", help="rows per sample")
-    parser.add_argument("--hidden", type=int, default=12, help="row width of the random activations (default 12)")
+    parser.add_argument("--rows", choices=("ragged", "uniform", "native"), default="ragged",
+                        help="rows per sample; native: images of random grids (rows h*w/4 each), the bridge built as training builds it")
+    parser.add_argument("--hidden", type=int, default=12, help="row width of the random activations (default 12; native: the tower's hidden)")
+    parser.add_argument("--levels", type=int, default=None,
+                        help="with --rows native: deepstack levels travelling beside each row (row width hidden*(1+levels); default 1)")
     parser.add_argument("--microbatches", type=int, default=3, help="microbatches sent through the bridge (default 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs and weights (default 0)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="what the bridge moves (exactly, either way)")
@@ -117,19 +120,33 @@ def device_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def run_verify_bridge(args: argparse.Namespace) -> dict[str, Any]:
-    from mimo.bridges.verify import bridge_case, parse_layout, resolve, summarise
+    from mimo.bridges.verify import bridge_case, check_native, parse_layout, resolve, summarise
     from mimo.training.launch import WorkerPool
 
     if args.world < 1 or args.hidden < 1 or args.microbatches < 1:
         raise UsageError("--world, --hidden and --microbatches must be >= 1")
+    native = args.rows == "native"
+    if args.levels is not None and not native:
+        raise UsageError("--levels goes with --rows native (deepstack features of a native tower)")
+    levels = (1 if args.levels is None else args.levels) if native else 0
+    if levels < 0:
+        raise UsageError("--levels must be >= 0")
     src, dst = parse_layout(args.src), parse_layout(args.dst)
     resolve(src, dst, args.world, args.colocated)  # impossible layouts fail here, before any process starts
+    if native:
+        check_native(src, dst)
+    rows = args.rows if native else args.rows == "ragged"
     with WorkerPool(args.world, timeout_s=args.timeout, device=args.device) as pool:
-        results = pool.run(bridge_case, args.src, args.dst, args.colocated, args.hidden, args.microbatches, args.rows == "ragged", args.seed,
-                           args.device, args.dtype)
+        results = pool.run(bridge_case, args.src, args.dst, args.colocated, args.hidden, args.microbatches, rows, args.seed,
+                           args.device, args.dtype, levels)
     report = summarise(results, itemsize=2 if args.dtype == "bf16" else 4)
-    print(f"verify-bridge {args.src} -> {args.dst} on {args.world} ranks ({args.device}, {args.dtype}): " + ("ok" if report["ok"] else "MISMATCH"))
-    return {"command": "verify-bridge", "device": args.device, "dtype": args.dtype, **report}
+    what = f" ({args.rows} rows, {levels} deepstack levels: width {report['width']})" if native else ""
+    print(f"verify-bridge {args.src} -> {args.dst} on {args.world} ranks ({args.device}, {args.dtype}){what}: "
+          + ("ok" if report["ok"] else "MISMATCH"))
+    for problem in report.get("placement_problems", []):
+        print(f"  {problem}")
+    return {"command": "verify-bridge", "device": args.device, "dtype": args.dtype, **({"rows": "native", "levels": levels} if native else {}),
+            **report}
 
 
 # ---------------------------------------------------------------- verify-llm

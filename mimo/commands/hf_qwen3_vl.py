@@ -27,6 +27,7 @@ an error.
 from __future__ import annotations
 
 import logging
+import json
 import os
 import shutil
 from typing import Mapping
@@ -67,7 +68,26 @@ def qwen3_vl_modules(config: Mapping, path: str | None = None, vision: str = "vi
     if path is not None:
         for m in modules.values():
             m["init"] = {"hf": path}
+        image = processor_image_settings(path)
+        if image:
+            modules[vision]["image"] = image
     return modules
+
+
+def processor_image_settings(path: str) -> dict:
+    """The tower's ``image`` section from the directory's ``preprocessor_config.json`` (the
+    processor's pixel budget and normalisation; {} without one): the data path then cuts images
+    as that processor does."""
+    file = os.path.join(path, "preprocessor_config.json")
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        pre = json.load(f)
+    size = pre.get("size") or {}
+    out = {"min_pixels": pre.get("min_pixels", size.get("shortest_edge")),
+           "max_pixels": pre.get("max_pixels", size.get("longest_edge")),
+           "mean": pre.get("image_mean"), "std": pre.get("image_std")}
+    return {k: (list(v) if isinstance(v, (list, tuple)) else int(v)) for k, v in out.items() if v is not None}
 
 
 def _read_config(path: str) -> dict:
@@ -116,8 +136,7 @@ def describe_qwen3_vl(path: str, out: str | None = None) -> dict:
     modules = qwen3_vl_modules(config, path)
     text = (f"# modules of the Qwen3-VL checkpoint {path} ({architecture}); add parallel: per module, and the data and\n"
             f"# train sections. init.hf loads the vision tower (its mergers and deepstack mergers included) and the LLM;\n"
-            f"# as a mimo checkpoint: mimo import-hf {path} --config CONFIG --out DIR. A kind: qwen3_vl encoder (native\n"
-            f"# resolution) cannot be trained from shards yet; mimo export-hf writes such a checkpoint back.\n"
+            f"# as a mimo checkpoint: mimo import-hf {path} --config CONFIG --out DIR; mimo export-hf writes it back.\n"
             + yaml.safe_dump({"modules": modules}, sort_keys=False))
     emit_modules(text, out)
     return {"ok": True, "command": "import-hf", "checkpoint": path, "architecture": architecture, "tensors": tensors,

@@ -37,13 +37,14 @@ from typing import Sequence
 import torch
 
 from mimo.bridges.executor import Bridge
-from mimo.bridges.plan import TransferPlan, rank_plans, rows_near
+from mimo.bridges.plan import TransferPlan
+from mimo.bridges.plan import image_bridge_plans as bridge_plans_of_images
 from mimo.compose.model import MimoModel
 from mimo.data.pipeline import Microbatch
 from mimo.data.plan import SampleArrays
 from mimo.llm.pipeline import StageRunner
 from mimo.parallel.grid import ParallelGrid
-from mimo.parallel.layout import RunPlacement, SampleRuns, dp_runs, packed_rows_of, packed_runs
+from mimo.parallel.layout import RunPlacement
 from mimo.schedules.pipeline import SCHEDULES, encoder_ticks, tick_of
 from mimo.training.optim import GradSync
 from mimo.training.trace import Trace, note
@@ -90,23 +91,15 @@ def image_bridge_plans(samples: SampleArrays | Sequence, placeholder: str, rows_
                        encoder_grid: ParallelGrid, encoder_blocks: Sequence[range], llm_grid: ParallelGrid,
                        llm_blocks: Sequence[range], sequence_parallel: bool, rank: int
                        ) -> tuple[RunPlacement, RunPlacement, tuple[TransferPlan, TransferPlan]]:
-    """One encoder's bridge on ``rank`` for a microbatch of ``samples`` (its ``SampleArrays``, or
-    ``PlannedSample``s), rows of ``width`` values (``rows_per_image`` each image, or for a native
-    tower (0) each image's own): the encoder's rows (its DP blocks, replicated over its TP), the LLM
-    first stage's declared placement of them (``LLMStage.image_placement``, from runs of rows:
-    each image's rows are consecutive positions) and this rank's plans both ways.
-
-    The LLM's placement holds only the pieces of the LLM DP blocks that hold some of this
-    rank's rows (its encoder block's, its LLM block's; ``packed_runs``' ``rows``): every move of
-    its plans lies there and its own pieces and local rows are all there, so the work follows
-    its share, not the world. Other ranks hold nothing in it: it serves this rank's bridge only."""
+    """``mimo.bridges.plan.image_bridge_plans`` (the encoder's rows, the LLM first stage's
+    placement of them near this rank's rows, this rank's plans both ways) of the images of
+    ``placeholder`` in a microbatch of ``samples`` (its ``SampleArrays``, or ``PlannedSample``s):
+    ``rows_per_image`` rows each image, or for a native tower (0) each image's own, of ``width``
+    values."""
     arrays = SampleArrays.of(samples)
-    runs = SampleRuns.of_image_arrays(arrays.tokens_N, arrays.images_for(placeholder), arrays.image_starts(placeholder),
-                                      arrays.image_rows(placeholder, rows_per_image))
-    src = dp_runs(encoder_grid, runs.rows_N, encoder_blocks, width)
-    rows = rows_near(rank, src, packed_rows_of(llm_grid, runs, llm_blocks, rank))
-    dst = packed_runs(llm_grid, runs, llm_blocks, width, sequence_parallel, rows or (0, 0))
-    return src, dst, rank_plans(src, dst, rank)
+    return bridge_plans_of_images(arrays.tokens_N, arrays.images_for(placeholder), arrays.image_starts(placeholder),
+                                  arrays.image_rows(placeholder, rows_per_image), width, encoder_grid, encoder_blocks,
+                                  llm_grid, llm_blocks, sequence_parallel, rank)
 
 
 def _bridge_plans(model: MimoModel, mb: Microbatch, name: str):
