@@ -41,6 +41,9 @@ class DataConfig:
     index_dir: str | None = None
     tokens_per_microbatch: int = 4096  # global (all DP ranks together), layout-independent
     max_sample_tokens: int = 2048  # longer samples are skipped as too long
+    # native-resolution towers: at most this many patches (all towers' images, all DP ranks) in a
+    # microbatch beside its tokens (a sample with more alone is skipped: "too many patches"); None: no bound
+    patches_per_microbatch: int | None = None
     # `mimo train` stops before step 1 when more than this share of the samples would be dropped
     # (bad, too long, lost in a damaged shard: mimo.data.skipped), naming the main reason
     max_skipped_fraction: float = 0.01
@@ -52,6 +55,9 @@ class DataConfig:
 
     def validate(self, path: str) -> list[str]:
         problems = at_least(self, path, 1, "tokens_per_microbatch", "max_sample_tokens", "workers", "prefetch")
+        if self.patches_per_microbatch is not None and self.patches_per_microbatch < 1:
+            problems.append(f"{join_path(path, 'patches_per_microbatch')}: at least 1 (or null: no bound), got "
+                            f"{self.patches_per_microbatch}")
         if not 0 <= self.max_skipped_fraction <= 1:
             problems.append(f"{join_path(path, 'max_skipped_fraction')}: a share in [0, 1], got {self.max_skipped_fraction}")
         if not problems and self.max_sample_tokens > self.tokens_per_microbatch:

@@ -113,6 +113,7 @@ class _IndexColumns:
     def __init__(self, index: Index):
         entries = index.entries
         self.tokens_E = np.array([e.tokens for e in entries], dtype=np.int64)
+        self.patches_E = np.array([entry_patches(e) for e in entries], dtype=np.int64)
         placeholders = sorted({p for e in entries for p in e.image_starts})
         self.offset_E1, self.start_J, self.rows_J, self.grid_J3 = {}, {}, {}, {}
         for p in placeholders:
@@ -139,10 +140,18 @@ class _IndexColumns:
         return SampleArrays(self.tokens_E[ids_N], images, starts, rows, grids)
 
 
+def entry_patches(e: Entry) -> int:
+    """Tower patches of an entry's native images (each grid's t * h * w), all towers together."""
+    return sum(t * h * w for grids in e.image_grids.values() for t, h, w in grids)
+
+
 class DataPlan:
-    def __init__(self, index: Index, tokens_per_microbatch: int, max_sample_tokens: int, seed: int, shuffle: bool = True):
+    def __init__(self, index: Index, tokens_per_microbatch: int, max_sample_tokens: int, seed: int, shuffle: bool = True,
+                 patches_per_microbatch: int | None = None):
         self.index = index
         self.tokens_per_microbatch = tokens_per_microbatch
+        # the second budget of a microbatch: native towers' patches (None: none)
+        self.patches_per_microbatch = patches_per_microbatch
         self.seed, self.shuffle = seed, shuffle
         self.skipped = Counter(index.bad_counts())
         if index.shard_lost:
@@ -155,6 +164,9 @@ class DataPlan:
             if e.tokens > max_sample_tokens:
                 self.skipped["too long"] += 1
                 self.too_long.append(i)
+                continue
+            if patches_per_microbatch is not None and entry_patches(e) > patches_per_microbatch:
+                self.skipped["too many patches"] += 1
                 continue
             self.valid.append(i)
         if not self.valid:
@@ -208,8 +220,11 @@ class DataPlan:
         last = self._starts[-1] - self._starts[-2] if len(self._starts) > 1 else 0
         width = max(64, last + last // 4 + 16)
         while True:
-            used_W = np.cumsum(columns.tokens_E[self._stream_ids(pos, pos + width)])
+            ids_W = self._stream_ids(pos, pos + width)
+            used_W = np.cumsum(columns.tokens_E[ids_W])
             fit = int(np.searchsorted(used_W, self.tokens_per_microbatch, "right"))
+            if self.patches_per_microbatch is not None:  # both budgets hold
+                fit = min(fit, int(np.searchsorted(np.cumsum(columns.patches_E[ids_W]), self.patches_per_microbatch, "right")))
             if fit < width:  # one more sample while none has counted yet (a first sample, or zeros)
                 return pos + fit + (fit == 0 or int(used_W[fit - 1]) == 0)
             width *= 4

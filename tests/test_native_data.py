@@ -288,3 +288,67 @@ def test_tower_dp_blocks_balance_compute_and_inspect_data_reports_it(native, cap
         assert tower["images_per_microbatch"][k] == int(arrays.images_for("<image>").sum())
         assert tower["tokens_per_microbatch"][k] == rows and tower["patches_per_microbatch"][k] == 4 * rows
     assert tower["tower_padding_fraction"] == 0.0  # no SP on the tower: its packs hold patches only
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU machine runs it)")
+WORLD_1 = ["world_size=1", "modules.vision.parallel.dp=1", "modules.vision.parallel.ranks=0:1",
+           "modules.language.parallel.tp=1", "modules.language.parallel.ranks=0:1"]
+
+
+@needs_cuda
+def test_native_vlm_trains_on_the_gpu_as_on_the_cpu(native):
+    """On the GPU: the pipeline delivers the tower ``preprocess``'s rows bit for bit (``PatchNorm``
+    looked up there) with the plan's grids, and 3 fp32 steps eager and with ``train.compile`` (the
+    tower stays eager, the LLM layers compile for dynamic lengths) give the CPU's losses."""
+    from mimo.compose.inputs import encoder_feeds
+    from mimo.data.native_images import PatchNorm
+    from mimo.data.pipeline import SampleReader, wire_rows
+    from mimo.training.run import build_run
+    from mimo.training.step import train_step
+
+    config, index = _index(native)
+    (feed,) = encoder_feeds(config)
+    reader, norm = SampleReader(index, text_spec(config), [feed]), PatchNorm(feed.native)
+    for entry in index.entries[:8]:
+        wire = wire_rows(reader.read(_planned(index, entry)), feed)
+        assert torch.equal(norm(wire[:, :-1].cuda()).cpu(), norm(wire[:, :-1]))
+
+    losses = {}
+    for device, extra in (("cpu", []), ("cuda", []), ("cuda", ["train.compile=true"])):
+        torch.manual_seed(0)
+        run = build_run(load_config(native, WORLD_1 + extra), 0, device=torch.device(device))
+        try:
+            mb = run.pipeline.step(1)[0]
+            if device == "cuda":
+                pixels = mb.pixels["vision"]
+                assert pixels.pixels_PJ.is_cuda and pixels.grids_N3.tolist() == mb.arrays.image_grids("<image>").tolist()
+            losses[(device, bool(extra))] = [train_step(run.model, run.pipeline, s, run.optimizers, run.policy).loss
+                                             for s in range(1, 4)]
+        finally:
+            run.close()
+    cpu = losses[("cpu", False)]
+    for key, got in losses.items():
+        for a, b in zip(got, cpu):
+            assert abs(a - b) <= 2e-3 * abs(b), (key, got, cpu)
+
+
+def test_microbatches_hold_both_budgets(native):
+    """``data.patches_per_microbatch`` bounds a microbatch's tower patches beside its tokens; a
+    sample with more patches than that alone is a counted skip ("too many patches")."""
+    from mimo.data.plan import DataPlan, entry_patches
+
+    _, index = _index(native)
+    patches = sorted(entry_patches(e) for e in index.entries)
+    budget = patches[-3]  # the two biggest samples alone exceed it (or tie it)
+    plan = DataPlan(index, 768, 512, seed=2, patches_per_microbatch=budget)
+    skipped = sum(p > budget for p in patches)
+    assert plan.skipped_counts() == ({"too many patches": skipped} if skipped else {})
+    cut_by_patches = 0
+    for k in range(40):
+        arrays = plan.microbatch_arrays(k)
+        used, tokens = int(arrays.image_grids("<image>").prod(1).sum()), int(arrays.tokens_N.sum())
+        assert used <= budget and tokens <= 768
+        following = index.entries[int(plan._ids(k + 1)[0])]  # the stream's next sample did not fit
+        assert tokens + following.tokens > 768 or used + entry_patches(following) > budget
+        cut_by_patches += tokens + following.tokens <= 768
+    assert cut_by_patches > 0

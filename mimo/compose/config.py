@@ -394,7 +394,11 @@ class MimoConfig:
         if not self.train.cuda_graphs:
             return []
         problems = []
-        for name in self.encoders:
+        for name, enc in self.encoders.items():
+            if enc.native:
+                problems.append(f"train.cuda_graphs: modules.{name} is a native-resolution tower: its input's shape changes "
+                                f"with every microbatch's images, which a graph cannot replay (drop train.cuda_graphs)")
+                continue
             if self.modules[name].parallel.tp > 1:
                 problems.append(f"train.cuda_graphs: modules.{name}.parallel.tp > 1 puts TP collectives inside the vision "
                                 f"blocks; graphs take encoders at tp 1 (set tp: 1, or drop train.cuda_graphs)")

@@ -92,7 +92,7 @@ def data_plan(config: MimoConfig, index: Index | None) -> DataPlan | SyntheticPl
     d = config.data
     if d.source == "synthetic":
         return SyntheticPlan(synthetic_stream(config))
-    return DataPlan(index, d.tokens_per_microbatch, d.max_sample_tokens, d.seed, d.shuffle)
+    return DataPlan(index, d.tokens_per_microbatch, d.max_sample_tokens, d.seed, d.shuffle, d.patches_per_microbatch)
 
 
 def synthetic_stream(config: MimoConfig) -> SyntheticStream:

@@ -95,7 +95,8 @@ def compile_blocks(model: MimoModel) -> int:
     place (compiled on first use; the weights stay the module's own). Repeated blocks share one
     compiled graph; LLM layers are compiled for dynamic lengths, since every pack's differs.
     Embedding and head stay eager; the cross entropy's row math compiles into fused kernels
-    (``vocab_parallel_cross_entropy(compiled=True)``). ``train.cuda_graphs``: the vision blocks
+    (``vocab_parallel_cross_entropy(compiled=True)``); a native-resolution tower runs eager.
+    ``train.cuda_graphs``: the vision blocks
     in reduce-overhead mode, their kernels replayed as CUDA graphs (on a CUDA device; elsewhere
     torch runs them as compiled). Returns the count."""
     n = 0
@@ -106,8 +107,10 @@ def compile_blocks(model: MimoModel) -> int:
             n += 1
         model.stage.compiled_loss = True
     graphs = model.config.train.cuda_graphs
-    for part in model.encoders.values():
-        if part.module is not None:
+    for name, part in model.encoders.items():
+        # a native tower's blocks stay eager: each pack's images (their segment runs, a Python
+        # list the attention loops over) would compile them anew for every microbatch
+        if part.module is not None and not model.config.encoders[name].native:
             part.module.tower.graphs = graphs  # its output then leaves the graphs' memory
             for block in part.module.tower.blocks:
                 block.compile(mode="reduce-overhead" if graphs else None)
