@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from mimo.core.batch import PackedBatch, PatchBatch, to_device
 from mimo.bridges.executor import Bridge
+from mimo.bridges.plan import image_bridge_plans
 from mimo.data.images import ImageSpec, PixelNorm, decode
 from mimo.data.index import Index, TextSpec
 from mimo.data.native_images import NativeImageSpec, PatchNorm, patch_bytes
@@ -75,6 +76,9 @@ class EncoderFeed:
     # patch and patch of its image), so that its DP blocks balance compute, not images
     native: NativeImageSpec | None = None
     cost_width: int = 0
+    # values per row of the encoder's bridge to the LLM (its output rows): the pipeline plans that
+    # bridge on its own thread with the rest of the microbatch (0: the runner plans it)
+    bridge_width: int = 0
 
     @property
     def raw(self) -> bool:
@@ -136,6 +140,9 @@ class Microbatch:
     loss_tokens: int = 0  # of the pack (counted on the CPU, before any move to a device)
     # the samples' numbers as arrays (what blocks and placements read): the plan's, else from samples
     arrays: SampleArrays | None = None
+    # encoder -> its bridge on this rank: (encoder rows, LLM placement, this rank's transfer plans),
+    # ``mimo.bridges.plan.image_bridge_plans``, made with the rest of the microbatch
+    bridge_plans: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.arrays is None:
@@ -339,6 +346,12 @@ class DataPipeline:
         """Microbatch ``k`` on the CPU (read, packed, pixels routed)."""
         samples, arrays, blocks = self._planned(k)
         mb = Microbatch(samples, blocks, {f.name: encoder_blocks(arrays, f) for f in self.feeds}, arrays=arrays)
+        for f in self.feeds:
+            if f.bridge_width and (self.rank in f.grid or self.rank in self.llm_grid):
+                mb.bridge_plans[f.name] = image_bridge_plans(
+                    arrays.tokens_N, arrays.images_for(f.placeholder), arrays.image_starts(f.placeholder),
+                    arrays.image_rows(f.placeholder, f.rows_per_image), f.bridge_width, f.grid, mb.encoder_blocks[f.name],
+                    self.llm_grid, blocks, self.sequence_parallel, self.rank)
         read = self._read_block(k) if self.is_reader else []
         # kept: the microbatches requested ahead of this one, not yet prepared
         self._plans = {j: got for j, got in self._plans.items() if k < j <= k + self.prefetch}

@@ -243,16 +243,25 @@ def _delivered_pack(config_path: str, overrides: list[str]) -> dict:
             grids = mb.arrays.image_grids("<image>").tolist()
             want = packed_positions_3d(p.tokens, p.cu_seqlens, grids or None, None, 2, run.pipeline.pad_id, -1, None)
             out.append(p.positions_3d is not None and torch.equal(p.positions_3d, want))
+            # the bridge was planned with the microbatch, on the data thread: as the runner would
+            from mimo.training.schedule_run import image_bridge_plans
+
+            src, dst, plans = image_bridge_plans(mb.arrays, "<image>", 0, 64 * 2, run.model.encoders["vision"].grid,
+                                                 mb.encoder_blocks["vision"], run.model.llm_grid, mb.llm_blocks,
+                                                 run.model.llm_ctx.sequence_parallel, dist.get_rank())
+            got = mb.bridge_plans["vision"]
+            out.append(got[0].to_placement() == src.to_placement() and got[1].to_placement() == dst.to_placement()
+                       and all(repr(a) == repr(b) for a, b in zip(got[2], plans)))
         return {"equal": out}
     finally:
         run.pipeline.close()
 
 
-def test_the_training_pipeline_delivers_m_rope_positions(pools, native):
+def test_the_training_pipeline_delivers_m_rope_positions_and_bridge_plans(pools, native):
     (got,) = pools(1).run(_delivered_pack, native, ["world_size=1", "modules.vision.parallel.dp=1",
                                                     "modules.vision.parallel.ranks=0:1", "modules.language.parallel.tp=1",
                                                     "modules.language.parallel.ranks=0:1"])
-    assert got["equal"] == [True, True]
+    assert got["equal"] == [True] * 4
 
 
 def test_tower_dp_blocks_balance_compute_and_inspect_data_reports_it(native, capsys):

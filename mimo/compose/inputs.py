@@ -61,11 +61,13 @@ def encoder_feeds(config: MimoConfig, grids: Mapping[str, ParallelGrid] | None =
     feeds = []
     for name, enc in config.encoders.items():
         grid = grids[name] if grids is not None else enc.parallel.grid(config.world_size)
+        width = config.bridge_width(name)
         if enc.native:
             feeds.append(EncoderFeed(name, enc.placeholder, 0, None, grid, pixel_dtype, native_spec(enc).image,
-                                     2 * enc.arch.hidden + enc.arch.mlp))
+                                     2 * enc.arch.hidden + enc.arch.mlp, bridge_width=width))
         else:
-            feeds.append(EncoderFeed(name, enc.placeholder, enc.rows_per_image, image_spec(enc), grid, pixel_dtype))
+            feeds.append(EncoderFeed(name, enc.placeholder, enc.rows_per_image, image_spec(enc), grid, pixel_dtype,
+                                     bridge_width=width))
     return feeds
 
 

@@ -103,8 +103,9 @@ def image_bridge_plans(samples: SampleArrays | Sequence, placeholder: str, rows_
 
 
 def _bridge_plans(model: MimoModel, mb: Microbatch, name: str):
-    """``image_bridge_plans`` of encoder ``name``, once per microbatch (kept on ``mb``)."""
-    cache = mb.__dict__.setdefault("_bridge_plans", {})
+    """``image_bridge_plans`` of encoder ``name``: the data pipeline's (made on its thread with
+    the microbatch), else made here once per microbatch (kept on ``mb``)."""
+    cache = mb.bridge_plans
     if name not in cache:
         enc = model.config.encoders[name]
         cache[name] = image_bridge_plans(mb.arrays, enc.placeholder, 0 if enc.native else enc.rows_per_image,
