@@ -14,7 +14,8 @@ hold their own. Row ``n`` of every entry is the batch's sample ``n``.
   Gated DeltaNet the recurrent state after the sample's last token and the last ``kernel - 1``
   inputs of each short convolution. MLP and MoE layers act on each token alone: nothing to keep.
 * Every later forward is a *decode step* on ``decode_pack``: one token per row (the row's
-  latest token at its position; SP padding after them). Attention writes the new key / value at
+  latest token at its position — under M-RoPE, the same on all three axes, its index plus the
+  sample's offset, ``decode_pack``; SP padding after them). Attention writes the new key / value at
   the row's length and attends over the row's cache; the recurrent layers advance their state by
   one token. Padding rows come out as zeros.
 * ``keep(rows)`` drops the samples that finished, between steps.
@@ -127,18 +128,25 @@ def pad_rows(y_N: torch.Tensor, t: int) -> torch.Tensor:
 
 
 def decode_pack(tokens: list[int], positions: list[int], sample_ids: list[int], tp: int, sequence_parallel: bool,
-                pad_id: int) -> PackedBatch:
+                pad_id: int, mrope: bool = False) -> PackedBatch:
     """A decode step's pack: token ``tokens[n]`` of sample ``sample_ids[n]`` at ``positions[n]``,
-    each its own segment, padded at its end as ``mimo.data.pack.pack`` pads (cp = 1)."""
+    each its own segment, padded at its end as ``mimo.data.pack.pack`` pads (cp = 1).
+
+    ``mrope``: for an M-RoPE LLM, ``positions_3d`` too: ``positions[n]`` on all three axes (a
+    generated token is text). Its caller gives the M-RoPE position, as Hugging Face's Qwen3-VL
+    does under a cache: the token's index in its sequence plus the sample's ``rope_deltas``
+    (``max(prompt positions) + 1 - prompt length``; ``mimo.training.evaluation.rope_deltas``)."""
     n = len(tokens)
     total = PackLayout((1,) * n, tp, 1, sequence_parallel).total_len
     tail = total - n
     cu = list(range(n + 1)) + ([total] if tail else [])
+    positions_T = torch.tensor(positions + list(range(tail)), dtype=torch.int64)
     return PackedBatch(
         tokens=torch.tensor(tokens + [pad_id] * tail, dtype=torch.int64),
-        positions=torch.tensor(positions + list(range(tail)), dtype=torch.int64),
+        positions=positions_T,
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         labels=torch.full((total,), pad_id, dtype=torch.int64),
         loss_mask=torch.zeros(total, dtype=torch.bool),
         sample_ids=torch.tensor(sample_ids, dtype=torch.int64),
+        positions_3d=positions_T.expand(3, -1).clone() if mrope else None,
     )

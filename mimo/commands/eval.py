@@ -40,7 +40,7 @@ def evaluate(config_path: str, overrides: list[str], checkpoint: str | None = No
     if under_torchrun():  # each torchrun process would start a whole world of its own
         raise ConfigError("mimo eval starts its own local processes (world_size of them); run it without torchrun")
     config = load_config(config_path, overrides)
-    config.require_trainable()  # (a native-resolution encoder has no data path yet)
+    config.require_trainable()  # (a native-resolution encoder cannot take synthetic data; request_for checks the rest)
     req = request_for(config, checkpoint or config.train.checkpoint.dir, shards)
     device = resolve_device(device, config.world_size)
     ensure_index(config, shards=req.shards)  # once, before any rank reads it

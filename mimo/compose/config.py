@@ -385,6 +385,12 @@ class MimoConfig:
                     f"{enc.arch.out_hidden} * {1 + levels} = {enc.arch.out_width} wide, but modules.{llm}.arch takes "
                     f"hidden * (1 + len(deepstack_layers)) = {arch.hidden} * {1 + len(arch.deepstack_layers)} = {wants} "
                     f"(out_hidden must be the LLM's hidden, and both need as many deepstack levels)")
+        merges = {name: enc.arch.spatial_merge for name, enc in self.encoders.items() if enc.native}
+        if getattr(arch, "mrope_section", None) is not None and len(set(merges.values())) > 1:
+            found = ", ".join(f"modules.{name}.arch.spatial_merge={m}" for name, m in merges.items())
+            problems.append(f"modules: native-resolution encoders with different spatial merges ({found}) cannot share "
+                            f"the M-RoPE LLM's 3-D positions (each pack places its images with one merge size): give "
+                            f"them the same one")
         return problems
 
     def _cuda_graph_problems(self) -> list[str]:

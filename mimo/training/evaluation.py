@@ -28,6 +28,15 @@ context parallelism (LLM cp > 1: a sample's positions are spread over the CP ran
 ``eval.cache: false``, every round instead runs the whole forward again on prompt + generated
 tokens; both give the same greedy tokens (up to float rounding of the logits).
 
+Native-resolution towers (``kind: qwen3_vl``) and M-RoPE (Qwen3-VL): each image keeps its own
+rows and grid through every round (a round of fewer samples cuts the tower's ``PatchBatch`` to
+their images' patches and grids), and packs carry the samples' 3-D positions
+(``PackedBatch.positions_3d``) as training's do. A decode step's token takes, on all three axes,
+its index in its sequence plus its sample's ``rope_deltas`` (``max(prompt positions) + 1 - prompt
+length``, taken from the prefill's pack: ``rope_deltas``), as Hugging Face's Qwen3-VL does under
+a cache; a round without a cache recomputes the same positions from the layout (generated tokens
+are text after the prompt), so both paths agree.
+
 Exact match: the generated text up to the end-of-turn marker, normalised (whitespace
 collapsed, surrounding whitespace stripped, lower case), equals the normalised reference
 answer. Caption samples (a ``txt`` text, no question) are scored by the loss but not by
@@ -257,6 +266,8 @@ class Completer:
         self.dp = c["dp"] if c is not None else None
         self.is_last_tp0 = c is not None and model.stage.is_last and c["tp"] == 0
         self.block = range(0)  # this LLM rank's DP block of the microbatch being completed
+        # sample -> its decode positions' offset (``rope_deltas``: M-RoPE's; 0 for 1-D positions), from the prefill
+        self.deltas: dict[int, int] = {}
 
     def block_tokens(self, mb) -> dict[int, tuple[list[int], list[bool]]]:
         """On LLM ranks: each sample of this rank's DP block (by its index in ``mb``) with its
@@ -284,6 +295,7 @@ class Completer:
 
         n = len(mb.samples)
         dist.all_reduce(prompt)
+        self.deltas = {}
         active = [i for i in range(n) if prompt[i] > 0]
         generated: dict[int, list[int]] = {i: [] for i in active}
         # this stage's cache of this DP block's unfinished samples, row r = the r-th in block order
@@ -341,39 +353,31 @@ class Completer:
     def _round(self, mb, active: list[int], prompt, tokens: dict, generated: dict, cache=None) -> dict[int, int] | None:
         """One forward of the active samples (prompt + generated so far); the last stage's TP
         rank 0 returns the picked token at each of its samples' last position. With ``cache`` (this
-        stage's, empty) the forward is its prefill."""
-        import torch
+        stage's, empty) the forward is its prefill, and each of this rank's samples' M-RoPE offset
+        (``rope_deltas``) is kept for the decode steps."""
+        import dataclasses
 
         from mimo.data.pack import cp_share, pack
         from mimo.data.pipeline import Microbatch
         from mimo.parallel.layout import PackLayout
-        from mimo.data.plan import PlannedSample
         from mimo.training.schedule_run import forward_only
 
         model, cfg = self.model, self.model.config
         keep = set(active)
         lengths = {i: int(prompt[i]) + len(generated[i]) for i in active}
-        samples = [PlannedSample(mb.samples[i].id, lengths[i], mb.samples[i].images, mb.samples[i].image_starts) for i in active]
+        samples = [dataclasses.replace(mb.samples[i], tokens=lengths[i]) for i in active]
         llm_blocks = subset_blocks(mb.llm_blocks, keep)
         enc_blocks = {name: subset_blocks(b, keep) for name, b in mb.encoder_blocks.items()}
-        pixels = {}
-        for name, x in mb.pixels.items():  # this encoder rank's images, of the kept samples only
-            mine = mb.encoder_blocks[name][model.encoders[name].grid.coords(model.rank)["dp"]]
-            placeholder = cfg.encoders[name].placeholder  # a sample's images for this encoder (not all its files)
-            offsets, rows = 0, []
-            for i in mine:
-                images = mb.samples[i].images_for(placeholder)
-                if i in keep:
-                    rows.append(x[offsets : offsets + images])
-                offsets += images
-            pixels[name] = torch.cat(rows) if rows else x[:0]
+        pixels = {name: self._kept_pixels(mb, name, x, keep) for name, x in mb.pixels.items()}
         batch, order = None, []
         if mb.pack is not None:
             par = cfg.llm.parallel
             order = self._mine(active)
             items = [_item(mb.samples[i], tokens[i][: int(prompt[i])] + generated[i]) for i in order]
-            rows = {e.placeholder: e.rows_per_image for e in cfg.encoders.values()}
-            whole = pack(items, rows, par.tp, par.cp, model.llm_ctx.sequence_parallel, self.pipeline.pad_id)
+            whole = pack(items, self.pipeline.rows_per_image, par.tp, par.cp, model.llm_ctx.sequence_parallel,
+                         self.pipeline.pad_id, self.pipeline.mrope_merge)
+            if cache is not None:
+                self.deltas = rope_deltas(whole, [lengths[i] for i in order], order)
             cp_rank = model.llm_ctx.dense.coord("cp")
             batch = cp_share(whole, cp_rank).to(model.device)  # packed on the CPU; the pixels are on the device already
         logits = forward_only(model, Microbatch(samples, llm_blocks, enc_blocks, batch, pixels), self.runner, cache)
@@ -390,6 +394,41 @@ class Completer:
             last = [local for _, _, (c, local) in where if c == cp_rank]
         return self._pick(logits, last, [i for _, i in mine])
 
+    def _kept_pixels(self, mb, name: str, x, keep: set[int]):
+        """This encoder rank's input of ``mb`` (as delivered) cut to the samples in ``keep``: a
+        fixed-size tower's images ``[images, C, S, S]``; a native tower's ``PatchBatch`` (each
+        image's patches, ``rows * merge**2`` of them, and its grid)."""
+        import torch
+
+        from mimo.core.batch import PatchBatch
+
+        model = self.model
+        enc = model.config.encoders[name]
+        mine = mb.encoder_blocks[name][model.encoders[name].grid.coords(model.rank)["dp"]]
+        placeholder = enc.placeholder  # a sample's images for this encoder (not all its files)
+        if not enc.native:
+            offsets, rows = 0, []
+            for i in mine:
+                images = mb.samples[i].images_for(placeholder)
+                if i in keep:
+                    rows.append(x[offsets : offsets + images])
+                offsets += images
+            return torch.cat(rows) if rows else x[:0]
+        merge2 = enc.arch.spatial_merge ** 2
+        patch_at = image_at = 0
+        patches, grids = [], []
+        for i in mine:
+            own = mb.samples[i].image_rows.get(placeholder, ())
+            n = sum(own) * merge2
+            if i in keep:
+                patches.append(x.pixels_PJ[patch_at : patch_at + n])
+                grids.append(x.grids_N3[image_at : image_at + len(own)])
+            patch_at, image_at = patch_at + n, image_at + len(own)
+        if patch_at != x.pixels_PJ.shape[0] or image_at != x.grids_N3.shape[0]:
+            raise RuntimeError(f"encoder {name!r}: {x.pixels_PJ.shape[0]} patches and {x.grids_N3.shape[0]} grids delivered, "
+                               f"the block's samples have {patch_at} and {image_at}")
+        return PatchBatch(torch.cat(patches) if patches else x.pixels_PJ[:0], torch.cat(grids) if grids else x.grids_N3[:0])
+
     def _step(self, mb, active: list[int], prompt, generated: dict, cache) -> dict[int, int] | None:
         """A decode step (with the cache the prefill filled): each of this DP block's active
         samples' latest token at its position, through this rank's LLM stage only; the last
@@ -400,9 +439,11 @@ class Completer:
             return None
         model = self.model
         order = self._mine(active)
-        batch = decode_pack([generated[i][-1] for i in order], [int(prompt[i]) + len(generated[i]) - 1 for i in order],
-                            [mb.samples[i].id for i in order], model.llm_ctx.tp_size, model.llm_ctx.sequence_parallel,
-                            self.pipeline.pad_id)
+        # the new token's place in its sequence (the cache's length), plus its M-RoPE offset (module doc)
+        positions = [int(prompt[i]) + len(generated[i]) - 1 + self.deltas[i] for i in order]
+        batch = decode_pack([generated[i][-1] for i in order], positions, [mb.samples[i].id for i in order],
+                            model.llm_ctx.tp_size, model.llm_ctx.sequence_parallel, self.pipeline.pad_id,
+                            mrope=self.pipeline.mrope_merge is not None)
         logits = self.runner.forward(batch.to(model.device), cache=cache).logits
         self.runner.finish()
         return None if logits is None else self._pick(logits, list(range(len(order))), order)
@@ -480,4 +521,17 @@ class _Scorer(Completer):
 def _item(sample, tokens: list[int]):
     from mimo.data.pack import PackItem
 
-    return PackItem(sample.id, tokens, [False] * len(tokens), sample.image_starts)
+    return PackItem(sample.id, tokens, [False] * len(tokens), sample.image_starts, image_rows=sample.image_rows,
+                    image_grids=sample.image_grids)
+
+
+def rope_deltas(whole, lengths: list[int], samples: list[int]) -> dict[int, int]:
+    """Each packed sample's M-RoPE offset: ``max(its 3-D positions) + 1 - its length``, as
+    Hugging Face's Qwen3-VL ``get_rope_index`` computes ``rope_deltas`` for a prompt (``whole``:
+    the prompts' pack, sample ``samples[j]`` of ``lengths[j]`` tokens in segment j, before any CP
+    cut); a decode step puts the token at sequence index c at position ``c + delta`` on all three
+    axes. A pack without 3-D positions (a 1-D LLM, or no native tower): 0 each, its 1-D positions."""
+    if whole.positions_3d is None:
+        return dict.fromkeys(samples, 0)
+    cu = whole.cu_seqlens.tolist()
+    return {i: int(whole.positions_3d[:, cu[j] : cu[j] + n].max()) + 1 - n for j, (i, n) in enumerate(zip(samples, lengths))}

@@ -24,7 +24,10 @@ assistant turn — what a held-out sample's prompt is in ``mimo eval`` (everythi
 answer, ``mimo.data.text``: tokenized piece by piece, with the tokenizer's bos) — so that a
 model answers as it learned to. Its images take the places of the encoders' placeholders; a
 prompt without any gets one line per image and encoder in front (``<image>\\n``, as the
-training captions and the demo's questions have them).
+training captions and the demo's questions have them). A native-resolution encoder
+(``kind: qwen3_vl``) takes each image at its own size, as training does: its grid and rows are
+read from the file's header (an image it cannot cut is a DataError naming the file), and its
+placeholder becomes the vision start text, the image's own rows, the vision end text.
 
 Then ``world_size`` local processes (``WorkerPool``, as ``mimo eval``) each build the model at
 the config's layout, load the checkpoint, and read the prompts through the training data
@@ -46,7 +49,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from mimo.core.errors import CheckpointError, ConfigError, DataError
@@ -81,6 +84,10 @@ class EncodedPrompt:
     image_starts: dict[str, list[int]]  # placeholder -> first position of each of its images
     image_files: dict[str, list[int]]  # placeholder -> the image file each occurrence takes
     images: list[bytes]  # the image files' bytes, decoded by the reader as training decodes a sample's
+    # native placeholders (``kind: qwen3_vl`` towers): each occurrence's rows and grid (t, h, w),
+    # as the index holds a sample's (``mimo.data.index.Entry``)
+    image_rows: dict[str, list[int]] = field(default_factory=dict)
+    image_grids: dict[str, list[list[int]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -141,7 +148,7 @@ def resolve_source(source: str, overrides: Sequence[str] = (), checkpoint: str |
     overrides = tuple(overrides)
     if os.path.isfile(source):
         config = load_config(source, overrides)  # every problem of the config and overrides, now
-        config.require_trainable()  # (a native-resolution encoder has no data path yet)
+        config.require_trainable()  # (a native-resolution encoder cannot take synthetic data)
         with open(source, encoding="utf-8") as f:
             raw = load_yaml(f.read(), source=source)
         return ConfigSource(raw, overrides, source), resolve_checkpoint(checkpoint or config.train.checkpoint.dir)
@@ -156,7 +163,8 @@ def resolve_source(source: str, overrides: Sequence[str] = (), checkpoint: str |
         step = resolve_checkpoint(source)
     raw, where = checkpoint_config(step)
     config = ConfigSource(raw, overrides, where)
-    config.load().require_trainable()  # the overrides checked now (and no native-resolution encoder)
+    loaded = config.load()  # the overrides checked now, and what native-resolution encoders cannot do (synthetic data)
+    loaded.require_trainable()
     return config, step
 
 
@@ -225,20 +233,39 @@ def prompt_text(text: str, images: int, placeholders: Sequence[str]) -> str:
     return text
 
 
-def encode_prompt(encoder, text: str, images: list[bytes], placeholders: Sequence[str]) -> EncodedPrompt:
+def encode_prompt(encoder, text: str, images: list[bytes], placeholders: Sequence[str], spec=None,
+                  names: Sequence[str] | None = None) -> EncodedPrompt:
     """``text`` with ``images`` as the config's template renders a user turn, up to the start of
-    the assistant's answer (a ``mimo.data.text.TextEncoder`` over the config's tokenizer)."""
+    the assistant's answer (a ``mimo.data.text.TextEncoder`` over the config's tokenizer). ``spec``:
+    the config's ``mimo.data.index.TextSpec`` when it has native-resolution placeholders: each
+    image's grid and rows from its header, as the index reads a sample's (``names``: the image
+    files, named in errors)."""
     from mimo.data.text import Turn
     from mimo.training.evaluation import last_answer
 
+    grids: dict[str, list] = {}
+    file_rows: dict[str, list[int]] | None = None
+    if spec is not None and spec.native:
+        grids, file_rows = {n.placeholder: [] for n in spec.native}, {n.placeholder: [] for n in spec.native}
+        names = list(names) if names is not None else [f"{k}" for k in range(len(images))]
+        for name, data in zip(names, images):
+            try:
+                g, r = spec.file_rows([data])
+            except DataError as e:
+                raise DataError(f"image {name}: a native-resolution encoder cannot take it ({e})") from None
+            for p in g:
+                grids[p] += g[p]
+                file_rows[p] += r[p]
     turn = prompt_text(text, len(images), placeholders)
     try:
-        sample = encoder.encode([Turn("human", turn), Turn("gpt", ANSWER)], len(images))
+        sample = encoder.encode([Turn("human", turn), Turn("gpt", ANSWER)], len(images), file_rows)
     except DataError as e:
         raise DataError(f"the prompt and its {len(images)} image(s) do not fit the config's placeholders "
                         f"({', '.join(map(repr, placeholders)) or 'none'}): {e}") from None
     start, _ = last_answer(sample.target)
-    return EncodedPrompt(sample.tokens[:start], sample.image_starts, sample.image_files, list(images))
+    image_grids = {p: [grids[p][f] for f in sample.image_files[p]] for p in grids}
+    return EncodedPrompt(sample.tokens[:start], sample.image_starts, sample.image_files, list(images), sample.image_rows,
+                         image_grids)
 
 
 class Generator:
@@ -249,7 +276,7 @@ class Generator:
 
     def __init__(self, source: str, overrides: Sequence[str] = (), checkpoint: str | None = None, device: str = "auto",
                  timeout_s: float = 900.0, pool=None):
-        from mimo.data.text import TextEncoder, load_tokenizer
+        from mimo.data.text import load_tokenizer
         from mimo.compose.inputs import text_spec
         from mimo.training.checkpoint import layout_change, read_meta
         from mimo.training.evaluation import end_marker
@@ -268,8 +295,8 @@ class Generator:
         if change:
             log.warning(change)
         self.tokenizer = load_tokenizer(config.data.tokenizer)
-        spec = text_spec(config)
-        self.encoder = TextEncoder(self.tokenizer, spec.template, dict(spec.rows_per_image))
+        self.spec = spec = text_spec(config)
+        self.encoder = spec.text_encoder(self.tokenizer)  # native placeholders too (each image's own rows)
         self.placeholders = spec.placeholders
         self.end_marker, self.stop_id = end_marker(config, self.tokenizer)
         self.device = resolve_device(device, config.world_size) if pool is None else pool.device
@@ -306,7 +333,7 @@ class Generator:
         """A prompt as the ranks get it (its images read and checked)."""
         if isinstance(images, str):
             images = [images]
-        return encode_prompt(self.encoder, text, [read_image(p) for p in images], self.placeholders)
+        return encode_prompt(self.encoder, text, [read_image(p) for p in images], self.placeholders, self.spec, images)
 
     def pool(self):
         from mimo.training.launch import WorkerPool
@@ -389,27 +416,25 @@ class Picker:
 
 class PromptReader:
     """The data pipeline's reader of encoded prompts, in place of ``SampleReader`` over the
-    shards: a prompt's tokens (no labels), and its image files decoded as ``SampleReader.read``
-    decodes a sample's (``decode_image``, then each encoder's ``decode`` of the files its
-    placeholders take)."""
+    shards: a prompt's tokens (no labels; native placeholders' rows and grids beside them), and
+    its image files decoded as ``SampleReader.read`` decodes a sample's (``decode_image``, then
+    each encoder's rows of the files its placeholders take: one per image, or one per patch of
+    the image cut at its own size for a native tower)."""
 
     def __init__(self, prompts: list[EncodedPrompt], feeds, pad_id: int):
         self.prompts, self.feeds, self.pad_id = prompts, feeds, pad_id
 
     def read(self, s):
-        import torch
-
-        from mimo.data.images import decode
         from mimo.data.pack import PackItem
-        from mimo.data.pipeline import ReadSample
+        from mimo.data.pipeline import ReadSample, SampleReader
         from mimo.data.shards import decode_image
 
         p = self.prompts[s.id]
         images = [decode_image(b) for b in p.images]
-        pixels = {f.name: torch.stack([decode(images[k], f.image).reshape(-1) for k in p.image_files[f.placeholder]])
-                  if p.image_files.get(f.placeholder) else torch.zeros(0, f.image.numel, dtype=torch.uint8)
-                  for f in self.feeds}
-        return ReadSample(PackItem(s.id, list(p.tokens), [False] * len(p.tokens), p.image_starts), pixels)
+        # as SampleReader: one row per image (fixed size), one per patch (native: the image cut at its own size)
+        pixels = {f.name: SampleReader._pixels(f, [images[k] for k in p.image_files.get(f.placeholder, ())]) for f in self.feeds}
+        return ReadSample(PackItem(s.id, list(p.tokens), [False] * len(p.tokens), p.image_starts, image_rows=p.image_rows,
+                                   image_grids=p.image_grids), pixels)
 
 
 def generate_rank(req: GenerateRequest) -> dict:
@@ -432,7 +457,8 @@ def generate_rank(req: GenerateRequest) -> dict:
     config = req.config.load()
     model = MimoModel(config, dist.get_rank(), device=rank_compute_device(req.device))
     load_checkpoint(model, req.checkpoint, rng=False)
-    samples = [PlannedSample(i, len(p.tokens), len(p.images), p.image_starts) for i, p in enumerate(req.prompts)]
+    samples = [PlannedSample(i, len(p.tokens), len(p.images), p.image_starts, p.image_rows, p.image_grids)
+               for i, p in enumerate(req.prompts)]
     plan = _Batches(None, [samples])
     pipeline = data_pipeline(config, model, plan, 1, ahead=False,
                              make_reader=lambda: PromptReader(req.prompts, encoder_feeds(config), req.pad_id))
