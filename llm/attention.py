@@ -8,8 +8,16 @@ crosses a ``cu_seqlens`` boundary, row-parallel output projection, residual add.
 RoPE is 1-D (``SeqContext.positions``), or, with ``mrope_section`` (Qwen3-VL), multimodal: each
 frequency rotates by the time, height or width position of ``SeqContext.positions_3d`` as
 ``mimo.llm.mrope`` interleaves them (a pack without ``positions_3d``: every axis is
-``positions``, i.e. plain RoPE). Under sequence parallelism both describe the full local
+``positions``, i.e. plain RoPE). Partial rotary (Qwen3-Next / Qwen3.5): ``rope.head_dim`` is the
+number of leading channels of each head that rotate (M-RoPE's sections then sum to half of it),
+the rest pass through unrotated. Under sequence parallelism both describe the full local
 sequence the projections are gathered to; under context parallelism this rank's chunks.
+
+Gated attention (``output_gate``, Qwen3-Next / Qwen3.5): the q part of the projection is
+``heads * 2 * head_dim`` wide, each head's query followed by its gate (Hugging Face's ``q_proj``
+row order, so TP splits every gate with its head); the attention output is multiplied by
+``sigmoid(gate)`` before the output projection. ``norm_zero_centred``: the pre-norm and the
+QK-norm are zero-centred (``mimo.llm.norm``).
 
 Two kernels compute the same function:
 
@@ -24,7 +32,7 @@ Two kernels compute the same function:
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -57,14 +65,20 @@ class AttentionConfig:
     qk_norm_full: bool = False  # over all heads' q / k at once (OLMoE), not per head
     norm_eps: float = 1e-5
     mrope_section: tuple[int, ...] | None = None  # M-RoPE (time, height, width) frequency counts
+    output_gate: bool = False  # sigmoid gate from the q projection on the attention output (Qwen3-Next)
+    norm_zero_centred: bool = False  # zero-centred pre-norm and QK-norm (Qwen3-Next)
 
     @classmethod
     def from_arch(cls, arch: HybridArch) -> "AttentionConfig":
+        rope = RopeConfig.from_arch(arch) if arch.rope else None
+        if rope is not None and arch.rotary_fraction != 1.0:  # partial rotary: rope.head_dim = rotating channels
+            rope = replace(rope, head_dim=arch.rotary_dim)
         return cls(
             hidden=arch.hidden, heads=arch.heads, kv_heads=arch.kv_heads, head_dim=arch.head_dim,
-            rope=RopeConfig.from_arch(arch) if arch.rope else None, qkv_bias=bool(arch.qkv_bias), o_bias=bool(arch.o_bias),
+            rope=rope, qkv_bias=bool(arch.qkv_bias), o_bias=bool(arch.o_bias),
             qk_norm=arch.qk_norm, qk_norm_full=arch.qk_norm_full, norm_eps=arch.norm_eps,
             mrope_section=tuple(arch.mrope_section) if arch.rope and arch.mrope_section is not None else None,
+            output_gate=arch.attn_output_gate, norm_zero_centred=arch.norm_zero_centred,
         )
 
 
@@ -77,22 +91,27 @@ class Attention(nn.Module):
         tp = ctx.tp_size
         if cfg.heads % cfg.kv_heads or cfg.kv_heads % tp:
             raise LayoutError(f"tp={tp} must divide kv_heads={cfg.kv_heads}, which must divide heads={cfg.heads}")
+        hd = cfg.head_dim
+        if cfg.rope is not None and (cfg.rope.head_dim > hd or cfg.rope.head_dim % 2 or cfg.rope.head_dim < 2):
+            raise LayoutError(f"rotary dim {cfg.rope.head_dim} must be even, >= 2 and at most head_dim={hd}")
         self.cfg, self.impl = cfg, impl
         self.heads_local, self.kv_heads_local = cfg.heads // tp, cfg.kv_heads // tp
+        zc = cfg.norm_zero_centred
         # under SP each rank normalises its own tokens: the norm weight's gradient is partial
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, ctx, partial=ctx.sequence_parallel)
-        hd = cfg.head_dim
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, ctx, partial=ctx.sequence_parallel, zero_centred=zc)
         # q | k | v stored as one weight [(heads + 2 kv_heads) * hd, hidden], each part split over TP
+        # (gated: q is [q_0 | g_0 | q_1 | g_1 ...], 2 * hd rows a head, split over TP by heads)
+        q_width = cfg.heads * hd * (2 if cfg.output_gate else 1)
         self.qkv = FusedColumnParallelLinear(
-            cfg.hidden, {"q": cfg.heads * hd, "k": cfg.kv_heads * hd, "v": cfg.kv_heads * hd},
+            cfg.hidden, {"q": q_width, "k": cfg.kv_heads * hd, "v": cfg.kv_heads * hd},
             bias=cfg.qkv_bias, ctx=ctx,
         )
         if cfg.qk_norm and cfg.qk_norm_full:  # over the whole projection, its weight split over TP with it
-            self.q_norm = ShardedRMSNorm(cfg.heads * hd, cfg.norm_eps, ctx)
-            self.k_norm = ShardedRMSNorm(cfg.kv_heads * hd, cfg.norm_eps, ctx)
+            self.q_norm = ShardedRMSNorm(cfg.heads * hd, cfg.norm_eps, ctx, zero_centred=zc)
+            self.k_norm = ShardedRMSNorm(cfg.kv_heads * hd, cfg.norm_eps, ctx, zero_centred=zc)
         elif cfg.qk_norm:  # one weight shared by all heads, which are split over TP: a partial gradient
-            self.q_norm = RMSNorm(hd, cfg.norm_eps, ctx, partial=True)
-            self.k_norm = RMSNorm(hd, cfg.norm_eps, ctx, partial=True)
+            self.q_norm = RMSNorm(hd, cfg.norm_eps, ctx, partial=True, zero_centred=zc)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps, ctx, partial=True, zero_centred=zc)
         self.o_proj = RowParallelLinear(cfg.heads * hd, cfg.hidden, bias=cfg.o_bias, ctx=ctx, input_is_parallel=True)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # not a buffer: .to(bf16) must not round it
         self._mrope_axes: dict[torch.device, torch.Tensor] = {}
@@ -113,7 +132,7 @@ class Attention(nn.Module):
         if seq.positions_3d is None:
             return rope_tables(seq.positions, self.inv_freq(device))
         if device not in self._mrope_axes:
-            self._mrope_axes[device] = mrope_axes(self.cfg.head_dim, self.cfg.mrope_section).to(device)
+            self._mrope_axes[device] = mrope_axes(self.cfg.rope.head_dim, self.cfg.mrope_section).to(device)
         return mrope_tables(seq.positions_3d.to(device), self.inv_freq(device), self._mrope_axes[device])
 
     selective = False  # recompute the attention core in backward (mimo.parallel.recompute)
@@ -125,8 +144,12 @@ class Attention(nn.Module):
         return h_TD + self.o_proj(o_TF)
 
     def _core(self, q_TF, k_TF, v_TF, seq: SeqContext) -> torch.Tensor:
-        """From the projections to the attention output: QK-norm, RoPE, attention."""
+        """From the projections to the attention output: QK-norm, RoPE, attention (and its output gate)."""
         t, hd = q_TF.shape[0], self.cfg.head_dim
+        if self.cfg.output_gate:  # per head [query | gate], as Hugging Face's q_proj.view(..., -1, 2 * hd).chunk(2)
+            qg_THD = q_TF.view(t, self.heads_local, 2 * hd)
+            q_TF = qg_THD[..., :hd].reshape(t, self.heads_local * hd)
+            gate_TF = qg_THD[..., hd:].reshape(t, self.heads_local * hd)
         if self.cfg.qk_norm and self.cfg.qk_norm_full:
             q_TF, k_TF = self.q_norm(q_TF), self.k_norm(k_TF)
         q_THD = q_TF.view(t, self.heads_local, hd)
@@ -139,12 +162,18 @@ class Attention(nn.Module):
                 cos_TD, sin_TD = rope_tables(seq.positions, self.inv_freq(seq.positions.device))
             else:
                 cos_TD, sin_TD = self.mrope_tables(seq)
-            q_THD, k_THD = apply_rope(q_THD, cos_TD, sin_TD), apply_rope(k_THD, cos_TD, sin_TD)
+            rd = self.cfg.rope.head_dim
+            if rd == hd:
+                q_THD, k_THD = apply_rope(q_THD, cos_TD, sin_TD), apply_rope(k_THD, cos_TD, sin_TD)
+            else:  # partial rotary: the first rd channels rotate, the rest pass (Hugging Face's cat order)
+                q_THD, k_THD = (torch.cat((apply_rope(x[..., :rd], cos_TD, sin_TD), x[..., rd:]), dim=-1)
+                                for x in (q_THD, k_THD))
         if seq.cache is None:
             o_THD = packed_attention(q_THD, k_THD, v_THD, seq, scale=hd ** -0.5, impl=self.impl)
         else:
             o_THD = cached_attention(seq.cache.state(self), q_THD, k_THD, v_THD, seq, hd ** -0.5, self.impl)
-        return o_THD.reshape(t, self.heads_local * hd)
+        o_TF = o_THD.reshape(t, self.heads_local * hd)
+        return o_TF * torch.sigmoid(gate_TF) if self.cfg.output_gate else o_TF
 
 
 def packed_attention(q_THD, k_THD, v_THD, ctx: SeqContext, scale: float, impl: str = "auto") -> torch.Tensor:

@@ -51,6 +51,7 @@ from mimo.core.errors import MimoError
 from mimo.llm.attention import build_attention
 from mimo.llm.config import HybridArch
 from mimo.llm.mlp import build_mlp
+from mimo.llm.norm import RMSNorm
 from mimo.llm.pattern import LAYER_KINDS, LayerSpec
 from mimo.parallel.context import ParallelContext
 
@@ -93,7 +94,21 @@ def layer_builder(kind: str) -> LayerBuilder:
 
 def build_layer(arch: HybridArch, spec: LayerSpec, ctx: ParallelContext | None = None) -> nn.Module:
     """Layer ``spec`` on ``ctx`` (default: one process, ``ParallelContext.for_tp()``)."""
-    return layer_builder(spec.kind)(arch, spec, ParallelContext.for_tp() if ctx is None else ctx)
+    layer = layer_builder(spec.kind)(arch, spec, ParallelContext.for_tp() if ctx is None else ctx)
+    if arch.norm_zero_centred:
+        _zero_centre_pre_norm(layer, spec)
+    return layer
+
+
+def _zero_centre_pre_norm(layer: nn.Module, spec: LayerSpec) -> None:
+    """``arch.norm_zero_centred`` for the kinds whose builders do not read it: the layer's
+    pre-norm (``layer.norm``) becomes a zero-centred RMSNorm of the same size, eps and
+    placement (attention builds its own, QK-norm included; inner gated norms stay as they are)."""
+    norm = getattr(layer, "norm", None)
+    if not isinstance(norm, RMSNorm):
+        raise MimoError(f"norm_zero_centred: layer kind {spec.kind!r} has no RMSNorm pre-norm 'norm'")
+    if not norm.zero_centred:
+        layer.norm = RMSNorm(norm.dim, norm.eps, norm.ctx, partial=norm.partial, zero_centred=True)
 
 
 register_layer("attention", build_attention)

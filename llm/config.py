@@ -200,6 +200,24 @@ class HybridArch:
     # layers, ``layers.<i>``: Qwen3-VL adds after its decoder layer k, our MLP / MoE layer
     # 2k + 1). Strictly increasing, all on the first pipeline stage (where image rows arrive).
     deepstack_layers: list[int] = field(default_factory=list)
+    # Qwen3-Next / Qwen3.5 layers (off by default: every other family's numbers unchanged).
+    # Every RMSNorm of the LLM that those models make zero-centred (each layer's pre-norm, the
+    # final norm, QK-norm) stores its weight as an offset from 1 and scales in fp32
+    # (``mimo.llm.norm``); the gated norm inside GDN / Mamba-2 stays as it is
+    norm_zero_centred: bool = False
+    # gated attention: the q projection yields, per head, its query and as many gate channels
+    # (stored interleaved per head, [q_h | g_h], as Hugging Face's q_proj); the attention output
+    # is multiplied by sigmoid(gate) before o_proj
+    attn_output_gate: bool = False
+    # partial rotary (Hugging Face's partial_rotary_factor): only the first
+    # int(head_dim * rotary_fraction) channels of each head rotate (M-RoPE sections then sum to
+    # half of that), the rest pass through
+    rotary_fraction: float = 1.0
+
+    @property
+    def rotary_dim(self) -> int | None:
+        """Channels of each head that RoPE rotates (``int(head_dim * rotary_fraction)``, as Hugging Face)."""
+        return None if self.head_dim is None else int(self.head_dim * self.rotary_fraction)
 
     def __post_init__(self) -> None:
         def whole(a: int, b: int) -> int | None:
@@ -230,13 +248,28 @@ class HybridArch:
         sec = self.mrope_section
         if sec is None:
             return []
-        half = self.head_dim // 2 if self.head_dim else None
+        dim, name = (self.head_dim, "head_dim") if self.rotary_fraction == 1.0 else (self.rotary_dim, "rotary_dim")
+        half = dim // 2 if dim else None
         if (len(sec) != 3 or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in sec)
-                or sum(sec) != half or self.head_dim % 2):
-            return [f"{key('mrope_section')}: {list(sec)} must be three positive ints summing to head_dim / 2 = "
-                    f"{self.head_dim} / 2"]
+                or sum(sec) != half or dim % 2):
+            return [f"{key('mrope_section')}: {list(sec)} must be three positive ints summing to {name} / 2 = "
+                    f"{dim} / 2"]
         if not self.rope:
             return [f"{key('mrope_section')}: M-RoPE needs rope: true"]
+        return []
+
+    def _rotary_problems(self, key) -> list[str]:
+        f = self.rotary_fraction
+        if f == 1.0:
+            return []
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
+            return [f"{key('rotary_fraction')}: must be in (0, 1], got {f!r}"]
+        if not self.rope:
+            return [f"{key('rotary_fraction')}: partial rotary needs rope: true"]
+        rd = self.rotary_dim
+        if rd < 2 or rd % 2:
+            return [f"{key('rotary_fraction')}: int(head_dim * rotary_fraction) = int({self.head_dim} * {f}) = {rd} "
+                    f"rotary channels; must be even and >= 2"]
         return []
 
     @property
@@ -275,6 +308,7 @@ class HybridArch:
             problems.append(f"{key('kv_heads')}: heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
         if self.qk_norm_full and not self.qk_norm:
             problems.append(f"{key('qk_norm_full')}: needs qk_norm: true")
+        problems += self._rotary_problems(key)
         problems += self._mrope_problems(key)
         layers = len(self.layer_pattern().layers)
         ds = list(self.deepstack_layers)

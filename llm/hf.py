@@ -352,6 +352,11 @@ def _decoder_problems(d: Decoder, model_type: str, arch: HybridArch, symbols: li
         out += _moe_problems(d, model_type, arch.moe)
     if not arch.rope:
         out.append(f"{model_type} attention has RoPE; set arch.rope: true")
+    # Qwen3-Next / Qwen3.5 layers (issue 48): no Hugging Face family here maps them yet
+    for key, plain in (("norm_zero_centred", False), ("attn_output_gate", False), ("rotary_fraction", 1.0)):
+        if getattr(arch, key, plain) != plain:
+            out.append(f"{model_type} has no arch.{key}: {getattr(arch, key)} (no Hugging Face family mimo maps takes it "
+                       f"yet); set it to {plain}")
     if d.mrope and arch.mrope_section is None:
         out.append(f"{model_type} has M-RoPE; set arch.mrope_section")
     if not d.mrope and arch.mrope_section is not None:

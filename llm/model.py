@@ -95,7 +95,8 @@ class LLMStage(nn.Module):
         self.layers = nn.ModuleDict({str(s.index): build_layer(arch, s, ctx) for s in self.specs})
         if self.is_last:
             # under SP each rank normalises its own tokens: the norm weight's gradient is partial
-            self.norm = RMSNorm(arch.hidden, arch.norm_eps, ctx, partial=ctx.sequence_parallel)
+            self.norm = RMSNorm(arch.hidden, arch.norm_eps, ctx, partial=ctx.sequence_parallel,
+                                zero_centred=arch.norm_zero_centred)
             if not (self.tied and self.is_first):  # one stage, tied: the head reads embed.weight
                 self.head = ColumnParallelLinear(arch.hidden, arch.vocab, bias=False, ctx=ctx, pad_out_features=True)
         if device is not None or dtype is not None:
