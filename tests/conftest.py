@@ -1,13 +1,19 @@
-"""Shared fixtures: ``pools(N)`` gives an N-rank gloo worker pool, started once per test module;
+"""Shared fixtures: ``pools(N)`` gives an N-rank gloo worker pool, started once per test module
+(``session_pools(N)``: once per session, for the modules that share theirs);
 ``write_demo_config`` writes the demo config over fresh demo shards, ``write_moe_configs``
-tests/configs/moe_{tp,pp}.yaml over them. Helper modules of this folder (``test_hf_llava``'s tiny
-LLaVAs, ``sequence_mixer_checks``) import by name: under ``--import-mode=importlib`` the folder is
-put on ``sys.path`` here (worker pools' processes inherit it)."""
+tests/configs/moe_{tp,pp}.yaml over them; ``with indexes_here():`` builds their data indexes in
+this process; ``mimo_here(*argv)`` runs a ``mimo`` command line in this process. Helper modules
+of this folder (``test_hf_llava``'s tiny LLaVAs, ``sequence_mixer_checks``) import by name: under
+``--import-mode=importlib`` the folder is put on ``sys.path`` here (worker pools' processes
+inherit it)."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
+from dataclasses import dataclass
 
 import pytest
 import yaml
@@ -17,8 +23,8 @@ from mimo.training.launch import WorkerPool
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-@pytest.fixture(scope="module")
-def pools():
+def _started_pools():
+    """``get(N)`` starting each N-rank pool on first use, and a closer of all of them."""
     started: dict[int, WorkerPool] = {}
 
     def get(world_size: int, timeout_s: float = 120.0) -> WorkerPool:
@@ -27,9 +33,28 @@ def pools():
             pool = started[world_size] = WorkerPool(world_size, timeout_s=timeout_s)
         return pool
 
+    def close() -> None:
+        for pool in started.values():
+            pool.close()
+
+    return get, close
+
+
+@pytest.fixture(scope="module")
+def pools():
+    get, close = _started_pools()
     yield get
-    for pool in started.values():
-        pool.close()
+    close()
+
+
+@pytest.fixture(scope="session")
+def session_pools():
+    """``session_pools(N)``: as ``pools(N)``, but each N-rank pool is started once for the whole
+    session, for the modules that take their pools from it (``def pools(session_pools)``): their
+    cases run in the same processes one after another, as one module's cases do in ``pools``."""
+    get, close = _started_pools()
+    yield get
+    close()
 
 
 @pytest.fixture(scope="session")
@@ -58,6 +83,66 @@ def write_demo_config():
         return str(path)
 
     return write
+
+
+@contextlib.contextmanager
+def _indexes_here():
+    """Within it, data indexes (``ensure_index``) are built in this process, by one reader:
+    at ``data.workers`` >= 2 the builder starts a pool of fresh processes for it (seconds each
+    on a busy machine). The index is the same file either way (nothing in it depends on the
+    readers); only its building is moved."""
+    from mimo.data import index
+
+    build = index.build_index
+
+    def one_reader(pattern, spec, workers=2, *args, **kwargs):
+        return build(pattern, spec, 1, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(index, "build_index", one_reader)
+        yield
+
+
+@pytest.fixture(scope="session")
+def indexes_here():
+    """``with indexes_here(): ...``: ``_indexes_here`` (e.g. around ``write_demo_config``)."""
+    return _indexes_here
+
+
+@dataclass
+class Ran:
+    """What a ``mimo`` command line left: its exit status, and its (and its ranks') output."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def mimo_here(capfd):
+    """``mimo_here(*argv, env=None) -> Ran``: ``mimo ARGV`` as from a shell, but its command line
+    run in this process (``main``), which saves starting an interpreter and importing torch for
+    each command; the ranks it starts are fresh processes every command, as always. As in a
+    fresh interpreter: outside torchrun's environment and the fault hook (``env``: variables set
+    for the command and its ranks), no handler on the root logger (a warning of a logger without
+    one reaches stderr through Python's last resort, not pytest's log capture). Its output and
+    its ranks' are captured at the file descriptors (capfd)."""
+    from mimo.commands.cli import main
+    from mimo.training.train import FAULT_ENV, TORCHRUN_ENV
+
+    def run(*argv: str, env: dict[str, str] | None = None) -> Ran:
+        with pytest.MonkeyPatch.context() as patch:
+            for name in (FAULT_ENV, *TORCHRUN_ENV):
+                patch.delenv(name, raising=False)
+            for name, value in (env or {}).items():
+                patch.setenv(name, value)
+            patch.setattr(logging.getLogger(), "handlers", [])
+            capfd.readouterr()
+            code = main(list(argv))
+            out, err = capfd.readouterr()
+        return Ran(code, out, err)
+
+    return run
 
 
 @pytest.fixture(scope="session")

@@ -168,16 +168,15 @@ def test_local_view_roundtrip():
 
 
 # ---- the command line --------------------------------------------------------------------------
-def _cli(*args):
+def test_cli_verify_bridge_ok_and_impossible_layouts(mimo_here):
+    """``mimo verify-bridge``, its command line in this process (``mimo_here``; each check's ranks
+    are fresh processes, as from a shell)."""
     import json
-    import subprocess
-    import sys
 
-    proc = subprocess.run([sys.executable, "-m", "mimo", "verify-bridge", *args], capture_output=True, text=True, timeout=300)
-    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout + proc.stderr
+    def _cli(*args):
+        proc = mimo_here("verify-bridge", *args)
+        return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout + proc.stderr
 
-
-def test_cli_verify_bridge_ok_and_impossible_layouts():
     code, report, out = _cli("--world", "5", "--src", "tp=1,dp=1", "--dst", "tp=2,dp=2,shard=seq", "--non-colocated", "--hidden", "7")
     assert code == 0 and report["ok"] and report["bytes_ratio"] == 1.0, out
     assert set(report) >= {"fwd_max_abs_err", "grad_max_abs_err", "bytes_sent", "bytes_min", "allgather_bytes", "bytes_ratio", "ok"}

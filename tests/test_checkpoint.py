@@ -32,6 +32,13 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def pools(session_pools):
+    """This module's worker pools are the session's (``session_pools``): started once for the
+    modules that share them, not once per module."""
+    return session_pools
+
+
 def _raw_config() -> dict:
     with open(DEMO) as f:
         cfg = yaml.safe_load(f)

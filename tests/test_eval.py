@@ -6,8 +6,6 @@ one-process loss, and the command end to end on a trained checkpoint (and at a w
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,13 @@ from mimo.commands.eval import EvalRequest, cut_at, eval_rank, exact_match, last
 
 ROOT = Path(__file__).resolve().parents[1]
 HELDOUT = "heldout-{000000..000000}.tar"
+
+
+@pytest.fixture(scope="module")
+def pools(session_pools):
+    """This module's worker pools are the session's (``session_pools``): started once for the
+    modules that share them, not once per module."""
+    return session_pools
 
 
 # ---------------------------------------------------------------- matching, by hand
@@ -162,21 +167,25 @@ def test_generation_through_the_layout_matches_one_process_argmax(pools, data, t
 # ---------------------------------------------------------------- the command
 
 
-def mimo(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mimo", *args], cwd=cwd, capture_output=True, text=True, timeout=280)
+@pytest.fixture
+def mimo(tmp_path, monkeypatch, mimo_here):
+    """``mimo(*args) -> Ran``: ``mimo ARGS`` from ``tmp_path`` (``mimo_here``: its command line
+    in this process, its ranks fresh processes every command)."""
+    monkeypatch.chdir(tmp_path)
+    return mimo_here
 
 
-def last_json(proc: subprocess.CompletedProcess) -> dict:
+def last_json(proc) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_eval_command_on_a_trained_checkpoint(data, tmp_path):
+def test_eval_command_on_a_trained_checkpoint(data, tmp_path, mimo):
     two = ["world_size=2", "modules.vision.parallel.dp=2", "modules.vision.parallel.ranks=0:2",
            "modules.language.parallel.dp=1", "modules.language.parallel.ranks=0:2"]
     config = write_config(tmp_path, data, steps=2)
-    trained = mimo("train", config, *two, cwd=tmp_path)
+    trained = mimo("train", config, *two)
     assert trained.returncode == 0, trained.stderr[-2000:]
-    proc = mimo("eval", config, *two, "--checkpoint", str(tmp_path / "run" / "ckpt"), cwd=tmp_path)
+    proc = mimo("eval", config, *two, "--checkpoint", str(tmp_path / "run" / "ckpt"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = last_json(proc)
     assert result["ok"] and result["command"] == "eval" and result["checkpoint_step"] == 2
@@ -186,17 +195,17 @@ def test_eval_command_on_a_trained_checkpoint(data, tmp_path):
     assert result["loss"] > 0 and result["loss_tokens"] > 0
     # the same checkpoint at another layout: resharded on load (a warning says so), the same results
     moved = mimo("eval", config, *two, "modules.language.parallel.tp=1", "modules.language.parallel.dp=2",
-                 "modules.language.parallel.sequence_parallel=false", cwd=tmp_path)
+                 "modules.language.parallel.sequence_parallel=false")
     assert moved.returncode == 0, moved.stderr[-2000:]
     assert "resharding it on load" in moved.stderr
     other = last_json(moved)
     assert abs(other["loss"] - result["loss"]) <= 1e-5 * result["loss"] and other["loss_tokens"] == result["loss_tokens"]
     assert other["matched"] == result["matched"] and other["scored"] == result["scored"]
     # no checkpoint at all, and no held-out shards: clear errors too
-    none = mimo("eval", config, *two, f"train.checkpoint.dir={tmp_path / 'nothing'}", cwd=tmp_path)
+    none = mimo("eval", config, *two, f"train.checkpoint.dir={tmp_path / 'nothing'}")
     assert none.returncode == 2 and "no complete checkpoint" in last_json(none)["errors"][0]
-    missing = mimo("eval", config, *two, "--shards", str(tmp_path / "nope-{0..1}.tar"), cwd=tmp_path)
+    missing = mimo("eval", config, *two, "--shards", str(tmp_path / "nope-{0..1}.tar"))
     assert missing.returncode == 2 and "--shards: no file matches" in last_json(missing)["errors"][0]
     if torch.cuda.device_count() < 2:  # one GPU per rank, as mimo train: a clear error without them
-        gpus = mimo("eval", config, *two, "--device", "cuda", cwd=tmp_path)
+        gpus = mimo("eval", config, *two, "--device", "cuda")
         assert gpus.returncode == 2 and "one rank per GPU" in last_json(gpus)["errors"][0]

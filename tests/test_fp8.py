@@ -338,28 +338,27 @@ def test_config_errors():
 # ---- training: delayed scaling resumes exactly -----------------------------------------------
 
 
-def test_delayed_history_resumes_exactly_from_a_checkpoint(write_demo_config, tmp_path):
+def test_delayed_history_resumes_exactly_from_a_checkpoint(write_demo_config, indexes_here, mimo_here, tmp_path):
     """The demo at world 2 (vision dp 2; LLM tp 2 with SP) under ``train.fp8`` delayed: stopped
     after step 2 and resumed, its losses equal the uninterrupted run's (the amax histories are
     in the checkpoint: without them step 3 would scale differently), and differ from plain fp32
     products (FP8 is in effect); turning FP8 off or on across a resume works (the histories are
-    optional state)."""
+    optional state). Each ``mimo train`` runs its command line in this process (``mimo_here``), its
+    ranks fresh processes every run, as from a shell: only the checkpoint carries a run on."""
     import json
     import os
-    import subprocess
-    import sys
 
     from safetensors import safe_open
 
-    config = write_demo_config(tmp_path, seed=4)
+    with indexes_here():
+        config = write_demo_config(tmp_path, seed=4)
     common = ["world_size=2", "modules.vision.parallel.dp=2", "modules.vision.parallel.ranks=0:2",
               "modules.language.parallel.dp=1", "modules.language.parallel.ranks=0:2", "train.steps=3",
               "train.micro_batches=1", "train.checkpoint.every=1"]
     fp8 = "train.fp8={recipe: delayed, amax_history: 2, bf16_layers: [last]}"
 
     def train(run, *args):
-        proc = subprocess.run([sys.executable, "-m", "mimo", "train", config, f"train.checkpoint.dir={run}/ckpt", *common, *args],
-                              capture_output=True, text=True, timeout=400)
+        proc = mimo_here("train", config, f"train.checkpoint.dir={run}/ckpt", *common, *args)
         assert proc.returncode == 0, proc.stderr[-3000:]
         with open(run / "metrics.jsonl") as f:
             return [json.loads(line)["loss"] for line in f if '"eval"' not in line]

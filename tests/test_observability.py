@@ -25,8 +25,9 @@ TWO_RANKS = ["world_size=2", "modules.vision.parallel.dp=2", "modules.vision.par
 
 
 @pytest.fixture(scope="module")
-def demo_config(tmp_path_factory, write_demo_config) -> str:
-    return write_demo_config(tmp_path_factory.mktemp("observability"), seed=5)
+def demo_config(tmp_path_factory, write_demo_config, indexes_here) -> str:
+    with indexes_here():
+        return write_demo_config(tmp_path_factory.mktemp("observability"), seed=5)
 
 
 # ---------------------------------------------------------------- learning-rate schedules

@@ -50,8 +50,16 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def cp_config(tmp_path_factory, write_moe_configs):
-    return write_moe_configs(tmp_path_factory.mktemp("reshard"), train_samples=160, seed=5, names=("cp",))["cp"]
+def pools(session_pools):
+    """This module's worker pools are the session's (``session_pools``): started once for the
+    modules that share them, not once per module."""
+    return session_pools
+
+
+@pytest.fixture(scope="module")
+def cp_config(tmp_path_factory, write_moe_configs, indexes_here):
+    with indexes_here():
+        return write_moe_configs(tmp_path_factory.mktemp("reshard"), train_samples=160, seed=5, names=("cp",))["cp"]
 
 
 def _steps(run, numbers):
@@ -100,11 +108,27 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
+@pytest.fixture(scope="module")
+def trained(pools, cp_config, tmp_path_factory):
+    """``trained(a) -> (losses, path)``: ``_train_and_save`` at layout ``a`` (its TOTAL losses and
+    its step-N checkpoint), run once for the module per layout: the tests that start from the
+    same layout share it (they only read the checkpoint)."""
+    made = {}
+
+    def get(a: list[str]) -> tuple[list[float], str]:
+        if tuple(a) not in made:
+            directory = str(tmp_path_factory.mktemp("trained"))
+            losses = pools(_world(a)).run(_train_and_save, cp_config, a, directory)[0]
+            made[tuple(a)] = losses, os.path.join(directory, f"step-{N:08d}")
+        return made[tuple(a)]
+
+    return get
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_resume_at_another_layout_equals_staying(pools, cp_config, tmp_path, name):
+def test_resume_at_another_layout_equals_staying(pools, cp_config, trained, name):
     a, b = CASES[name]
-    stayed = pools(_world(a)).run(_train_and_save, cp_config, a, str(tmp_path))[0]
-    path = os.path.join(str(tmp_path), f"step-{N:08d}")
+    stayed, path = trained(a)
     moved = pools(_world(b)).run(_resume, cp_config, b, path)[0]
     worst = max(_rel(x, y) for x, y in zip(moved, stayed[N:]))
     assert worst < 1e-5, (name, moved, stayed[N:])
@@ -113,17 +137,20 @@ def test_resume_at_another_layout_equals_staying(pools, cp_config, tmp_path, nam
         assert max(_rel(x, y) for x, y in zip(dropped, stayed[N:])) > 1e-4
 
 
-def _cli(*args: str, cwd) -> tuple:
+@pytest.fixture
+def cli(tmp_path, monkeypatch, mimo_here):
+    """``cli(*args) -> (ran, last JSON line)``: ``mimo ARGS`` from ``tmp_path`` (``mimo_here``:
+    its command line in this process, its ranks fresh processes every command)."""
     import json
-    import subprocess
-    import sys
 
-    from mimo.training.train import FAULT_ENV, TORCHRUN_ENV
+    monkeypatch.chdir(tmp_path)
 
-    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, *TORCHRUN_ENV)}
-    proc = subprocess.run([sys.executable, "-m", "mimo", *args], capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
-    lines = proc.stdout.strip().splitlines()
-    return proc, (json.loads(lines[-1]) if lines else None)
+    def run(*args: str) -> tuple:
+        proc = mimo_here(*args)
+        lines = proc.stdout.strip().splitlines()
+        return proc, (json.loads(lines[-1]) if lines else None)
+
+    return run
 
 
 def _losses(run) -> dict[int, float]:
@@ -132,7 +159,7 @@ def _losses(run) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(os.path.join(run, "metrics.jsonl"))}
 
 
-def test_mimo_train_resumes_and_convert_checkpoint_rewrites_at_another_layout(cp_config, tmp_path):
+def test_mimo_train_resumes_and_convert_checkpoint_rewrites_at_another_layout(cp_config, tmp_path, cli):
     """``mimo train`` at layout A (3 steps, a checkpoint at 2); at layout B (the LLM tp2 x pp2, the
     vision tp2 dp2): ``mimo train --resume-from A/step-2`` warns and goes on as A did;
     ``mimo convert-checkpoint`` writes step 2 at B, which then resumes without resharding, the
@@ -143,34 +170,34 @@ def test_mimo_train_resumes_and_convert_checkpoint_rewrites_at_another_layout(cp
     steps = ["train.steps=3", "train.checkpoint.every=2"]
     b = [VIS + "tp=2", VIS + "dp=2", LANG + "cp=1", LANG + "tp=2", LANG + "pp=2", LANG + "dp=1"]
     a_run, b_run, c_run = (str(tmp_path / n) for n in ("a", "b", "c"))
-    proc, _ = _cli("train", cp_config, *steps, f"train.checkpoint.dir={a_run}/ckpt", "--run-dir", a_run, cwd=tmp_path)
+    proc, _ = cli("train", cp_config, *steps, f"train.checkpoint.dir={a_run}/ckpt", "--run-dir", a_run)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stayed = _losses(a_run)
     step2 = os.path.join(a_run, "ckpt", "step-00000002")
 
-    proc, _ = _cli("train", cp_config, *steps, *b, f"train.checkpoint.dir={b_run}/ckpt", "--run-dir", b_run,
-                   "--resume-from", step2, cwd=tmp_path)
+    proc, _ = cli("train", cp_config, *steps, *b, f"train.checkpoint.dir={b_run}/ckpt", "--run-dir", b_run,
+                  "--resume-from", step2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resharding it on load" in proc.stderr and "will not reproduce" not in proc.stderr
     moved = _losses(b_run)
     assert sorted(moved) == [3] and _rel(moved[3], stayed[3]) < 1e-5, (moved, stayed)
 
     out = str(tmp_path / "converted")
-    proc, result = _cli("convert-checkpoint", step2, "--config", cp_config, *b, "--out", out, cwd=tmp_path)
+    proc, result = cli("convert-checkpoint", step2, "--config", cp_config, *b, "--out", out)
     assert proc.returncode == 0 and result["ok"] and result["step"] == 2, proc.stderr[-3000:]
     converted = os.path.join(out, "step-00000002")
     assert read_meta(converted)["layout"] == layout_of(load_config(cp_config, b))
-    proc, _ = _cli("train", cp_config, *steps, *b, f"train.checkpoint.dir={c_run}/ckpt", "--run-dir", c_run,
-                   "--resume-from", converted, cwd=tmp_path)
+    proc, _ = cli("train", cp_config, *steps, *b, f"train.checkpoint.dir={c_run}/ckpt", "--run-dir", c_run,
+                  "--resume-from", converted)
     assert proc.returncode == 0 and "resharding" not in proc.stderr, proc.stderr[-3000:]
     again = _losses(c_run)
     assert sorted(again) == [3] and _rel(again[3], stayed[3]) < 1e-5, (again, stayed)
 
     # converting onto itself, and into a model with fewer layers: clear errors
-    proc, result = _cli("convert-checkpoint", step2, "--config", cp_config, *b, "--out", out, cwd=tmp_path)
+    proc, result = cli("convert-checkpoint", step2, "--config", cp_config, *b, "--out", out)
     assert proc.returncode == 2 and "already holds" in result["errors"][0]
-    proc, result = _cli("convert-checkpoint", step2, "--config", cp_config, "modules.language.arch.pattern=M*G-E",
-                        "--out", str(tmp_path / "fewer"), cwd=tmp_path)
+    proc, result = cli("convert-checkpoint", step2, "--config", cp_config, "modules.language.arch.pattern=M*G-E",
+                       "--out", str(tmp_path / "fewer"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "another model" in result["errors"][0], proc.stderr[-3000:]
 
 
@@ -188,11 +215,10 @@ def _load_error(config_path: str, overrides: list[str], path: str) -> str:
     return ""
 
 
-def test_resharding_into_another_model_is_a_clear_error(pools, cp_config, tmp_path):
+def test_resharding_into_another_model_is_a_clear_error(pools, cp_config, trained):
     """Fewer layers (every tensor of the smaller model is there: only the world-wide check sees
     the rest unread), another expert count (shapes differ): CheckpointErrors naming the tensor."""
-    pools(4).run(_train_and_save, cp_config, [], str(tmp_path))
-    path = os.path.join(str(tmp_path), f"step-{N:08d}")
+    _, path = trained([])
     moved = [LANG + "cp=1", LANG + "dp=4"]
     fewer = pools(4).run(_load_error, cp_config, [*moved, "modules.language.arch.pattern=M*G-E"], path)
     assert all(e.startswith("CheckpointError") and "does not have" in e and "layers.5." in e for e in fewer), fewer

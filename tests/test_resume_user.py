@@ -3,7 +3,8 @@ for the newest usable one, ``--resume-from DIR``, ``kill -9`` of the launcher (i
 once, write nothing more, print nothing; the next ``mimo train`` resumes exactly), and what the
 launcher says before step 1.
 
-Each ``mimo train`` here is a subprocess on 2 ranks (tiny demo config, CPU, fp32): runs are few.
+Each ``mimo train`` here runs 2 ranks (tiny demo config, CPU, fp32): runs are few. Its command line
+runs in a subprocess where a test kills it, else in this process (``train_here``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ STEPS = 6  # checkpoints at 2, 4, 6
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory, write_demo_config) -> str:
+def config(tmp_path_factory, write_demo_config, indexes_here) -> str:
     def edit(cfg):
         cfg["world_size"] = 2
         cfg["modules"]["vision"]["parallel"].update(dp=2, ranks="0:2")
@@ -38,7 +39,8 @@ def config(tmp_path_factory, write_demo_config) -> str:
         cfg["data"]["tokens_per_microbatch"] = 512
         cfg["train"].update(steps=STEPS, checkpoint={"dir": "unused", "every": 2, "keep": 3})
 
-    return write_demo_config(tmp_path_factory.mktemp("resume_user"), 5, edit)
+    with indexes_here():
+        return write_demo_config(tmp_path_factory.mktemp("resume_user"), 5, edit)
 
 
 def _command(config: str, run: Path, *options: str) -> list[str]:
@@ -49,11 +51,21 @@ def _env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, *TORCHRUN_ENV)}
 
 
-def train(config: str, run: Path, *options: str) -> tuple[subprocess.CompletedProcess, dict]:
-    proc = subprocess.run(_command(config, run, *options), capture_output=True, text=True, timeout=240, env=_env())
-    lines = proc.stdout.strip().splitlines()
-    assert lines and proc.returncode == 0, proc.stderr
-    return proc, json.loads(lines[-1])
+@pytest.fixture
+def train_here(mimo_here):
+    """``train_here(config, run, *options) -> (ran, result)``: ``mimo train`` (``_command``) that
+    succeeded, its command line in this process (``mimo_here``; the ranks are fresh processes
+    every run), within the time a subprocess of it had."""
+
+    def run(config: str, run_dir: Path, *options: str) -> tuple:
+        t0 = time.monotonic()
+        proc = mimo_here(*_command(config, run_dir, *options)[3:])  # the words after `python -m mimo`
+        assert time.monotonic() - t0 < 240
+        lines = proc.stdout.strip().splitlines()
+        assert lines and proc.returncode == 0, proc.stderr
+        return proc, json.loads(lines[-1])
+
+    return run
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -81,11 +93,20 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(config, tmp_path_factory) -> Reference:
-    run = tmp_path_factory.mktemp("reference") / "run"
-    proc, result = train(config, run)
-    assert result["steps_run"] == STEPS
-    return Reference(run, proc.stderr)
+def _made() -> dict:
+    """What the module makes once: its reference run (``reference``)."""
+    return {}
+
+
+@pytest.fixture
+def reference(config, tmp_path_factory, train_here, _made) -> Reference:
+    """The uninterrupted run, made once for the module, by the first test that asks for it."""
+    if "reference" not in _made:
+        run = tmp_path_factory.mktemp("reference") / "run"
+        proc, result = train_here(config, run)
+        assert result["steps_run"] == STEPS
+        _made["reference"] = Reference(run, proc.stderr)
+    return _made["reference"]
 
 
 def test_progress_before_step_1(reference):
@@ -167,7 +188,7 @@ def test_pool_workers_end_the_moment_their_launcher_dies(tmp_path):
         assert float(f.read_text().splitlines()[-1]) < died + 0.05, f
 
 
-def test_kill_9_of_the_launcher_stops_every_rank_at_once_then_resumes_exactly(config, reference, tmp_path):
+def test_kill_9_of_the_launcher_stops_every_rank_at_once_then_resumes_exactly(config, reference, tmp_path, train_here):
     run = tmp_path / "run"
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         proc = subprocess.Popen(_command(config, run), stdout=out, stderr=err, env=_env())
@@ -190,22 +211,23 @@ def test_kill_9_of_the_launcher_stops_every_rank_at_once_then_resumes_exactly(co
     last = latest_checkpoint(str(run / "ckpt"))[0]
     assert last < STEPS and max(losses(run)) < STEPS  # it was cut mid-run
 
-    proc, result = train(config, run)
+    proc, result = train_here(config, run)
     assert result["resumed_from"] == last and result["steps_run"] == STEPS - last
     assert "loading weights, optimizer states and RNG" in proc.stderr
     assert losses(run) == losses(reference.run)  # bit for bit
     assert_same(tensors(run, STEPS), tensors(reference.run, STEPS))
 
 
-def _cli_error(capsys, *argv: str) -> str:
+def _cli_error(capture, *argv: str) -> str:
+    """``main(argv)``'s error message (exit status 2); ``capture``: capsys or capfd."""
     assert main(list(argv)) == 2
-    captured = capsys.readouterr()
+    captured = capture.readouterr()
     assert "Traceback" not in captured.err
     (message,) = json.loads(captured.out.strip().splitlines()[-1])["errors"]
     return message
 
 
-def test_a_damaged_checkpoint_is_named_and_the_newest_usable_one_taken(config, reference, tmp_path, capsys):
+def test_a_damaged_checkpoint_is_named_and_the_newest_usable_one_taken(config, reference, tmp_path, capfd, train_here):
     run = tmp_path / "run"
     shutil.copytree(reference.run, run)
     damaged = run / "ckpt" / f"step-{STEPS:08d}" / "language-rank00001.model.safetensors"
@@ -217,15 +239,15 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_usable_one_taken(config, r
     run_dir = ["--run-dir", str(run)]
 
     # --resume-from a damaged checkpoint: a clear error naming its file, before any process starts
-    message = _cli_error(capsys, *train_args, *run_dir, "--resume-from", str(damaged.parent))
+    message = _cli_error(capfd, *train_args, *run_dir, "--resume-from", str(damaged.parent))
     assert message.startswith(f"{damaged}: unreadable, the file is damaged") and "SafetensorError" in message, message
-    message = _cli_error(capsys, *train_args, *run_dir, "--resume-from", str(lacking))
+    message = _cli_error(capfd, *train_args, *run_dir, "--resume-from", str(lacking))
     assert message == f"{lacking / 'rng-rank00001.safetensors'}: missing"
-    message = _cli_error(capsys, *train_args, *run_dir, "--resume-from", str(tmp_path))
+    message = _cli_error(capfd, *train_args, *run_dir, "--resume-from", str(tmp_path))
     assert message.startswith(f"{tmp_path}: no complete checkpoint there")
 
     # without --resume-from: the damaged one is skipped with a warning naming the file
-    proc, result = train(config, run)
+    proc, result = train_here(config, run)
     assert f"checkpoint {damaged.parent} is not usable, skipped: {damaged}: unreadable" in proc.stderr
     assert f"falling back to {run / 'ckpt' / 'step-00000004'} (step 4)" in proc.stderr
     assert result["resumed_from"] == 4 and result["steps_run"] == STEPS - 4 and "Traceback" not in proc.stderr
@@ -233,9 +255,9 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_usable_one_taken(config, r
     assert_same(tensors(run, STEPS), tensors(reference.run, STEPS))  # the damaged step rewritten
 
 
-def test_resume_from_a_given_checkpoint(config, reference, tmp_path):
+def test_resume_from_a_given_checkpoint(config, reference, tmp_path, train_here):
     run = tmp_path / "run"
-    proc, result = train(config, run, "--resume-from", str(reference.run / "ckpt" / "step-00000004"))
+    proc, result = train_here(config, run, "--resume-from", str(reference.run / "ckpt" / "step-00000004"))
     assert result["resumed_from"] == 4 and result["steps_run"] == STEPS - 4
     assert losses(run) == {s: loss for s, loss in losses(reference.run).items() if s > 4}
     assert_same(tensors(run, STEPS), tensors(reference.run, STEPS))

@@ -2,7 +2,8 @@
 exact resume after a kill -9 during a save (synchronous or asynchronous) or a clean stop, colocated and non-colocated,
 keep-last-N, a clear error at another layout, and failing / hung ranks ending the run.
 
-Each `mimo train` here is a subprocess that spawns its own ranks, so runs are few and short.
+Each `mimo train` here spawns its own ranks, so runs are few and short; its command line runs in a
+subprocess where a test kills or signals it, else in this process (``train_here``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ TWO_RANKS = ["world_size=2", "modules.vision.parallel.dp=2", "modules.vision.par
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory) -> str:
+def config(tmp_path_factory, indexes_here) -> str:
     root = tmp_path_factory.mktemp("train_loop")
     data = root / "data"
     make_demo_data(str(data), train_samples=300, heldout_samples=10, shard_size=150, seed=2)
@@ -47,7 +48,8 @@ def config(tmp_path_factory) -> str:
     cfg["train"].update(steps=STEPS, checkpoint={"dir": str(root / "unused"), "every": 2, "keep": 2})
     path = root / "train.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    ensure_index(load_config(str(path)))
+    with indexes_here():
+        ensure_index(load_config(str(path)))
     return str(path)
 
 
@@ -62,11 +64,22 @@ def _command(config: str, run: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "mimo", "train", config, f"train.checkpoint.dir={run / 'ckpt'}", *args]
 
 
-def train(config: str, run: Path, *args: str, fault: str | None = None, timeout: float = 280) -> tuple[subprocess.CompletedProcess, dict]:
-    proc = subprocess.run(_command(config, run, *args), capture_output=True, text=True, timeout=timeout, env=_env(fault))
-    lines = proc.stdout.strip().splitlines()
-    assert lines, proc.stderr
-    return proc, json.loads(lines[-1])
+@pytest.fixture
+def train_here(mimo_here):
+    """``train_here(config, run, *args, fault=None, timeout=280) -> (ran, result)``: ``mimo train``
+    (``_command``), its command line in this process (``mimo_here``; the ranks are fresh processes
+    every run, with ``fault`` in their environment), within ``timeout`` seconds (as a subprocess
+    of it had)."""
+
+    def run(config: str, run_dir: Path, *args: str, fault: str | None = None, timeout: float = 280) -> tuple:
+        t0 = time.monotonic()
+        proc = mimo_here(*_command(config, run_dir, *args)[3:], env={FAULT_ENV: fault} if fault else None)  # after `python -m mimo`
+        assert time.monotonic() - t0 < timeout
+        lines = proc.stdout.strip().splitlines()
+        assert lines, proc.stderr
+        return proc, json.loads(lines[-1])
+
+    return run
 
 
 def metrics(run: Path) -> list[dict]:
@@ -90,13 +103,22 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def colocated(config, tmp_path_factory) -> Reference:
+def _made() -> dict:
+    """What the module makes once: its colocated reference run (``colocated``)."""
+    return {}
+
+
+@pytest.fixture
+def colocated(config, tmp_path_factory, train_here, _made) -> Reference:
     """The uninterrupted reference of the demo layout (vision dp 4, LLM tp 2 x dp 2 with SP on
-    the same 4 ranks), checkpointing every step and keeping the last 2."""
-    run = tmp_path_factory.mktemp("colocated") / "run"
-    proc, result = train(config, run, "train.checkpoint.every=1")
-    assert proc.returncode == 0, proc.stderr
-    return Reference(run, proc.stdout, result)
+    the same 4 ranks), checkpointing every step and keeping the last 2; made once for the module,
+    by the first test that asks for it."""
+    if "colocated" not in _made:
+        run = tmp_path_factory.mktemp("colocated") / "run"
+        proc, result = train_here(config, run, "train.checkpoint.every=1")
+        assert proc.returncode == 0, proc.stderr
+        _made["colocated"] = Reference(run, proc.stdout, result)
+    return _made["colocated"]
 
 
 def test_progress_metrics_run_directory_and_keep_last_n(colocated):
@@ -121,7 +143,7 @@ def test_progress_metrics_run_directory_and_keep_last_n(colocated):
     assert sorted(os.listdir(run / "logs")) == [f"rank{r}.log" for r in range(4)]
 
 
-def test_kill_during_save_then_resume_is_exact(config, colocated, tmp_path):
+def test_kill_during_save_then_resume_is_exact(config, colocated, tmp_path, train_here):
     run = tmp_path / "run"
     ckpt = run / "ckpt"
     saving = ckpt / f"step-{STEPS:08d}.tmp"
@@ -139,14 +161,14 @@ def test_kill_during_save_then_resume_is_exact(config, colocated, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank
             proc.wait()
     assert steps_of(run) == [2] and saving.is_dir()  # the previous checkpoint is complete; the cut one is not
-    proc, result = train(config, run)
+    proc, result = train_here(config, run)
     assert proc.returncode == 0, proc.stderr
     assert result["resumed_from"] == 2 and result["steps_run"] == STEPS - 2
     assert losses(run) == losses(colocated.run)  # bit for bit
     assert steps_of(run) == [2, STEPS] and not saving.exists()
 
 
-def test_kill_during_async_save_then_resume_is_exact(config, colocated, tmp_path):
+def test_kill_during_async_save_then_resume_is_exact(config, colocated, tmp_path, train_here):
     run = tmp_path / "run"
     ckpt = run / "ckpt"
     saving = ckpt / "step-00000003.tmp"
@@ -168,7 +190,7 @@ def test_kill_during_async_save_then_resume_is_exact(config, colocated, tmp_path
             proc.wait()
     assert steps_of(run) == [1, 2] and saving.is_dir() and not (saving / "meta.json").exists()
     assert not (saving / "done-rank00001").exists()
-    proc, result = train(config, run, *args)
+    proc, result = train_here(config, run, *args)
     assert proc.returncode == 0, proc.stderr
     assert result["resumed_from"] == 2 and result["steps_run"] == STEPS - 2
     assert losses(run) == losses(colocated.run)  # bit for bit
@@ -176,25 +198,25 @@ def test_kill_during_async_save_then_resume_is_exact(config, colocated, tmp_path
     assert "written in the background" in (run / "logs" / "rank0.log").read_text()
 
 
-def test_clean_stop_then_resume_is_exact_non_colocated(config, tmp_path):
+def test_clean_stop_then_resume_is_exact_non_colocated(config, tmp_path, train_here):
     reference, run = tmp_path / "reference", tmp_path / "run"
-    proc, _ = train(config, reference, *NON_COLOCATED)
+    proc, _ = train_here(config, reference, *NON_COLOCATED)
     assert proc.returncode == 0, proc.stderr
-    proc, result = train(config, run, *NON_COLOCATED, "--stop-at", "3")
+    proc, result = train_here(config, run, *NON_COLOCATED, "--stop-at", "3")
     assert proc.returncode == 0, proc.stderr
     assert result["stopped"] and result["steps"] == 3 and steps_of(run) == [2, 3]
-    proc, result = train(config, run, *NON_COLOCATED)
+    proc, result = train_here(config, run, *NON_COLOCATED)
     assert proc.returncode == 0, proc.stderr
     assert result["resumed_from"] == 3 and not result["stopped"]
     assert losses(run) == losses(reference)
     assert [m["step"] for m in metrics(run)] == list(range(1, STEPS + 1))
 
 
-def test_another_layout_is_resharded_with_a_warning(config, colocated, tmp_path):
+def test_another_layout_is_resharded_with_a_warning(config, colocated, tmp_path, train_here):
     run = tmp_path / "run"
     shutil.copytree(colocated.run, run)
-    proc, result = train(config, run, "modules.language.parallel.tp=1", "modules.language.parallel.dp=4",
-                         f"train.steps={STEPS + 1}", timeout=120)
+    proc, result = train_here(config, run, "modules.language.parallel.tp=1", "modules.language.parallel.dp=4",
+                              f"train.steps={STEPS + 1}", timeout=120)
     assert proc.returncode == 0 and result["ok"], proc.stderr[-3000:]
     assert "checkpoint written at layout [world_size=4; vision tp=1,dp=4,ranks=0:4; language tp=2,dp=2,ranks=0:4]" in proc.stderr
     assert ("the config asks for [world_size=4; vision tp=1,dp=4,ranks=0:4; language tp=1,dp=4,ranks=0:4]: resharding it on load"
@@ -223,18 +245,18 @@ def test_sigterm_stops_cleanly_with_a_checkpoint(config, tmp_path):
     assert [m["step"] for m in metrics(run)] == list(range(1, stopped_at + 1))
 
 
-def test_failing_rank_ends_the_run_with_its_message(config, tmp_path):
+def test_failing_rank_ends_the_run_with_its_message(config, tmp_path, train_here):
     t0 = time.monotonic()
-    proc, result = train(config, tmp_path / "run", *TWO_RANKS, fault="raise:1:2")
+    proc, result = train_here(config, tmp_path / "run", *TWO_RANKS, fault="raise:1:2")
     assert proc.returncode == 2 and not result["ok"]
     (message,) = result["errors"]
     assert message.startswith("rank 1 failed: RuntimeError: injected failure") and "at step 2" in message
     assert time.monotonic() - t0 < 200
 
 
-def test_hung_rank_ends_the_run_within_the_timeout(config, tmp_path):
+def test_hung_rank_ends_the_run_within_the_timeout(config, tmp_path, train_here):
     t0 = time.monotonic()
-    proc, result = train(config, tmp_path / "run", *TWO_RANKS, "--timeout", "5", fault="hang:1:2")
+    proc, result = train_here(config, tmp_path / "run", *TWO_RANKS, "--timeout", "5", fault="hang:1:2")
     assert proc.returncode == 2 and not result["ok"]
     (message,) = result["errors"]
     assert "rank 0 failed: DistributedError: rank 0, step 2: a collective did not complete within 5 s" in message, message
