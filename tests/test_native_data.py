@@ -210,12 +210,23 @@ def test_bad_images_and_placeholders_are_counted_skips(native, tmp_path):
     assert len(plan.valid) + sum(plan.skipped_counts().values()) == len(index.entries) == 5
 
 
+@pytest.fixture(scope="module")
+def one_process(pools, native):
+    """The one-process runs (fp32, fp64) every layout below is compared with."""
+    from mimo.commands.verify_train import references
+
+    return references(pools(1), native, [], STEPS)
+
+
 @pytest.mark.parametrize("layout", ["colocated", "non-colocated"])
-def test_verify_train_equals_one_process(pools, native, verify_layout, layout):
+def test_verify_train_equals_one_process(pools, native, one_process, layout):
     """The whole run (tower DP blocks by cost, pixels routed per patch, bridges of variable rows
     with the deepstack level beside them, M-RoPE, MoE) at the layout equals the one-process run."""
+    from mimo.commands.verify_train import compare, train_case
+
     overrides = {"colocated": ["world_size=2", "modules.language.parallel.ranks=0:2"], "non-colocated": []}[layout]
-    report = verify_layout(pools, native, overrides, STEPS, world=2 if overrides else 4)
+    ran = pools(2 if overrides else 4).run(train_case, native, overrides, STEPS, False)
+    report = compare(ran, one_process[0], 1e-5, fp64=one_process[1])
     assert report["ok"], report
     assert all(0 < loss < 10 for loss in report["losses"])
 
