@@ -155,33 +155,44 @@ def _rgb_uint8_CHW(img) -> torch.Tensor:
     return torch.from_numpy(np.array(arr_HWC, order="C", copy=True)).permute(2, 0, 1).contiguous()
 
 
-def preprocess(img, spec: NativeImageSpec = NativeImageSpec()) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """PIL image or uint8 HWC array -> (float32 ``[gh*gw, C*tp*p*p]`` patch rows, ``(t, gh, gw)``),
-    the processor's ``pixel_values`` / ``image_grid_thw`` for one image (on the CPU)."""
-    import torch
+def _resized(img, spec: NativeImageSpec):
+    """uint8 ``[C, h, w]`` of an image at its ``smart_size``."""
     import torch.nn.functional as F
 
     x_CHW = _rgb_uint8_CHW(img)
-    C, H, W = x_CHW.shape
+    _, H, W = x_CHW.shape
     h, w = smart_size(H, W, spec)
     if (h, w) != (H, W):
         # uint8 in, uint8 out: torch's CPU antialiased bicubic kernel works on bytes directly
         # (PIL's algorithm), which is what the processor's torchvision resize calls.
         x_CHW = F.interpolate(x_CHW[None], size=(h, w), mode="bicubic", align_corners=False, antialias=True)[0]
+    return x_CHW
+
+
+def _blocks(x_CHW, spec: NativeImageSpec):
+    """``[C, h, w]`` -> ``[h/(p m), w/(p m), m, m, C, p, p]``: patches merge block by merge block
+    (row-major), row-major inside a block; each patch channel, then its pixels row-major."""
+    C, h, w = x_CHW.shape
+    p, m = spec.patch, spec.merge
+    # [C, block row, row in block, pixel row, block col, col in block, pixel col]
+    return x_CHW.reshape(C, h // p // m, m, p, w // p // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+
+
+def preprocess(img, spec: NativeImageSpec = NativeImageSpec()) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """PIL image or uint8 HWC array -> (float32 ``[gh*gw, C*tp*p*p]`` patch rows, ``(t, gh, gw)``),
+    the processor's ``pixel_values`` / ``image_grid_thw`` for one image (on the CPU)."""
+    import torch
+
+    x_CHW = _resized(img, spec)
+    C = x_CHW.shape[0]
     # Rescale and normalise folded into one affine step in byte units, as the processor folds them.
     mean_C11 = (torch.tensor(spec.mean, dtype=torch.float32) * 255.0).view(C, 1, 1)
     std_C11 = (torch.tensor(spec.std, dtype=torch.float32) * 255.0).view(C, 1, 1)
-    x_CHW = (x_CHW.to(torch.float32) - mean_C11) / std_C11
-
-    p, m, tp = spec.patch, spec.merge, spec.temporal_patch
-    gh, gw = h // p, w // p
-    # [C, H, W] -> [C, block row, row in block, pixel row, block col, col in block, pixel col]
-    x = x_CHW.reshape(C, gh // m, m, p, gw // m, m, p)
-    # Patch order: merge block by merge block (row-major), and inside a block row-major; each
-    # row's values: channel, then time, then the patch's pixels row-major.
-    x = x.permute(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, p, p]
-    x = x.unsqueeze(5).expand(gh // m, gw // m, m, m, C, tp, p, p)  # the still frame repeated in time
-    patches_NP = x.reshape(gh * gw, C * tp * p * p).contiguous()
+    x = _blocks((x_CHW.to(torch.float32) - mean_C11) / std_C11, spec)  # [gh/m, gw/m, m, m, C, p, p]
+    bh, bw, m, _, _, p, _ = x.shape
+    gh, gw = bh * m, bw * m
+    x = x.unsqueeze(5).expand(bh, bw, m, m, C, spec.temporal_patch, p, p)  # the still frame repeated in time
+    patches_NP = x.reshape(gh * gw, C * spec.temporal_patch * p * p).contiguous()
     return patches_NP, (1, gh, gw)
 
 
@@ -196,16 +207,9 @@ def patch_bytes(img, spec: NativeImageSpec = NativeImageSpec()) -> tuple[torch.T
     ``preprocess``'s resize and patch order without the normalisation and the temporal repeat,
     which ``PatchNorm`` applies on the tower's device (a still image's frames are all the same,
     so a row travels as a quarter of fp32's bytes divided by ``temporal_patch``)."""
-    import torch.nn.functional as F
-
-    x_CHW = _rgb_uint8_CHW(img)
-    C, H, W = x_CHW.shape
-    h, w = smart_size(H, W, spec)
-    if (h, w) != (H, W):
-        x_CHW = F.interpolate(x_CHW[None], size=(h, w), mode="bicubic", align_corners=False, antialias=True)[0]
-    p, m = spec.patch, spec.merge
-    gh, gw = h // p, w // p
-    x = x_CHW.reshape(C, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # as ``preprocess``
+    x = _blocks(_resized(img, spec), spec)
+    bh, bw, m, _, C, p, _ = x.shape
+    gh, gw = bh * m, bw * m
     return x.reshape(gh * gw, C * p * p).contiguous(), (1, gh, gw)
 
 

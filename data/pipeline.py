@@ -107,10 +107,8 @@ class EncoderFeed:
         patches x (cost_width + patches of the image) summed over its images (native)."""
         if self.native is None:
             return arrays.images_for(self.placeholder) * self.rows_per_image
-        images_N = arrays.images_for(self.placeholder)
         patches_I = arrays.image_rows(self.placeholder, 0) * self.native.merge**2
-        return np.bincount(np.repeat(np.arange(len(images_N)), images_N), weights=patches_I * (self.cost_width + patches_I),
-                           minlength=len(images_N)).astype(np.int64)
+        return arrays.per_sample(self.placeholder, patches_I * (self.cost_width + patches_I))
 
     def grids_of_block(self, arrays: SampleArrays, block: range) -> torch.Tensor:
         """``[N, 3]`` grids of a native tower's images in the samples of ``block``."""

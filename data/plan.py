@@ -100,9 +100,12 @@ class SampleArrays:
 
     def rows_per_sample(self, placeholder: str, rows_per_image: int) -> np.ndarray:
         """Each sample's image rows for the encoder of ``placeholder``."""
+        return self.per_sample(placeholder, self.image_rows(placeholder, rows_per_image))
+
+    def per_sample(self, placeholder: str, values_I: np.ndarray) -> np.ndarray:
+        """Each sample's sum of a value per image of ``placeholder`` (images sample after sample)."""
         images_N = self.images_for(placeholder)
-        rows_I = self.image_rows(placeholder, rows_per_image)
-        return np.bincount(np.repeat(np.arange(len(images_N)), images_N), weights=rows_I,
+        return np.bincount(np.repeat(np.arange(len(images_N)), images_N), weights=values_I,
                            minlength=len(images_N)).astype(np.int64)
 
 
