@@ -1,6 +1,7 @@
 """``mimo make-demo-data``: learnable synthetic LLaVA-style shards and a local byte-level tokenizer.
 
-Each image is a coloured shape on a dark background at one of four positions. Samples are
+Each image is a coloured shape on a dark background at one of four positions; the native split
+also holds short videos of a shape moving between positions ("where does it end?"). Samples are
 captions (``txt``) or conversations (``json``) asking for the colour, shape or position, with
 short answers checkable by exact match; a few samples have no image ("say the word red") or two
 images ("what colour is the second shape?"). Each question is answerable from its inputs, and a
@@ -21,6 +22,7 @@ COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (50, 80, 230), 
 SHAPES = ("circle", "square", "triangle")
 POSITIONS = {"top left": (0.25, 0.25), "top right": (0.75, 0.25), "bottom left": (0.25, 0.75), "bottom right": (0.75, 0.75)}
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+VIDEO_FPS = 4  # the native split's videos (a tenth of its samples): 3 to 9 frames
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,26 @@ def draw(shape: Shape, size: int | tuple[int, int], rng: random.Random) -> bytes
     return buf.getvalue()
 
 
+def video(shapes: list[Shape], size: tuple[int, int], rng: random.Random, fps: int = VIDEO_FPS) -> bytes:
+    """MP4 bytes (MPEG-4 part 2, one thread: the same bytes every time) of one frame per shape
+    (``draw``'s picture, decoded), at ``fps`` frames per second."""
+    import av
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps, options={"threads": "1"})
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        for shape in shapes:
+            rgb = np.asarray(Image.open(io.BytesIO(draw(shape, size, rng))).convert("RGB"))
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
 def _random_shape(rng: random.Random) -> Shape:
     return Shape(rng.choice(list(COLOURS)), rng.choice(SHAPES), rng.choice(list(POSITIONS)))
 
@@ -65,6 +87,11 @@ def make_sample(i: int, rng: random.Random, image_size: int, sizes: list[tuple[i
         image_size = rng.choice(sizes)
     key = f"{i:07d}"
     kind = rng.random()
+    if sizes is not None and kind > 0.9:  # a video (native split): a shape moving; where does it end?
+        s = _random_shape(rng)
+        path = [Shape(s.colour, s.shape, rng.choice(list(POSITIONS))) for _ in range(rng.randint(3, 9))]
+        conv = [{"from": "human", "value": "<video>\nWhere does the shape end?"}, {"from": "gpt", "value": path[-1].position}]
+        return {"__key__": key, "mp4": video(path, image_size, rng), "json": json.dumps({"conversations": conv}).encode()}
     if kind < 0.05:  # text only: copy a word
         word = rng.choice([*COLOURS, *SHAPES])
         conv = [{"from": "human", "value": f"Say the word {word}."}, {"from": "gpt", "value": word}]

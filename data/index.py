@@ -21,16 +21,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from mimo.data.config import shard_paths
-from mimo.data.shards import decode_image, image_keys, parse_text, read_files, scan_shard
+from mimo.data.shards import decode_image, image_keys, parse_text, read_files, scan_shard, video_keys
 from mimo.data.native_images import NativePlaceholder, grid_from_bytes
-from mimo.data.text import TextEncoder, TokenizedSample, load_tokenizer, turns_from_caption, turns_from_json
+from mimo.data.native_video import VideoLayout, layout_from_bytes
+from mimo.data.text import IMAGE, TextEncoder, TokenizedSample, load_tokenizer, turns_from_caption, turns_from_json
 from mimo.core.errors import DataError
 
 log = logging.getLogger("mimo.data")
 # 2: images map to encoders by placeholder (mimo.data.text); 3: a cut tar's last sample is "truncated";
 # 4: an empty caption or answer is bad; earlier verdicts differ
-# 5: native-resolution images: each image's grid and rows
-INDEX_VERSION = 5
+# 5: native-resolution images: each image's grid and rows; 6: videos (a slot per temporal patch)
+INDEX_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,51 @@ class TextSpec:
         native encoder, whichever it feeds)."""
         grids = {n.placeholder: [list(grid_from_bytes(b, n.image)) for b in image_bytes] for n in self.native}
         return grids, {n.placeholder: [n.rows(g) for g in grids[n.placeholder]] for n in self.native}
+
+    @property
+    def video(self) -> NativePlaceholder | None:
+        """The native placeholder whose tower takes videos (one at most)."""
+        return next((n for n in self.native if n.video is not None), None)
+
+    def video_layouts(self, video_bytes: list[bytes]) -> list[VideoLayout]:
+        """How each video file enters the sample, from its container's header (``DataError`` for
+        a video that cannot: unreadable, too short, or no tower takes videos)."""
+        if not video_bytes:
+            return []
+        taker = self.video
+        if taker is None:
+            raise DataError(f"video not taken: the sample holds {len(video_bytes)} video file(s) and no encoder takes "
+                            f"videos (a native tower's 'video' section)")
+        return [layout_from_bytes(b, taker.image, taker.video) for b in video_bytes]
+
+
+@dataclass
+class SampleText:
+    """What one sample's files give before any pixel: its tokens, its image and video files (in
+    order), each video's layout, and each native slot's grid."""
+
+    tokens: TokenizedSample
+    images: list[str]
+    videos: list[str]
+    layouts: list[VideoLayout]
+    slot_grids: dict[str, list[list[int]]]
+
+
+def sample_text(files: dict[str, bytes], encoder: TextEncoder, spec: TextSpec) -> SampleText:
+    """Tokens and slots of a sample from its files (``DataError`` with the reason if it is bad):
+    the one reading the index and the pipeline's reader share."""
+    kind, text = parse_text(files)
+    images, videos = image_keys(files), video_keys(files)
+    grids, rows = spec.file_rows([files[ext] for ext in images])
+    layouts = spec.video_layouts([files[ext] for ext in videos])
+    taker = spec.video
+    turns = (turns_from_json(text) if kind == "json" else
+             turns_from_caption(text, spec.placeholders, len(images), len(videos),
+                                taker.video_placeholder if taker is not None else ""))
+    tok = encoder.encode(turns, len(images), rows, layouts)
+    slot_grids = {p: [grids[p][f] if k == IMAGE else layouts[f].grids[t] for k, f, t in tok.slot_files[p]]
+                  for p in grids}
+    return SampleText(tok, images, videos, layouts, slot_grids)
 
 
 @dataclass
@@ -167,15 +213,14 @@ def _check_writable(path: str) -> None:
 
 def index_sample(files: dict[str, bytes], encoder: TextEncoder, spec: TextSpec) -> tuple[TokenizedSample, int, dict]:
     """A sample's tokens (``TokenizedSample``: length, image starts and rows), its image files
-    and its native images' grids; DataError with the reason if it is bad."""
-    kind, text = parse_text(files)
-    images = image_keys(files)
-    for ext in images:
+    and its native slots' grids; DataError with the reason if it is bad. Images are decoded here
+    (a corrupt one is a bad sample); videos only read from their container's header (decoding
+    every frame of a video corpus at index time would cost as much as an epoch): a video whose
+    frames fail to decode is a counted read failure of the step that reads it."""
+    for ext in image_keys(files):
         decode_image(files[ext])
-    grids, rows = spec.file_rows([files[ext] for ext in images])
-    turns = turns_from_json(text) if kind == "json" else turns_from_caption(text, spec.placeholders, len(images))
-    sample = encoder.encode(turns, len(images), rows)
-    return sample, len(images), {p: [grids[p][f] for f in sample.image_files[p]] for p in grids}
+    read = sample_text(files, encoder, spec)
+    return read.tokens, len(read.images), read.slot_grids
 
 
 def _scan_one(args) -> tuple[int, list[Entry], str | None]:

@@ -68,6 +68,20 @@ class NativeImageSpec:
         return self.channels * self.temporal_patch * self.patch * self.patch
 
 
+@dataclass(frozen=True)
+class NativeVideoSpec:
+    """How a native-resolution tower samples and cuts videos (``mimo.data.native_video``;
+    defaults: Qwen3-VL's released ``video_preprocessor_config.json``)."""
+
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    min_pixels: int = 4096  # size.shortest_edge: over all frames
+    max_pixels: int = 25165824  # size.longest_edge: over all frames
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 768
+
+
 def smart_size(height: int, width: int, spec: NativeImageSpec = NativeImageSpec()) -> tuple[int, int]:
     """The ``(height, width)`` an image of this size is resized to (the processor's
     ``smart_resize``), or ``DataError`` where no honest target exists."""
@@ -202,21 +216,26 @@ def rows_of_grid(grid, spec: NativeImageSpec) -> int:
     return t * gh * gw // (spec.merge * spec.merge)
 
 
-def patch_bytes(img, spec: NativeImageSpec = NativeImageSpec()) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """PIL image or uint8 HWC array -> (uint8 ``[gh*gw, C*p*p]`` patch rows of ONE frame, grid):
-    ``preprocess``'s resize and patch order without the normalisation and the temporal repeat,
-    which ``PatchNorm`` applies on the tower's device (a still image's frames are all the same,
-    so a row travels as a quarter of fp32's bytes divided by ``temporal_patch``)."""
+def patch_bytes(img, spec: NativeImageSpec = NativeImageSpec(), frames: int = 1) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """PIL image or uint8 HWC array -> (uint8 ``[gh*gw, C*frames*p*p]`` patch rows, grid):
+    ``preprocess``'s resize and patch order without the normalisation, which ``PatchNorm`` applies
+    on the tower's device. ``frames`` 1: one frame per row (``PatchNorm`` repeats it in time; a
+    row travels as a quarter of fp32's bytes divided by ``temporal_patch``); ``temporal_patch``:
+    the frame repeated here, for towers whose rows also carry videos' real frames."""
     x = _blocks(_resized(img, spec), spec)
     bh, bw, m, _, C, p, _ = x.shape
     gh, gw = bh * m, bw * m
-    return x.reshape(gh * gw, C * p * p).contiguous(), (1, gh, gw)
+    if frames > 1:
+        x = x.unsqueeze(5).expand(bh, bw, m, m, C, frames, p, p)
+    return x.reshape(gh * gw, C * frames * p * p).contiguous(), (1, gh, gw)
 
 
 class PatchNorm:
-    """uint8 one-frame patch rows ``[P, C*p*p]`` (``patch_bytes``) -> ``preprocess``'s float32 rows
-    ``[P, C*tp*p*p]`` on the rows' device, bit for bit: each byte looked up in a per-channel table of
-    its 256 values, computed on the CPU as ``preprocess`` computes them, then the frame repeated."""
+    """uint8 patch rows ``[P, C*p*p]`` of one frame (``patch_bytes``) or ``[P, C*tp*p*p]`` of a
+    temporal patch's frames (a video's, or images where the tower also takes videos) -> the
+    processor's float32 rows ``[P, C*tp*p*p]`` on the rows' device, bit for bit: each byte looked
+    up in a per-channel table of its 256 values, computed on the CPU as ``preprocess`` computes
+    them, a single frame then repeated in time."""
 
     def __init__(self, spec: NativeImageSpec):
         import torch
@@ -232,15 +251,19 @@ class PatchNorm:
         import torch
 
         spec = self.spec
-        C, pp = spec.channels, spec.patch * spec.patch
+        C, pp, tp = spec.channels, spec.patch * spec.patch, spec.temporal_patch
+        frames = x_PB.shape[1] // (C * pp)
+        if frames not in (1, tp) or x_PB.shape[1] != frames * C * pp:
+            raise DataError(f"patch rows of {x_PB.shape[1]} bytes: need {C * pp} (one frame) or {C * tp * pp} "
+                            f"({tp} frames)")
         table = self._on.get(x_PB.device)
         if table is None:
             table = self._on[x_PB.device] = self.table_C256.reshape(-1).to(x_PB.device)
         offsets_1C1 = torch.arange(C, dtype=torch.int32, device=x_PB.device).mul_(256).view(1, C, 1)
-        index = x_PB.view(-1, C, pp).int().add_(offsets_1C1)
+        index = x_PB.view(-1, C, frames * pp).int().add_(offsets_1C1)
         P = x_PB.shape[0]
-        x_PC1Q = table.index_select(0, index.view(-1)).view(P, C, 1, pp)
-        return x_PC1Q.expand(P, C, spec.temporal_patch, pp).reshape(P, C * spec.temporal_patch * pp)
+        x_PCFQ = table.index_select(0, index.view(-1)).view(P, C, frames, pp)
+        return x_PCFQ.expand(P, C, tp, pp).reshape(P, C * tp * pp)
 
 
 @dataclass(frozen=True)
@@ -253,6 +276,15 @@ class NativePlaceholder:
     image: NativeImageSpec
     vision_start: str = "<|vision_start|>"
     vision_end: str = "<|vision_end|>"
+    # videos (None: the tower takes none): how they are sampled and cut (mimo.data.native_video),
+    # and the text marking where each one goes
+    video: NativeVideoSpec | None = None
+    video_placeholder: str = "<|video_pad|>"
+
+    @property
+    def row_frames(self) -> int:
+        """Frames per routed patch row: one (images only), else a temporal patch's."""
+        return 1 if self.video is None else self.image.temporal_patch
 
     def rows(self, grid) -> int:
         return rows_of_grid(grid, self.image)

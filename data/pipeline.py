@@ -46,12 +46,13 @@ from mimo.core.batch import PackedBatch, PatchBatch, to_device
 from mimo.bridges.executor import Bridge
 from mimo.bridges.plan import image_bridge_plans
 from mimo.data.images import ImageSpec, PixelNorm, decode
-from mimo.data.index import Index, TextSpec
+from mimo.data.index import Index, TextSpec, sample_text
 from mimo.data.native_images import NativeImageSpec, PatchNorm, patch_bytes
+from mimo.data.native_video import video_patch_bytes
 from mimo.data.pack import PackItem, cp_share, pack
 from mimo.data.plan import DataPlan, PlannedSample, SampleArrays
-from mimo.data.shards import SampleLocation, decode_image, image_keys, parse_text, read_files
-from mimo.data.text import TextEncoder, load_tokenizer, turns_from_caption, turns_from_json
+from mimo.data.shards import SampleLocation, decode_image, read_files
+from mimo.data.text import VIDEO, load_tokenizer
 from mimo.core.errors import DataError
 from mimo.parallel.grid import ParallelGrid
 from mimo.parallel.layout import Piece, Placement, RunPlacement, block_bounds, dp_blocks, dp_runs
@@ -75,6 +76,7 @@ class EncoderFeed:
     # its image's patches (2 * hidden + mlp: a block's matmul work per patch over the attention's per
     # patch and patch of its image), so that its DP blocks balance compute, not images
     native: NativeImageSpec | None = None
+    row_frames: int = 1  # frames per routed patch row: the temporal patch's where the tower takes videos
     cost_width: int = 0
     # values per row of the encoder's bridge to the LLM (its output rows): the pipeline plans that
     # bridge on its own thread with the rest of the microbatch (0: the runner plans it)
@@ -86,9 +88,9 @@ class EncoderFeed:
 
     @property
     def numel(self) -> int:
-        """Values per routed row: an image (fixed size), one frame of a patch (native)."""
+        """Values per routed row: an image (fixed size), a patch's frames (native)."""
         if self.native is not None:
-            return self.native.channels * self.native.patch * self.native.patch
+            return self.native.channels * self.row_frames * self.native.patch * self.native.patch
         return self.image.numel
 
     @property
@@ -181,16 +183,13 @@ class SampleReader:
         path = self.index.shards[entry.shard]
         try:
             files = read_files(path, SampleLocation(entry.key, dict(entry.files)))
-            kind, text = parse_text(files)
-            keys = image_keys(files)
-            images = [decode_image(files[ext]) for ext in keys]
-            _, file_rows = self.text.file_rows([files[ext] for ext in keys])
-            turns = turns_from_json(text) if kind == "json" else turns_from_caption(text, self.placeholders, len(images))
-            tok = self.encoder.encode(turns, len(images), file_rows)
+            read = sample_text(files, self.encoder, self.text)
+            tok = read.tokens
             if len(tok) != entry.tokens or tok.image_starts != entry.image_starts or tok.image_rows != entry.image_rows:
                 raise DataError("sample changed since indexing")
-            # each encoder gets the image files its placeholders take (mimo.data.text.image_files), as bytes
-            pixels = {f.name: self._pixels(f, [images[i] for i in tok.image_files.get(f.placeholder, ())]) for f in self.feeds}
+            images = [decode_image(files[ext]) for ext in read.images]
+            videos = [files[ext] for ext in read.videos]
+            pixels = {f.name: self._pixels(f, tok, images, videos, read.layouts) for f in self.feeds}
             return ReadSample(PackItem(s.id, tok.tokens, tok.target, tok.image_starts, image_rows=tok.image_rows,
                                        image_grids=entry.image_grids), pixels)
         except (DataError, OSError) as e:
@@ -208,13 +207,26 @@ class SampleReader:
         return sum(s.image_rows.get(feed.placeholder, ())) * feed.native.merge**2
 
     @staticmethod
-    def _pixels(feed: EncoderFeed, images: list) -> torch.Tensor:
-        """uint8 rows of ``images`` for ``feed``: one per image, or one per patch (native)."""
-        if not images:
-            return torch.zeros(0, feed.numel, dtype=torch.uint8)
+    def _pixels(feed: EncoderFeed, tok, images: list, videos: list[bytes], layouts: list) -> torch.Tensor:
+        """uint8 rows for ``feed`` (each encoder gets the files its placeholders take:
+        ``mimo.data.text``): one per image, or one per patch of each slot (native: an image, or a
+        video's temporal patch; each video decoded once)."""
         if feed.native is None:
-            return torch.stack([decode(img, feed.image).reshape(-1) for img in images])
-        return torch.cat([patch_bytes(img, feed.native)[0] for img in images])
+            taken = [images[i] for i in tok.image_files.get(feed.placeholder, ())]
+            if not taken:
+                return torch.zeros(0, feed.numel, dtype=torch.uint8)
+            return torch.stack([decode(img, feed.image).reshape(-1) for img in taken])
+        decoded: dict[int, torch.Tensor] = {}
+        rows = []
+        for kind, file, t in tok.slot_files.get(feed.placeholder, ()):
+            if kind == VIDEO:
+                if file not in decoded:
+                    decoded[file] = video_patch_bytes(videos[file], layouts[file], feed.native)
+                per_slot = decoded[file].shape[0] // len(layouts[file].stamps)
+                rows.append(decoded[file][t * per_slot:(t + 1) * per_slot])
+            else:
+                rows.append(patch_bytes(images[file], feed.native, feed.row_frames)[0])
+        return torch.cat(rows) if rows else torch.zeros(0, feed.numel, dtype=torch.uint8)
 
 
 class DataPipeline:

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from mimo.core.errors import DataError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+VIDEO_EXTS = ("mp4", "webm", "mkv", "mov", "avi")
 _IMAGE_KEY = re.compile(r"^(?:(\d+)\.)?(jpg|jpeg|png|webp)$")
+_VIDEO_KEY = re.compile(r"^(?:(\d+)\.)?(mp4|webm|mkv|mov|avi)$")
 _BASE_PLUS_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset.tariterators.base_plus_ext's
 
 
@@ -86,14 +88,23 @@ def read_files(path: str, loc: SampleLocation) -> dict[str, bytes]:
     return out
 
 
-def image_keys(files: dict) -> list[str]:
-    """Image file extensions of a sample in order (``png`` or ``0.png``, ``1.jpg``, ...)."""
+def _numbered(files: dict, pattern: re.Pattern) -> list[str]:
     found = []
     for ext in files:
-        m = _IMAGE_KEY.match(ext)
+        m = pattern.match(ext)
         if m:
             found.append((int(m.group(1) or 0), ext))
     return [ext for _, ext in sorted(found)]
+
+
+def image_keys(files: dict) -> list[str]:
+    """Image file extensions of a sample in order (``png`` or ``0.png``, ``1.jpg``, ...)."""
+    return _numbered(files, _IMAGE_KEY)
+
+
+def video_keys(files: dict) -> list[str]:
+    """Video file extensions of a sample in order (``mp4`` or ``0.mp4``, ``1.webm``, ...)."""
+    return _numbered(files, _VIDEO_KEY)
 
 
 def parse_text(files: dict[str, bytes]):

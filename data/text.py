@@ -50,6 +50,9 @@ class TokenizedSample:
     image_starts: dict[str, list[int]] = field(default_factory=dict)  # placeholder -> first position of each image
     image_files: dict[str, list[int]] = field(default_factory=dict)  # placeholder -> the image file of each of them
     image_rows: dict[str, list[int]] = field(default_factory=dict)  # native placeholder -> rows of each of its images
+    # native placeholder -> where each of its image slots comes from: (VIDEO, video file, temporal
+    # patch) for a video's temporal patches (each its own slot), (IMAGE, image file, 0) else
+    slot_files: dict[str, list[tuple[str, int, int]]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -72,11 +75,13 @@ def turns_from_json(obj) -> list[Turn]:
     return turns
 
 
-def turns_from_caption(caption: str, placeholders: Sequence[str], images: int) -> list[Turn]:
-    """An image-caption pair as one exchange: the images, then the caption as the answer."""
+def turns_from_caption(caption: str, placeholders: Sequence[str], images: int, videos: int = 0,
+                       video_placeholder: str = "") -> list[Turn]:
+    """An image-caption pair as one exchange: the images (then the videos), then the caption as
+    the answer."""
     if not caption.strip():
         raise DataError("empty caption: the txt file has no text")
-    prompt = "".join(f"{p}\n" for _ in range(images) for p in placeholders)
+    prompt = "".join(f"{p}\n" for _ in range(images) for p in placeholders) + f"{video_placeholder}\n" * videos
     return [Turn("human", prompt), Turn("gpt", caption.strip())]
 
 
@@ -163,10 +168,12 @@ class TextEncoder:
         self.template = Template(template, tokenizer.eos_token or "", tokenizer)
         self.rows_per_image = dict(rows_per_image)
         self.native = {n.placeholder: n for n in native}  # placeholders whose rows follow each image's grid
+        # a video placeholder -> the native tower that takes videos (one at most: mimo.compose.config)
+        self.video_of = {n.video_placeholder: n for n in native if n.video is not None}
         self.image_tokens, self.pad_id = ids.image, ids.pad
         # a chat template writes its own bos (HF's apply_chat_template adds no special tokens)
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and template != "tokenizer" else []
-        names = sorted(self.rows_per_image, key=len, reverse=True)
+        names = sorted([*self.rows_per_image, *self.video_of], key=len, reverse=True)
         self._split = re.compile("(" + "|".join(re.escape(p) for p in names) + ")") if names else None
 
     def ids(self, texts: list[str]) -> list[list[int]]:
@@ -176,11 +183,15 @@ class TextEncoder:
             return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
         return [self.tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
-    def encode(self, turns: Sequence[Turn], images: int, file_rows: dict[str, Sequence[int]] | None = None) -> TokenizedSample:
+    def encode(self, turns: Sequence[Turn], images: int, file_rows: dict[str, Sequence[int]] | None = None,
+               videos: Sequence = ()) -> TokenizedSample:
         """DataError when the placeholders do not match the image files (module doc).
         ``file_rows``: per native placeholder, the rows of each image file (its grid's); an
         occurrence of it becomes the vision start text, the rows of the file it takes, the
-        vision end text (``NativePlaceholder``)."""
+        vision end text (``NativePlaceholder``). ``videos``: the ``VideoLayout`` of each video
+        file; the i-th occurrence of a video placeholder takes the i-th video, which becomes per
+        temporal patch its timestamp text, the vision start text, its rows, the vision end text
+        (``mimo.data.native_video``): one image slot of the tower each."""
         parts: list[tuple[str, bool]] = []
         for text, is_target in self.template.pieces(turns):
             split = self._split.split(text) if self._split is not None and not is_target else [text]
@@ -192,43 +203,63 @@ class TextEncoder:
                 occurrences[part].append(seen)
                 seen += 1
         files = image_files(occurrences, images)
+        n_videos = sum(part in self.video_of for part, _ in parts)
+        if n_videos != len(videos):
+            raise DataError(f"{COUNTS_DIFFER}: {n_videos} x {next(iter(self.video_of), '<video>')!r} for "
+                            f"{len(videos)} video(s); each video needs one")
         marks = [m for n in self.native.values() for m in (n.vision_start, n.vision_end) if m]
-        texts = [p for p, _ in parts if p not in self.rows_per_image] + marks
+        stamps = [s for v in videos for s in v.stamps]
+        texts = [p for p, _ in parts if p not in self.rows_per_image and p not in self.video_of] + stamps + marks
         ids = self.ids(texts) if texts else []
         mark_ids = dict(zip(marks, ids[len(ids) - len(marks):]))
-        ids = iter(ids[: len(ids) - len(marks)])
+        stamp_ids = iter(ids[len(ids) - len(marks) - len(stamps): len(ids) - len(marks)])
+        ids = iter(ids[: len(ids) - len(marks) - len(stamps)])
         tokens, target = list(self.bos), [False] * len(self.bos)
         starts: dict[str, list[int]] = {p: [] for p in self.rows_per_image}
         rows_of: dict[str, list[int]] = {p: [] for p in self.native}
+        slots: dict[str, list[tuple[str, int, int]]] = {p: [] for p in self.native}
+
+        def slot(placeholder: str, n: int, lead=(), tail=()) -> None:
+            tokens.extend(lead)
+            starts[placeholder].append(len(tokens))
+            tokens.extend([self.image_tokens[placeholder]] * n)
+            tokens.extend(tail)
+            target.extend([False] * (len(lead) + n + len(tail)))
+
+        video = 0
         for part, is_target in parts:
-            if part in self.rows_per_image:
-                native = self.native.get(part)
-                if native is not None:
-                    file = files[part][len(starts[part])]
-                    known = (file_rows or {}).get(part, ())
-                    if file >= len(known):
-                        raise DataError(f"no image grid for image file {file} of placeholder {part!r}")
-                    n = known[file]
-                    rows_of[part].append(n)
-                    lead = mark_ids.get(native.vision_start, [])
-                    tokens += lead
-                    target += [False] * len(lead)
-                else:
-                    n = self.rows_per_image[part]
-                starts[part].append(len(tokens))
-                tokens += [self.image_tokens[part]] * n
-                target += [False] * n
-                if native is not None:
-                    tail = mark_ids.get(native.vision_end, [])
-                    tokens += tail
-                    target += [False] * len(tail)
+            native = self.native.get(part) or self.video_of.get(part)
+            if native is not None:
+                lead, tail = mark_ids.get(native.vision_start, []), mark_ids.get(native.vision_end, [])
+            if part in self.video_of:
+                layout = videos[video]
+                n = native.rows(layout.grids[0])
+                for t in range(len(layout.stamps)):
+                    stamp = next(stamp_ids)
+                    tokens.extend(stamp)
+                    target.extend([False] * len(stamp))
+                    slot(native.placeholder, n, lead, tail)
+                    rows_of[native.placeholder].append(n)
+                    slots[native.placeholder].append((VIDEO, video, t))
+                video += 1
+            elif native is not None:
+                file = files[part][sum(kind == IMAGE for kind, _, _ in slots[part])]
+                known = (file_rows or {}).get(part, ())
+                if file >= len(known):
+                    raise DataError(f"no image grid for image file {file} of placeholder {part!r}")
+                rows_of[part].append(known[file])
+                slots[part].append((IMAGE, file, 0))
+                slot(part, known[file], lead, tail)
+            elif part in self.rows_per_image:
+                slot(part, self.rows_per_image[part])
             else:
                 piece = next(ids)
                 tokens += piece
                 target += [is_target] * len(piece)
-        return TokenizedSample(tokens, target, starts, files, rows_of)
+        return TokenizedSample(tokens, target, starts, files, rows_of, slots)
 
 
+IMAGE, VIDEO = "image", "video"
 COUNTS_DIFFER = "placeholder and image counts differ"  # the reason (kind) of a sample whose counts fit neither rule
 
 

@@ -289,6 +289,7 @@ class EncoderModuleConfig:
 # ---------------------------------------------------------------- kind: qwen3_vl
 
 NATIVE_PLACEHOLDER = "<|image_pad|>"  # Qwen3-VL's image token
+NATIVE_VIDEO_PLACEHOLDER = "<|video_pad|>"  # and its video token
 
 
 @dataclass
@@ -329,6 +330,37 @@ class NativeImageConfig:
 
 
 @dataclass
+class NativeVideoConfig:
+    """How videos are sampled and cut for the tower (the Hugging Face video processor's settings;
+    defaults: Qwen3-VL's released ``video_preprocessor_config.json``): ``fps`` frames per second,
+    at least ``min_frames`` and at most ``max_frames``, resized to multiples of
+    ``arch.patch * arch.spatial_merge`` with between ``min_pixels`` and ``max_pixels`` pixels over
+    all frames (``mimo.data.native_video``; normalised by the ``image`` section's mean / std)."""
+
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    min_pixels: int = 4096  # size.shortest_edge
+    max_pixels: int = 25165824  # size.longest_edge
+    cap_pixels_per_frame: bool = False  # qwen-vl-utils' per-frame cap (transformers' option of that name)
+    max_video_tokens: int = 768  # the cap's patches per frame
+
+    def validate(self, path: str) -> list[str]:
+        problems = []
+        if not self.fps > 0:
+            problems.append(f"{join_path(path, 'fps')}: must be > 0, got {self.fps}")
+        if not 1 <= self.min_frames <= self.max_frames:
+            problems.append(f"{join_path(path, 'min_frames')}: need 1 <= min_frames <= max_frames, got "
+                            f"{self.min_frames} and {self.max_frames}")
+        if not 0 < self.min_pixels <= self.max_pixels:
+            problems.append(f"{join_path(path, 'min_pixels')}: need 0 < min_pixels <= max_pixels, got "
+                            f"{self.min_pixels} and {self.max_pixels}")
+        if self.max_video_tokens < 1:
+            problems.append(f"{join_path(path, 'max_video_tokens')}: must be >= 1, got {self.max_video_tokens}")
+        return problems
+
+
+@dataclass
 class NativeEncoderModuleConfig:
     """``kind: qwen3_vl``: the Qwen3-VL vision tower (``mimo.encoders.qwen3_vl``), mergers
     included (they map to the LLM's width: no projector); deepstack levels travel beside each
@@ -340,6 +372,8 @@ class NativeEncoderModuleConfig:
     init: NativeInit = field(default_factory=NativeInit)
     placeholder: str = NATIVE_PLACEHOLDER  # the text token that this encoder's rows replace
     image: NativeImageConfig = field(default_factory=NativeImageConfig)
+    video: NativeVideoConfig | None = None  # set: the tower also takes videos (video files of a sample)
+    video_placeholder: str = NATIVE_VIDEO_PLACEHOLDER  # the text marking where each video goes
     # texts written around each image's rows (Qwen3-VL's processor's); "" for none
     vision_start: str = "<|vision_start|>"
     vision_end: str = "<|vision_end|>"
@@ -377,4 +411,9 @@ class NativeEncoderModuleConfig:
         if not self.placeholder.strip():
             problems.append(f"{join_path(path, 'placeholder')}: must not be empty")
         problems += self.image.validate(join_path(path, "image"))
+        if self.video is not None:
+            problems += self.video.validate(join_path(path, "video"))
+            if not self.video_placeholder.strip() or self.video_placeholder == self.placeholder:
+                problems.append(f"{join_path(path, 'video_placeholder')}: must be a text of its own (not empty, not the "
+                                f"image placeholder {self.placeholder!r})")
         return problems + _freeze_problems(self.freeze, path)

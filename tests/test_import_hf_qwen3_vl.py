@@ -49,7 +49,9 @@ MODELS = {  # name: (model class, config class, vision, text, top level, world s
 }
 PROCESSOR = {"patch_size": 4, "size": {"shortest_edge": 1024, "longest_edge": 65536}, "image_mean": [0.4, 0.5, 0.6],
              "image_std": [0.2, 0.3, 0.25]}
-SOURCE_FILES = {"tokenizer_config.json": '{"model_max_length": 1024}', "preprocessor_config.json": json.dumps(PROCESSOR)}
+VIDEO_PROCESSOR = {"fps": 2, "min_frames": 4, "max_frames": 64, "size": {"shortest_edge": 4096, "longest_edge": 1048576}}
+SOURCE_FILES = {"tokenizer_config.json": '{"model_max_length": 1024}', "preprocessor_config.json": json.dumps(PROCESSOR),
+                "video_preprocessor_config.json": json.dumps(VIDEO_PROCESSOR)}
 ONE_LINE = "kind qwen3_vl (native resolution) cannot take data.source: synthetic"
 
 
@@ -111,6 +113,10 @@ def test_modules_section_validates_and_describes_the_checkpoint(sources, name, t
     # the data path cuts images as the checkpoint's processor does
     assert result["modules"]["vision"]["image"] == {"min_pixels": 1024, "max_pixels": 65536, "mean": [0.4, 0.5, 0.6],
                                                     "std": [0.2, 0.3, 0.25]}
+    # and videos as its video processor does
+    assert result["modules"]["vision"]["video"] == {"fps": 2.0, "min_frames": 4, "max_frames": 64, "min_pixels": 4096,
+                                                    "max_pixels": 1048576}
+    assert vision.video.max_pixels == 1048576 and vision.video_placeholder == "<|video_pad|>"
     assert vision.init.hf == path and llm.init.hf == path
     assert vision.arch == Qwen3VisionArch.from_hf_config(hf) and vision.arch.deepstack_layers == [0, 2]
     assert llm.arch == qwen3_vl_arch(hf) and llm.arch.deepstack_layers == [1, 3] and llm.arch.mrope_section == [4, 2, 2]

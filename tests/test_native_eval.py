@@ -437,6 +437,7 @@ def test_what_cannot_work_is_a_clear_error(config_path, checkpoint, capsys, tmp_
     # a second native tower of another spatial merge: one M-RoPE pack cannot place both
     sketch = {**cfg["modules"]["vision"], "placeholder": "<sketch>",
               "arch": {**cfg["modules"]["vision"]["arch"], "spatial_merge": 1}}
+    sketch.pop("video", None)  # (one tower at most takes videos)
     cfg["modules"] = {"vision": cfg["modules"]["vision"], "sketch": sketch, "language": cfg["modules"]["language"]}
     two = tmp_path / "two_towers.yaml"
     two.write_text(yaml.safe_dump(cfg, sort_keys=False))

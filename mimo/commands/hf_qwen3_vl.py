@@ -71,23 +71,41 @@ def qwen3_vl_modules(config: Mapping, path: str | None = None, vision: str = "vi
         image = processor_image_settings(path)
         if image:
             modules[vision]["image"] = image
+        video = processor_video_settings(path)
+        if video:
+            modules[vision]["video"] = video
     return modules
+
+
+def _json_or_empty(file: str) -> dict:
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        return json.load(f)
 
 
 def processor_image_settings(path: str) -> dict:
     """The tower's ``image`` section from the directory's ``preprocessor_config.json`` (the
     processor's pixel budget and normalisation; {} without one): the data path then cuts images
     as that processor does."""
-    file = os.path.join(path, "preprocessor_config.json")
-    if not os.path.isfile(file):
-        return {}
-    with open(file) as f:
-        pre = json.load(f)
+    pre = _json_or_empty(os.path.join(path, "preprocessor_config.json"))
     size = pre.get("size") or {}
     out = {"min_pixels": pre.get("min_pixels", size.get("shortest_edge")),
            "max_pixels": pre.get("max_pixels", size.get("longest_edge")),
            "mean": pre.get("image_mean"), "std": pre.get("image_std")}
     return {k: (list(v) if isinstance(v, (list, tuple)) else int(v)) for k, v in out.items() if v is not None}
+
+
+def processor_video_settings(path: str) -> dict:
+    """The tower's ``video`` section from the directory's ``video_preprocessor_config.json`` (frame
+    sampling and the pixel budget over all frames; {} without one: the tower then takes no videos)."""
+    pre = _json_or_empty(os.path.join(path, "video_preprocessor_config.json"))
+    size = pre.get("size") or {}
+    out = {"fps": pre.get("fps"), "min_frames": pre.get("min_frames"), "max_frames": pre.get("max_frames"),
+           "min_pixels": size.get("shortest_edge"), "max_pixels": size.get("longest_edge"),
+           "cap_pixels_per_frame": pre.get("cap_pixels_per_frame"), "max_video_tokens": pre.get("max_video_tokens")}
+    kinds = {"fps": float, "cap_pixels_per_frame": bool}
+    return {k: kinds.get(k, int)(v) for k, v in out.items() if v is not None}
 
 
 def _read_config(path: str) -> dict:

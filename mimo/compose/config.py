@@ -391,6 +391,15 @@ class MimoConfig:
             problems.append(f"modules: native-resolution encoders with different spatial merges ({found}) cannot share "
                             f"the M-RoPE LLM's 3-D positions (each pack places its images with one merge size): give "
                             f"them the same one")
+        videos = [name for name, enc in self.encoders.items() if enc.native and enc.video is not None]
+        if len(videos) > 1:
+            problems.append(f"modules: {' and '.join(f'modules.{n}.video' for n in videos)}: one tower at most takes "
+                            f"videos (each video file of a sample goes to one)")
+        placeholders = {e.placeholder for e in self.encoders.values()}
+        for name in videos:
+            if self.encoders[name].video_placeholder in placeholders:
+                problems.append(f"modules.{name}.video_placeholder: {self.encoders[name].video_placeholder!r} is an "
+                                f"encoder's image placeholder; give videos a text of their own")
         return problems
 
     def _cuda_graph_problems(self) -> list[str]:

@@ -7,6 +7,7 @@ from mimo.compose.config import MimoConfig
 from mimo.core.errors import DataError
 from mimo.data.index import TextSpec
 from mimo.data.native_images import NativeImageSpec, NativePlaceholder
+from mimo.data.native_video import NativeVideoSpec
 from mimo.encoders.config import NativeEncoderModuleConfig
 
 
@@ -20,7 +21,10 @@ def native_spec(enc: NativeEncoderModuleConfig) -> NativePlaceholder:
     a, im = enc.arch, enc.image
     image = NativeImageSpec(a.patch, a.temporal_patch, a.spatial_merge, im.min_pixels, im.max_pixels, tuple(im.mean),
                             tuple(im.std), a.channels)
-    return NativePlaceholder(enc.placeholder, image, enc.vision_start, enc.vision_end)
+    v = enc.video
+    video = None if v is None else NativeVideoSpec(v.fps, v.min_frames, v.max_frames, v.min_pixels, v.max_pixels,
+                                                   v.cap_pixels_per_frame, v.max_video_tokens)
+    return NativePlaceholder(enc.placeholder, image, enc.vision_start, enc.vision_end, video, enc.video_placeholder)
 
 
 def text_spec(config: MimoConfig) -> TextSpec:

@@ -63,7 +63,8 @@ def encoder_feeds(config: MimoConfig, grids: Mapping[str, ParallelGrid] | None =
         grid = grids[name] if grids is not None else enc.parallel.grid(config.world_size)
         width = config.bridge_width(name)
         if enc.native:
-            feeds.append(EncoderFeed(name, enc.placeholder, 0, None, grid, pixel_dtype, native_spec(enc).image,
+            spec = native_spec(enc)
+            feeds.append(EncoderFeed(name, enc.placeholder, 0, None, grid, pixel_dtype, spec.image, spec.row_frames,
                                      2 * enc.arch.hidden + enc.arch.mlp, bridge_width=width))
         else:
             feeds.append(EncoderFeed(name, enc.placeholder, enc.rows_per_image, image_spec(enc), grid, pixel_dtype,

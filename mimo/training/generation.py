@@ -88,6 +88,7 @@ class EncodedPrompt:
     # as the index holds a sample's (``mimo.data.index.Entry``)
     image_rows: dict[str, list[int]] = field(default_factory=dict)
     image_grids: dict[str, list[list[int]]] = field(default_factory=dict)
+    slot_files: dict[str, list[tuple[str, int, int]]] = field(default_factory=dict)  # (mimo.data.text.TokenizedSample's)
 
 
 @dataclass(frozen=True)
@@ -265,7 +266,7 @@ def encode_prompt(encoder, text: str, images: list[bytes], placeholders: Sequenc
     start, _ = last_answer(sample.target)
     image_grids = {p: [grids[p][f] for f in sample.image_files[p]] for p in grids}
     return EncodedPrompt(sample.tokens[:start], sample.image_starts, sample.image_files, list(images), sample.image_rows,
-                         image_grids)
+                         image_grids, sample.slot_files)
 
 
 class Generator:
@@ -432,7 +433,7 @@ class PromptReader:
         p = self.prompts[s.id]
         images = [decode_image(b) for b in p.images]
         # as SampleReader: one row per image (fixed size), one per patch (native: the image cut at its own size)
-        pixels = {f.name: SampleReader._pixels(f, [images[k] for k in p.image_files.get(f.placeholder, ())]) for f in self.feeds}
+        pixels = {f.name: SampleReader._pixels(f, p, images, [], []) for f in self.feeds}
         return ReadSample(PackItem(s.id, list(p.tokens), [False] * len(p.tokens), p.image_starts, image_rows=p.image_rows,
                                    image_grids=p.image_grids), pixels)
 
