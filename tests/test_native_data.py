@@ -333,6 +333,7 @@ WORLD_1 = ["world_size=1", "modules.vision.parallel.dp=1", "modules.vision.paral
 
 
 @needs_cuda
+@pytest.mark.timeout(900)  # train.compile recompiles for each step's lengths: ~230 s of the ~300 on an H100
 def test_native_vlm_trains_on_the_gpu_as_on_the_cpu(native):
     """On the GPU: the pipeline delivers the tower ``preprocess``'s rows bit for bit (``PatchNorm``
     looked up there) with the plan's grids, and 3 fp32 steps eager and with ``train.compile`` (the
