@@ -9,6 +9,11 @@ As flash-linear-attention's ``GatedDeltaNet`` / Qwen3-Next's ``linear_attn``:
          o = gated delta rule(q, k, v, g, beta)                               (state reset per sample)
          o = RMSNorm_per_head(o) * weight * SiLU(z) -> out_proj -> + h
 
+This is Qwen3-Next's and Qwen3.5's ``linear_attn`` exactly (``Qwen3NextGatedDeltaNet`` /
+``Qwen3_5GatedDeltaNet`` with their pre-norm, per sample, in fp32 and fp64, at TP and CP:
+tests/test_llm_qwen3_next_gdn_moe.py): their split or per-key-head grouped projections are rows
+of ``in_proj_weight`` in another order, mapped by ``mimo.llm.hf``'s rules (``gdn_layer_from_hf``).
+
 There may be more value heads than query/key heads (a multiple, like GQA): value head j
 reads q/k head ``j // (v_heads / heads)``. TP splits q/k heads and value heads alike, so a
 rank's value heads read only its own q/k heads. The output norm's weight ([v_head_dim]) is

@@ -80,6 +80,13 @@ state dict) and ``language_model_of`` (its checkpoints) are what the integration
   parameter: it is imported whole and exported from the state given to ``export_hf_state``
   (which must then hold it).
 
+**One layer's rules** (for families to come: Qwen3-Next, Qwen3.5, Qwen3.5-MoE; issue 48):
+``gdn_layer_pieces`` (their ``linear_attn``, with Qwen3-Next's per-key-head grouped projections
+shown as row blocks by ``qwen3_next_gdn_view`` and grouped again by ``qwen3_next_gdn_join``) and
+``moe_layer_pieces``, in the piece language above, one decoder layer at a time;
+``gdn_layer_from_hf`` / ``gdn_layer_to_hf`` and ``layer_state_from_hf`` / ``layer_state_to_hf`` run
+them on one layer's state through the same ``_Layout`` as whole models.
+
 Checkpoints are read lazily with safetensors: each rank reads only its own slice of each
 tensor its stage needs (``get_slice``, through the parameter's placement:
 ``mimo.parallel.placement.read_local``; a fused weight part by part, a stacked one expert by
@@ -101,9 +108,12 @@ import torch
 
 from mimo.core.errors import MimoError
 from mimo.llm import hf_nemotron_h
+from mimo.llm.blocks import build_layer
 from mimo.llm.config import HybridArch, MoEArch, RopeScaling
 from mimo.llm.lazy import StackedExperts, concat_reader
 from mimo.llm.model import LLMStage
+from mimo.llm.pattern import LayerSpec
+from mimo.parallel.params import param_table
 from mimo.parallel.placement import ParamPlacement, read_local, replicated
 
 log = logging.getLogger(__name__)
@@ -681,16 +691,25 @@ class _Layout:
     """Both directions of a family's mapping for one arch: each HF tensor's pieces and shape,
     each of our tensors' parts' sources (HF tensor, offset along the fused dim)."""
 
-    def __init__(self, arch: HybridArch, rename: Rename = _same, model_type: str | None = None):
-        self.model_type = hf_model_type(arch) if model_type is None else model_type
-        fam = family(self.model_type)
-        self.placements = full_placements(arch)
+    def __init__(self, arch: HybridArch | None, rename: Rename = _same, model_type: str | None = None, *,
+                 placements: Mapping[str, ParamPlacement] | None = None,
+                 tensor_pieces: Mapping[str, tuple[Piece, ...]] | None = None,
+                 unit_dim: Callable[[str], int | None] = _no_unit_dim):
+        """A family's layout of ``arch``; or, with ``arch`` None, the layout of ``tensor_pieces``
+        over ``placements`` (one layer's, say: ``layer_state_from_hf``)."""
+        export_view = _as_is
+        if arch is not None:
+            self.model_type = hf_model_type(arch) if model_type is None else model_type
+            fam = family(self.model_type)
+            placements, tensor_pieces = full_placements(arch), fam.tensor_pieces(arch, rename)
+            unit_dim, export_view = fam.unit_dim, fam.export_view
+        self.placements = dict(placements)
         self.hf: dict[str, _HFTensor] = {}
         self.sources: dict[str, dict[int, tuple[str, int]]] = {}  # ours -> part -> (HF name, offset)
-        for theirs, pieces in fam.tensor_pieces(arch, rename).items():
+        for theirs, pieces in tensor_pieces.items():
             pieces = (tuple(pieces),) if isinstance(pieces[0], str) else tuple(map(tuple, pieces))  # one (ours, part)
-            self.hf[theirs] = self._tensor(theirs, pieces, fam.unit_dim(theirs))
-        self.export_view = fam.export_view
+            self.hf[theirs] = self._tensor(theirs, pieces, unit_dim(theirs))
+        self.export_view = export_view
 
     def _tensor(self, theirs: str, pieces: tuple[Piece, ...], unit: int | None) -> _HFTensor:
         pls = []
@@ -821,7 +840,10 @@ def _load_checked_(stage: LLMStage, layout: _Layout, get: Getter) -> None:
 def from_hf_state(state: Mapping[str, torch.Tensor], arch: HybridArch, rename: Rename = _same,
                   model_type: str | None = None) -> dict[str, torch.Tensor]:
     """Our full canonical state from a Hugging Face state dict; check it first with ``check_hf_tensors``."""
-    layout = _Layout(arch, rename, model_type)
+    return _state_from_hf(_Layout(arch, rename, model_type), state)
+
+
+def _state_from_hf(layout: _Layout, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {ours: layout.reader(ours, state.__getitem__)(tuple(slice(0, n) for n in layout.placements[ours].full_shape))
             for ours in layout.sources}
 
@@ -831,7 +853,10 @@ def export_hf_state(full_state: Mapping[str, torch.Tensor], arch: HybridArch, re
     """Hugging Face state dict (as ``model.state_dict()`` has it) from our full canonical state
     (all stages merged, and the family's buffers; vocab padding is already stripped by
     ``full_state``)."""
-    layout = _Layout(arch, rename, model_type)
+    return _state_to_hf(_Layout(arch, rename, model_type), full_state)
+
+
+def _state_to_hf(layout: _Layout, full_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for theirs, t in layout.hf.items():
         pieces = []
@@ -843,6 +868,197 @@ def export_hf_state(full_state: Mapping[str, torch.Tensor], arch: HybridArch, re
         joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces, t.dim)
         out[theirs] = joined if t.unit is None else joined.unsqueeze(t.unit)
     return layout.export_view(out)
+
+
+# ---------------------------------------------------------------- one layer's rules: Qwen3-Next / Qwen3.5 (issue 48)
+#
+# For the qwen3_next / qwen3_5 / qwen3_5_moe families to come, in the piece language of the module
+# doc, one decoder layer at a time: Hugging Face names inside ``model.layers.{j}.``, ours inside
+# ``layers.{a}.`` (a family's ``tensor_pieces`` prefixes both). ``layer_state_from_hf`` /
+# ``layer_state_to_hf`` run such rules on one layer's state, through ``_Layout`` as whole models do.
+#
+# Gated DeltaNet (``linear_attn``; our ``G`` layer, ``mimo.llm.gdn``): ours are ``norm.weight`` (the
+# pre-norm, Hugging Face's ``input_layernorm``: zero-centred in both, ``arch.norm_zero_centred``),
+# ``mixer.in_proj_weight`` = q | k | v | z | b | a (parts 0-5, heads in order), ``mixer.conv_weight``
+# = q | k | v (parts 0-2; Hugging Face's ``conv1d.weight`` [C, 1, K]), ``mixer.dt_bias``,
+# ``mixer.A_log``, ``mixer.norm_weight`` (the gated output norm, ``linear_attn.norm.weight``: a
+# plain weight, ones, in both families) and ``mixer.out_proj.weight``.
+#
+#     qwen3_5     in_proj_qkv = q | k | v, in_proj_z, in_proj_b, in_proj_a: whole parts
+#     qwen3_next  in_proj_qkvz and in_proj_ba grouped per key head g (of H; r = v_heads / H value
+#                 heads each, value heads g*r .. g*r+r-1, as fix_query_key_value_ordering reads
+#                 them): qkvz rows [q_g (dk) | k_g (dk) | v_g (r*dv) | z_g (r*dv)] for g = 0 .. H-1,
+#                 ba rows [b_g (r) | a_g (r)]. ``qwen3_next_gdn_view`` shows each as its label
+#                 blocks ``in_proj_qkvz.weight:q`` (q_0 | q_1 | ..., our part 0) etc., lazily;
+#                 ``qwen3_next_gdn_join`` groups them again on export.
+#
+# The MoE block (Qwen3-Next, Qwen3.5-MoE) is Qwen2-MoE's: router ``mlp.gate``, fused experts, the
+# shared expert and its sigmoid ``shared_expert_gate`` (``moe_layer_pieces``).
+
+GDN_UNIT_DIM = {"linear_attn.conv1d.weight": 1}  # Hugging Face's [C, 1, K] is our [C, K]
+GDN_GROUPED = {"linear_attn.in_proj_qkvz.weight": "qkvz", "linear_attn.in_proj_ba.weight": "ba"}  # qwen3_next
+_GDN_IN_PART = {label: part for part, label in enumerate("qkvzba")}  # label -> part of mixer.in_proj_weight
+GDN_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+
+def gdn_layer_pieces(model_type: str, norm: bool = True) -> dict[str, tuple[Piece, ...]]:
+    """A ``linear_attn`` decoder layer's Gated DeltaNet tensors -> pieces of our ``G`` layer, in
+    Hugging Face's ``state_dict`` order (then ``input_layernorm``, with ``norm``)."""
+    if model_type not in GDN_MODEL_TYPES:
+        raise MimoError(f"no Gated DeltaNet rules for model_type {model_type!r} (known: {', '.join(GDN_MODEL_TYPES)})")
+    inp, la = "mixer.in_proj_weight", "linear_attn."
+    conv = {la + "conv1d.weight": tuple(("mixer.conv_weight", p) for p in range(3))}
+    head = {la + "dt_bias": (("mixer.dt_bias", 0),), la + "A_log": (("mixer.A_log", 0),)}
+    tail = {la + "norm.weight": (("mixer.norm_weight", 0),), la + "out_proj.weight": (("mixer.out_proj.weight", 0),)}
+    if model_type == "qwen3_next":
+        proj = {f"{name}:{label}": ((inp, _GDN_IN_PART[label]),) for name, labels in GDN_GROUPED.items() for label in labels}
+        out = {**head, **conv, **proj, **tail}
+    else:
+        proj = {la + "in_proj_qkv.weight": ((inp, 0), (inp, 1), (inp, 2)),
+                **{f"{la}in_proj_{x}.weight": ((inp, _GDN_IN_PART[x]),) for x in "zba"}}
+        out = {**head, **conv, **tail, **proj}
+    if norm:
+        out["input_layernorm.weight"] = (("norm.weight", 0),)
+    return out
+
+
+def gdn_grouped_rows(arch: HybridArch, name: str) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's grouped ``name`` (a ``GDN_GROUPED`` key, or a name ending with one): each
+    label's rows of it, in our order (key head 0's, then 1's, ...)."""
+    suffix = _grouped_suffix(name)
+    if suffix is None:
+        raise MimoError(f"{name!r} is not one of Qwen3-Next's grouped Gated DeltaNet tensors ({', '.join(GDN_GROUPED)})")
+    groups, r = arch.gdn_heads, arch.gdn_v_heads // arch.gdn_heads
+    dk, dv = arch.gdn_head_dim, arch.gdn_v_head_dim
+    size = {"q": dk, "k": dk, "v": r * dv, "z": r * dv, "b": r, "a": r}
+    labels = GDN_GROUPED[suffix]
+    block = sum(size[x] for x in labels)
+    out, lo = {}, 0
+    for x in labels:
+        out[x] = (torch.arange(groups)[:, None] * block + lo + torch.arange(size[x])).reshape(-1)
+        lo += size[x]
+    return out
+
+
+def _grouped_suffix(name: str) -> str | None:
+    return next((k for k in GDN_GROUPED if name == k or name.endswith("." + k)), None)
+
+
+class _RowsAt:
+    """The rows ``rows`` of a tensor (its other dims ``rest``), indexable by a tuple of slices:
+    reads each contiguous run of the rows asked for."""
+
+    def __init__(self, source, rows: torch.Tensor, rest: tuple[int, ...]):
+        self.source, self.rows, self.shape = source, rows, (len(rows), *rest)
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        want = self.rows[index[0]].tolist()
+        runs, start = [], 0
+        for i in range(1, len(want) + 1):
+            if i == len(want) or want[i] != want[i - 1] + 1:
+                runs.append(self.source[(slice(want[start], want[i - 1] + 1), *index[1:])])
+                start = i
+        return runs[0] if len(runs) == 1 else torch.cat(runs)
+
+
+def qwen3_next_gdn_view(arch: HybridArch, keys: Iterable[str], shapes: Mapping[str, tuple[int, ...]], get: Getter,
+                        source: str = "checkpoint") -> tuple[dict[str, tuple[int, ...]], Getter]:
+    """(shapes, get) with each grouped ``in_proj_qkvz`` / ``in_proj_ba`` tensor as its label
+    blocks (``gdn_layer_pieces``' names), lazily; everything else as it is. A grouped tensor of
+    the wrong shape is a MimoError naming it."""
+    out_shapes: dict[str, tuple[int, ...]] = {}
+    sources: dict[str, Callable[[], object]] = {}
+    for key in keys:
+        if _grouped_suffix(key) is None:
+            out_shapes[key], sources[key] = tuple(shapes[key]), (lambda key=key: get(key))
+            continue
+        rows = gdn_grouped_rows(arch, key)
+        need = (sum(len(r) for r in rows.values()), arch.hidden)
+        if tuple(shapes[key]) != need:
+            per_head = " | ".join(f"{x} {len(r) // arch.gdn_heads}" for x, r in rows.items())
+            raise MimoError(f"{source}: tensor {key!r} has shape {tuple(shapes[key])}, but the model needs {need} "
+                            f"({arch.gdn_heads} key heads of rows {per_head})")
+        for label, idx in rows.items():
+            out_shapes[f"{key}:{label}"] = (len(idx), arch.hidden)
+            sources[f"{key}:{label}"] = lambda key=key, idx=idx: _RowsAt(get(key), idx, (arch.hidden,))
+    return out_shapes, lambda name: sources[name]()
+
+
+def qwen3_next_gdn_join(state: Mapping[str, torch.Tensor], arch: HybridArch) -> dict[str, torch.Tensor]:
+    """``qwen3_next_gdn_view``'s inverse on export: each grouped tensor from its label blocks
+    (at the place of its first block); everything else as it is."""
+    out: dict[str, torch.Tensor | None] = {}
+    blocks: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in state.items():
+        real, sep, label = name.rpartition(":")
+        if not sep or _grouped_suffix(real) is None:
+            out[name] = t
+            continue
+        if real not in blocks:
+            blocks[real], out[real] = {}, None
+        blocks[real][label] = t
+    for real, parts in blocks.items():
+        rows = gdn_grouped_rows(arch, real)
+        if sorted(parts) != sorted(rows):
+            raise MimoError(f"export: {real!r} needs the blocks {', '.join(rows)}, got {', '.join(parts)}")
+        first = parts[next(iter(rows))]
+        joined = first.new_empty((sum(len(r) for r in rows.values()), *first.shape[1:]))
+        for label, idx in rows.items():
+            joined[idx] = parts[label]
+        out[real] = joined
+    return out
+
+
+def moe_layer_pieces(arch: HybridArch, experts_first: bool = False, norm: bool = True) -> dict[str, tuple[Piece, ...]]:
+    """A decoder layer's MoE tensors (``mlp.``: the decoder families' rules, ``_moe_pieces``) ->
+    pieces of our ``E`` layer, then ``post_attention_layernorm`` (with ``norm``)."""
+    strip = lambda ours: ours.format(m=0).removeprefix("layers.0.")  # noqa: E731
+    out = {theirs: tuple((strip(o), p) for o, p in pieces) for theirs, pieces in _moe_pieces(arch, experts_first)}
+    if norm:
+        out["post_attention_layernorm.weight"] = (("norm.weight", 0),)
+    return out
+
+
+def layer_placements(arch: HybridArch, kind: str) -> dict[str, ParamPlacement]:
+    """Full placements of one layer of ``kind`` (``LAYER_KINDS``' values) of ``arch``, by our
+    names inside the layer (built on the meta device)."""
+    with torch.device("meta"):
+        layer = build_layer(arch, LayerSpec(0, kind))
+    return {name: info.placement for name, info in param_table(layer).items()}
+
+
+def layer_state_from_hf(placements: Mapping[str, ParamPlacement], pieces: Mapping[str, tuple[Piece, ...]],
+                        state: Mapping[str, object], unit_dim: Callable[[str], int | None] = _no_unit_dim,
+                        source: str = "state") -> dict[str, torch.Tensor]:
+    """One layer's full state from its Hugging Face tensors (``state``: ``pieces``' names; each
+    a tensor or anything indexable by a tuple of slices), checked first (``check_hf_tensors``'
+    messages). Every value has a ``shape``."""
+    layout = _Layout(None, placements=placements, tensor_pieces=pieces, unit_dim=unit_dim)
+    _check(layout, {n: tuple(t.shape) for n, t in state.items()}, source)
+    return _state_from_hf(layout, state)
+
+
+def layer_state_to_hf(placements: Mapping[str, ParamPlacement], pieces: Mapping[str, tuple[Piece, ...]],
+                      state: Mapping[str, torch.Tensor], unit_dim: Callable[[str], int | None] = _no_unit_dim
+                      ) -> dict[str, torch.Tensor]:
+    """``layer_state_from_hf``'s inverse: Hugging Face tensors under ``pieces``' names."""
+    return _state_to_hf(_Layout(None, placements=placements, tensor_pieces=pieces, unit_dim=unit_dim), state)
+
+
+def gdn_layer_from_hf(state: Mapping[str, torch.Tensor], arch: HybridArch, model_type: str) -> dict[str, torch.Tensor]:
+    """Our ``G`` layer's full state from one Hugging Face decoder layer's Gated DeltaNet tensors
+    (names inside ``model.layers.{j}.``: ``linear_attn.*`` and ``input_layernorm.weight``)."""
+    pieces = gdn_layer_pieces(model_type)
+    if model_type == "qwen3_next":
+        shapes, get = qwen3_next_gdn_view(arch, state, {n: tuple(t.shape) for n, t in state.items()}, state.__getitem__)
+        state = {n: get(n) for n in shapes}
+    return layer_state_from_hf(layer_placements(arch, "gdn"), pieces, state, GDN_UNIT_DIM.get)
+
+
+def gdn_layer_to_hf(state: Mapping[str, torch.Tensor], arch: HybridArch, model_type: str) -> dict[str, torch.Tensor]:
+    """``gdn_layer_from_hf``'s inverse, in Hugging Face's ``state_dict`` order."""
+    out = layer_state_to_hf(layer_placements(arch, "gdn"), gdn_layer_pieces(model_type), state, GDN_UNIT_DIM.get)
+    return qwen3_next_gdn_join(out, arch) if model_type == "qwen3_next" else out
 
 
 # ---------------------------------------------------------------- checkpoints
