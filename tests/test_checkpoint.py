@@ -179,16 +179,23 @@ def _check_every_element_once(path: str, full: dict, trained: dict) -> None:
             assert int(count.sum()) == want.numel(), (module, name)  # the written regions add up to the full tensor
             assert bool((count == 1).all()), (module, name, f"elements written {int(count.min())}..{int(count.max())} times")
             assert torch.equal(got, want), (module, name)  # the right slices
-    # optimizer state: in each owner's file, beside its weights, the state of exactly its trained shards
-    models, optims = _files(path, "model"), _files(path, "optim")
-    for file, (meta, _) in models.items():
+    # optimizer state: in each owner's state file, beside its weights, the state of exactly its
+    # trained shards, each piece the whole local tensor, with the weights' placement record
+    models, states = _files(path, "model"), _files(path, "dopt")
+    for file, (meta, tensors) in models.items():
         wrote = set(json.loads(meta["placements"])) & trained.get(meta["module"], set())
-        optim = file.replace(".model.", ".optim.")
+        state = file.replace(".model.", ".dopt.")
         if meta["module"] in trained:
-            assert sorted(json.loads(optims[optim][0]["params"])) == sorted(wrote), file
+            shard = json.loads(states[state][0]["shard"])
+            assert sorted(shard["ranges"]) == sorted(wrote), file
+            for name in wrote:
+                assert shard["ranges"][name]["range"] == [0, tensors[name].numel()], (file, name)
+                assert shard["placements"][name] == json.loads(meta["placements"])[name], (file, name)
+                assert states[state][1][f"{name}.exp_avg"].numel() == tensors[name].numel(), (file, name)
         else:
-            assert optim not in optims, file
-    assert set(optims) <= {f.replace(".model.", ".optim.") for f in models}
+            assert state not in states, file
+    assert set(states) <= {f.replace(".model.", ".dopt.") for f in models}
+    assert not _files(path, "optim")  # (the format before)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -264,7 +271,7 @@ def _experts_case(root: str) -> dict:
     from mimo.parallel.grid import GroupRegistry, ParallelGrid
     from mimo.parallel.params import full_tensors, init_params_, param_table
     from mimo.parallel.placement import shard_full
-    from mimo.training.checkpoint import _Files, _Part, _read_optimizer, _read_part, _write_part
+    from mimo.training.checkpoint import _Files, _Part, _read_part, _write_part
 
     rank, registry = dist.get_rank(), GroupRegistry()
     ctx = ParallelContext(ParallelGrid({"tp": 2, "cp": 1, "dp": 2, "pp": 1}, registry=registry), rank, registry, expert=(2, 2))
@@ -286,9 +293,8 @@ def _experts_case(root: str) -> dict:
     dist.barrier()
     from contextlib import ExitStack
 
-    with ExitStack() as stack:
-        _read_part(parts[1], _Files(root, stack))
-    _read_optimizer(parts[1], opts[1], root)
+    with ExitStack() as stack:  # through the checkpoint's one reader, as load_checkpoint reads
+        _read_part(parts[1], opts[1], _Files(root, stack), sorted(os.listdir(root)), rank, same=True)
     want = _by_name_of(parts[0], opts[0])
     return {"mismatch": _same(want, _by_name_of(parts[1], opts[1])), "full": full_tensors(parts[0].table),
             "experts_coords": parts[0].table["experts"].coords}

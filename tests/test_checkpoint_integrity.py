@@ -28,11 +28,9 @@ DEMO = os.path.join(os.path.dirname(__file__), "..", "configs", "demo.yaml")
 LOG = "mimo.training.checkpoint"
 
 
-def _model(seed: int = 1):
-    """The demo model at world 1 (no processes) and its optimizers after one step (state to save)."""
+def demo_at_world_1(overrides: list[str]):
+    """The demo config at world 1 (no processes; synthetic data, nothing read), with ``overrides``."""
     from mimo.compose.config import config_from_dict
-    from mimo.compose.model import MimoModel
-    from mimo.training.optim import PrecisionPolicy, build_optimizers
 
     with open(DEMO) as f:
         cfg = yaml.safe_load(f)
@@ -40,7 +38,15 @@ def _model(seed: int = 1):
     cfg.pop("eval", None)
     for module in cfg["modules"].values():
         module.pop("parallel", None)
-    config = config_from_dict(cfg, [f"train.seed={seed}"])
+    return config_from_dict(cfg, overrides)
+
+
+def _model(seed: int = 1):
+    """The demo model at world 1 (no processes) and its optimizers after one step (state to save)."""
+    from mimo.compose.model import MimoModel
+    from mimo.training.optim import PrecisionPolicy, build_optimizers
+
+    config = demo_at_world_1([f"train.seed={seed}"])
     model = MimoModel(config, 0)
     optimizers = build_optimizers(model.train_params(), *config.optimizer_settings(), policy=PrecisionPolicy.named("fp32"))
     for p in model.train_params():
@@ -174,7 +180,7 @@ def test_a_resumed_run_keeps_the_good_checkpoint_until_keep_verified_ones_of_its
     for step in (10, 20, 30):
         save_checkpoint(model, optimizers, step, str(tmp_path), keep=3)
     for step in (20, 30):
-        _overwrite_in_place(os.path.join(ckpt.step_dir(str(tmp_path), step), "vision-rank00000.optim.safetensors"))
+        _overwrite_in_place(os.path.join(ckpt.step_dir(str(tmp_path), step), "vision-rank00000.dopt.safetensors"))
     assert usable_checkpoint(str(tmp_path))[0] == 10
     save_checkpoint(model, optimizers, 15, str(tmp_path), keep=3)
     assert _steps(tmp_path) == [10, 15, 20, 30]

@@ -2,11 +2,12 @@
 (torch's, its lists kept between steps)."""
 
 import copy
+import os
+from contextlib import ExitStack
 
 import pytest
 import torch
 
-from mimo.training.checkpoint import _load_optimizer, _save_optimizer
 from mimo.core.errors import CheckpointError
 from mimo.training.optim import AdamW, MasterWeightAdamW, PrecisionPolicy, TrainParam, build_optimizers
 
@@ -19,6 +20,33 @@ def _params(dtype, seed=0):
 
 def _groups(ps):
     return [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]
+
+
+def _part(ps):
+    """The checkpoint's view of the parameters ``ps`` (names ``0``, ``1``, ...: one module, world 1)."""
+    from mimo.parallel.params import param_table
+    from mimo.training.checkpoint import _Part
+
+    return _Part("m", param_table(torch.nn.ParameterList(ps)))
+
+
+def _save_state(opt, ps, directory) -> None:
+    """``opt``'s state of ``ps`` written as a checkpoint writes it (its weights beside it)."""
+    from mimo.training.checkpoint import _write_part
+
+    os.makedirs(directory, exist_ok=True)
+    _write_part(_part(ps), opt, str(directory), 0, 0)
+
+
+def _load_state(opt, ps, directory) -> None:
+    """``opt``'s state of ``ps`` read back from ``_save_state``'s files by the checkpoint's reader."""
+    from mimo.training.checkpoint import _Files, _read_state
+    from mimo.training.reshard import StoredModule
+
+    with ExitStack() as stack:
+        files = _Files(str(directory), stack)
+        stored = StoredModule(str(directory), sorted(os.listdir(directory)), "m", files.get)
+        _read_state(_part(ps), opt, stored, str(directory))
 
 
 def _run(opt, ps, steps, seed=1, skip=()):
@@ -72,11 +100,10 @@ def test_state_dict_round_trip_continues_exactly(tmp_path):
     _run(whole, a, 6)
     first = MasterWeightAdamW(_groups(b), lr=1e-3)
     _run(first, b, 3)
-    names = [f"p{i}" for i in range(len(b))]
-    _save_optimizer(first, names, str(tmp_path / "opt.safetensors"))
+    _save_state(first, b, tmp_path)
     c = [torch.nn.Parameter(torch.zeros_like(p)) for p in b]  # the weights come back from the masters
     second = MasterWeightAdamW(_groups(c), lr=1e-3)
-    _load_optimizer(second, names, str(tmp_path / "opt.safetensors"))
+    _load_state(second, c, tmp_path)
     assert all(second.state[p]["exp_avg"].dtype == torch.float32 for p in c)
     for x, y in zip(b, c):
         assert torch.equal(x, y)
@@ -98,10 +125,9 @@ def test_checkpoint_of_another_precision_is_refused(tmp_path):
     ps = _params(torch.bfloat16)
     pure = torch.optim.AdamW(_groups(ps), lr=1e-3)
     _run(pure, ps, 1)
-    names = [f"p{i}" for i in range(len(ps))]
-    _save_optimizer(pure, names, str(tmp_path / "opt.safetensors"))
+    _save_state(pure, ps, tmp_path)
     with pytest.raises(CheckpointError, match="AdamW.*MasterWeightAdamW.*precision"):
-        _load_optimizer(MasterWeightAdamW(_groups(ps), lr=1e-3), names, str(tmp_path / "opt.safetensors"))
+        _load_state(MasterWeightAdamW(_groups(ps), lr=1e-3), ps, tmp_path)
 
 
 @pytest.mark.parametrize("name, kind", [("fp32", AdamW), ("bf16", MasterWeightAdamW), ("bf16-pure", AdamW)])
@@ -132,7 +158,6 @@ def test_listed_adamw_equals_torch_adamw(kernel, dtype, tmp_path, monkeypatch):
                                                                           torch_step(self, *a, **k))[1])
     kept = [torch.zeros_like(p) for p in b]  # b's gradients live in these at some steps
     g = torch.Generator().manual_seed(3)
-    names = [f"p{i}" for i in range(len(b))]
     for i in range(9):
         for j, (p, q) in enumerate(zip(a, b)):
             grad = torch.randn(p.shape, generator=g).to(dtype)
@@ -150,8 +175,8 @@ def test_listed_adamw_equals_torch_adamw(kernel, dtype, tmp_path, monkeypatch):
         ref.step()
         opt.step()
         if i == 6:  # a state round trip through the checkpoint's optimizer file, into the same optimizer
-            _save_optimizer(opt, names, str(tmp_path / "opt.safetensors"))
-            _load_optimizer(opt, names, str(tmp_path / "opt.safetensors"))  # (new state tensors: lists kept from before would miss them)
+            _save_state(opt, b, tmp_path)
+            _load_state(opt, b, tmp_path)  # (new state tensors: lists kept from before would miss them)
         for x, y in zip(a, b):
             assert torch.equal(x, y), (i, kernel)
     for p, q in zip(a, b):

@@ -76,7 +76,7 @@ def tensors(run: Path, step: int) -> dict[str, dict[str, torch.Tensor]]:
     """The weights and optimizer states of a checkpoint, by file (its RNG files hold the global
     generators, which nothing seeds or draws from: they differ between any two runs)."""
     folder = run / "ckpt" / f"step-{step:08d}"
-    return {name: load_file(folder / name) for name in sorted(os.listdir(folder)) if name.endswith((".model.safetensors", ".optim.safetensors"))}
+    return {name: load_file(folder / name) for name in sorted(os.listdir(folder)) if name.endswith((".model.safetensors", ".dopt.safetensors"))}
 
 
 def assert_same(a: dict, b: dict) -> None:

@@ -24,7 +24,7 @@ _MODEL_KEY = re.compile(r"^modules\.[^.]+\.(kind|arch|projector)(\.|$)")  # what
 def convert_checkpoint(checkpoint: str, config_path: str, overrides: list[str], out: str, timeout_s: float = 900.0) -> dict:
     from mimo.training.checkpoint import check_layout, layout_of, read_meta, resolve_checkpoint, step_dir
     from mimo.training.launch import WorkerPool
-    from mimo.training.reshard import stored_kinds
+    from mimo.training.reshard import holds_state
 
     config = load_config(config_path, overrides)
     source = resolve_checkpoint(os.path.abspath(checkpoint))
@@ -40,7 +40,7 @@ def convert_checkpoint(checkpoint: str, config_path: str, overrides: list[str], 
         raise CheckpointError(f"--out {out}: would overwrite the checkpoint being converted ({source}); name another folder")
     if os.path.exists(target):
         raise CheckpointError(f"--out {out}: already holds {os.path.basename(target)}; name another folder (or remove it)")
-    with_state = sorted(m for m in config.modules if stored_kinds(meta["files"], m) & {"optim", "dopt"})
+    with_state = sorted(m for m in config.modules if holds_state(meta["files"], m))
     with WorkerPool(config.world_size, timeout_s=timeout_s) as pool:
         path = pool.run(_convert_rank, source, config_path, list(overrides), out, with_state)[0]
     print(f"wrote {path} (layout {layout_of(config)}), converted from {source}")

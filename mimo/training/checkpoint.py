@@ -5,7 +5,7 @@ Layout on disk (``train.checkpoint.dir``)::
     step-00000004/                          a complete checkpoint (the name is only ever renamed into place)
       meta.json                             step, the layout it was written at, files, the resolved config
       language-rank00002.model.safetensors  the language tensors rank 2 owns, each with its placement record
-      language-rank00002.optim.safetensors  AdamW state of those parameters, by parameter name
+      language-rank00002.dopt.safetensors   optimizer state of those parameters (or of rank 2's shards)
       vision-rank00000.model.safetensors
       rng-rank00003.safetensors             torch / Python / NumPy RNG of each rank
 
@@ -25,7 +25,15 @@ full shape, shards, sizes, coordinates, local shape) is stored in its file's met
 of its parameters in the file of that parameter's owner (its own shard coordinates and stage, 0
 on the replica axes), checks the stored record against its own, and copies the tensor in. A
 checkpoint records the layout it was written at; loading it at another layout reads each local
-tensor from the stored pieces that overlap it (``mimo.training.reshard``).
+tensor from the stored pieces that overlap it. Either way one reader reads every tensor
+(``mimo.training.reshard.StoredModule``).
+
+Optimizer state has one format, whatever the optimizer (``_state_file``): per parameter its flat
+local elements ``lo .. hi`` of ``master`` (where kept) / ``exp_avg`` / ``exp_avg_sq``, with the
+range, the step count and the placement record. A per-parameter optimizer (AdamW; AdamW on fp32
+masters) writes the whole range of each parameter its rank owns (the weights' rule); the
+distributed optimizer writes each rank's shard. Checkpoints written before this format hold a
+per-parameter optimizer's state in ``*.optim`` files: they still load.
 
 Checksums: every file is written by safetensors' ``save_file`` while helper threads compute the
 crc32 of the same bytes from the tensors' memory (``_write_tensors``; ``_safetensors_layout`` lays
@@ -74,11 +82,10 @@ import shutil
 import struct
 import time
 import zlib
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -93,6 +100,7 @@ from mimo.parallel.fp8 import fit_history
 from mimo.parallel.params import ParamInfo, param_table
 from mimo.parallel.placement import replicated
 from mimo.training.bucket_optim import BucketAdamW, finish_updates
+from mimo.training.reshard import STATE_FIELDS, STATE_KIND, StoredModule
 
 log = logging.getLogger("mimo.training.checkpoint")
 
@@ -665,27 +673,35 @@ def _write_tensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[s
     return {"crc32": _file_crc32(path, pool), "bytes": on_disk}
 
 
-def _optimizer_state(opt: torch.optim.Optimizer, names: list[str], only: set[str] | None = None,
-                     copy: Callable[[torch.Tensor], torch.Tensor] = _host_copy) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and metadata of ``opt``'s state file. ``names``: the optimizer's parameters in
-    state_dict order; ``only``: the ones whose state is written here (default: all)."""
-    tensors, scalars = {}, {}
-    for i, state in opt.state_dict()["state"].items():
-        if only is not None and names[i] not in only:
-            continue
-        for key, value in state.items():
-            if torch.is_tensor(value):
-                # a copy: entries may share memory (MasterWeightAdamW's group step count, buffer views)
-                tensors[f"{names[i]}/{key}"] = copy(value)
-            else:
-                scalars[f"{names[i]}/{key}"] = value
-    written = [n for n in names if only is None or n in only]
-    return tensors, {"optimizer": type(opt).__name__, "params": json.dumps(written), "scalars": json.dumps(scalars)}
-
-
-def _save_optimizer(opt: torch.optim.Optimizer, names: list[str], path: str, only: set[str] | None = None) -> None:
-    tensors, metadata = _optimizer_state(opt, names, only)
-    save_file(tensors, path, metadata=metadata)
+def _state_file(part: _Part, opt: torch.optim.Optimizer, copy: Callable[[torch.Tensor], torch.Tensor] = _host_copy
+                ) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """The tensors and metadata of this rank's optimizer-state file of ``part`` (the one format,
+    module doc): ``{name}.{field}`` 1-d pieces, and as ``shard`` each piece's range, step count
+    (``bucket``: the index of its count in ``steps``) and placement record. None: nothing to write."""
+    if isinstance(opt, BucketAdamW):  # its shards, by bucket
+        tensors, shard = opt.state_pieces(copy)
+        names = part.names_by_param()
+        records = {pc.name: part.table[names[id(pc.param)]].record() for s in opt.states for pc in s.pieces}
+    else:  # whole parameters, those this rank writes
+        tensors, shard, records = {}, {"ranges": {}, "steps": {}, "sharded": False, "fresh": []}, {}
+        for i, name in enumerate(_ordered_names(opt, part.names_by_param())):
+            state = opt.state.get(part.table[name].param)
+            if not part.writes(name):
+                continue
+            if not state:  # not stepped yet (no gradient so far): loads as it is, without state
+                shard["fresh"].append(name)
+                continue
+            for key in STATE_FIELDS:
+                if key in state:  # a copy: entries may share memory (MasterWeightAdamW's buffer views)
+                    tensors[f"{name}.{key}"] = copy(state[key].reshape(-1))
+            numel = part.table[name].param.numel()
+            shard["ranges"][name] = {"range": [0, numel], "numel": numel, "bucket": i}
+            shard["steps"][i] = float(state["step"])
+            records[name] = part.table[name].record()
+    if not shard["ranges"] and not shard.get("fresh"):
+        return None
+    shard["placements"] = {n: records[n] for n in shard["ranges"]}
+    return tensors, {"optimizer": type(opt).__name__, "shard": json.dumps(shard)}
 
 
 def _other_optimizer(path: str, written: str, opt: torch.optim.Optimizer) -> CheckpointError:
@@ -694,51 +710,6 @@ def _other_optimizer(path: str, written: str, opt: torch.optim.Optimizer) -> Che
         f"{path}: optimizer state of a {written}, this run uses a {type(opt).__name__} (train.precision changed between "
         "bf16 and bf16-pure?); resume with the precision it was written with, or start from its weights with "
         "train.init_from")
-
-
-def _load_optimizer(opt: torch.optim.Optimizer, names: list[str], files: str | Mapping[str, str],
-                    known: Mapping[str, set[str]] | None = None) -> None:
-    """Load the state of ``names`` (the optimizer's parameters in state_dict order) from
-    ``files``: one path, or the path of each name's owner file. ``known``: per path, the names
-    of this rank's model whose state would be there (trained now or not): a name the file holds
-    state for that is among them but not trained now means freezing changed. Default: every
-    name in the file."""
-    files = dict.fromkeys(names, files) if isinstance(files, str) else files
-    by_file: dict[str, list[str]] = defaultdict(list)
-    for name in names:
-        by_file[files[name]].append(name)
-    index = {n: i for i, n in enumerate(names)}
-    state: dict[int, dict] = defaultdict(dict)
-    missing, unexpected, where = [], [], None
-    for path, wanted in by_file.items():
-        if not os.path.isfile(path):
-            raise CheckpointError(f"{path}: missing; no optimizer state for these parameters (were they frozen when the checkpoint was written?)")
-        with open_tensors(path) as f:
-            meta = f.metadata()
-            if meta.get("optimizer", type(opt).__name__) != type(opt).__name__:
-                raise _other_optimizer(path, meta["optimizer"], opt)
-            saved = set(json.loads(meta["params"]))
-            missing += [n for n in wanted if n not in saved]
-            unexpected += sorted((saved if known is None else saved & set(known.get(path, ()))) - set(names))
-            if (missing or unexpected) and where is None:
-                where = path
-            take = set(wanted)
-            for key in f.keys():
-                name, field = key.rsplit("/", 1)
-                if name in take:
-                    state[index[name]][field] = f.get_tensor(key)
-        for key, value in json.loads(meta["scalars"]).items():
-            name, field = key.rsplit("/", 1)
-            if name in take:
-                state[index[name]][field] = value
-    if where is not None:
-        raise CheckpointError(
-            f"{where}: optimizer state is for other parameters (not in the checkpoint: {sorted(missing)[:3]}, "
-            f"not trained now: {sorted(unexpected)[:3]}); did freezing change?"
-        )
-    sd = opt.state_dict()
-    sd["state"] = dict(state)
-    opt.load_state_dict(sd)
 
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -790,13 +761,12 @@ _File = tuple[str, dict[str, torch.Tensor], dict[str, str]]
 def _part_files(part: _Part, opt: torch.optim.Optimizer | None, rank: int, step: int,
                 copy: Callable[[torch.Tensor], torch.Tensor] = _host_copy) -> Iterator[_File]:
     """This rank's files of ``part``, each copied when asked for (a synchronous save holds one
-    file's copy at a time): the tensors it owns with their placement records, and their
-    optimizer state (none where it owns nothing); a bucketed optimizer's shard, every rank."""
-    if isinstance(opt, BucketAdamW):
-        yield (_file(part.module, rank, "dopt"), *_bucket_optimizer_state(opt, part, copy))
-        opt = None
+    file's copy at a time): the tensors it owns with their placement records, and its optimizer
+    state (``_state_file``: that of those tensors, or its shards)."""
     names = [n for n in part.table if part.writes(n)]
     if not names:
+        if opt is not None and (state := _state_file(part, opt, copy)) is not None:  # (a shard of replicas)
+            yield (_file(part.module, rank, STATE_KIND), *state)
         return
     stray = [n for n in names if part.owner(n) != rank]
     if stray:  # a parameter whose context does not place this rank where the module's grid does
@@ -806,9 +776,8 @@ def _part_files(part: _Part, opt: torch.optim.Optimizer | None, rank: int, step:
     records = {n: part.table[n].record() for n in names}
     yield _file(part.module, rank, "model"), tensors, {"module": part.module, "step": str(step), "rank": str(rank),
                                                        "placements": json.dumps(records)}
-    if opt is not None:
-        yield (_file(part.module, rank, "optim"),
-               *_optimizer_state(opt, _ordered_names(opt, part.names_by_param()), set(names), copy))
+    if opt is not None and (state := _state_file(part, opt, copy)) is not None:
+        yield (_file(part.module, rank, STATE_KIND), *state)
 
 
 def _rank_files(model: MimoModel, optimizers: dict[str, torch.optim.Optimizer], step: int,
@@ -928,7 +897,7 @@ def save_checkpoint(model: MimoModel, optimizers: dict[str, torch.optim.Optimize
 
 
 class _Files:
-    """The model files of a checkpoint, each opened once, with its placement records."""
+    """The files of a checkpoint, each opened once, with its placement records (a model file's)."""
 
     def __init__(self, path: str, stack: ExitStack):
         self.path, self._stack = path, stack
@@ -961,10 +930,10 @@ def _fit_optional(name: str, saved: torch.Tensor, shape, where: str) -> torch.Te
     return fitted
 
 
-@torch.no_grad()
-def _read_part(part: _Part, files: _Files) -> None:
-    """Copy each parameter of ``part`` in from its owner's file, after checking its placement
-    record; a file of this rank's own stage must hold nothing this module does not have."""
+def _check_records(part: _Part, files: _Files) -> None:
+    """At the checkpoint's own layout: each parameter of ``part`` is in its owner's file with this
+    rank's placement record and shape, and a file of this rank's own stage holds nothing this
+    module does not have (reads headers only; ``_read_weights`` then reads the tensors)."""
     own_stage: set[str] = set()
     for name, info in part.table.items():
         file = _file(part.module, part.owner(name), "model")
@@ -972,20 +941,16 @@ def _read_part(part: _Part, files: _Files) -> None:
             own_stage.add(file)
         f, records = files.get(file)
         where = f"{os.path.join(files.path, file)}: does not fit module {part.module!r}"
+        if optional_state(name):  # absent: starts empty; at another shape: fitted (``_read_weights``)
+            continue
         if name not in records:
-            if optional_state(name):
-                continue
             raise CheckpointError(f"{where}: no tensor {name!r}")
         mine = info.record()
         if records[name] != mine:
-            if optional_state(name):  # stored at another shape: fitted
-                info.param.copy_(_fit_optional(name, f.get_tensor(name), info.param.shape, where))
-                continue
             raise CheckpointError(f"{where}: {name!r} was written with placement {records[name]}, this rank holds {mine}")
-        t = f.get_tensor(name)
-        if tuple(t.shape) != tuple(info.param.shape):
-            raise CheckpointError(f"{where}: {name!r} has shape {tuple(t.shape)}, this rank holds {tuple(info.param.shape)}")
-        info.param.copy_(t)  # converts dtype and device
+        shape = tuple(f.get_slice(name).get_shape())
+        if shape != tuple(info.param.shape):
+            raise CheckpointError(f"{where}: {name!r} has shape {shape}, this rank holds {tuple(info.param.shape)}")
     for file in sorted(own_stage):
         extra = sorted(n for n in set(files.get(file)[1]) - set(part.table) if not optional_state(n))
         if extra:
@@ -993,38 +958,21 @@ def _read_part(part: _Part, files: _Files) -> None:
                                   f"unexpected tensors {extra[:3]}{' ...' if len(extra) > 3 else ''}")
 
 
-def _bucket_optimizer_state(opt: BucketAdamW, part: _Part,
-                            copy: Callable[[torch.Tensor], torch.Tensor] = _host_copy) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and metadata of a ``BucketAdamW``'s shard file: its pieces of every parameter
-    with the flat range they cover, and the parameters' placement records (``mimo.training.bucket_optim``)."""
-    tensors, meta = opt.state_pieces(copy)
-    names = part.names_by_param()
-    meta["placements"] = {pc.name: part.table[names[id(pc.param)]].record() for s in opt.states for pc in s.pieces
-                          if pc.name in meta["ranges"]}
-    return tensors, {"optimizer": type(opt).__name__, "shard": json.dumps(meta)}
-
-
-def _read_optimizer(part: _Part, opt: torch.optim.Optimizer, path: str) -> None:
-    """The state of each parameter ``opt`` trains, from its owner's file."""
-    owner_file = {n: os.path.join(path, _file(part.module, part.owner(n), "optim")) for n in part.table}
-    known: dict[str, set[str]] = defaultdict(set)  # per file: this rank's names whose state it would hold
-    for n, file in owner_file.items():
-        known[file].add(n)
-    names = _ordered_names(opt, part.names_by_param())
-    _load_optimizer(opt, names, {n: owner_file[n] for n in names}, known)
+def _owner_files(part: _Part, rank: int) -> set[str]:
+    """At the checkpoint's own layout, the files that hold what this rank reads of ``part``: its
+    owners' model and optimizer-state files (either format), and its own state file (a shard)."""
+    owners = {part.owner(n) for n in part.table} | {rank}
+    return {_file(part.module, r, kind) for r in owners for kind in ("model", STATE_KIND, "optim")}
 
 
 def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.optim.Optimizer] | None = None,
                     rng: bool = True) -> dict:
     """Restore this rank's model shards (and optimizer states, RNG) from the checkpoint at
-    ``path``; returns its meta. At the checkpoint's layout each tensor is copied in from its
-    owner's file; at another one (and for a bucketed optimizer's state, or a plain optimizer's
-    from one: their flat ranges follow the buckets) every tensor is assembled from the stored
-    pieces that overlap it (``mimo.training.reshard``). Missing or unfitting files are a
-    CheckpointError. Every rank of the world calls it (a resharded load checks, world-wide,
-    that every stored tensor found a reader)."""
-    from mimo.training.reshard import StoredModule, stored_kinds
-
+    ``path``; returns its meta. Every tensor is assembled from the stored pieces that overlap it
+    (``mimo.training.reshard.StoredModule``, the one reader): at the checkpoint's layout from its
+    owners' files, after checking their placement records (``_check_records``); at another one
+    from whichever files hold it. Missing or unfitting files are a CheckpointError. Every rank of
+    the world calls it (a resharded load checks, world-wide, that every stored tensor found a reader)."""
     meta = read_meta(path)
     same = check_layout(meta, model.config, path)
     missing = [f for f in meta["files"] if not os.path.isfile(os.path.join(path, f))]
@@ -1034,23 +982,8 @@ def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.opt
     stored: dict[str, StoredModule] = {}
     with ExitStack() as stack:
         files = _Files(path, stack)
-
-        def pieces(module: str) -> StoredModule:
-            if module not in stored:
-                stored[module] = StoredModule(path, meta["files"], module, files.get)
-            return stored[module]
-
         for module, part in parts.items():
-            if same:
-                _read_part(part, files)
-            else:
-                _reshard_part(part, pieces(module))
-        for module, opt in (optimizers or {}).items():
-            bucketed = isinstance(opt, BucketAdamW) or "dopt" in stored_kinds(meta["files"], module)
-            if same and not bucketed:
-                _read_optimizer(parts[module], opt, path)
-            else:
-                _reshard_optimizer(parts[module], opt, pieces(module), path)
+            stored[module] = _read_part(part, (optimizers or {}).get(module), files, meta["files"], model.rank, same)
     if not same:
         _check_all_read({m: set(p.table) for m, p in parts.items()}, {m: s.names() for m, s in stored.items()}, path)
     if rng:
@@ -1060,8 +993,21 @@ def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.opt
     return meta
 
 
+def _read_part(part: _Part, opt: torch.optim.Optimizer | None, files: _Files, names: list[str], rank: int,
+               same: bool) -> StoredModule:
+    """``part``'s weights (and ``opt``'s state) from the checkpoint's files (``names``: its file
+    list) through its module's reader, which it returns; ``same``: at the checkpoint's layout."""
+    if same:
+        _check_records(part, files)
+    stored = StoredModule(files.path, names, part.module, files.get, first=_owner_files(part, rank) if same else None)
+    _read_weights(part, stored)
+    if opt is not None:
+        _read_state(part, opt, stored, files.path)
+    return stored
+
+
 @torch.no_grad()
-def _reshard_part(part: _Part, stored) -> None:
+def _read_weights(part: _Part, stored: StoredModule) -> None:
     for name, info in part.table.items():
         if optional_state(name):
             shape = stored.full_shape(name)
@@ -1075,22 +1021,31 @@ def _reshard_part(part: _Part, stored) -> None:
 
 
 @torch.no_grad()
-def _reshard_optimizer(part: _Part, opt: torch.optim.Optimizer, stored, path: str) -> None:
-    """``opt``'s state for ``part``'s parameters at this rank's layout, from the stored pieces."""
+def _read_state(part: _Part, opt: torch.optim.Optimizer, stored: StoredModule, path: str) -> None:
+    """``opt``'s state for ``part``'s parameters at this rank's layout, from the stored pieces;
+    state of parameters not trained now, or none of ones that are, is a freezing change."""
     from mimo.training.optim import MasterWeightAdamW
 
-    infos = {name: part.table[name] for name in part.names_by_param().values()}
+    by_param = part.names_by_param()
+    trained = ({by_param[id(pc.param)] for s in opt.states for pc in s.pieces} if isinstance(opt, BucketAdamW)
+               else set(_ordered_names(opt, by_param)))
+    untrained = sorted(n for n in part.table if n not in trained and stored.holds_state(n))
+    absent = sorted(n for n in trained if n not in stored.fresh and not stored.has(n, "exp_avg"))
+    if untrained or absent:
+        raise CheckpointError(f"{path}: optimizer state is for other parameters (not in the checkpoint: {absent[:3]}, "
+                              f"not trained now: {untrained[:3]}); did freezing change?")
+    infos = {name: part.table[name] for name in by_param.values()}
     if isinstance(opt, BucketAdamW):
         opt.load_local_states(lambda n: stored.adam_state(n, infos[n], master=True), stored.step, path)
         return
     clash = stored.optimizers - {type(opt).__name__, "BucketAdamW"}
     if clash:
         raise _other_optimizer(path, sorted(clash)[0], opt)
-    names = _ordered_names(opt, part.names_by_param())
+    names = _ordered_names(opt, by_param)
     master = isinstance(opt, MasterWeightAdamW)
     sd = opt.state_dict()
     sd["state"] = {i: {**stored.adam_state(n, infos[n], master), "step": torch.tensor(stored.step(n), dtype=torch.float32)}
-                   for i, n in enumerate(names)}
+                   for i, n in enumerate(names) if n not in stored.fresh}
     opt.load_state_dict(sd)
 
 

@@ -1,10 +1,15 @@
-"""Loading a checkpoint written at another layout: each local tensor assembled from the stored pieces that overlap it.
+"""The checkpoint reader: each local tensor (weights, optimizer state) assembled from the stored pieces that overlap it.
 
-Every stored tensor carries the placement record of the local tensor it was (``ParamInfo.record``:
-full shape, the axes that split which dims, their sizes and the writer's coordinates): model
-weights and persistent buffers in ``*.model`` files, AdamW / master-weight AdamW state in the
-``*.optim`` file beside its owner's model file (so with the same records), a bucketed optimizer's
-flat ranges of each local tensor in ``*.dopt`` files (with the records too). From a record,
+``StoredModule`` is the one reader of a module's tensors, at the checkpoint's own layout (it then
+opens only the files that layout points to: ``first``) or at another. Every stored tensor carries
+the placement record of the local tensor it was (``ParamInfo.record``: full shape, the axes that
+split which dims, their sizes and the writer's coordinates): model weights and persistent buffers
+in ``*.model`` files; optimizer state in ``*.dopt`` files, the one format written now (each
+parameter's flat local elements ``lo .. hi`` of ``master`` / ``exp_avg`` / ``exp_avg_sq``, with the
+records, the ranges and the step counts: a range is the whole tensor but under the distributed
+optimizer's shards). Checkpoints written before hold the state of a per-parameter optimizer in
+``*.optim`` files (``{name}/{field}`` beside the owner's model file, whose records it uses): still
+read. From a record,
 ``ParamPlacement.runs`` names the regions of the full tensor a piece holds; the reader asks the
 same of the tensor it needs at the new layout and copies every intersection, reading only those
 elements (safetensors slices). The elements copied are counted: every needed one covered exactly
@@ -39,6 +44,8 @@ from mimo.parallel.placement import ParamPlacement
 Index = tuple[slice, ...]
 FILE = re.compile(r"^(?P<module>.+)-rank(?P<rank>\d{5})\.(?P<kind>model|optim|dopt)\.safetensors$")
 MOMENTS = ("exp_avg", "exp_avg_sq")
+STATE_FIELDS = ("master", *MOMENTS)
+STATE_KIND = "dopt"  # the optimizer-state files written now; "optim": per-parameter state of checkpoints before
 
 
 def _module_files(files: list[str], module: str) -> list[tuple[str, int, str]]:
@@ -46,9 +53,9 @@ def _module_files(files: list[str], module: str) -> list[tuple[str, int, str]]:
     return [(m["kind"], int(m["rank"]), name) for name in files if (m := FILE.match(name)) and m["module"] == module]
 
 
-def stored_kinds(files: list[str], module: str) -> set[str]:
-    """Which kinds of tensor file (``model``, ``optim``, ``dopt``) a checkpoint holds for ``module``."""
-    return {kind for kind, _, _ in _module_files(files, module)}
+def holds_state(files: list[str], module: str) -> bool:
+    """Whether a checkpoint (its ``files``) holds optimizer state of ``module`` (either format)."""
+    return any(kind != "model" for kind, _, _ in _module_files(files, module))
 
 
 def _region_numel(index: Index) -> int:
@@ -98,8 +105,8 @@ def _slice_reader(f, key: str):
 
 @dataclass
 class _FlatParts:
-    """A bucketed optimizer's pieces of one local tensor (one record): each ``*.dopt`` file holds
-    its flat elements ``lo .. hi``; joined on first read."""
+    """An optimizer's pieces of one local tensor (one record): each ``*.dopt`` file holds its
+    flat elements ``lo .. hi`` (all of them, but under the distributed optimizer); joined on first read."""
 
     shape: tuple[int, ...]
     where: str
@@ -130,65 +137,111 @@ class StoredModule:
     """Every stored tensor of one module of a checkpoint by (name, field): ``param`` (weights and
     persistent buffers), ``master``, ``exp_avg``, ``exp_avg_sq``; each name's optimizer step
     count; the optimizer classes that wrote state. ``open_file(name) -> (safe_open handle,
-    placements of a model file)`` opens a file of the checkpoint once."""
+    placements of a model file)`` opens a file of the checkpoint once. ``first``: the files to
+    index first (at the checkpoint's own layout, those of this rank's owners); the module's other
+    files are indexed only when a tensor or step count is not found in them (``_widen``)."""
 
-    def __init__(self, path: str, files: list[str], module: str, open_file):
-        self.path, self.module = path, module
+    def __init__(self, path: str, files: list[str], module: str, open_file, first: set[str] | None = None):
+        self.path, self.module, self._open = path, module, open_file
         self.sources: dict[tuple[str, str], list] = defaultdict(list)
         self.steps: dict[str, float] = {}
+        self.fresh: set[str] = set()  # trained when written, but not stepped yet: no state
         self.optimizers: set[str] = set()
-        flat: dict[tuple[str, str, str], _FlatParts] = {}
+        self._flat: dict[tuple[str, str, str], _FlatParts] = {}
         self._joined: dict[str, list[_FlatParts]] = defaultdict(list)  # per name: its joined pieces (freed after use)
-        for kind, rank, name in sorted(_module_files(files, module)):  # dopt, model, optim
-            f, records = open_file(name)
-            where = f"{path}/{name}"
+        self._rest = sorted(_module_files(files, module))  # (kind, rank, file) not indexed yet: dopt, model, optim
+        self._index(lambda name: first is None or name in first)
+
+    def _index(self, take) -> None:
+        """Index the files not indexed yet whose name ``take`` accepts."""
+        now = [f for f in self._rest if take(f[2])]
+        self._rest = [f for f in self._rest if not take(f[2])]
+        for kind, _, name in now:
+            f, records = self._open(name)
+            where = f"{self.path}/{name}"
             if kind == "model":
                 for key, rec in records.items():
                     self.sources[(key, "param")].append(_Source.of(rec, _slice_reader(f, key), where))
             elif kind == "optim":
-                _, model_records = open_file(name.replace(".optim.", ".model."))
-                self.optimizers.add(f.metadata().get("optimizer", "AdamW"))
-                for key in f.keys():
-                    pname, fieldname = key.rsplit("/", 1)
-                    if fieldname == "step":
-                        self.steps[pname] = float(f.get_tensor(key))
-                    elif pname in model_records:
-                        self.sources[(pname, fieldname)].append(_Source.of(model_records[pname], _slice_reader(f, key), where))
-                    else:
-                        raise CheckpointError(f"{where}: optimizer state of {pname!r} without its weights in the model file")
-                for key, value in json.loads(f.metadata().get("scalars", "{}")).items():
-                    pname, fieldname = key.rsplit("/", 1)
-                    if fieldname == "step":
-                        self.steps[pname] = float(value)
-            else:  # dopt: pieces of each parameter's flat local tensor
-                meta = json.loads(f.metadata()["shard"])
-                self.optimizers.add("BucketAdamW")
-                for pname, got in meta["ranges"].items():
-                    rec = meta["placements"][pname]
-                    self.steps[pname] = float(meta["steps"][str(got["bucket"])])
-                    lo, hi = got["range"]
-                    for fieldname in ("master", *MOMENTS):
-                        key = (pname, fieldname, repr(sorted(rec["coords"].items())))
-                        if key not in flat:
-                            flat[key] = _FlatParts(tuple(rec["local_shape"]), where)
-                            self._joined[pname].append(flat[key])
-                            self.sources[(pname, fieldname)].append(_Source.of(rec, flat[key].read, where))
-                        flat[key].parts.append((lo, hi, lambda f=f, k=f"{pname}.{fieldname}": f.get_tensor(k)))
+                self._index_legacy(f, name, where)
+            else:
+                self._index_state(f, where)
+
+    def _index_state(self, f, where: str) -> None:
+        """A ``*.dopt`` file: pieces of each parameter's flat local tensor, joined on first read."""
+        meta = json.loads(f.metadata()["shard"])
+        self.optimizers.add(f.metadata().get("optimizer", "BucketAdamW"))
+        keys = set(f.keys())
+        self.fresh.update(meta.get("fresh", ()))
+        for pname, got in meta["ranges"].items():
+            rec = meta["placements"][pname]
+            self.steps[pname] = float(meta["steps"][str(got["bucket"])])
+            lo, hi = got["range"]
+            for fieldname in STATE_FIELDS:
+                if f"{pname}.{fieldname}" not in keys:  # (no master: the weights are the master)
+                    continue
+                key = (pname, fieldname, repr(sorted(rec["coords"].items())))
+                if key not in self._flat:
+                    self._flat[key] = _FlatParts(tuple(rec["local_shape"]), where)
+                    self._joined[pname].append(self._flat[key])
+                    self.sources[(pname, fieldname)].append(_Source.of(rec, self._flat[key].read, where))
+                self._flat[key].parts.append((lo, hi, lambda f=f, k=f"{pname}.{fieldname}": f.get_tensor(k)))
+
+    def _index_legacy(self, f, name: str, where: str) -> None:
+        """A ``*.optim`` file (checkpoints before the one state format): ``{name}/{field}`` whole
+        local tensors, placed by the records of the model file beside it."""
+        _, model_records = self._open(name.replace(".optim.", ".model."))
+        self.optimizers.add(f.metadata().get("optimizer", "AdamW"))
+        for key in f.keys():
+            pname, fieldname = key.rsplit("/", 1)
+            if fieldname == "step":
+                self.steps[pname] = float(f.get_tensor(key))
+            elif pname in model_records:
+                self.sources[(pname, fieldname)].append(_Source.of(model_records[pname], _slice_reader(f, key), where))
+            else:
+                raise CheckpointError(f"{where}: optimizer state of {pname!r} without its weights in the model file")
+        for key, value in json.loads(f.metadata().get("scalars", "{}")).items():
+            pname, fieldname = key.rsplit("/", 1)
+            if fieldname == "step":
+                self.steps[pname] = float(value)
+        self.fresh.update(n for n in json.loads(f.metadata().get("params", "[]")) if n not in self.steps)
+
+    def _widen(self) -> bool:
+        """Index every file of the module not indexed yet; whether there was one."""
+        if not self._rest:
+            return False
+        self._index(lambda name: True)
+        return True
 
     def names(self) -> set[str]:
+        self._widen()
         return {n for n, fieldname in self.sources if fieldname == "param"}
 
     def has(self, name: str, fieldname: str) -> bool:
-        return (name, fieldname) in self.sources
+        return (name, fieldname) in self.sources or (self._widen() and (name, fieldname) in self.sources)
+
+    def holds_state(self, name: str) -> bool:
+        """Whether the files indexed so far hold optimizer state of ``name``, or say it had none
+        yet (``fresh``); widens nothing."""
+        return name in self.steps or name in self.fresh
 
     def full_shape(self, name: str) -> tuple[int, ...] | None:
         """The stored full shape of ``name`` (None: not stored)."""
-        sources = self.sources.get((name, "param"))
+        sources = self.sources.get((name, "param")) or (self._widen() and self.sources.get((name, "param")))
         return tuple(sources[0].placement.full_shape) if sources else None
 
     def read(self, name: str, fieldname: str, info, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``name``'s ``fieldname`` as the local tensor of ``info`` (a ``ParamInfo``: placement,
-        sizes, coordinates at the new layout), zeros in padding."""
+        sizes, coordinates at the new layout), zeros in padding. What the files indexed so far
+        do not cover is looked for in the rest (``_widen``) before it is an error."""
+        try:
+            return self._read(name, fieldname, info, dtype)
+        except CheckpointError:
+            if not self._widen():
+                raise
+            return self._read(name, fieldname, info, dtype)
+
+    def _read(self, name: str, fieldname: str, info, dtype: torch.dtype | None) -> torch.Tensor:
         sources = self.sources.get((name, fieldname))
         what = f"{self.path}: module {self.module!r}"
         if not sources:
@@ -220,7 +273,7 @@ class StoredModule:
         return out if out is not None else torch.zeros(mine.local_shape(sizes), dtype=dtype or torch.float32)
 
     def step(self, name: str) -> float:
-        if name not in self.steps:
+        if name not in self.steps and not (self._widen() and name in self.steps):
             raise CheckpointError(f"{self.path}: module {self.module!r}: no optimizer step count of {name!r} "
                                   f"(were its parameters frozen when the checkpoint was written?)")
         return self.steps[name]
