@@ -1,5 +1,6 @@
-"""Shared fixtures: ``pools(N)`` gives an N-rank gloo worker pool, started once per test module
-(``session_pools(N)``: once per session, for the modules that share theirs);
+"""Shared fixtures: ``pools(N)`` gives an N-rank gloo worker pool, started once per test module,
+or once per session for the common sizes (``SHARED_SIZES``; ``session_pools(N)``: once per
+session at every size, for the modules that share all theirs);
 ``write_demo_config`` writes the demo config over fresh demo shards, ``write_moe_configs``
 tests/configs/moe_{tp,pp}.yaml over them; ``with indexes_here():`` builds their data indexes in
 this process; ``mimo_here(*argv)`` runs a ``mimo`` command line in this process. Helper modules
@@ -37,14 +38,46 @@ def _started_pools():
         for pool in started.values():
             pool.close()
 
+    get.started = started  # the pools started so far, by size
     return get, close
 
 
+RECYCLE_THREADS = 256  # a shared pool whose rank holds more threads than this is restarted
+
+
+def _threads(pool: WorkerPool) -> int:
+    """The most threads a rank of ``pool`` holds (0 where /proc does not tell): the process
+    groups that cases create stay for the life of the process, with their threads and sockets."""
+    most = 0
+    for p in pool._procs:
+        try:
+            most = max(most, len(os.listdir(f"/proc/{p.pid}/task")))
+        except OSError:
+            pass
+    return most
+
+
+SHARED_SIZES = (1, 2, 4)  # the pool sizes most modules use: started once for the session
+
+
 @pytest.fixture(scope="module")
-def pools():
+def pools(session_pools):
+    """``pools(N)``: an N-rank pool for this module's cases. The sizes most modules use
+    (``SHARED_SIZES``) are the session's (``session_pools``: their processes started once, not
+    once per module, each rank importing torch and mimo); other sizes are started for the module
+    and closed after it (a few such idle pools of 6 or 8 ranks would hold memory all session).
+    After the module, a shared pool whose ranks hold many threads (the process groups cases
+    made) is closed, to start afresh for the next module that takes it."""
     get, close = _started_pools()
-    yield get
+
+    def pick(world_size: int, timeout_s: float = 120.0) -> WorkerPool:
+        return (session_pools if world_size in SHARED_SIZES else get)(world_size, timeout_s)
+
+    yield pick
     close()
+    for pool in session_pools.started.values():  # restarted on next use: a bound on what they keep
+        if _threads(pool) > RECYCLE_THREADS:
+            pool.close()
 
 
 @pytest.fixture(scope="session")
@@ -89,8 +122,9 @@ def write_demo_config():
 def _indexes_here():
     """Within it, data indexes (``ensure_index``) are built in this process, by one reader:
     at ``data.workers`` >= 2 the builder starts a pool of fresh processes for it (seconds each
-    on a busy machine). The index is the same file either way (nothing in it depends on the
-    readers); only its building is moved."""
+    on a busy machine) where the shards are more than ``SMALL_SHARDS_BYTES`` in all
+    (``mimo.compose.inputs``; smaller ones it builds in this process itself). The index is the
+    same file either way (nothing in it depends on the readers); only its building is moved."""
     from mimo.data import index
 
     build = index.build_index

@@ -94,10 +94,18 @@ def reference_weights(dtype):
 
 def cp_case(kind: str, impl: str, cp: int, dtype, mutate: str | None = None, tile: int = 512) -> dict | None:
     """Rank function: this CP rank's share of the pack through the layer (the exact CP
-    attention in tiles of ``tile`` queries / keys)."""
+    attention in tiles of ``tile`` queries / keys; the module's tile restored after, as the
+    worker processes may be the session's)."""
     from mimo.llm import attention
 
-    attention.TILE = tile
+    saved, attention.TILE = attention.TILE, tile
+    try:
+        return _cp_case(kind, impl, cp, dtype, mutate)
+    finally:
+        attention.TILE = saved
+
+
+def _cp_case(kind: str, impl: str, cp: int, dtype, mutate: str | None) -> dict | None:
     group = dist.new_group(list(range(cp)))
     rank = dist.get_rank()
     if rank >= cp:

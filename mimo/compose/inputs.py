@@ -79,11 +79,32 @@ def ensure_index(config: MimoConfig, rebuild: bool = False, shards: str | None =
         return None, "synthetic"
     if config.data.source != "webdataset":
         raise DataError(f"data.source is {config.data.source!r}: there are no shards to index")
-    index, status = prepare(shards or config.data.shards, text_spec(config), workers=config.data.workers, rebuild=rebuild,
+    pattern = shards or config.data.shards
+    index, status = prepare(pattern, text_spec(config), workers=_index_workers(pattern, config.data.workers), rebuild=rebuild,
                             index_dir=config.data.index_dir)
     if status != "loaded":
         log.info("data index %s", status)
     return index, status
+
+
+SMALL_SHARDS_BYTES = 64 << 20  # shards up to this much in all are indexed in this process (the demo's: 16 MB)
+
+
+def _index_workers(pattern: str, workers: int) -> int:
+    """Processes to index ``pattern``'s shards with: one (this process) where they are small in all,
+    which it scans in less time than starting worker processes takes (each imports the tokenizer's
+    libraries: seconds); else ``data.workers``. The index is the same either way."""
+    from mimo.data.config import shard_paths
+
+    total = 0
+    for path in shard_paths(pattern):
+        try:
+            total += os.path.getsize(path)
+        except OSError:  # a missing shard: prepare names it
+            continue
+        if total > SMALL_SHARDS_BYTES:
+            return workers
+    return 1
 
 
 def index_location(config: MimoConfig, shards: str | None = None) -> str:

@@ -236,7 +236,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return _fp8_linear(x, weight, bias, site)
 
 
-@torch.compiler.disable
+# torch.compiler.disable, its torch._dynamo imported on the first call (only ever made while
+# compiling) rather than with this module: importing dynamo costs seconds in every process
+@torch._disable_dynamo
 def _fp8_linear_eager(x, weight, bias, site):
     return _fp8_linear(x, weight, bias, site)
 
