@@ -169,18 +169,22 @@ def _rgb_uint8_CHW(img) -> torch.Tensor:
     return torch.from_numpy(np.array(arr_HWC, order="C", copy=True)).permute(2, 0, 1).contiguous()
 
 
-def _resized(img, spec: NativeImageSpec):
-    """uint8 ``[C, h, w]`` of an image at its ``smart_size``."""
+def resize_uint8(x_NCHW, size: tuple[int, int]):
+    """uint8 ``[N, C, H, W]`` at ``size`` (unchanged where it is that size already)."""
     import torch.nn.functional as F
 
+    if tuple(x_NCHW.shape[-2:]) == tuple(size):
+        return x_NCHW
+    # uint8 in, uint8 out: torch's CPU antialiased bicubic kernel works on bytes directly
+    # (PIL's algorithm), which is what the processors' torchvision resize calls.
+    return F.interpolate(x_NCHW, size=tuple(size), mode="bicubic", align_corners=False, antialias=True)
+
+
+def _resized(img, spec: NativeImageSpec):
+    """uint8 ``[C, h, w]`` of an image at its ``smart_size``."""
     x_CHW = _rgb_uint8_CHW(img)
     _, H, W = x_CHW.shape
-    h, w = smart_size(H, W, spec)
-    if (h, w) != (H, W):
-        # uint8 in, uint8 out: torch's CPU antialiased bicubic kernel works on bytes directly
-        # (PIL's algorithm), which is what the processor's torchvision resize calls.
-        x_CHW = F.interpolate(x_CHW[None], size=(h, w), mode="bicubic", align_corners=False, antialias=True)[0]
-    return x_CHW
+    return resize_uint8(x_CHW[None], smart_size(H, W, spec))[0]
 
 
 def _blocks(x_CHW, spec: NativeImageSpec):

@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mimo.core.errors import DataError
-from mimo.data.native_images import MAX_ASPECT, NativeImageSpec, NativeVideoSpec, PatchNorm, _blocks, _rgb_uint8_CHW
+from mimo.data.native_images import (MAX_ASPECT, NativeImageSpec, NativeVideoSpec, PatchNorm, _blocks, _rgb_uint8_CHW,
+                                     resize_uint8)
 
 if TYPE_CHECKING:
     import torch
@@ -191,11 +192,8 @@ def _frames_TCHW(frames: list, size: tuple[int, int], image: NativeImageSpec) ->
     """uint8 ``[t*tp, C, h, w]``: each frame resized as an image is, the last repeated to whole
     temporal patches."""
     import torch
-    import torch.nn.functional as F
 
-    x_TCHW = torch.stack([_rgb_uint8_CHW(f) for f in frames])
-    if tuple(x_TCHW.shape[-2:]) != size:
-        x_TCHW = F.interpolate(x_TCHW, size=size, mode="bicubic", align_corners=False, antialias=True)
+    x_TCHW = resize_uint8(torch.stack([_rgb_uint8_CHW(f) for f in frames]), size)
     pad = -x_TCHW.shape[0] % image.temporal_patch
     return torch.cat([x_TCHW, x_TCHW[-1:].expand(pad, *x_TCHW.shape[1:])]) if pad else x_TCHW
 

@@ -48,10 +48,11 @@ def mp4(frames_THWC: np.ndarray, fps: float) -> bytes:
 
 def noise(frames: int, height: int, width: int, seed: int = 0) -> np.ndarray:
     """Smooth random frames (an encoder keeps them close to what was drawn)."""
+    from PIL import Image
+
     g = np.random.default_rng(seed)
     small = g.integers(0, 256, (frames, max(2, height // 8), max(2, width // 8), 3)).astype(np.uint8)
-    return np.stack([np.asarray(__import__("PIL.Image", fromlist=["Image"]).fromarray(f).resize((width, height)))
-                     for f in small])
+    return np.stack([np.asarray(Image.fromarray(f).resize((width, height))) for f in small])
 
 
 SMALL = NativeImageSpec(patch=4, merge=2, min_pixels=64, max_pixels=4096)

@@ -3,11 +3,12 @@ tokenizer and shard checks use it too): rows per image, native towers' image spe
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from mimo.compose.config import MimoConfig
 from mimo.core.errors import DataError
 from mimo.data.index import TextSpec
-from mimo.data.native_images import NativeImageSpec, NativePlaceholder
-from mimo.data.native_video import NativeVideoSpec
+from mimo.data.native_images import NativeImageSpec, NativePlaceholder, NativeVideoSpec
 from mimo.encoders.config import NativeEncoderModuleConfig
 
 
@@ -21,9 +22,7 @@ def native_spec(enc: NativeEncoderModuleConfig) -> NativePlaceholder:
     a, im = enc.arch, enc.image
     image = NativeImageSpec(a.patch, a.temporal_patch, a.spatial_merge, im.min_pixels, im.max_pixels, tuple(im.mean),
                             tuple(im.std), a.channels)
-    v = enc.video
-    video = None if v is None else NativeVideoSpec(v.fps, v.min_frames, v.max_frames, v.min_pixels, v.max_pixels,
-                                                   v.cap_pixels_per_frame, v.max_video_tokens)
+    video = None if enc.video is None else NativeVideoSpec(**asdict(enc.video))  # the same fields
     return NativePlaceholder(enc.placeholder, image, enc.vision_start, enc.vision_end, video, enc.video_placeholder)
 
 
