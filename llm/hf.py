@@ -1,7 +1,8 @@
 """Hugging Face import / export of causal LMs, one *family* per ``model_type`` (``HF_FAMILIES``).
 
 Decoder families (this file): Llama, Qwen2, Qwen3 and the MoE ones Qwen3-MoE, Qwen2-MoE,
-Mixtral, OLMoE; Qwen3-VL's and Qwen3-VL-MoE's language models. A Hugging Face decoder layer ``j`` is two of our layers: attention ``2j``
+Mixtral, OLMoE; Qwen3-VL's and Qwen3-VL-MoE's language models; Qwen3-Next (``qwen3_next``, its
+own section below: Gated DeltaNet / gated-attention layers). A Hugging Face decoder layer ``j`` is two of our layers: attention ``2j``
 (with ``input_layernorm``) and MLP or MoE ``2j+1`` (with ``post_attention_layernorm``), so
 these models are the pattern ``"*-"`` / ``"*E"`` per decoder layer (``|`` anywhere between
 layers for explicit stages). Qwen MoE configs may make some layers dense (``mlp_only_layers``,
@@ -72,15 +73,16 @@ state dict) and ``language_model_of`` (its checkpoints) are what the integration
   optional]: the checkpoint under ``tensor_pieces``' names (renamings, per-expert tensors
   stacked: ``StackedExperts``, row blocks of a tensor split into names of their own), lazily:
   ``get(name)`` indexable by a tuple of slices. Default: as is.
-* ``export_view(state) -> state`` [``join_split``, optional]: the inverse on export, from
-  ``tensor_pieces``' names to ``model.state_dict()``'s. Default: as is.
+* ``export_view(state, arch) -> state`` [``join_split(state)``, optional]: the inverse on
+  export, from ``tensor_pieces``' names to ``model.state_dict()``'s (the arch: Qwen3-Next's
+  regrouping needs its head counts). Default: as is.
 * ``unit_dim(hf_name) -> int | None`` [``unit_dim``, optional]: a dim of size 1 Hugging Face
   has and we do not (Mamba's ``conv1d.weight [C, 1, K]``), unless the view drops it.
 * A piece may name one of our persistent buffers (``router.expert_bias``) instead of a
   parameter: it is imported whole and exported from the state given to ``export_hf_state``
   (which must then hold it).
 
-**One layer's rules** (for families to come: Qwen3-Next, Qwen3.5, Qwen3.5-MoE; issue 48):
+**One layer's rules** (Qwen3-Next's family and those to come: Qwen3.5, Qwen3.5-MoE; issue 48):
 ``gdn_layer_pieces`` (their ``linear_attn``, with Qwen3-Next's per-key-head grouped projections
 shown as row blocks by ``qwen3_next_gdn_view`` and grouped again by ``qwen3_next_gdn_join``) and
 ``moe_layer_pieces``, in the piece language above, one decoder layer at a time;
@@ -101,7 +103,7 @@ import json
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Mapping
 
 import torch
@@ -131,7 +133,7 @@ def _identity_view(arch: HybridArch, keys: Iterable[str], shapes: Mapping[str, t
     return {k: tuple(shapes[k]) for k in keys}, get
 
 
-def _as_is(state: dict) -> dict:
+def _as_is(state: dict, arch: HybridArch | None = None) -> dict:
     return state
 
 
@@ -149,15 +151,16 @@ class HFFamily:
     tensor_pieces: Callable[[HybridArch, Rename], dict[str, tuple[Piece, ...]]]
     checkpoint_view: Callable = _identity_view
     unit_dim: Callable[[str], int | None] = _no_unit_dim
-    export_view: Callable[[dict], dict] = _as_is
+    export_view: Callable[[dict, HybridArch], dict] = _as_is
 
 
 def family_of(module) -> HFFamily:
     """The family a module defines by the names of the module doc's seam."""
     pieces = getattr(module, "hf_tensor_pieces", None) or module.hf_tensor_map
+    join = getattr(module, "join_split", None)
     return HFFamily(module.ARCHITECTURE, module.arch_from_hf_config, module.hf_config_from_arch, pieces,
                     getattr(module, "checkpoint_view", _identity_view), getattr(module, "unit_dim", _no_unit_dim),
-                    getattr(module, "join_split", _as_is))
+                    _as_is if join is None else lambda state, arch: join(state))
 
 
 # ---------------------------------------------------------------- decoder families
@@ -362,11 +365,6 @@ def _decoder_problems(d: Decoder, model_type: str, arch: HybridArch, symbols: li
         out += _moe_problems(d, model_type, arch.moe)
     if not arch.rope:
         out.append(f"{model_type} attention has RoPE; set arch.rope: true")
-    # Qwen3-Next / Qwen3.5 layers (issue 48): no Hugging Face family here maps them yet
-    for key, plain in (("norm_zero_centred", False), ("attn_output_gate", False), ("rotary_fraction", 1.0)):
-        if getattr(arch, key, plain) != plain:
-            out.append(f"{model_type} has no arch.{key}: {getattr(arch, key)} (no Hugging Face family mimo maps takes it "
-                       f"yet); set it to {plain}")
     if d.mrope and arch.mrope_section is None:
         out.append(f"{model_type} has M-RoPE; set arch.mrope_section")
     if not d.mrope and arch.mrope_section is not None:
@@ -384,6 +382,11 @@ def decoder_config_from_arch(arch: HybridArch, model_type: str) -> dict:
     d = _decoder_of(model_type)
     symbols = hf_decoder_layers(arch)
     problems = _decoder_problems(d, model_type, arch, symbols)
+    # Qwen3-Next / Qwen3.5 layers (issue 48): the qwen3_next family below takes them
+    for key, plain in (("norm_zero_centred", False), ("attn_output_gate", False), ("rotary_fraction", 1.0)):
+        if getattr(arch, key, plain) != plain:
+            problems.append(f"{model_type} has no arch.{key}: {getattr(arch, key)} (of the Hugging Face families mimo "
+                            f"maps, qwen3_next takes it); set it to {plain}")
     if problems:
         raise MimoError(f"{model_type} export: " + "; ".join(problems))
     rope: dict = {"rope_theta": arch.rope_theta, "rope_type": "default"}
@@ -697,7 +700,7 @@ class _Layout:
                  unit_dim: Callable[[str], int | None] = _no_unit_dim):
         """A family's layout of ``arch``; or, with ``arch`` None, the layout of ``tensor_pieces``
         over ``placements`` (one layer's, say: ``layer_state_from_hf``)."""
-        export_view = _as_is
+        export_view, self.arch = _as_is, arch
         if arch is not None:
             self.model_type = hf_model_type(arch) if model_type is None else model_type
             fam = family(self.model_type)
@@ -867,7 +870,7 @@ def _state_to_hf(layout: _Layout, full_state: Mapping[str, torch.Tensor]) -> dic
             pieces.append(full.split(pl.parts, dim=t.dim)[part] if pl.parts else full)
         joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces, t.dim)
         out[theirs] = joined if t.unit is None else joined.unsqueeze(t.unit)
-    return layout.export_view(out)
+    return layout.export_view(out, layout.arch)
 
 
 # ---------------------------------------------------------------- one layer's rules: Qwen3-Next / Qwen3.5 (issue 48)
@@ -1059,6 +1062,164 @@ def gdn_layer_to_hf(state: Mapping[str, torch.Tensor], arch: HybridArch, model_t
     """``gdn_layer_from_hf``'s inverse, in Hugging Face's ``state_dict`` order."""
     out = layer_state_to_hf(layer_placements(arch, "gdn"), gdn_layer_pieces(model_type), state, GDN_UNIT_DIM.get)
     return qwen3_next_gdn_join(out, arch) if model_type == "qwen3_next" else out
+
+
+# ---------------------------------------------------------------- Qwen3-Next (issue 48): Qwen3NextForCausalLM
+#
+# A decoder layer ``j`` is our layers ``2j`` (``G`` for ``linear_attention``, ``*`` for
+# ``full_attention``: gated attention, per-head zero-centred QK-norm, partial rotary) and ``2j+1``
+# (``E`` or ``-`` as ``mlp_only_layers`` / ``decoder_sparse_step`` / ``num_experts`` say: Qwen2-MoE's
+# block, softmax top-k renormalised as ``norm_topk_prob`` says, a shared expert with its sigmoid
+# gate). Every norm is zero-centred (``arch.norm_zero_centred``); the GDN's gated output norm is
+# plain. Keys a config.json may leave out take Qwen3NextConfig's defaults (``QWEN3_NEXT_DEFAULTS``).
+
+QWEN3_NEXT = Decoder("Qwen3NextForCausalLM", qk_norm="head", experts="num_experts", sparse_layers=True, shared=True)
+QWEN3_NEXT_DEFAULTS = {
+    "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 48,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "attention_bias": False, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "decoder_sparse_step": 1,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts_per_tok": 10,
+    "num_experts": 512, "norm_topk_prob": True, "mlp_only_layers": [], "initializer_range": 0.02,
+    "tie_word_embeddings": False, "router_aux_loss_coef": 0.001,
+}
+_QWEN3_NEXT_MIXERS = {"linear_attention": "G", "full_attention": "*"}
+
+
+def _qwen3_next_config(cfg: Mapping) -> dict:
+    """``cfg`` with Qwen3NextConfig's defaults for the keys it leaves out (``layer_types``: every
+    ``full_attention_interval``-th layer full attention, the rest linear)."""
+    out = {**QWEN3_NEXT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None or k == "mlp_only_layers"}}
+    out["mlp_only_layers"] = list(out.get("mlp_only_layers") or [])
+    if not cfg.get("layer_types"):
+        every = int(cfg.get("full_attention_interval", 4))
+        out["layer_types"] = ["linear_attention" if (i + 1) % every else "full_attention"
+                              for i in range(int(out["num_hidden_layers"]))]
+    return out
+
+
+def _partial_rotary(cfg: Mapping) -> float:
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+
+
+def qwen3_next_arch_from_config(cfg: Mapping, pattern_stages: Iterable[int] | None = None) -> HybridArch:
+    """Our ``HybridArch`` of a ``qwen3_next`` ``config.json`` dict."""
+    cfg = _qwen3_next_config(cfg)
+    _reject_decoder_config(QWEN3_NEXT, "qwen3_next", cfg)
+    layers = int(cfg["num_hidden_layers"])
+    types = list(cfg["layer_types"])
+    if len(types) != layers or any(t not in _QWEN3_NEXT_MIXERS for t in types):
+        raise MimoError(f"qwen3_next: layer_types must be {layers} of {', '.join(_QWEN3_NEXT_MIXERS)}; got {types}")
+    symbols = _mlp_symbols(QWEN3_NEXT, "qwen3_next", cfg, layers)
+    heads = int(cfg["num_attention_heads"])
+    theta, scaling = _rope_from_hf(cfg)
+    bias = bool(cfg["attention_bias"])
+    return HybridArch(
+        pattern=_staged([_QWEN3_NEXT_MIXERS[t] + s for t, s in zip(types, symbols)], pattern_stages),
+        hidden=int(cfg["hidden_size"]), heads=heads, vocab=int(cfg["vocab_size"]),
+        kv_heads=int(cfg["num_key_value_heads"]), head_dim=int(cfg["head_dim"]), ffn=int(cfg["intermediate_size"]),
+        mlp_act="swiglu", qk_norm=True, attention_bias=bias, qkv_bias=bias, o_bias=bias,
+        tie_embeddings=bool(cfg["tie_word_embeddings"]), rope_theta=theta, rope_scaling=scaling,
+        norm_eps=float(cfg["rms_norm_eps"]), max_seq_len=int(cfg["max_position_embeddings"]),
+        init_std=float(cfg["initializer_range"]),
+        gdn_heads=int(cfg["linear_num_key_heads"]), gdn_v_heads=int(cfg["linear_num_value_heads"]),
+        gdn_head_dim=int(cfg["linear_key_head_dim"]), gdn_v_head_dim=int(cfg["linear_value_head_dim"]),
+        conv_kernel=int(cfg["linear_conv_kernel_dim"]),
+        moe=_moe_from_config(QWEN3_NEXT, cfg) if "E" in symbols else None,
+        norm_zero_centred=True, attn_output_gate=True, rotary_fraction=_partial_rotary(cfg),
+    )
+
+
+def qwen3_next_layers(arch: HybridArch) -> list[tuple[str, str]]:
+    """(mixer 'G' or '*', MLP '-' or 'E') of each Hugging Face decoder layer of ``arch``;
+    MimoError unless the pattern is such pairs."""
+    kinds = [layer.kind for layer in arch.layer_pattern().layers]
+    pairs = [tuple(kinds[i : i + 2]) for i in range(0, len(kinds), 2)]
+    symbol = {"gdn": "G", "attention": "*", "mlp": "-", "moe": "E"}
+    if len(kinds) % 2 or any(len(p) != 2 or p[0] not in ("gdn", "attention") or p[1] not in ("mlp", "moe")
+                             for p in pairs):
+        raise MimoError(f"Qwen3-Next decoder layers are 'G' or '*' then '-' or 'E' (a Gated DeltaNet or attention "
+                        f"layer and an MLP or MoE layer each); {arch.pattern!r} has other layers")
+    return [(symbol[a], symbol[m]) for a, m in pairs]
+
+
+def qwen3_next_config_from_arch(arch: HybridArch, model_type: str = "qwen3_next") -> dict:
+    """The ``qwen3_next`` ``config.json`` dict of ``arch``; MimoError listing what does not fit."""
+    layers = qwen3_next_layers(arch)
+    symbols = [m for _, m in layers]
+    d = QWEN3_NEXT if "E" in symbols else replace(QWEN3_NEXT, experts=None)  # none: num_experts 0, every layer dense
+    problems = _decoder_problems(d, "qwen3_next", arch, symbols)
+    want = {"norm_zero_centred": True, "attn_output_gate": True, "mlp_act": "swiglu", "mlp_bias": False}
+    problems += [f"qwen3_next needs arch.{k}: {v!r}, got {getattr(arch, k)!r}" for k, v in want.items()
+                 if getattr(arch, k) != v]
+    if arch.rope_scaling is not None:
+        problems.append("qwen3_next export takes no arch.rope_scaling (only the default RoPE is mapped)")
+    if arch.moe is not None and "E" in symbols and arch.moe.act != "swiglu":
+        problems.append("qwen3_next experts are SwiGLU; arch.moe.act is not 'swiglu'")
+    if problems:
+        raise MimoError("qwen3_next export: " + "; ".join(problems))
+    cfg = {
+        "model_type": "qwen3_next", "architectures": [QWEN3_NEXT.architecture],
+        "vocab_size": arch.vocab, "hidden_size": arch.hidden, "intermediate_size": arch.ffn or 0,
+        "num_hidden_layers": len(layers), "num_attention_heads": arch.heads, "num_key_value_heads": arch.kv_heads,
+        "head_dim": arch.head_dim, "hidden_act": "silu", "max_position_embeddings": arch.max_seq_len,
+        "rms_norm_eps": arch.norm_eps, "attention_bias": bool(arch.o_bias), "tie_word_embeddings": arch.tie_embeddings,
+        "initializer_range": arch.init_std,
+        "rope_parameters": {"rope_theta": arch.rope_theta, "rope_type": "default",
+                            "partial_rotary_factor": arch.rotary_fraction},
+        "layer_types": ["linear_attention" if a == "G" else "full_attention" for a, _ in layers],
+        "linear_num_key_heads": arch.gdn_heads, "linear_num_value_heads": arch.gdn_v_heads,
+        "linear_key_head_dim": arch.gdn_head_dim, "linear_value_head_dim": arch.gdn_v_head_dim,
+        "linear_conv_kernel_dim": arch.conv_kernel, "decoder_sparse_step": 1,
+        "mlp_only_layers": [j for j, s in enumerate(symbols) if s == "-"],
+    }
+    m = arch.moe if "E" in symbols else None
+    if m is None:
+        cfg.update(num_experts=0, num_experts_per_tok=1, mlp_only_layers=[])
+    else:
+        cfg.update(num_experts=m.experts, num_experts_per_tok=m.topk, moe_intermediate_size=m.ffn,
+                   shared_expert_intermediate_size=m.shared_ffn, norm_topk_prob=m.norm_topk,
+                   router_aux_loss_coef=m.aux_loss.coeff if m.aux_loss.kind != "none" else 0.0)
+    return cfg
+
+
+def qwen3_next_tensor_pieces(arch: HybridArch, rename: Rename = _same) -> dict[str, tuple[Piece, ...]]:
+    """Every ``Qwen3NextForCausalLM`` tensor of ``arch`` -> its pieces, in its ``state_dict`` order
+    (the grouped GDN projections as ``qwen3_next_gdn_view``'s label blocks)."""
+    out: dict[str, tuple[Piece, ...]] = {"model.embed_tokens.weight": (("embed.weight", 0),)}
+    gdn = [(theirs, tuple(("layers.{a}." + o, p) for o, p in pieces))
+           for theirs, pieces in gdn_layer_pieces("qwen3_next", norm=False).items()]
+    for j, (mixer, mlp) in enumerate(qwen3_next_layers(arch)):
+        body = gdn if mixer == "G" else _attention_pieces(arch)
+        body = body + (_moe_pieces(arch, QWEN3_NEXT.experts_first) if mlp == "E" else _mlp_pieces(arch))
+        norms = [("input_layernorm.weight", (("layers.{a}.norm.weight", 0),)),
+                 ("post_attention_layernorm.weight", (("layers.{m}.norm.weight", 0),))]
+        for theirs, pieces in body + norms:
+            out[f"model.layers.{j}.{theirs}"] = tuple((o.format(a=2 * j, m=2 * j + 1), p) for o, p in pieces)
+    out["model.norm.weight"] = (("norm.weight", 0),)
+    out[TIED_HEAD] = (("embed.weight" if arch.tie_embeddings else "head.weight", 0),)
+    return {rename(k): v for k, v in out.items()}
+
+
+def qwen3_next_checkpoint_view(arch: HybridArch | None, keys: Iterable[str], shapes: Mapping[str, tuple[int, ...]],
+                               get: Getter):
+    """``decoder_checkpoint_view`` (per-expert tensors stacked), then the grouped GDN projections
+    as their label blocks (``qwen3_next_gdn_view``)."""
+    shapes, get = decoder_checkpoint_view(arch, keys, shapes, get)
+    if arch is None:
+        return shapes, get
+    return qwen3_next_gdn_view(arch, list(shapes), shapes, get)
+
+
+def _qwen3_next_unit_dim(name: str) -> int | None:
+    return next((d for k, d in GDN_UNIT_DIM.items() if name.endswith("." + k)), None)
+
+
+HF_FAMILIES["qwen3_next"] = HFFamily(QWEN3_NEXT.architecture, qwen3_next_arch_from_config, qwen3_next_config_from_arch,
+                                     qwen3_next_tensor_pieces, qwen3_next_checkpoint_view, _qwen3_next_unit_dim,
+                                     lambda state, arch: qwen3_next_gdn_join(state, arch))
+SUPPORTED["qwen3_next"] = QWEN3_NEXT.architecture
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -134,7 +134,8 @@ def _hf_model(path: str, cfg: dict, from_checkpoint: bool, seed: int):
     ours = {rename(k): k for k in model.state_dict()}  # checkpoint name -> the model's
     full = lambda k: tuple(slice(0, n) for n in shapes[k])  # noqa: E731
     state = {k: get(k)[full(k)].float() for k in shapes if not k.endswith(IGNORED)}
-    state = {ours.get(k, k): t for k, t in family(cfg.get("model_type")).export_view(state).items()}
+    state = family(cfg.get("model_type")).export_view(state, arch_from_hf_config(cfg))  # e.g. Qwen3-Next's grouped GDN
+    state = {ours.get(k, k): t for k, t in state.items()}
     tied = bool(getattr(config, "tie_word_embeddings", False))
     load_exactly_(model, state, f"checkpoint {path!r}", lambda k: rename(k) if k in model.state_dict() else k,
                   may_miss=(TIED_HEAD,) if tied else ())
