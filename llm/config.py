@@ -152,6 +152,45 @@ class MoEArch:
 
 
 @dataclass
+class MTPArch:
+    """Multi-token prediction (DeepSeek-V3's MTP modules; Qwen3-Next / Qwen3.5's ``mtp.*``), on the
+    last pipeline stage (``mimo.llm.mtp``): depth k of ``depth`` predicts token t + 1 + k at
+    position t from the previous depth's normed hidden state (the main model's, for k = 1) and the
+    embedding of token t + k, through one block of the model's own layer kinds; the embedding and
+    the head are the model's. Training adds ``loss_weight / depth`` times the depths' losses (each
+    summed over its tokens and divided by the step's loss-token count, as the main loss is) to the
+    objective; metrics report them apart (``mtp/loss``)."""
+
+    depth: int = 1
+    loss_weight: float = 0.1
+    # each depth's block: layer symbols of the pattern (no '|'); None: attention, then MoE where
+    # the main pattern has MoE layers, else an MLP (Qwen3-Next / Qwen3.5's MTP layer)
+    pattern: str | None = None
+
+    def block(self, arch: "HybridArch") -> str:
+        """The layer symbols of one depth's block."""
+        if self.pattern is not None:
+            return self.pattern
+        return "*E" if "E" in arch.pattern else "*-"
+
+    def validate(self, path: str) -> list[str]:
+        problems = at_least(self, path, 1, "depth")
+        if self.loss_weight < 0:
+            problems.append(f"{join_path(path, 'loss_weight')}: must be >= 0, got {self.loss_weight}")
+        if self.pattern is None:
+            return problems
+        try:
+            block = parse_pattern(self.pattern)
+        except ConfigError as e:
+            return problems + [f"{join_path(path, 'pattern')}: {p}" for p in e.problems]
+        if block.explicit_stage_sizes is not None:
+            problems.append(f"{join_path(path, 'pattern')}: an MTP block runs on the last stage; no '|'")
+        elif not block.layers:
+            problems.append(f"{join_path(path, 'pattern')}: an MTP block needs at least one layer")
+        return problems
+
+
+@dataclass
 class HybridArch:
     pattern: str  # layer symbols, see mimo.llm.pattern
     hidden: int
@@ -213,6 +252,8 @@ class HybridArch:
     # int(head_dim * rotary_fraction) channels of each head rotate (M-RoPE sections then sum to
     # half of that), the rest pass through
     rotary_fraction: float = 1.0
+    # multi-token prediction heads on the last stage (MTPArch); None: none
+    mtp: MTPArch | None = None
 
     @property
     def rotary_dim(self) -> int | None:
@@ -283,6 +324,15 @@ class HybridArch:
         ``layer_costs``."""
         return parse_pattern(self.pattern, layer_costs(self))
 
+    def mtp_layers(self) -> list[list[LayerSpec]]:
+        """Each MTP depth's layers (``mtp.block``), numbered on after the pattern's: their global
+        indices (``layers.<i>``) name no main layer; [] without MTP."""
+        if self.mtp is None:
+            return []
+        kinds = [s.kind for s in parse_pattern(self.mtp.block(self)).layers]
+        first = len(self.layer_pattern().layers)
+        return [[LayerSpec(first + k * len(kinds) + j, kind) for j, kind in enumerate(kinds)] for k in range(self.mtp.depth)]
+
     def validate(self, path: str) -> list[str]:
         key = lambda name: join_path(path, name)  # noqa: E731
         problems = at_least(
@@ -316,9 +366,11 @@ class HybridArch:
             problems.append(f"{key('deepstack_layers')}: {ds} must be layer indices 0..{layers - 1} of the pattern")
         elif any(b <= a for a, b in zip(ds, ds[1:])):
             problems.append(f"{key('deepstack_layers')}: {ds} must be strictly increasing (level k after layer k's index)")
+        if self.mtp is not None and not self.mtp.validate(key("mtp")):  # (its own problems: validated on its own)
+            kinds = kinds | {s.kind for depth in self.mtp_layers() for s in depth}
         if "moe" in kinds and self.moe is None:
-            pos = self.pattern.index("E") + 1
-            problems.append(f"{key('moe')}: the pattern has MoE layers ('E' at position {pos}); describe them under arch.moe")
+            where = (f"'E' at position {self.pattern.index('E') + 1}" if "E" in self.pattern else "in arch.mtp's block")
+            problems.append(f"{key('moe')}: the pattern has MoE layers ({where}); describe them under arch.moe")
         if "mamba" in kinds:
             if self.mamba_heads is None:
                 problems.append(
@@ -383,15 +435,22 @@ class LLMModuleConfig:
                     problems.append(f"{pkey('pp')}: arch.deepstack_layers {late} lie beyond the first pipeline stage "
                                     f"(layers {min(first)}..{max(first)}); image rows arrive there only: put them on "
                                     f"it with '|' in arch.pattern")
+        kinds = set(pattern.kinds)
+        if arch.mtp is not None:
+            if par.cp > 1:
+                problems.append(f"{pkey('cp')}: arch.mtp runs with cp=1 only (its shifted tokens would cross the "
+                                f"CP chunks); got cp={par.cp}")
+            if not arch.mtp.validate(""):  # (else reported there)
+                kinds |= {s.kind for depth in arch.mtp_layers() for s in depth}
         if par.tp >= 1:
             sizes = {"heads": arch.heads, "kv_heads": arch.kv_heads}
-            if "mlp" in pattern.kinds:
+            if "mlp" in kinds:
                 sizes["ffn"] = arch.ffn
-            if "mamba" in pattern.kinds:
+            if "mamba" in kinds:
                 sizes["mamba_heads"] = arch.mamba_heads
-            if "gdn" in pattern.kinds:
+            if "gdn" in kinds:
                 sizes.update(gdn_heads=arch.gdn_heads, gdn_v_heads=arch.gdn_v_heads)
-            if "moe" in pattern.kinds and arch.moe is not None:
+            if "moe" in kinds and arch.moe is not None:
                 if par.expert_tp == par.tp:  # else the experts' F splits over etp (checked there)
                     sizes["moe.ffn"] = arch.moe.ffn
                 if arch.moe.shared_ffn:
@@ -399,6 +458,9 @@ class LLMModuleConfig:
             problems += tp_divides(par.tp, sizes, pkey("tp"))
         if par.gtp > 1 and par.tp >= 1:
             problems += self._gtp_problems(pattern, pkey("gtp"))
+            if arch.mtp is not None:
+                problems.append(f"{pkey('gtp')}: arch.mtp is not built for gtp > 1 (its block's weights are not "
+                                f"GTP-sharded); got gtp={par.gtp}")
         return problems
 
     def _gtp_problems(self, pattern: LayerPattern, key: str) -> list[str]:

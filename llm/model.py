@@ -20,6 +20,11 @@ loaded identically); after backward ``sync_tied_grads`` all-reduces the two copi
 over ``embedding_group`` (first and last stage ranks of one TP/CP/DP coordinate), so both
 take the same optimizer step and stay equal.
 
+Multi-token prediction (``arch.mtp``, ``mimo.llm.mtp``): the last stage also holds the MTP
+depths; a training forward attaches their weighted losses to its logits (the objective), and
+with several stages an untied model's last stage keeps a copy of the embedding for them, synced
+as a tied head is (``embedding_copy``).
+
 Multimodal positions and deepstack (Qwen3-VL): with ``arch.mrope_section`` attention rotates by
 the pack's 3-D ``positions_3d`` (``PackedBatch``; ``mimo.data.positions``), carried to every layer in
 the ``SeqContext``. With ``arch.deepstack_layers`` an image row may reach the first stage as
@@ -48,14 +53,16 @@ from mimo.core.errors import LayoutError
 from mimo.llm.blocks import build_layer
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
+from mimo.llm.mtp import MTPHeads
 from mimo.llm.norm import RMSNorm
+from mimo.llm.router import attach_loss
 from mimo.parallel import gemm
 from mimo.parallel.collectives import copy_to_group, gather_along, gather_seq
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mimo.parallel.grid import ParallelGrid
 from mimo.parallel.init import param_seed
-from mimo.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from mimo.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_lookup
 from mimo.parallel.layout import Placement, packed_placement
 from mimo.parallel.params import ParamInfo, full_tensors, load_full_, main_grad, param_table
 from mimo.parallel.recompute import checkpoint, set_block_recompute
@@ -99,13 +106,17 @@ class LLMStage(nn.Module):
                                 zero_centred=arch.norm_zero_centred)
             if not (self.tied and self.is_first):  # one stage, tied: the head reads embed.weight
                 self.head = ColumnParallelLinear(arch.hidden, arch.vocab, bias=False, ctx=ctx, pad_out_features=True)
+            if arch.mtp is not None:  # after the head: its heads read the embedding and the head
+                self.mtp = MTPHeads(arch, ctx, own_embedding=not (self.is_first or self.tied))
         if device is not None or dtype is not None:
             self.to(device=device, dtype=dtype)
 
     # ---------------------------------------------------------------- parameters
     def canonical_name(self, name: str) -> str:
         """Layout-independent name of a parameter (the tied head copy is ``embed.weight``)."""
-        return "embed.weight" if self.tied and name == "head.weight" else name
+        if name == "mtp.embed.weight" or (self.tied and name == "head.weight"):
+            return "embed.weight"
+        return name
 
     def param_table(self) -> dict[str, ParamInfo]:
         return param_table(self, self.canonical_name)
@@ -125,6 +136,8 @@ class LLMStage(nn.Module):
             self.norm.init_weights()
             if hasattr(self, "head"):
                 self.head.init_weights(param_seed(seed, "embed" if self.tied else "head"), std)
+            if hasattr(self, "mtp"):
+                self.mtp.init_weights(seed, std, out_std, param_seed(seed, "embed"))
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Full, unpadded parameters by canonical name (collective over the TP group)."""
@@ -138,17 +151,24 @@ class LLMStage(nn.Module):
         """Load this rank's slices from full tensors by canonical name (local)."""
         load_full_(self.param_table(), state)
 
-    def tied_weight(self) -> nn.Parameter | None:
-        """This stage's copy of a tied embedding that lives on two stages (else None)."""
-        if not self.tied or self.num_stages == 1:
+    def embedding_copy(self) -> nn.Parameter | None:
+        """This stage's copy of an embedding that lives on the first and the last stage (a tied
+        head, or the embedding MTP reads; else None)."""
+        if self.num_stages == 1 or not (self.tied or self.arch.mtp is not None):
             return None
-        return self.embed.weight if self.is_first else (self.head.weight if self.is_last else None)
+        if self.is_first:
+            return self.embed.weight
+        if not self.is_last:
+            return None
+        return self.head.weight if self.tied else self.mtp.embed.weight
 
     def set_recompute(self, mode: str, layers: int | None = None) -> None:
         """Activation recompute (``mimo.parallel.recompute``) for this stage's first ``layers``
         layers (all when None): ``full`` re-runs each one's forward in backward, ``selective``
         the memory-heavy cheap parts inside it, ``none`` nothing."""
         set_block_recompute(self.layers.values(), mode, layers)
+        if hasattr(self, "mtp") and layers is None:  # (a count of layers counts the main ones)
+            set_block_recompute(self.mtp.layers(), mode)
 
     # ---------------------------------------------------------------- inputs
     def local_len(self, batch: PackedBatch) -> int:
@@ -270,7 +290,25 @@ class LLMStage(nn.Module):
             cache.end()
         if not self.is_last:
             return h_TD
-        return self.logits(self.norm(h_TD))
+        h_TD = self.norm(h_TD)
+        logits_TV = self.logits(h_TD)
+        if hasattr(self, "mtp") and self.training and loss_norm is not None and cache is None:
+            # joins the objective through the logits' backward; the reported loss stays the main one
+            logits_TV = attach_loss(logits_TV, self.mtp.objective(self.mtp_losses(h_TD, batch, seq), loss_norm))
+        return logits_TV
+
+    def mtp_losses(self, h_TD: torch.Tensor, batch: PackedBatch, seq: SeqContext | None = None) -> list[torch.Tensor]:
+        """Each MTP depth's summed fp32 token losses on ``batch`` (``mimo.llm.mtp``), from the
+        final-normed hidden states ``h_TD`` (last stage, ``arch.mtp``)."""
+        seq = self.context(batch) if seq is None else seq
+        return self.mtp.losses(h_TD, batch, seq, self._mtp_embed, self.logits, self.tp_group, self.compiled_loss)
+
+    def _mtp_embed(self, tokens_T: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            return self.embed(tokens_T)
+        if self.tied:  # the head's copy of the embedding, split as the embedding is
+            return vocab_parallel_lookup(tokens_T, self.head.weight, self.arch.vocab, self.ctx, self.sequence_parallel)
+        return self.mtp.embed(tokens_T)
 
     def _layers(self, h_TD: torch.Tensor, seq: SeqContext, deepstack=()) -> torch.Tensor:
         """The stage's layers; ``deepstack``: (slots, level rows ``[R, levels * D]``) added level
@@ -338,7 +376,7 @@ def embedding_group(ctx: ParallelContext):
 def sync_tied_grads(stage: LLMStage, group) -> None:
     """Sum the gradients of a tied embedding's first- and last-stage copies (after backward,
     before clipping and the optimizer step). A no-op where the stage holds no copy."""
-    weight = stage.tied_weight()
+    weight = stage.embedding_copy()
     if weight is None or group is None:
         return
     grad = main_grad(weight)  # the run's main gradient where training keeps one

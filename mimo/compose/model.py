@@ -173,7 +173,7 @@ class MimoModel:
             if part.module is not None:
                 out += _describe(name, param_table(part.module, ctx=part.ctx), part.ctx)
         if self.stage is not None:
-            tied = self.stage.tied_weight()
+            tied = self.stage.embedding_copy()
             infos = _describe(self.llm_name, self.stage.param_table(), self.llm_ctx)
             for info in infos:  # a tied embedding's last-stage copy is the same parameter: count it once
                 if tied is not None and info.param is tied and not self.stage.is_first:

@@ -33,7 +33,8 @@ from mimo.parallel.context import ParallelContext
 from mimo.parallel.init import init_local, param_seed
 from mimo.parallel.placement import ParamPlacement, gather_full, replicated, shard_full, sharded
 
-__all__ = ["TPModule", "ColumnParallelLinear", "FusedColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
+__all__ = ["TPModule", "ColumnParallelLinear", "FusedColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "vocab_parallel_lookup"]
 
 
 class TPModule(nn.Module):
@@ -201,6 +202,21 @@ class RowParallelLinear(TPModule):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
+def vocab_parallel_lookup(tokens_T: torch.Tensor, weight_VD: torch.Tensor, vocab_size: int, ctx: ParallelContext,
+                          sequence_parallel: bool) -> torch.Tensor:
+    """Rows of a vocab-split (padded) weight for token ids ``[T]``: ``VocabParallelEmbedding``'s
+    lookup, also of a tied head's copy of the embedding (the same split)."""
+    if ctx.tp_size == 1:
+        return F.embedding(tokens_T, weight_VD)
+    start = ctx.tp_rank * weight_VD.shape[0]  # rows [start, end) of the real vocab live here
+    outside_T = (tokens_T < start) | (tokens_T >= min(start + weight_VD.shape[0], vocab_size))
+    local_T = (tokens_T - start).masked_fill(outside_T, 0)
+    partial_TD = F.embedding(local_T, weight_VD).masked_fill(outside_T.unsqueeze(-1), 0.0)
+    if sequence_parallel:
+        return reduce_scatter_seq(partial_TD, ctx.tp)
+    return reduce_from_group(partial_TD, ctx.tp)
+
+
 class VocabParallelEmbedding(TPModule):
     """Embedding whose rows (the vocab) are split over TP.
 
@@ -227,14 +243,7 @@ class VocabParallelEmbedding(TPModule):
         return self._placements
 
     def forward(self, tokens_T: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return F.embedding(tokens_T, self.weight)
-        outside_T = (tokens_T < self.vocab_start) | (tokens_T >= self.vocab_end)
-        local_T = (tokens_T - self.vocab_start).masked_fill(outside_T, 0)
-        partial_TD = F.embedding(local_T, self.weight).masked_fill(outside_T.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:
-            return reduce_scatter_seq(partial_TD, self.group)
-        return reduce_from_group(partial_TD, self.group)
+        return vocab_parallel_lookup(tokens_T, self.weight, self.vocab_size, self.ctx, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         return (f"vocab={self.vocab_size} (padded {self.padded_vocab_size}), dim={self.dim}, "

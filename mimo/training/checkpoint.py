@@ -455,7 +455,7 @@ def _local_parts(model: MimoModel) -> list[_Part]:
             table.update(_persistent_buffers(p.module, p.ctx))  # (FP8 amax histories)
             parts.append(_Part(name, table))
     if model.stage is not None:
-        table, tied = model.stage.param_table(), model.stage.tied_weight()
+        table, tied = model.stage.param_table(), model.stage.embedding_copy()
         table.update(_persistent_buffers(model.stage, model.llm_ctx))
         copies = frozenset(n for n, info in table.items() if tied is not None and info.param is tied and not model.stage.is_first)
         parts.append(_Part(model.llm_name, table, copies))

@@ -239,6 +239,7 @@ class Reporter:
             "skipped": {**self.skipped, "read failure": self.read_failures_total}, "checkpoint": checkpoint,
             "skipped_step": result.skipped, "skipped_steps": self.skipped_steps,
             "wall_time": time.time(),
+            **getattr(result, "mtp", {}),  # mtp/loss (and mtp/loss_depth<k>): LLMs with arch.mtp
             **getattr(result, "moe", {}),  # moe/max_load, moe/dead_experts, moe/aux_loss, moe/layer<i>/... (MoE LLMs)
         }
         self._write(rec)

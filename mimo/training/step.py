@@ -30,6 +30,7 @@ import torch.distributed as dist
 from mimo.compose.model import MimoModel
 from mimo.data.pipeline import DataPipeline
 from mimo.llm.balance import STATS, balance_step, reset_accumulators, stats_metrics
+from mimo.llm.mtp import mtp_metrics
 from mimo.llm.model import sync_tied_grads
 from mimo.parallel.fp8 import history_step
 from mimo.training.bucket_optim import BucketAdamW, bucket_grad_norm
@@ -53,7 +54,10 @@ class StepResult:
     # MoE stats for metrics.jsonl (``mimo.llm.balance.stats_metrics`` keys; {} without MoE);
     # handed over as (layers, [L, 3] tensor) and read on first access, like the loss
     moe: dict | tuple = field(default_factory=dict)
-    skipped: bool = False  # train.on_nonfinite skip_step: the gradient norm was not finite, no update
+    skipped: bool = False
+    # MTP losses for metrics.jsonl (``mimo.llm.mtp.mtp_metrics`` keys; {} without arch.mtp);
+    # handed over as (each depth's loss [depth],) and read on first access
+    mtp: dict | tuple = field(default_factory=dict)  # train.on_nonfinite skip_step: the gradient norm was not finite, no update
 
     def __getattribute__(self, name):
         value = object.__getattribute__(self, name)
@@ -62,6 +66,9 @@ class StepResult:
             object.__setattr__(self, name, value)
         elif name == "moe" and isinstance(value, tuple):
             value = stats_metrics(*value)
+            object.__setattr__(self, name, value)
+        elif name == "mtp" and isinstance(value, tuple):
+            value = mtp_metrics(*value)
             object.__setattr__(self, name, value)
         return value
 
@@ -78,7 +85,8 @@ def moe_layers(model: MimoModel) -> list[int]:
     arch = model.config.llm.arch
     if getattr(arch, "moe", None) is None:
         return []
-    return [s.index for s in arch.layer_pattern().layers if s.kind == "moe"]
+    specs = [*arch.layer_pattern().layers, *(s for depth in arch.mtp_layers() for s in depth)]
+    return [s.index for s in specs if s.kind == "moe"]
 
 
 def _moe_table(model: MimoModel, layers: list[int], stats) -> torch.Tensor:
@@ -133,6 +141,9 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     layers = moe_layers(model)
     if layers and model.stage is not None:  # nothing but this step's forwards counts
         reset_accumulators(model.stage)
+    mtp = getattr(model.stage, "mtp", None)
+    if mtp is not None:
+        mtp.reset()
     grad_sync = grad_sync_for(model, policy)
     params = grad_sync.params  # the run's table, built once with the buffers (not per step: host time at the step boundary)
     grad_sync.zero_grad()
@@ -142,7 +153,7 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     for _, chain in model.gtp_chains():  # no weight gather may outlive the weights it read
         chain.drop()
     if model.stage is not None:
-        tied = model.stage.tied_weight()
+        tied = model.stage.embedding_copy()
         if tied is not None and model.llm_embedding_group is not None:
             grad_sync.gather_shards([tied])  # (sharded: the two copies' buckets are cut differently)
         sync_tied_grads(model.stage, model.llm_embedding_group)
@@ -184,11 +195,37 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     # the step's loss: the last stage's DP ranks hold the parts; read only after the optimizer's
     # kernels are queued (at world 1 only when the caller asks), so that reading it does not
     # idle the device
-    loss, moe_sum = _world_loss(model, loss_local, _moe_table(model, layers, stats).reshape(-1) if layers else None)
+    depth = cfg.llm.arch.mtp.depth if cfg.llm.arch.mtp is not None else 0
+    # riding along: the MoE stats, the MTP losses and the loss-token count (which ranks outside
+    # the LLM's grid do not know), each held so that its sum over the world counts it once
+    extras = ([_moe_table(model, layers, stats).reshape(-1)] if layers else []) + [
+        _mtp_losses(model, depth, num_loss_tokens), _held_by_first_llm_rank(model, num_loss_tokens)]
+    loss, extra_sum = _world_loss(model, loss_local, torch.cat(extras))
     moe = (layers, stats.table_L3) if stats is not None else {}
-    if moe_sum is not None:  # every layer's stats, gathered over the stages
-        moe = (layers, moe_sum.view(len(layers), len(STATS)))
-    return StepResult(loss, norm_t, int(num_loss_tokens), lrs, _read_failures(mbs), events, moe)
+    mtp_K = extras[-2]
+    if extra_sum is not None:
+        moe_sum, mtp_K, count = extra_sum.split([len(layers) * len(STATS), depth, 1])
+        moe = (layers, moe_sum.view(len(layers), len(STATS))) if layers else {}
+        num_loss_tokens = float(count)
+    mtp_result = (mtp_K,) if depth else {}
+    return StepResult(loss, norm_t, int(num_loss_tokens), lrs, _read_failures(mbs), events, moe, mtp=mtp_result)
+
+
+def _mtp_losses(model: MimoModel, depth: int, num_loss_tokens: float) -> torch.Tensor:
+    """``[depth]``: this rank's summed MTP token losses over the step's loss-token count where it
+    is a last-stage rank of TP coordinate 0 (one per DP rank), zeros elsewhere: their sum over the
+    world is each depth's loss."""
+    mtp = getattr(model.stage, "mtp", None)
+    holds = mtp is not None and mtp.sums_K is not None and model.llm_grid.coords(model.rank)["tp"] == 0
+    if not holds:
+        return torch.zeros(depth, dtype=torch.float64)
+    return mtp.sums_K.to("cpu", torch.float64) / max(num_loss_tokens, 1.0)
+
+
+def _held_by_first_llm_rank(model: MimoModel, value: float) -> torch.Tensor:
+    """``[1]``: ``value`` on the LLM grid's first rank, 0 elsewhere."""
+    first = model.stage is not None and not any(model.llm_grid.coords(model.rank).values())
+    return torch.tensor([value if first else 0.0], dtype=torch.float64)
 
 
 def _world_loss(model: MimoModel, loss_local, extra: torch.Tensor | None = None):
