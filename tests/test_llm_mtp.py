@@ -169,3 +169,29 @@ def test_verify_train_with_mtp(pools, mtp_configs, name):
     assert ("mtp/loss_depth2" in first["mtp"]) == ("depth: 2" in overrides[0])
     grads = first["grads"]["language"]
     assert any(n.startswith("mtp.0.fc") and g.abs().sum() > 0 for n, g in grads.items())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU machine runs it)")
+def test_mtp_training_forward_on_the_gpu_equals_the_cpu():
+    """fp32, TF32 off: the attached objective's loss and every gradient alike on both devices."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        out = {}
+        for device in ("cpu", "cuda"):
+            stage = _stage(_arch(2)).to(device=device, dtype=torch.float32)
+            batch = _pack([9, 4, 6, 13], stage.arch.vocab, seed=2)
+            batch = PackedBatch(**{f: getattr(batch, f).to(device) for f in ("tokens", "positions", "cu_seqlens", "labels",
+                                                                                "loss_mask")})
+            n = float(batch.loss_mask.sum())
+            stage.train()
+            loss = stage.loss(stage.forward(batch, loss_norm=n), batch, n)
+            loss.backward()
+            out[device] = (float(loss), stage.mtp.sums_K.cpu(), {k: p.grad.cpu() for k, p in stage.named_parameters()})
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    (l0, s0, g0), (l1, s1, g1) = out["cpu"], out["cuda"]
+    assert l1 == pytest.approx(l0, rel=1e-5)
+    torch.testing.assert_close(s1, s0, rtol=1e-5, atol=0)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-4, atol=1e-6, msg=k)
