@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Mapping
+from typing import ClassVar, Literal, Mapping
 
 from mimo.core.errors import ConfigError, MimoError
 from mimo.parallel.grid import ParallelConfig
@@ -79,7 +79,12 @@ _HF_FIELDS = {
 
 @dataclass
 class Qwen3VisionArch:
-    """The architecture of a Qwen3-VL vision tower (Hugging Face's ``Qwen3VLVisionConfig``)."""
+    """The architecture of a Qwen3-VL vision tower (Hugging Face's ``Qwen3VLVisionConfig``), or of
+    Qwen3.5's (``Qwen3_5VisionConfig``: the same tower without deepstack)."""
+
+    # Qwen3.5's model types (whole model, vision config): transformers deletes its tower's deepstack
+    # mergers whatever ``deepstack_visual_indexes`` says, so it has no deepstack levels
+    NO_DEEPSTACK: ClassVar[tuple[str, ...]] = ("qwen3_5", "qwen3_5_moe", "qwen3_5_vision", "qwen3_5_moe_vision")
 
     depth: int  # blocks (HF depth)
     hidden: int  # D (hidden_size)
@@ -155,15 +160,31 @@ class Qwen3VisionArch:
                             f"square (the learned positions are a side x side grid)")
         return problems
 
-    @classmethod
-    def from_hf_config(cls, config: Mapping) -> "Qwen3VisionArch":
-        """From a Hugging Face ``Qwen3VLVisionConfig`` dict, or a whole Qwen3-VL ``config.json``
-        dict holding one under ``vision_config``; keys it lacks take transformers' defaults."""
+    @staticmethod
+    def _hf_vision(config: Mapping) -> Mapping:
+        """The vision config of a whole Qwen3-VL / Qwen3.5 ``config.json`` dict, or ``config`` itself."""
         vision = config.get("vision_config", config) if isinstance(config, Mapping) else None
         if not isinstance(vision, Mapping):
             raise MimoError(f"a Qwen3-VL vision config must be a dict, got {type(vision).__name__}")
+        return vision
+
+    @classmethod
+    def hf_deepstack_indexes(cls, config: Mapping) -> list[int]:
+        """The blocks feeding deepstack mergers of a Qwen3-VL config (whole, or its vision config;
+        transformers' default where absent); [] for Qwen3.5's (``NO_DEEPSTACK``)."""
+        vision = cls._hf_vision(config)
+        if {config.get("model_type"), vision.get("model_type")} & set(cls.NO_DEEPSTACK):
+            return []
+        return list(vision.get("deepstack_visual_indexes", _HF_FIELDS["deepstack_visual_indexes"][1]) or [])
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping) -> "Qwen3VisionArch":
+        """From a Hugging Face ``Qwen3VLVisionConfig`` / ``Qwen3_5VisionConfig`` dict, or a whole
+        Qwen3-VL / Qwen3.5 ``config.json`` dict holding one under ``vision_config``; keys it lacks
+        take transformers' defaults."""
+        vision = cls._hf_vision(config)
         kwargs = {ours: vision.get(theirs, default) for theirs, (ours, default) in _HF_FIELDS.items()}
-        kwargs["deepstack_layers"] = list(kwargs["deepstack_layers"] or [])
+        kwargs["deepstack_layers"] = cls.hf_deepstack_indexes(config)
         rope = vision.get("rope_parameters") or vision.get("rope_scaling") or {}
         if rope.get("rope_type", "axial") != "axial":
             raise MimoError(f"vision rope_parameters.rope_type {rope.get('rope_type')!r}: the Qwen3-VL tower "
@@ -175,10 +196,18 @@ class Qwen3VisionArch:
             raise ConfigError(problems)
         return arch
 
-    def to_hf_config(self) -> dict:
-        """The ``Qwen3VLVisionConfig`` keyword arguments of this architecture."""
+    def to_hf_config(self, deepstack: bool = True) -> dict:
+        """The ``Qwen3VLVisionConfig`` keyword arguments of this architecture; without
+        ``deepstack``, ``Qwen3_5VisionConfig``'s (no deepstack key: MimoError if the tower has
+        deepstack layers)."""
         out = {theirs: getattr(self, ours) for theirs, (ours, _) in _HF_FIELDS.items()}
-        out["deepstack_visual_indexes"] = list(self.deepstack_layers)
+        if deepstack:
+            out["deepstack_visual_indexes"] = list(self.deepstack_layers)
+        else:
+            del out["deepstack_visual_indexes"]
+            if self.deepstack_layers:
+                raise MimoError(f"Qwen3.5's vision tower has no deepstack; the tower's deepstack_layers are "
+                                f"{list(self.deepstack_layers)}")
         out["rope_parameters"] = {"rope_type": "axial", "rope_theta": self.rope_theta}
         return out
 

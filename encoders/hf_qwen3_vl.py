@@ -1,8 +1,10 @@
-"""Hugging Face Qwen3-VL vision tower weights <-> ``encoders.qwen3_vl.Qwen3VisionTower``.
+"""Hugging Face Qwen3-VL (and Qwen3.5) vision tower weights <-> ``encoders.qwen3_vl.Qwen3VisionTower``.
 
 Explicit rules (``encoders.weights.Rule``), each checked against the shapes the configured
 ``Qwen3VisionArch`` implies. In ``Qwen3VLForConditionalGeneration`` (and its checkpoints) the
 tower sits under ``model.visual.``; a bare ``Qwen3VLVisionModel`` has no prefix (``prefix=""``).
+Qwen3.5's tower (``Qwen3_5ForConditionalGeneration`` and its MoE) is the same without deepstack:
+its arch has no ``deepstack_layers``, so no deepstack merger rules.
 Every tensor keeps its layout; only names change (HF's fused ``qkv`` is mimo's q | k | v order
 already: ``reshape(T, 3, heads, K)``).
 
@@ -22,11 +24,11 @@ Mapping (HF, under the prefix -> mimo):
 Tensors outside the prefix (the language model, ``lm_head``) are left alone; a tensor under the
 prefix that no rule claims (a block beyond ``depth``, a deepstack merger too many) is an error.
 
-``import_hf(DIR, arch)``: a checkpoint directory (``config.json`` of a ``qwen3_vl`` /
-``qwen3_vl_moe`` model, ``model.safetensors`` or its shards), its vision config checked against
-``arch`` and its tower tensors left in their files (each rank reads its own slices when the tower
-loads them): what ``modules.<name>.init.hf`` of a ``kind: qwen3_vl`` encoder loads;
-``shapes_only``: the same checks on the safetensors headers (``mimo check-config``).
+``import_hf(DIR, arch)``: a checkpoint directory (``config.json`` of a ``MODEL_TYPES`` model,
+``model.safetensors`` or its shards), its vision config checked against ``arch`` and its tower
+tensors left in their files (each rank reads its own slices when the tower loads them): what
+``modules.<name>.init.hf`` of a ``kind: qwen3_vl`` encoder loads; ``shapes_only``: the same
+checks on the safetensors headers (``mimo check-config``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ __all__ = ["DEFAULT_PREFIX", "MODEL_TYPES", "hf_rules", "import_hf_state", "impo
            "tower_state_to_hf"]
 
 DEFAULT_PREFIX = "model.visual."  # Qwen3VLForConditionalGeneration's (and its checkpoints') tower prefix
-MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")  # the config.json model types whose vision_config this tower is
+# the config.json model types whose vision_config this tower is
+MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 
 def hf_rules(arch: Qwen3VisionArch, prefix: str = DEFAULT_PREFIX) -> list[Rule]:
@@ -149,8 +152,8 @@ def check_arch(configured: Qwen3VisionArch, source: Qwen3VisionArch, where: str)
 
 
 def import_hf(path: str, arch: Qwen3VisionArch | None = None, shapes_only: bool = False) -> ImportedWeights:
-    """The tower of the Hugging Face Qwen3-VL checkpoint directory ``path``, mapped onto ``arch``
-    (default: the checkpoint's own), left in its safetensors files (``LazyTensor``: read region by
+    """The tower of the Hugging Face Qwen3-VL / Qwen3.5 checkpoint directory ``path``, mapped onto
+    ``arch`` (default: the checkpoint's own), left in its safetensors files (``LazyTensor``: read region by
     region when loaded); ``shapes_only``: meta tensors from the headers, nothing read (module doc).
     ``meta`` holds the whole ``config.json`` (``config``)."""
     from mimo.encoders.hf_import import load_hf_state, read_config_json
@@ -158,8 +161,8 @@ def import_hf(path: str, arch: Qwen3VisionArch | None = None, shapes_only: bool 
     config = read_config_json(path)
     where = f"checkpoint {path!r}"
     if config.get("model_type") not in MODEL_TYPES:
-        raise MimoError(f"{where}: model_type {config.get('model_type')!r} is not a Qwen3-VL model "
-                        f"({' or '.join(MODEL_TYPES)}); a kind: qwen3_vl encoder loads the vision tower of one")
+        raise MimoError(f"{where}: model_type {config.get('model_type')!r} is not a Qwen3-VL / Qwen3.5 model "
+                        f"({', '.join(MODEL_TYPES)}); a kind: qwen3_vl encoder loads the vision tower of one")
     source = Qwen3VisionArch.from_hf_config(config)
     arch = source if arch is None else arch
     check_arch(arch, source, where)

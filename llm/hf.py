@@ -1,11 +1,12 @@
 """Hugging Face import / export of causal LMs, one *family* per ``model_type`` (``HF_FAMILIES``).
 
 Decoder families (this file): Llama, Qwen2, Qwen3 and the MoE ones Qwen3-MoE, Qwen2-MoE,
-Mixtral, OLMoE; Qwen3-VL's and Qwen3-VL-MoE's language models; Qwen3-Next (``qwen3_next``, its
-own section below: Gated DeltaNet / gated-attention layers). A Hugging Face decoder layer ``j`` is two of our layers: attention ``2j``
-(with ``input_layernorm``) and MLP or MoE ``2j+1`` (with ``post_attention_layernorm``), so
-these models are the pattern ``"*-"`` / ``"*E"`` per decoder layer (``|`` anywhere between
-layers for explicit stages). Qwen MoE configs may make some layers dense (``mlp_only_layers``,
+Mixtral, OLMoE; Qwen3-VL's and Qwen3-VL-MoE's language models; Qwen3-Next, Qwen3.5 and Qwen3.5-MoE
+(``qwen3_next``, ``qwen3_5_text``, ``qwen3_5_moe_text``: their own section below, Gated DeltaNet /
+gated-attention layers; the Qwen3.5 ones also Qwen3.5's VLMs' language models). A Hugging Face
+decoder layer ``j`` is two of our layers: attention ``2j`` (with ``input_layernorm``) and MLP or
+MoE ``2j+1`` (with ``post_attention_layernorm``), so these models are the pattern ``"*-"`` /
+``"*E"`` per decoder layer (``|`` anywhere between layers for explicit stages). Qwen MoE configs may make some layers dense (``mlp_only_layers``,
 ``decoder_sparse_step``): those are ``-`` layers of inner size ``intermediate_size``.
 
 Model-specific flags, as Hugging Face defines them:
@@ -44,12 +45,14 @@ down_proj.weight`` (Mixtral: ``block_sparse_moe.experts.{e}.w1 / w3 / w2`` and
 stacked lazily, ``StackedExperts``); export writes ``model.state_dict()``'s names, which
 ``from_pretrained`` loads as they are.
 
-**Qwen3-VL** (``qwen3_vl`` / ``qwen3_vl_moe`` configs): the language model sits under
+**Qwen3-VL** (``qwen3_vl`` / ``qwen3_vl_moe`` configs) and **Qwen3.5** (``qwen3_5`` /
+``qwen3_5_moe``: the same layout, no deepstack): the language model sits under
 ``model.language_model.`` with ``lm_head.weight`` beside it (tied as the top-level
 ``tie_word_embeddings`` says); the deepstack levels are the vision config's
-``deepstack_visual_indexes``. ``qwen3_vl_arch`` (the arch of a whole config.json),
-``qwen3_vl_text_from_hf`` / ``qwen3_vl_text_to_hf`` (our state from / to the whole model's
-state dict) and ``language_model_of`` (its checkpoints) are what the integration calls.
+``deepstack_visual_indexes`` (``Qwen3VisionArch.hf_deepstack_indexes``: none for Qwen3.5).
+``qwen3_vl_arch`` (the arch of a whole config.json), ``qwen3_vl_text_from_hf`` /
+``qwen3_vl_text_to_hf`` (our state from / to the whole model's state dict) and
+``language_model_of`` (its checkpoints) are what the integration calls.
 
 **The family seam** (``HFFamily``; a family in its own module registers with
 ``HF_FAMILIES[model_type] = family_of(module)``, the module defining the names in brackets):
@@ -82,7 +85,7 @@ state dict) and ``language_model_of`` (its checkpoints) are what the integration
   parameter: it is imported whole and exported from the state given to ``export_hf_state``
   (which must then hold it).
 
-**One layer's rules** (Qwen3-Next's family and those to come: Qwen3.5, Qwen3.5-MoE; issue 48):
+**One layer's rules** (the Qwen3-Next, Qwen3.5 and Qwen3.5-MoE families; issue 48):
 ``gdn_layer_pieces`` (their ``linear_attn``, with Qwen3-Next's per-key-head grouped projections
 shown as row blocks by ``qwen3_next_gdn_view`` and grouped again by ``qwen3_next_gdn_join``) and
 ``moe_layer_pieces``, in the piece language above, one decoder layer at a time;
@@ -295,10 +298,15 @@ def decoder_arch_from_config(model_type: str, cfg: Mapping, pattern_stages: Iter
     )
 
 
-def _mrope_from_hf(cfg: Mapping) -> list[int]:
-    """M-RoPE sections of a Qwen3-VL text config (transformers' default when absent)."""
+def _mrope_from_hf(cfg: Mapping, default: Iterable[int] = (24, 20, 20)) -> list[int]:
+    """M-RoPE sections of a Qwen3-VL (or Qwen3.5) text config (transformers' ``default`` when absent)."""
     params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
-    return [int(v) for v in params.get("mrope_section") or (24, 20, 20)]
+    return [int(v) for v in params.get("mrope_section") or default]
+
+
+def _mrope_to_hf(arch: HybridArch) -> dict:
+    """``rope_parameters``' M-RoPE keys of ``arch`` (transformers interleaves whatever the flag says)."""
+    return {"mrope_section": list(arch.mrope_section), "mrope_interleaved": True}
 
 
 def deepstack_after_decoder_layers(levels: int) -> list[int]:
@@ -397,7 +405,7 @@ def decoder_config_from_arch(arch: HybridArch, model_type: str) -> dict:
             rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
                         original_max_position_embeddings=s.original_max_position_embeddings)
     if d.mrope:  # (deepstack levels live in the vision config: qwen3_vl_arch)
-        rope.update(mrope_section=list(arch.mrope_section), mrope_interleaved=True)
+        rope.update(_mrope_to_hf(arch))
     cfg = {
         "model_type": model_type, "architectures": [d.architecture],
         "vocab_size": arch.vocab, "hidden_size": arch.hidden, "intermediate_size": arch.ffn,
@@ -875,7 +883,7 @@ def _state_to_hf(layout: _Layout, full_state: Mapping[str, torch.Tensor]) -> dic
 
 # ---------------------------------------------------------------- one layer's rules: Qwen3-Next / Qwen3.5 (issue 48)
 #
-# For the qwen3_next / qwen3_5 / qwen3_5_moe families to come, in the piece language of the module
+# For the qwen3_next / qwen3_5_text / qwen3_5_moe_text families, in the piece language of the module
 # doc, one decoder layer at a time: Hugging Face names inside ``model.layers.{j}.``, ours inside
 # ``layers.{a}.`` (a family's ``tensor_pieces`` prefixes both). ``layer_state_from_hf`` /
 # ``layer_state_to_hf`` run such rules on one layer's state, through ``_Layout`` as whole models do.
@@ -1064,32 +1072,86 @@ def gdn_layer_to_hf(state: Mapping[str, torch.Tensor], arch: HybridArch, model_t
     return qwen3_next_gdn_join(out, arch) if model_type == "qwen3_next" else out
 
 
-# ---------------------------------------------------------------- Qwen3-Next (issue 48): Qwen3NextForCausalLM
+# ---------------------------------------------------------------- Qwen3-Next and Qwen3.5's text models (issue 48)
 #
-# A decoder layer ``j`` is our layers ``2j`` (``G`` for ``linear_attention``, ``*`` for
-# ``full_attention``: gated attention, per-head zero-centred QK-norm, partial rotary) and ``2j+1``
-# (``E`` or ``-`` as ``mlp_only_layers`` / ``decoder_sparse_step`` / ``num_experts`` say: Qwen2-MoE's
-# block, softmax top-k renormalised as ``norm_topk_prob`` says, a shared expert with its sigmoid
-# gate). Every norm is zero-centred (``arch.norm_zero_centred``); the GDN's gated output norm is
-# plain. Keys a config.json may leave out take Qwen3NextConfig's defaults (``QWEN3_NEXT_DEFAULTS``).
+# ``Qwen3NextForCausalLM`` (qwen3_next), ``Qwen3_5ForCausalLM`` (qwen3_5_text) and
+# ``Qwen3_5MoeForCausalLM`` (qwen3_5_moe_text; these two are also the language models of Qwen3.5's
+# VLMs: the Qwen3-VL section below). A decoder layer ``j`` is our layers ``2j`` (``G`` for
+# ``linear_attention``, ``*`` for ``full_attention``: gated attention, per-head zero-centred QK-norm,
+# partial rotary) and ``2j+1`` (``E`` or ``-``). Every norm is zero-centred
+# (``arch.norm_zero_centred``); the GDN's gated output norm is plain. What tells them apart
+# (``GATED_FAMILIES``):
+#
+#     qwen3_next        ``E`` or ``-`` as ``mlp_only_layers`` / ``decoder_sparse_step`` / ``num_experts``
+#                       say (Qwen2-MoE's block: softmax top-k renormalised as ``norm_topk_prob`` says,
+#                       a shared expert with its sigmoid gate); grouped GDN projections; 1-D RoPE
+#     qwen3_5_text      ``-`` in every layer; split GDN projections (``gdn_layer_pieces("qwen3_5")``);
+#                       M-RoPE (``rope_parameters``' ``mrope_section``, default [11, 11, 10], over the
+#                       rotary channels, interleaved whatever ``mrope_interleaved`` says, as
+#                       transformers computes it; a text-only input rotates every axis alike)
+#     qwen3_5_moe_text  ``E`` in every layer (Qwen3-Next's block, top-k always renormalised: no
+#                       ``mlp_only_layers``, ``decoder_sparse_step``, ``norm_topk_prob`` or
+#                       ``intermediate_size``); otherwise as qwen3_5_text
+#
+# Keys a config.json may leave out take the transformers config class's defaults
+# (``GatedFamily.defaults``). ``mtp.*`` tensors (multi-token prediction) are not mapped here.
 
+
+@dataclass(frozen=True)
+class GatedFamily:
+    """One Gated DeltaNet family (the table above)."""
+
+    decoder: Decoder  # experts None: every layer dense; sparse_layers False: every layer MoE; mrope
+    defaults: Mapping  # transformers' config defaults of the keys a config.json may leave out
+    gdn: str  # ``gdn_layer_pieces``' rules: "qwen3_next" (grouped projections) or "qwen3_5" (split)
+    mrope_default: tuple[int, ...] | None = None  # transformers' mrope_section where the config has none
+
+    @property
+    def dense_mlps(self) -> bool:
+        """Whether its layers may be dense (its config has ``intermediate_size``)."""
+        return self.decoder.experts is None or self.decoder.sparse_layers
+
+
+_GATED_DEFAULTS = {  # Qwen3NextConfig's, Qwen3_5TextConfig's and Qwen3_5MoeTextConfig's alike
+    "num_attention_heads": 16, "head_dim": 256, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+    "attention_bias": False, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "initializer_range": 0.02, "tie_word_embeddings": False,
+}
+_SHARED_EXPERT_DEFAULTS = {"moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                           "router_aux_loss_coef": 0.001}
 QWEN3_NEXT = Decoder("Qwen3NextForCausalLM", qk_norm="head", experts="num_experts", sparse_layers=True, shared=True)
 QWEN3_NEXT_DEFAULTS = {
-    "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 48,
-    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6, "attention_bias": False, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "decoder_sparse_step": 1,
-    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts_per_tok": 10,
-    "num_experts": 512, "norm_topk_prob": True, "mlp_only_layers": [], "initializer_range": 0.02,
-    "tie_word_embeddings": False, "router_aux_loss_coef": 0.001,
+    **_GATED_DEFAULTS, **_SHARED_EXPERT_DEFAULTS, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
+    "num_hidden_layers": 48, "num_key_value_heads": 2, "decoder_sparse_step": 1, "num_experts_per_tok": 10,
+    "num_experts": 512, "norm_topk_prob": True, "mlp_only_layers": [],
+}
+GATED_FAMILIES = {
+    "qwen3_next": GatedFamily(QWEN3_NEXT, QWEN3_NEXT_DEFAULTS, "qwen3_next"),
+    "qwen3_5_text": GatedFamily(
+        Decoder("Qwen3_5ForCausalLM", qk_norm="head", mrope=True),
+        {**_GATED_DEFAULTS, "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
+         "num_hidden_layers": 32, "num_key_value_heads": 4}, "qwen3_5", (11, 11, 10)),
+    "qwen3_5_moe_text": GatedFamily(
+        Decoder("Qwen3_5MoeForCausalLM", qk_norm="head", experts="num_experts", shared=True, norm_topk=True,
+                mrope=True),
+        {**_GATED_DEFAULTS, **_SHARED_EXPERT_DEFAULTS, "vocab_size": 248320, "hidden_size": 2048,
+         "num_hidden_layers": 40, "num_key_value_heads": 2, "num_experts_per_tok": 8, "num_experts": 256},
+        "qwen3_5", (11, 11, 10)),
 }
 _QWEN3_NEXT_MIXERS = {"linear_attention": "G", "full_attention": "*"}
 
 
-def _qwen3_next_config(cfg: Mapping) -> dict:
-    """``cfg`` with Qwen3NextConfig's defaults for the keys it leaves out (``layer_types``: every
+def _gated_family(model_type: str) -> GatedFamily:
+    if model_type not in GATED_FAMILIES:
+        raise MimoError(f"model_type {model_type!r} is not a Gated DeltaNet family ({', '.join(GATED_FAMILIES)})")
+    return GATED_FAMILIES[model_type]
+
+
+def _qwen3_next_config(cfg: Mapping, model_type: str = "qwen3_next") -> dict:
+    """``cfg`` with the family's defaults for the keys it leaves out (``layer_types``: every
     ``full_attention_interval``-th layer full attention, the rest linear)."""
-    out = {**QWEN3_NEXT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None or k == "mlp_only_layers"}}
+    out = {**_gated_family(model_type).defaults,
+           **{k: v for k, v in cfg.items() if v is not None or k == "mlp_only_layers"}}
     out["mlp_only_layers"] = list(out.get("mlp_only_layers") or [])
     if not cfg.get("layer_types"):
         every = int(cfg.get("full_attention_interval", 4))
@@ -1103,22 +1165,26 @@ def _partial_rotary(cfg: Mapping) -> float:
     return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
 
 
-def qwen3_next_arch_from_config(cfg: Mapping, pattern_stages: Iterable[int] | None = None) -> HybridArch:
-    """Our ``HybridArch`` of a ``qwen3_next`` ``config.json`` dict."""
-    cfg = _qwen3_next_config(cfg)
-    _reject_decoder_config(QWEN3_NEXT, "qwen3_next", cfg)
+def qwen3_next_arch_from_config(cfg: Mapping, pattern_stages: Iterable[int] | None = None,
+                                model_type: str = "qwen3_next") -> HybridArch:
+    """Our ``HybridArch`` of a ``config.json`` dict of a Gated DeltaNet family (``model_type``:
+    qwen3_next, qwen3_5_text or qwen3_5_moe_text)."""
+    fam = _gated_family(model_type)
+    d, cfg = fam.decoder, _qwen3_next_config(cfg, model_type)
+    _reject_decoder_config(d, model_type, cfg)
     layers = int(cfg["num_hidden_layers"])
     types = list(cfg["layer_types"])
     if len(types) != layers or any(t not in _QWEN3_NEXT_MIXERS for t in types):
-        raise MimoError(f"qwen3_next: layer_types must be {layers} of {', '.join(_QWEN3_NEXT_MIXERS)}; got {types}")
-    symbols = _mlp_symbols(QWEN3_NEXT, "qwen3_next", cfg, layers)
+        raise MimoError(f"{model_type}: layer_types must be {layers} of {', '.join(_QWEN3_NEXT_MIXERS)}; got {types}")
+    symbols = _mlp_symbols(d, model_type, cfg, layers)
     heads = int(cfg["num_attention_heads"])
     theta, scaling = _rope_from_hf(cfg)
     bias = bool(cfg["attention_bias"])
     return HybridArch(
         pattern=_staged([_QWEN3_NEXT_MIXERS[t] + s for t, s in zip(types, symbols)], pattern_stages),
         hidden=int(cfg["hidden_size"]), heads=heads, vocab=int(cfg["vocab_size"]),
-        kv_heads=int(cfg["num_key_value_heads"]), head_dim=int(cfg["head_dim"]), ffn=int(cfg["intermediate_size"]),
+        kv_heads=int(cfg["num_key_value_heads"]), head_dim=int(cfg["head_dim"]),
+        ffn=int(cfg["intermediate_size"]) if fam.dense_mlps else None,  # None: unused (every layer MoE)
         mlp_act="swiglu", qk_norm=True, attention_bias=bias, qkv_bias=bias, o_bias=bias,
         tie_embeddings=bool(cfg["tie_word_embeddings"]), rope_theta=theta, rope_scaling=scaling,
         norm_eps=float(cfg["rms_norm_eps"]), max_seq_len=int(cfg["max_position_embeddings"]),
@@ -1126,8 +1192,9 @@ def qwen3_next_arch_from_config(cfg: Mapping, pattern_stages: Iterable[int] | No
         gdn_heads=int(cfg["linear_num_key_heads"]), gdn_v_heads=int(cfg["linear_num_value_heads"]),
         gdn_head_dim=int(cfg["linear_key_head_dim"]), gdn_v_head_dim=int(cfg["linear_value_head_dim"]),
         conv_kernel=int(cfg["linear_conv_kernel_dim"]),
-        moe=_moe_from_config(QWEN3_NEXT, cfg) if "E" in symbols else None,
+        moe=_moe_from_config(d, cfg) if "E" in symbols else None,
         norm_zero_centred=True, attn_output_gate=True, rotary_fraction=_partial_rotary(cfg),
+        mrope_section=_mrope_from_hf(cfg, fam.mrope_default) if d.mrope else None,
     )
 
 
@@ -1139,60 +1206,87 @@ def qwen3_next_layers(arch: HybridArch) -> list[tuple[str, str]]:
     symbol = {"gdn": "G", "attention": "*", "mlp": "-", "moe": "E"}
     if len(kinds) % 2 or any(len(p) != 2 or p[0] not in ("gdn", "attention") or p[1] not in ("mlp", "moe")
                              for p in pairs):
-        raise MimoError(f"Qwen3-Next decoder layers are 'G' or '*' then '-' or 'E' (a Gated DeltaNet or attention "
-                        f"layer and an MLP or MoE layer each); {arch.pattern!r} has other layers")
+        raise MimoError(f"Qwen3-Next / Qwen3.5 decoder layers are 'G' or '*' then '-' or 'E' (a Gated DeltaNet or "
+                        f"attention layer and an MLP or MoE layer each); {arch.pattern!r} has other layers")
     return [(symbol[a], symbol[m]) for a, m in pairs]
 
 
+def _gated_problems(fam: GatedFamily, model_type: str, arch: HybridArch, symbols: list[str]) -> list[str]:
+    """What in ``arch`` the family cannot express (``_decoder_problems``' and its own)."""
+    d = fam.decoder
+    if d.sparse_layers and "E" not in symbols:
+        d = replace(d, experts=None)  # Qwen3-Next without experts (num_experts 0): every layer dense
+    problems = _decoder_problems(d, model_type, arch, symbols)
+    want = {"norm_zero_centred": True, "attn_output_gate": True, "mlp_act": "swiglu", "mlp_bias": False}
+    problems += [f"{model_type} needs arch.{k}: {v!r}, got {getattr(arch, k)!r}" for k, v in want.items()
+                 if getattr(arch, k) != v]
+    if d.mrope and arch.deepstack_layers:
+        problems.append(f"{model_type} has no deepstack; arch.deepstack_layers is {list(arch.deepstack_layers)}")
+    if arch.rope_scaling is not None:
+        problems.append(f"{model_type} export takes no arch.rope_scaling (only the default RoPE is mapped)")
+    if arch.moe is not None and "E" in symbols and arch.moe.act != "swiglu":
+        problems.append(f"{model_type} experts are SwiGLU; arch.moe.act is not 'swiglu'")
+    return problems
+
+
 def qwen3_next_config_from_arch(arch: HybridArch, model_type: str = "qwen3_next") -> dict:
-    """The ``qwen3_next`` ``config.json`` dict of ``arch``; MimoError listing what does not fit."""
+    """The ``config.json`` dict of ``arch`` as the Gated DeltaNet family ``model_type``; MimoError
+    listing what does not fit."""
+    fam = _gated_family(model_type)
     layers = qwen3_next_layers(arch)
     symbols = [m for _, m in layers]
-    d = QWEN3_NEXT if "E" in symbols else replace(QWEN3_NEXT, experts=None)  # none: num_experts 0, every layer dense
-    problems = _decoder_problems(d, "qwen3_next", arch, symbols)
-    want = {"norm_zero_centred": True, "attn_output_gate": True, "mlp_act": "swiglu", "mlp_bias": False}
-    problems += [f"qwen3_next needs arch.{k}: {v!r}, got {getattr(arch, k)!r}" for k, v in want.items()
-                 if getattr(arch, k) != v]
-    if arch.rope_scaling is not None:
-        problems.append("qwen3_next export takes no arch.rope_scaling (only the default RoPE is mapped)")
-    if arch.moe is not None and "E" in symbols and arch.moe.act != "swiglu":
-        problems.append("qwen3_next experts are SwiGLU; arch.moe.act is not 'swiglu'")
+    problems = _gated_problems(fam, model_type, arch, symbols)
     if problems:
-        raise MimoError("qwen3_next export: " + "; ".join(problems))
+        raise MimoError(f"{model_type} export: " + "; ".join(problems))
+    rope = {"rope_theta": arch.rope_theta, "rope_type": "default", "partial_rotary_factor": arch.rotary_fraction}
+    if fam.decoder.mrope:
+        rope.update(_mrope_to_hf(arch))
     cfg = {
-        "model_type": "qwen3_next", "architectures": [QWEN3_NEXT.architecture],
-        "vocab_size": arch.vocab, "hidden_size": arch.hidden, "intermediate_size": arch.ffn or 0,
+        "model_type": model_type, "architectures": [fam.decoder.architecture],
+        "vocab_size": arch.vocab, "hidden_size": arch.hidden,
         "num_hidden_layers": len(layers), "num_attention_heads": arch.heads, "num_key_value_heads": arch.kv_heads,
         "head_dim": arch.head_dim, "hidden_act": "silu", "max_position_embeddings": arch.max_seq_len,
         "rms_norm_eps": arch.norm_eps, "attention_bias": bool(arch.o_bias), "tie_word_embeddings": arch.tie_embeddings,
-        "initializer_range": arch.init_std,
-        "rope_parameters": {"rope_theta": arch.rope_theta, "rope_type": "default",
-                            "partial_rotary_factor": arch.rotary_fraction},
+        "initializer_range": arch.init_std, "rope_parameters": rope,
         "layer_types": ["linear_attention" if a == "G" else "full_attention" for a, _ in layers],
         "linear_num_key_heads": arch.gdn_heads, "linear_num_value_heads": arch.gdn_v_heads,
         "linear_key_head_dim": arch.gdn_head_dim, "linear_value_head_dim": arch.gdn_v_head_dim,
-        "linear_conv_kernel_dim": arch.conv_kernel, "decoder_sparse_step": 1,
-        "mlp_only_layers": [j for j, s in enumerate(symbols) if s == "-"],
+        "linear_conv_kernel_dim": arch.conv_kernel,
     }
-    m = arch.moe if "E" in symbols else None
-    if m is None:
-        cfg.update(num_experts=0, num_experts_per_tok=1, mlp_only_layers=[])
-    else:
-        cfg.update(num_experts=m.experts, num_experts_per_tok=m.topk, moe_intermediate_size=m.ffn,
-                   shared_expert_intermediate_size=m.shared_ffn, norm_topk_prob=m.norm_topk,
-                   router_aux_loss_coef=m.aux_loss.coeff if m.aux_loss.kind != "none" else 0.0)
+    if fam.dense_mlps:
+        cfg["intermediate_size"] = arch.ffn or 0
+    cfg.update(_gated_moe_config(fam, arch, symbols))
     return cfg
 
 
-def qwen3_next_tensor_pieces(arch: HybridArch, rename: Rename = _same) -> dict[str, tuple[Piece, ...]]:
-    """Every ``Qwen3NextForCausalLM`` tensor of ``arch`` -> its pieces, in its ``state_dict`` order
-    (the grouped GDN projections as ``qwen3_next_gdn_view``'s label blocks)."""
+def _gated_moe_config(fam: GatedFamily, arch: HybridArch, symbols: list[str]) -> dict:
+    """The MoE keys of a Gated DeltaNet family's config.json (none for a dense family)."""
+    d, m = fam.decoder, arch.moe if "E" in symbols else None
+    if m is None:  # Qwen3-Next without experts: num_experts 0 makes every layer dense
+        return {"num_experts": 0, "num_experts_per_tok": 1, "decoder_sparse_step": 1,
+                "mlp_only_layers": []} if d.sparse_layers else {}
+    out = {"num_experts": m.experts, "num_experts_per_tok": m.topk, "moe_intermediate_size": m.ffn,
+           "shared_expert_intermediate_size": m.shared_ffn,
+           "router_aux_loss_coef": m.aux_loss.coeff if m.aux_loss.kind != "none" else 0.0}
+    if d.sparse_layers:  # Qwen3-Next: its dense layers by index
+        out.update(decoder_sparse_step=1, mlp_only_layers=[j for j, s in enumerate(symbols) if s == "-"])
+    if d.norm_topk is None:
+        out["norm_topk_prob"] = m.norm_topk
+    return out
+
+
+def qwen3_next_tensor_pieces(arch: HybridArch, rename: Rename = _same,
+                             model_type: str = "qwen3_next") -> dict[str, tuple[Piece, ...]]:
+    """Every tensor of the family's ``*ForCausalLM`` of ``arch`` -> its pieces, in its
+    ``state_dict`` order (Qwen3-Next's grouped GDN projections as ``qwen3_next_gdn_view``'s label
+    blocks)."""
+    fam = _gated_family(model_type)
     out: dict[str, tuple[Piece, ...]] = {"model.embed_tokens.weight": (("embed.weight", 0),)}
     gdn = [(theirs, tuple(("layers.{a}." + o, p) for o, p in pieces))
-           for theirs, pieces in gdn_layer_pieces("qwen3_next", norm=False).items()]
+           for theirs, pieces in gdn_layer_pieces(fam.gdn, norm=False).items()]
     for j, (mixer, mlp) in enumerate(qwen3_next_layers(arch)):
         body = gdn if mixer == "G" else _attention_pieces(arch)
-        body = body + (_moe_pieces(arch, QWEN3_NEXT.experts_first) if mlp == "E" else _mlp_pieces(arch))
+        body = body + (_moe_pieces(arch, fam.decoder.experts_first) if mlp == "E" else _mlp_pieces(arch))
         norms = [("input_layernorm.weight", (("layers.{a}.norm.weight", 0),)),
                  ("post_attention_layernorm.weight", (("layers.{m}.norm.weight", 0),))]
         for theirs, pieces in body + norms:
@@ -1216,10 +1310,24 @@ def _qwen3_next_unit_dim(name: str) -> int | None:
     return next((d for k, d in GDN_UNIT_DIM.items() if name.endswith("." + k)), None)
 
 
-HF_FAMILIES["qwen3_next"] = HFFamily(QWEN3_NEXT.architecture, qwen3_next_arch_from_config, qwen3_next_config_from_arch,
-                                     qwen3_next_tensor_pieces, qwen3_next_checkpoint_view, _qwen3_next_unit_dim,
-                                     lambda state, arch: qwen3_next_gdn_join(state, arch))
-SUPPORTED["qwen3_next"] = QWEN3_NEXT.architecture
+def _gated_hf_family(model_type: str) -> HFFamily:
+    """The seam's functions of a Gated DeltaNet family: Qwen3-Next's grouped GDN projections
+    viewed as label blocks on import and joined on export; Qwen3.5's split ones as they are."""
+    fam = _gated_family(model_type)
+    grouped = fam.gdn == "qwen3_next"
+    return HFFamily(
+        fam.decoder.architecture,
+        lambda cfg, pattern_stages=None: qwen3_next_arch_from_config(cfg, pattern_stages, model_type),
+        qwen3_next_config_from_arch,
+        lambda arch, rename=_same: qwen3_next_tensor_pieces(arch, rename, model_type),
+        qwen3_next_checkpoint_view if grouped else decoder_checkpoint_view,
+        _qwen3_next_unit_dim,
+        qwen3_next_gdn_join if grouped else _as_is,
+    )
+
+
+HF_FAMILIES.update({t: _gated_hf_family(t) for t in GATED_FAMILIES})
+SUPPORTED.update({t: HF_FAMILIES[t].architecture for t in GATED_FAMILIES})
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -1310,10 +1418,11 @@ def llava_text_config(config: Mapping) -> dict:
     return {**whole["text_config"], "tie_word_embeddings": bool(whole["tie_word_embeddings"])}
 
 
-# ---------------------------------------------------------------- Qwen3-VL's language model
+# ---------------------------------------------------------------- Qwen3-VL's (and Qwen3.5's) language model
 
-# a Qwen3-VL config's model_type -> (its transformers config class, the family of its text model)
-QWEN3_VL = {"qwen3_vl": ("Qwen3VLConfig", "qwen3_vl_text"), "qwen3_vl_moe": ("Qwen3VLMoeConfig", "qwen3_vl_moe_text")}
+# a Qwen3-VL / Qwen3.5 config's model_type -> (its transformers config class, the family of its text model)
+QWEN3_VL = {"qwen3_vl": ("Qwen3VLConfig", "qwen3_vl_text"), "qwen3_vl_moe": ("Qwen3VLMoeConfig", "qwen3_vl_moe_text"),
+            "qwen3_5": ("Qwen3_5Config", "qwen3_5_text"), "qwen3_5_moe": ("Qwen3_5MoeConfig", "qwen3_5_moe_text")}
 QWEN3_VL_LM = ("model.language_model.", "lm_head.weight")  # where the causal LM's "model." and head sit
 
 
@@ -1323,12 +1432,13 @@ def qwen3_vl_lm_key(name: str) -> str:
 
 
 def normalised_qwen3_vl_config(config: Mapping) -> dict:
-    """A ``qwen3_vl`` / ``qwen3_vl_moe`` ``config.json`` with transformers' defaults filled in."""
+    """A ``config.json`` of one of ``QWEN3_VL``'s model types with transformers' defaults filled in."""
     import transformers
 
     model_type = config.get("model_type")
     if model_type not in QWEN3_VL:
-        raise MimoError(f"model_type {model_type!r} is not a Qwen3-VL config ({' or '.join(map(repr, QWEN3_VL))})")
+        raise MimoError(f"model_type {model_type!r} is not a Qwen3-VL / Qwen3.5 config "
+                        f"({', '.join(map(repr, QWEN3_VL))})")
     cls = getattr(transformers, QWEN3_VL[model_type][0])
     try:
         return cls(**{k: v for k, v in config.items() if k != "model_type"}).to_dict()
@@ -1337,23 +1447,25 @@ def normalised_qwen3_vl_config(config: Mapping) -> dict:
 
 
 def qwen3_vl_text_config(config: Mapping) -> dict:
-    """The language model's config inside a Qwen3-VL ``config.json`` (defaults filled in), its
-    ``model_type`` the family's (``qwen3_vl_text`` / ``qwen3_vl_moe_text``) and its tie flag the
-    top level's (what transformers ties by; the MoE text config's own default says otherwise)."""
+    """The language model's config inside a Qwen3-VL / Qwen3.5 ``config.json`` (defaults filled in),
+    its ``model_type`` the family's (``QWEN3_VL``) and its tie flag the top level's (what
+    transformers ties by; the MoE text config's own default says otherwise)."""
     whole = normalised_qwen3_vl_config(config)
     return {**whole["text_config"], "model_type": QWEN3_VL[config["model_type"]][1],
             "tie_word_embeddings": bool(whole.get("tie_word_embeddings", False))}
 
 
 def qwen3_vl_arch(config: Mapping, pattern_stages: Iterable[int] | None = None) -> HybridArch:
-    """Our ``HybridArch`` of a whole Qwen3-VL (or Qwen3-VL-MoE) ``config.json`` dict: its text
-    model's (M-RoPE sections included) with one deepstack level per entry of the vision config's
-    ``deepstack_visual_indexes``, added after decoder layers 0, 1, ... (``deepstack_layers`` 1, 3,
-    ...; ``pattern_stages``: decoder layers per explicit pipeline stage, the deepstack ones on
-    the first)."""
+    """Our ``HybridArch`` of a whole Qwen3-VL / Qwen3.5 (or their MoE's) ``config.json`` dict: its
+    text model's (M-RoPE sections included) with one deepstack level per entry of the vision
+    config's ``deepstack_visual_indexes`` (Qwen3.5: none), added after decoder layers 0, 1, ...
+    (``deepstack_layers`` 1, 3, ...; ``pattern_stages``: decoder layers per explicit pipeline
+    stage, the deepstack ones on the first)."""
+    from mimo.encoders.config import Qwen3VisionArch
+
     whole = normalised_qwen3_vl_config(config)
     arch = arch_from_hf_config(qwen3_vl_text_config(config), pattern_stages)
-    levels = len(whole["vision_config"].get("deepstack_visual_indexes") or ())
+    levels = len(Qwen3VisionArch.hf_deepstack_indexes(whole))
     arch.deepstack_layers = deepstack_after_decoder_layers(levels)
     if max(arch.deepstack_layers, default=-1) >= len(arch.layer_pattern().layers):
         raise MimoError(f"{levels} deepstack levels (vision_config.deepstack_visual_indexes) need as many decoder "
@@ -1363,7 +1475,7 @@ def qwen3_vl_arch(config: Mapping, pattern_stages: Iterable[int] | None = None) 
 
 def qwen3_vl_text_from_hf(state: Mapping[str, torch.Tensor], arch: HybridArch,
                           model_type: str | None = None) -> dict[str, torch.Tensor]:
-    """Our full canonical state of the language model in a Qwen3-VL state dict (the whole
+    """Our full canonical state of the language model in a Qwen3-VL / Qwen3.5 state dict (the whole
     model's ``state_dict()``, or a checkpoint's tensors: per-expert or transposed fused experts
     read too); its other tensors are ignored. MimoError naming a missing or misfit tensor."""
     model_type = hf_model_type(arch) if model_type is None else model_type
@@ -1378,7 +1490,7 @@ def qwen3_vl_text_from_hf(state: Mapping[str, torch.Tensor], arch: HybridArch,
 
 def qwen3_vl_text_to_hf(full_state: Mapping[str, torch.Tensor], arch: HybridArch,
                         model_type: str | None = None) -> dict[str, torch.Tensor]:
-    """The language model's tensors of a Qwen3-VL ``state_dict()`` (``model.language_model.*``
+    """The language model's tensors of a Qwen3-VL / Qwen3.5 ``state_dict()`` (``model.language_model.*``
     and ``lm_head.weight``, a tied one included as the state dict has it) from our full
     canonical state."""
     return export_hf_state(full_state, arch, qwen3_vl_lm_key, model_type)
@@ -1387,7 +1499,7 @@ def qwen3_vl_text_to_hf(full_state: Mapping[str, torch.Tensor], arch: HybridArch
 def language_model_of(ckpt: HFCheckpoint) -> tuple[dict, Rename, list[str]]:
     """(causal-LM config, causal-LM name -> checkpoint name, the checkpoint's language-model
     keys) of a causal-LM checkpoint, or of the language model inside a LLaVA one (either naming)
-    or a Qwen3-VL one (its text config, ``qwen3_vl_text_config``)."""
+    or a Qwen3-VL / Qwen3.5 one (its text config, ``qwen3_vl_text_config``)."""
     config, keys = ckpt.config, ckpt.keys()
     if config.get("model_type") in QWEN3_VL:
         return (qwen3_vl_text_config(config), qwen3_vl_lm_key,

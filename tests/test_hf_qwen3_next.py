@@ -105,11 +105,11 @@ def test_import_export_gives_back_every_tensor(saved, tmp_path):
     assert list(hf.export_hf_state(stage.full_state(), arch)) == list(theirs)
 
 
-def test_logits_equal_transformers_per_sample(saved):
-    _, model, path = saved
-    stage = _imported(path).eval()
+def assert_logits_match_per_sample(stage: LLMStage, model, lens=LENS) -> None:
+    """The stage's logits on one pack of samples of ``lens`` tokens equal ``model``'s run on each
+    sample alone (its GDN ignores packed boundaries), by the yardstick against its fp64 run."""
     gen = torch.Generator().manual_seed(5)
-    toks = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in LENS]
+    toks = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in lens]
     batch = pack_samples(toks)
     with torch.no_grad():
         logits = stage(batch)[:, : stage.arch.vocab]
@@ -123,6 +123,11 @@ def test_logits_equal_transformers_per_sample(saved):
     for i in range(len(toks)):
         ys.check(f"logits of sample {i}", logits[cu[i] : cu[i + 1]], ref[i], ref64[i])
     assert ys.ok, ys.summary(5)
+
+
+def test_logits_equal_transformers_per_sample(saved):
+    _, model, path = saved
+    assert_logits_match_per_sample(_imported(path).eval(), model)
 
 
 def test_import_hf_command_and_export_hf_llm_only(pools, saved, tmp_path, capsys):

@@ -21,11 +21,13 @@ norm scales). Beside the weights: the run's tokenizer (with its chat template) a
 image size, bicubic, centre crop, the run's mean / std).
 
 A run whose encoder is ``kind: qwen3_vl`` is written as Hugging Face's Qwen3-VL
-(``Qwen3VLForConditionalGeneration`` / ``Qwen3VLMoeForConditionalGeneration``) by
-``mimo.commands.hf_qwen3_vl.export_qwen3_vl``: its token ids and tokenizer / processor files
-from the Qwen3-VL directory the run imported from.
+(``Qwen3VLForConditionalGeneration`` / ``Qwen3VLMoeForConditionalGeneration``) or, when its LLM is
+Qwen3.5's (Gated DeltaNet, no deepstack), Qwen3.5 (``Qwen3_5ForConditionalGeneration`` /
+``Qwen3_5MoeForConditionalGeneration``) by ``mimo.commands.hf_qwen3_vl.export_qwen3_vl``: its token
+ids and tokenizer / processor files from the directory the run imported from.
 
-``--llm-only``: the language model alone as its ``*ForCausalLM`` (``mimo.llm.hf``) and the tokenizer.
+``--llm-only``: the language model alone as its ``*ForCausalLM`` (``mimo.llm.hf``) and the tokenizer
+(Qwen3.5's: ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``; Qwen3-VL's has none).
 """
 
 from __future__ import annotations

@@ -154,10 +154,15 @@ def llava_arch(config: Mapping) -> LlavaArch:
 def _plain(arch) -> dict:
     """An arch dataclass as YAML-ready data: its required fields and those that differ from
     what the dataclass would fill in by itself."""
-    required = {f.name: getattr(arch, f.name) for f in dataclasses.fields(arch)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    default = dataclasses.asdict(type(arch)(**required))
-    return {k: v for k, v in dataclasses.asdict(arch).items() if k in required or v != default[k]}
+    values = {f.name: getattr(arch, f.name) for f in dataclasses.fields(arch)}
+    kept = {f.name for f in dataclasses.fields(arch)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    while True:  # until it rebuilds the arch: a fill-in may follow a kept field (gdn_head_dim: head_dim)
+        rebuilt = type(arch)(**{k: values[k] for k in kept})
+        differ = {k for k, v in values.items() if k not in kept and getattr(rebuilt, k) != v}
+        if not differ:
+            return {k: v for k, v in dataclasses.asdict(arch).items() if k in kept}
+        kept |= differ
 
 
 def llava_modules(config: Mapping, placeholder: str = "<image>", vision: str = "vision", language: str = "language") -> dict:

@@ -1,5 +1,6 @@
-"""Hugging Face Qwen3-VL (``Qwen3VLForConditionalGeneration``, ``Qwen3VLMoeForConditionalGeneration``)
-<-> mimo's modules: ``mimo import-hf`` (its Qwen3-VL branch) and ``mimo export-hf`` of such a run.
+"""Hugging Face Qwen3-VL (``Qwen3VLForConditionalGeneration``, ``Qwen3VLMoeForConditionalGeneration``) and
+Qwen3.5 (``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForConditionalGeneration``) <-> mimo's modules:
+``mimo import-hf`` (its Qwen3-VL branch) and ``mimo export-hf`` of such a run.
 
 A Qwen3-VL checkpoint is two models side by side, each mapped by the module that owns its mapping:
 
@@ -8,6 +9,9 @@ A Qwen3-VL checkpoint is two models side by side, each mapped by the module that
     LLM         model.language_model.*, lm_head.weight      the ``kind: hybrid`` LLM (``mimo.llm.hf``: qwen3_vl_text,
                                                             qwen3_vl_moe_text; deepstack after decoder layers 0, 1, ...)
 
+Qwen3.5 is laid out alike: Qwen3-VL's tower without deepstack, and a Gated DeltaNet language model
+(``mimo.llm.hf``: qwen3_5_text, qwen3_5_moe_text; M-RoPE, no deepstack).
+
 ``qwen3_vl_modules`` reads a ``config.json`` into the ``modules:`` section of a mimo config (the
 tower's ``Qwen3VisionArch``, the LLM's ``qwen3_vl_arch``), ``describe_qwen3_vl`` checks every
 tensor of a directory against it (safetensors headers only), and ``import_to_checkpoint`` writes a
@@ -15,7 +19,8 @@ mimo checkpoint (step 0, weights only) at a config's layout: the config's ranks 
 with both modules' ``init.hf`` set to the directory (each rank reading its own slices) and save it.
 
 ``export_qwen3_vl`` writes a run back: ``config.json`` as transformers' ``Qwen3VLConfig`` /
-``Qwen3VLMoeConfig`` (vision config from the tower's arch, text config from the LLM's), the
+``Qwen3VLMoeConfig`` / ``Qwen3_5Config`` / ``Qwen3_5MoeConfig``, by the LLM's family (vision
+config from the tower's arch, text config from the LLM's), the
 weights under Hugging Face's names (``model.state_dict()``'s, a tied head stored once), and the
 tokenizer / processor files of the Qwen3-VL directory the run imported from. mimo does not record
 the image / video / vision start / end token ids: they come from that directory's ``config.json``
@@ -43,8 +48,12 @@ __all__ = ["ARCHITECTURES", "TOKEN_IDS", "qwen3_vl_modules", "describe_qwen3_vl"
 
 # config.json model_type -> (architecture, transformers config class)
 ARCHITECTURES = {"qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLConfig"),
-                 "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeConfig")}
-TEXT_FAMILIES = {"qwen3_vl_text": "qwen3_vl", "qwen3_vl_moe_text": "qwen3_vl_moe"}  # the LLM's family -> model_type
+                 "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeConfig"),
+                 "qwen3_5": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config"),
+                 "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeConfig")}
+# the LLM's family -> model_type
+TEXT_FAMILIES = {"qwen3_vl_text": "qwen3_vl", "qwen3_vl_moe_text": "qwen3_vl_moe", "qwen3_5_text": "qwen3_5",
+                 "qwen3_5_moe_text": "qwen3_5_moe"}
 TOKEN_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 # files of a Hugging Face directory that belong to its tokenizer / processor (copied on export)
 PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
@@ -114,7 +123,7 @@ def _read_config(path: str) -> dict:
     config = read_config_json(path)
     if config.get("model_type") not in ARCHITECTURES:
         raise MimoError(f"{os.path.join(path, 'config.json')}: model_type {config.get('model_type')!r} is not a Qwen3-VL "
-                        f"model ({', '.join(ARCHITECTURES)})")
+                        f"or Qwen3.5 model ({', '.join(ARCHITECTURES)})")
     return config
 
 
@@ -152,8 +161,8 @@ def describe_qwen3_vl(path: str, out: str | None = None) -> dict:
     architecture = ARCHITECTURES[config["model_type"]][0]
     tensors = _check_tensors(path, Qwen3VisionArch.from_hf_config(config), qwen3_vl_arch(config), f"checkpoint {path!r}")
     modules = qwen3_vl_modules(config, path)
-    text = (f"# modules of the Qwen3-VL checkpoint {path} ({architecture}); add parallel: per module, and the data and\n"
-            f"# train sections. init.hf loads the vision tower (its mergers and deepstack mergers included) and the LLM;\n"
+    text = (f"# modules of the checkpoint {path} ({architecture}); add parallel: per module, and the data and\n"
+            f"# train sections. init.hf loads the vision tower (its mergers, deepstack ones included) and the LLM;\n"
             f"# as a mimo checkpoint: mimo import-hf {path} --config CONFIG --out DIR; mimo export-hf writes it back.\n"
             + yaml.safe_dump({"modules": modules}, sort_keys=False))
     emit_modules(text, out)
@@ -240,16 +249,17 @@ def _text_family(arch) -> str:
 
     family = hf_model_type(arch)
     if family not in TEXT_FAMILIES:
-        raise MimoError(f"the LLM is a Hugging Face {family!r} model, not Qwen3-VL's language model "
-                        f"({' or '.join(TEXT_FAMILIES)}: M-RoPE, deepstack); Hugging Face's Qwen3-VL has no place for it")
+        raise MimoError(f"the LLM is a Hugging Face {family!r} model, not Qwen3-VL's or Qwen3.5's language model "
+                        f"({', '.join(TEXT_FAMILIES)}: M-RoPE); Hugging Face's Qwen3-VL / Qwen3.5 has no place for it")
     return family
 
 
 def qwen3_vl_hf_config(config, encoder: str, token_ids: Mapping[str, int], dtype: torch.dtype) -> dict:
-    """The ``Qwen3VLConfig`` / ``Qwen3VLMoeConfig`` (a ``config.json`` dict) of the run's tower
-    and LLM, with the given token ids."""
+    """The ``Qwen3VLConfig`` / ``Qwen3VLMoeConfig`` / ``Qwen3_5Config`` / ``Qwen3_5MoeConfig`` (a
+    ``config.json`` dict, by the LLM's family) of the run's tower and LLM, with the given token ids."""
     import transformers
 
+    from mimo.encoders.config import Qwen3VisionArch
     from mimo.llm.hf import hf_config_from_arch
 
     enc, arch = config.encoders[encoder], config.llm.arch
@@ -257,11 +267,12 @@ def qwen3_vl_hf_config(config, encoder: str, token_ids: Mapping[str, int], dtype
     levels = len(enc.arch.deepstack_layers)
     if len(arch.deepstack_layers) != levels:
         raise MimoError(f"modules.{encoder} has {levels} deepstack levels, modules.{config.llm_name} "
-                        f"{len(arch.deepstack_layers)}; Hugging Face's Qwen3-VL has one count for both")
+                        f"{len(arch.deepstack_layers)}; Hugging Face's Qwen3-VL has one count for both (Qwen3.5: none)")
     model_type = TEXT_FAMILIES[family]
     architecture, cls = ARCHITECTURES[model_type]
     text = {k: v for k, v in hf_config_from_arch(arch, family).items() if k != "architectures"}
-    cfg = getattr(transformers, cls)(vision_config=enc.arch.to_hf_config(), text_config=text,
+    vision = enc.arch.to_hf_config(deepstack=model_type not in Qwen3VisionArch.NO_DEEPSTACK)
+    cfg = getattr(transformers, cls)(vision_config=vision, text_config=text,
                                      tie_word_embeddings=arch.tie_embeddings, **dict(token_ids)).to_dict()
     cfg["architectures"] = [architecture]
     cfg["dtype"] = str(dtype).removeprefix("torch.")
@@ -282,7 +293,7 @@ def qwen3_vl_state(config, full: Mapping[str, Mapping[str, torch.Tensor]], encod
 def export_qwen3_vl(out: str, path: str, meta: dict, config, full: Mapping[str, Mapping[str, torch.Tensor]], tokenizer,
                     max_shard_bytes: int | None) -> tuple[str, dict]:
     """Write the run (checkpoint ``path``, its ``meta``, its full tensors) as a Hugging Face
-    Qwen3-VL directory into ``out`` (module doc); (architecture, what the result reports)."""
+    Qwen3-VL / Qwen3.5 directory into ``out`` (module doc); (architecture, what the result reports)."""
     from mimo.llm.hf import normalised_qwen3_vl_config, save_hf_checkpoint
 
     names = list(config.encoders)

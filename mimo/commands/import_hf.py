@@ -5,9 +5,12 @@ The architecture comes from ``DIR/config.json`` (``architectures``, else ``model
 
     LlavaForConditionalGeneration        mimo.commands.hf_llava  (what ``import-hf-llava`` runs)
     Qwen3VLForConditionalGeneration      mimo.commands.hf_qwen3_vl (a ``kind: qwen3_vl`` encoder
-    Qwen3VLMoeForConditionalGeneration     and the LLM)
-    Qwen3NextForCausalLM                 a text-only LLM (``mimo.llm.hf``'s qwen3_next family; here:
-                                           ``describe_causal_lm``, ``causal_lm_to_checkpoint``)
+    Qwen3VLMoeForConditionalGeneration     and the LLM; Qwen3.5's tower has no deepstack, its LLM
+    Qwen3_5ForConditionalGeneration        is Gated DeltaNet / gated attention with M-RoPE)
+    Qwen3_5MoeForConditionalGeneration
+    Qwen3NextForCausalLM                 a text-only LLM (``mimo.llm.hf``'s qwen3_next, qwen3_5_text,
+    Qwen3_5ForCausalLM                     qwen3_5_moe_text families; here: ``describe_causal_lm``,
+    Qwen3_5MoeForCausalLM                  ``causal_lm_to_checkpoint``)
 
 Without ``--config``: every tensor checked against the config.json (safetensors headers only)
 and the ``modules:`` section of a mimo config that loads the checkpoint (``init.hf``), printed or
@@ -26,8 +29,11 @@ __all__ = ["SUPPORTED", "detect_architecture", "describe", "import_to_checkpoint
 
 # architecture -> config.json model_type
 SUPPORTED = {"LlavaForConditionalGeneration": "llava", "Qwen3VLForConditionalGeneration": "qwen3_vl",
-             "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe", "Qwen3NextForCausalLM": "qwen3_next"}
-CAUSAL_LMS = ("Qwen3NextForCausalLM",)  # text-only: one kind: hybrid module (mimo.llm.hf's family of the model_type)
+             "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe", "Qwen3_5ForConditionalGeneration": "qwen3_5",
+             "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe", "Qwen3NextForCausalLM": "qwen3_next",
+             "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"}
+# text-only: one kind: hybrid module (mimo.llm.hf's family of the model_type)
+CAUSAL_LMS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 
 
 def detect_architecture(path: str) -> str:
