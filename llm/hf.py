@@ -347,7 +347,7 @@ def _moe_problems(d: Decoder, model_type: str, moe: MoEArch) -> list[str]:
 
 
 def _decoder_problems(d: Decoder, model_type: str, arch: HybridArch, symbols: list[str]) -> list[str]:
-    out = []
+    out = [] if arch.mtp is None or model_type in GATED_FAMILIES else [no_mtp_weights(model_type)]
     if d.bias == "qkv" and arch.o_bias:
         out.append(f"{model_type} has no o_proj bias; set o_bias: false")
     if model_type == "qwen2" and not arch.qkv_bias:
@@ -616,6 +616,11 @@ def hf_model_type(arch: HybridArch) -> str:
 # ---------------------------------------------------------------- config
 
 
+def no_mtp_weights(model_type: str) -> str:
+    return (f"{model_type} has no multi-token prediction weights (Qwen3-Next and Qwen3.5's mtp.* have them); "
+            f"remove arch.mtp")
+
+
 def _rope_from_hf(cfg: Mapping) -> tuple[float, RopeScaling | None]:
     params = dict(cfg.get("rope_parameters") or {})
     legacy = cfg.get("rope_scaling") or {}
@@ -817,6 +822,11 @@ def _check(layout: _Layout, shapes: Mapping[str, tuple[int, ...]], source: str) 
             )
     natural = lambda n: [int(p) if p.isdigit() else p for p in n.split(".")]  # noqa: E731  layer 2 before 10
     extra = sorted((n for n in shapes if n not in layout.hf and not n.endswith(IGNORED)), key=natural)
+    mtp = [n for n in extra if n.startswith(MTP_PREFIX)]
+    if mtp and getattr(layout.arch, "mtp", None) is None:  # a model trained without its MTP heads: said, not an error
+        log.warning("%s: its %d mtp.* tensors (multi-token prediction) are not loaded: arch.mtp is not set", source,
+                    len(mtp))
+        extra = [n for n in extra if not n.startswith(MTP_PREFIX)]
     if extra:
         raise MimoError(f"{source}: tensor {extra[0]!r} (shape {tuple(shapes[extra[0]])}) has no place in the model; "
                         f"{len(extra)} unused in all")
@@ -1220,6 +1230,7 @@ def _gated_problems(fam: GatedFamily, model_type: str, arch: HybridArch, symbols
     want = {"norm_zero_centred": True, "attn_output_gate": True, "mlp_act": "swiglu", "mlp_bias": False}
     problems += [f"{model_type} needs arch.{k}: {v!r}, got {getattr(arch, k)!r}" for k, v in want.items()
                  if getattr(arch, k) != v]
+    problems += _qwen_mtp_problems(arch)
     if d.mrope and arch.deepstack_layers:
         problems.append(f"{model_type} has no deepstack; arch.deepstack_layers is {list(arch.deepstack_layers)}")
     if arch.rope_scaling is not None:
@@ -1256,6 +1267,8 @@ def qwen3_next_config_from_arch(arch: HybridArch, model_type: str = "qwen3_next"
     if fam.dense_mlps:
         cfg["intermediate_size"] = arch.ffn or 0
     cfg.update(_gated_moe_config(fam, arch, symbols))
+    if arch.mtp is not None:  # (the key Qwen's released configs carry; transformers keeps it as is)
+        cfg["mtp_num_hidden_layers"] = 1
     return cfg
 
 
@@ -1293,7 +1306,57 @@ def qwen3_next_tensor_pieces(arch: HybridArch, rename: Rename = _same,
             out[f"model.layers.{j}.{theirs}"] = tuple((o.format(a=2 * j, m=2 * j + 1), p) for o, p in pieces)
     out["model.norm.weight"] = (("norm.weight", 0),)
     out[TIED_HEAD] = (("embed.weight" if arch.tie_embeddings else "head.weight", 0),)
-    return {rename(k): v for k, v in out.items()}
+    if arch.mtp is not None:
+        out.update(qwen_mtp_pieces(arch, fam))
+    return {(k if k.startswith(MTP_PREFIX) else rename(k)): v for k, v in out.items()}  # mtp.*: top level in every form
+
+
+MTP_PREFIX = "mtp."  # Qwen3-Next / Qwen3.5's multi-token prediction tensors (transformers drops them on load)
+_QWEN_MTP_BLOCKS = ("*E", "*-")
+
+
+def _qwen_mtp_problems(arch: HybridArch) -> list[str]:
+    """Why ``arch.mtp`` is not Qwen's ``mtp.*`` module (one depth: fc, two pre-fc norms, one
+    decoder layer of full attention then the model's MLP kind, a norm); [] if it is."""
+    m = arch.mtp
+    if m is None:
+        return []
+    want = "*E" if arch.moe is not None and "E" in arch.pattern else "*-"
+    problems = [] if m.depth == 1 else [f"Qwen's mtp.* is one depth; arch.mtp.depth is {m.depth}"]
+    if m.block(arch) != want:
+        problems.append(f"Qwen's mtp.* layer is full attention then {'MoE' if want == '*E' else 'an MLP'} "
+                        f"({want!r}); arch.mtp's block is {m.block(arch)!r}")
+    return problems
+
+
+def qwen_mtp_pieces(arch: HybridArch, fam: "GatedFamily") -> dict[str, tuple[Piece, ...]]:
+    """Qwen's ``mtp.*`` tensors -> our ``mtp.0.*`` pieces (``mimo.llm.mtp``): ``fc`` over
+    [embedding | hidden], ``pre_fc_norm_embedding`` / ``pre_fc_norm_hidden``, one decoder layer
+    (our attention and MLP / MoE layers numbered after the pattern's), ``norm``."""
+    problems = _qwen_mtp_problems(arch)
+    if problems:
+        raise MimoError("arch.mtp: " + "; ".join(problems))
+    ((a, m),) = [[s.index for s in depth] for depth in arch.mtp_layers()]
+    mlp = _moe_pieces(arch, fam.decoder.experts_first) if arch.mtp.block(arch) == "*E" else _mlp_pieces(arch)
+    norms = [("input_layernorm.weight", (("layers.{a}.norm.weight", 0),)),
+             ("post_attention_layernorm.weight", (("layers.{m}.norm.weight", 0),))]
+    out = {"mtp.fc.weight": (("mtp.0.fc.weight", 0),),
+           "mtp.pre_fc_norm_embedding.weight": (("mtp.0.norm_embed.weight", 0),),
+           "mtp.pre_fc_norm_hidden.weight": (("mtp.0.norm_hidden.weight", 0),)}
+    for theirs, pieces in _attention_pieces(arch) + mlp + norms:
+        out[f"mtp.layers.0.{theirs}"] = tuple((("mtp.0." + o).format(a=a, m=m), p) for o, p in pieces)
+    out["mtp.norm.weight"] = (("mtp.0.norm.weight", 0),)
+    return out
+
+
+def with_checkpoint_mtp(arch: HybridArch, keys: Iterable[str]) -> HybridArch:
+    """``arch`` with Qwen's MTP module where the checkpoint holds ``mtp.*`` tensors (transformers
+    saves none: a config's ``mtp_num_hidden_layers`` alone says nothing of the file), else
+    without; for the arch ``import-hf`` writes."""
+    from mimo.llm.config import MTPArch
+
+    has = any(k.startswith(MTP_PREFIX) for k in keys)
+    return replace(arch, mtp=(arch.mtp or MTPArch()) if has else None)
 
 
 def qwen3_next_checkpoint_view(arch: HybridArch | None, keys: Iterable[str], shapes: Mapping[str, tuple[int, ...]],
@@ -1426,6 +1489,11 @@ QWEN3_VL = {"qwen3_vl": ("Qwen3VLConfig", "qwen3_vl_text"), "qwen3_vl_moe": ("Qw
 QWEN3_VL_LM = ("model.language_model.", "lm_head.weight")  # where the causal LM's "model." and head sit
 
 
+def is_qwen3_vl_lm_key(name: str) -> bool:
+    """Whether a Qwen3-VL / Qwen3.5 checkpoint key is the language model's (its MTP's included)."""
+    return name.startswith((QWEN3_VL_LM[0], MTP_PREFIX)) or name == QWEN3_VL_LM[1]
+
+
 def qwen3_vl_lm_key(name: str) -> str:
     """A causal-LM key (``model.layers.0....``, ``lm_head.weight``) -> its key in a Qwen3-VL state dict."""
     return llava_lm_key(name, *QWEN3_VL_LM)
@@ -1479,7 +1547,7 @@ def qwen3_vl_text_from_hf(state: Mapping[str, torch.Tensor], arch: HybridArch,
     model's ``state_dict()``, or a checkpoint's tensors: per-expert or transposed fused experts
     read too); its other tensors are ignored. MimoError naming a missing or misfit tensor."""
     model_type = hf_model_type(arch) if model_type is None else model_type
-    keys = [k for k in state if k.startswith(QWEN3_VL_LM[0]) or k == QWEN3_VL_LM[1]]
+    keys = [k for k in state if is_qwen3_vl_lm_key(k)]
     shapes, get = family(model_type).checkpoint_view(arch, keys, {k: tuple(state[k].shape) for k in keys},
                                                      state.__getitem__)
     layout = _Layout(arch, qwen3_vl_lm_key, model_type)
@@ -1502,8 +1570,7 @@ def language_model_of(ckpt: HFCheckpoint) -> tuple[dict, Rename, list[str]]:
     or a Qwen3-VL / Qwen3.5 one (its text config, ``qwen3_vl_text_config``)."""
     config, keys = ckpt.config, ckpt.keys()
     if config.get("model_type") in QWEN3_VL:
-        return (qwen3_vl_text_config(config), qwen3_vl_lm_key,
-                [k for k in keys if k.startswith(QWEN3_VL_LM[0]) or k == QWEN3_VL_LM[1]])
+        return qwen3_vl_text_config(config), qwen3_vl_lm_key, [k for k in keys if is_qwen3_vl_lm_key(k)]
     if config.get("model_type") != "llava":
         return config, _same, keys
     config = llava_text_config(config)

@@ -186,7 +186,7 @@ def arch_from_hf_config(cfg: Mapping, pattern_stages: Iterable[int] | None = Non
 
 def _export_problems(arch: HybridArch) -> list[str]:
     kinds = [layer.kind for layer in arch.layer_pattern().layers]
-    problems = []
+    problems = ["Nemotron-H has no multi-token prediction weights; remove arch.mtp"] if arch.mtp is not None else []
     if "gdn" in kinds:
         problems.append("the pattern has Gated DeltaNet layers (G); Nemotron-H has M * - E")
     if "attention" in kinds:

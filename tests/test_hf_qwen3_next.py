@@ -10,7 +10,7 @@ The model is tiny and random (``randomize_``: routers with clear margins) with o
 not 3:1, a dense layer among MoE ones, a shared expert and a partial rotary factor of 0.5.
 Logits: our model on one THD pack of all samples against transformers run on each sample alone
 (its torch GDN fallback ignores packed boundaries), by the fp64 yardstick (transformers also in
-fp64, its casts to fp32 kept fp64 while it runs: ``_fp64_kept``).
+fp64, its casts to fp32 kept fp64 while it runs: ``fp64_kept``).
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ import pytest
 import torch
 
 from mimo.core.errors import MimoError
-from mimo.core.testing import Yardstick
+from mimo.core.testing import Yardstick, fp64_kept
 from mimo.llm import hf
 from mimo.llm.model import LLMStage
 from mimo.llm.verify import pack_samples, randomize_, verify_llm
 
-from test_llm_qwen3_next_gdn_moe import _fp64_kept
 
 from transformers import AutoModelForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -115,7 +114,7 @@ def assert_logits_match_per_sample(stage: LLMStage, model, lens=LENS) -> None:
         logits = stage(batch)[:, : stage.arch.vocab]
         ref = [model(input_ids=t[None]).logits[0] for t in toks]
         model64 = copy.deepcopy(model).double()
-        with _fp64_kept():
+        with fp64_kept():
             ref64 = [model64(input_ids=t[None]).logits[0] for t in toks]
     assert ref64[0].dtype == torch.float64
     ys = Yardstick(1e-5)

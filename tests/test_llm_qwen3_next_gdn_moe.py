@@ -25,7 +25,7 @@ on random weights, through the weight rules of ``mimo.llm.hf`` (``gdn_layer_from
   residual in fp32 and fp64 (not bf16: top-k near-ties), at tp 1 and tp 2.
 
 In fp64 transformers' casts to fp32 (``.float()``, ``.to(torch.float32)``, a softmax in fp32)
-are made to keep fp64 tensors fp64 while transformers runs (``_fp64_kept``), so its fp64 run is
+are made to keep fp64 tensors fp64 while transformers runs (``mimo.core.testing.fp64_kept``), so its fp64 run is
 the yardstick.
 """
 
@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mimo.core.errors import MimoError
-from mimo.core.testing import Yardstick, rel_err
+from mimo.core.testing import Yardstick, fp64_kept, rel_err
 from mimo.llm import hf
 from mimo.llm.blocks import build_layer
 from mimo.llm.config import HybridArch, MoEArch
@@ -74,33 +74,8 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-@contextlib.contextmanager
-def _fp64_kept():
-    """While transformers runs: a cast of an fp64 tensor to fp32 keeps it fp64."""
-    to, flt, softmax = torch.Tensor.to, torch.Tensor.float, F.softmax
-
-    def keep(dtype, t):
-        return torch.float64 if dtype is torch.float32 and t.dtype is torch.float64 else dtype
-
-    def to_(self, *args, **kw):
-        args = tuple(keep(a, self) if isinstance(a, torch.dtype) else a for a in args)
-        if isinstance(kw.get("dtype"), torch.dtype):
-            kw["dtype"] = keep(kw["dtype"], self)
-        return to(self, *args, **kw)
-
-    def softmax_(x, *args, dtype=None, **kw):
-        return softmax(x, *args, dtype=keep(dtype, x), **kw)
-
-    torch.Tensor.to, torch.Tensor.float = to_, lambda self, *a, **kw: self if self.dtype is torch.float64 else flt(self, *a, **kw)
-    torch.nn.functional.softmax = softmax_
-    try:
-        yield
-    finally:
-        torch.Tensor.to, torch.Tensor.float, torch.nn.functional.softmax = to, flt, softmax
-
-
 def _maybe_fp64(dtype):
-    return _fp64_kept() if dtype == torch.float64 else contextlib.nullcontext()
+    return fp64_kept() if dtype == torch.float64 else contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------- the layers, ours and transformers'

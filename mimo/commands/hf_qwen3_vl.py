@@ -59,7 +59,7 @@ TOKEN_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "visio
 PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "chat_template.json", "chat_template.jinja", "preprocessor_config.json",
                    "video_preprocessor_config.json", "processor_config.json", "generation_config.json")
-_PARTS = ("model.visual.", "model.language_model.", "lm_head.weight")
+_PARTS = ("model.visual.", "model.language_model.", "lm_head.weight", "mtp.")  # mtp.*: the LLM's MTP (Qwen3.5)
 
 
 # ---------------------------------------------------------------- config
@@ -70,10 +70,9 @@ def qwen3_vl_modules(config: Mapping, path: str | None = None, vision: str = "vi
     at their defaults: add ``parallel`` per module); ``path``: both modules' ``init.hf``."""
     from mimo.commands.hf_llava import _plain
     from mimo.encoders.config import Qwen3VisionArch
-    from mimo.llm.hf import qwen3_vl_arch
 
     modules = {vision: {"kind": "qwen3_vl", "arch": _plain(Qwen3VisionArch.from_hf_config(config))},
-               language: {"kind": "hybrid", "arch": _plain(qwen3_vl_arch(config))}}
+               language: {"kind": "hybrid", "arch": _plain(_llm_arch(config, path))}}
     if path is not None:
         for m in modules.values():
             m["init"] = {"hf": path}
@@ -84,6 +83,15 @@ def qwen3_vl_modules(config: Mapping, path: str | None = None, vision: str = "vi
         if video:
             modules[vision]["video"] = video
     return modules
+
+
+def _llm_arch(config: Mapping, path: str | None):
+    """The LLM's arch of a config.json dict; with the checkpoint ``path``, MTP as its tensors say
+    (``with_checkpoint_mtp``)."""
+    from mimo.llm.hf import HFCheckpoint, qwen3_vl_arch, with_checkpoint_mtp
+
+    arch = qwen3_vl_arch(config)
+    return arch if path is None else with_checkpoint_mtp(arch, HFCheckpoint(path).keys())
 
 
 def _json_or_empty(file: str) -> dict:
@@ -136,8 +144,8 @@ def _check_tensors(path: str, vision_arch, llm_arch, source: str) -> int:
     weights = import_hf(path, vision_arch, shapes_only=True)  # the tower's tensors and arch
     stray = [k for k in weights.key_order if not k.startswith(_PARTS)]
     if stray:
-        raise MimoError(f"{source}: tensor {stray[0]!r} belongs to no Qwen3-VL part ({', '.join(p + '*' for p in _PARTS[:2])}, "
-                        f"{_PARTS[2]})")
+        raise MimoError(f"{source}: tensor {stray[0]!r} belongs to no Qwen3-VL part "
+                        f"({', '.join(p if p.endswith('weight') else p + '*' for p in _PARTS)})")
     checked = check_hf_checkpoint(llm_arch, path, source=source)  # the language model's, none missing or extra
     if checked.differences:
         raise MimoError(f"{source}: the language model's tensors fit, but " + "; ".join(checked.differences))
@@ -155,11 +163,10 @@ def describe_qwen3_vl(path: str, out: str | None = None) -> dict:
 
     from mimo.commands.hf_llava import emit_modules
     from mimo.encoders.config import Qwen3VisionArch
-    from mimo.llm.hf import qwen3_vl_arch
 
     config = _read_config(path)
     architecture = ARCHITECTURES[config["model_type"]][0]
-    tensors = _check_tensors(path, Qwen3VisionArch.from_hf_config(config), qwen3_vl_arch(config), f"checkpoint {path!r}")
+    tensors = _check_tensors(path, Qwen3VisionArch.from_hf_config(config), _llm_arch(config, path), f"checkpoint {path!r}")
     modules = qwen3_vl_modules(config, path)
     text = (f"# modules of the checkpoint {path} ({architecture}); add parallel: per module, and the data and\n"
             f"# train sections. init.hf loads the vision tower (its mergers, deepstack ones included) and the LLM;\n"

@@ -111,10 +111,10 @@ def describe_causal_lm(path: str, out: str | None = None, language: str = "langu
     import yaml
 
     from mimo.commands.hf_llava import _plain, emit_modules
-    from mimo.llm.hf import arch_from_hf_config, read_config_json
+    from mimo.llm.hf import HFCheckpoint, arch_from_hf_config, read_config_json, with_checkpoint_mtp
 
     config = read_config_json(os.path.join(path, "config.json"))
-    arch = arch_from_hf_config(config)
+    arch = with_checkpoint_mtp(arch_from_hf_config(config), HFCheckpoint(path).keys())  # MTP as its tensors say
     tensors = _causal_lm_tensors(arch, path, f"checkpoint {path!r}")
     architecture = detect_architecture(path)
     modules = {language: {"kind": "hybrid", "arch": _plain(arch), "init": {"hf": path}}}

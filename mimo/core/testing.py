@@ -10,6 +10,7 @@ bug (a missing reduction, a wrong slice, a factor 2) is orders of magnitude abov
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -184,3 +185,35 @@ def yardstick_check(got: Mapping, ref32: Mapping, ref64: Mapping, tol: float = 1
     ys = Yardstick(tol, k)
     ys.check_all(got, ref32, ref64)
     return ys
+
+
+@contextlib.contextmanager
+def fp64_kept():
+    """While it is open, a cast of an fp64 tensor to fp32 (``.to``, ``.float()``, softmax's
+    ``dtype``) keeps it fp64: an fp64 reference run of Hugging Face code whose norms, rotary and
+    router softmax upcast "to fp32" stays fp64 throughout (else those casts put fp32 rounding into
+    the yardstick's fp64 run)."""
+    import torch.nn.functional as F
+
+    to, flt, softmax = torch.Tensor.to, torch.Tensor.float, F.softmax
+
+    def keep(dtype, t):
+        return torch.float64 if dtype is torch.float32 and t.dtype is torch.float64 else dtype
+
+    def to_(self, *args, **kw):
+        args = tuple(keep(a, self) if isinstance(a, torch.dtype) else a for a in args)
+        if isinstance(kw.get("dtype"), torch.dtype):
+            kw["dtype"] = keep(kw["dtype"], self)
+        return to(self, *args, **kw)
+
+    def float_(self, *args, **kw):
+        return self if self.dtype is torch.float64 else flt(self, *args, **kw)
+
+    def softmax_(x, *args, dtype=None, **kw):
+        return softmax(x, *args, dtype=keep(dtype, x), **kw)
+
+    torch.Tensor.to, torch.Tensor.float, F.softmax = to_, float_, softmax_
+    try:
+        yield
+    finally:
+        torch.Tensor.to, torch.Tensor.float, F.softmax = to, flt, softmax
