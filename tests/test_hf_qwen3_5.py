@@ -272,7 +272,8 @@ def test_vlm_import_export_round_trip_is_exact(pools, vlms, name, tmp_path, caps
         _same_tensors(want, llm.state_dict())
 
 
-VERIFY = {"dense tp1 (weights)": ("dense", 1, 1), "moe tp2": ("moe config", 2, 1), "moe ep2": ("moe config", 1, 2)}
+VERIFY = {"dense tp1 (weights)": ("dense", 1, 1), "moe tp1 (weights)": ("moe", 1, 1), "moe tp2": ("moe config", 2, 1),
+          "moe ep2": ("moe config", 1, 2)}  # (the dense model's 3 heads do not split over tp 2)
 
 
 @pytest.mark.parametrize("case", list(VERIFY))

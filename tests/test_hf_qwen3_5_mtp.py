@@ -36,6 +36,7 @@ from mimo.llm.verify import pack_samples, randomize_
 from test_hf_qwen3_5 import ARCH, _modules, _raw, _same_tensors, _text_config, _vlm_config
 
 import transformers
+from transformers.models.qwen3_5 import modeling_qwen3_5 as qd
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qm
 
 LENS = [9, 3, 17, 5]
@@ -46,13 +47,14 @@ class QwenMTP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        d = config.hidden_size
+        d, eps = config.hidden_size, config.rms_norm_eps
+        moe = hasattr(config, "num_experts")
+        norm, layer = (qm.Qwen3_5MoeRMSNorm, qm.Qwen3_5MoeDecoderLayer) if moe else (qd.Qwen3_5RMSNorm, qd.Qwen3_5DecoderLayer)
         self.fc = nn.Linear(2 * d, d, bias=False)
-        self.pre_fc_norm_embedding = qm.Qwen3_5MoeRMSNorm(d, eps=config.rms_norm_eps)
-        self.pre_fc_norm_hidden = qm.Qwen3_5MoeRMSNorm(d, eps=config.rms_norm_eps)
+        self.pre_fc_norm_embedding, self.pre_fc_norm_hidden = norm(d, eps=eps), norm(d, eps=eps)
         full = config.layer_types.index("full_attention")  # a layer index of full attention
-        self.layers = nn.ModuleList([qm.Qwen3_5MoeDecoderLayer(config, full)])
-        self.norm = qm.Qwen3_5MoeRMSNorm(d, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList([layer(config, full)])
+        self.norm = norm(d, eps=eps)
 
     def forward(self, e, h, position_embeddings):
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(h)], -1))
@@ -83,15 +85,15 @@ def _with_mtp(path: str, config, seed: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.fixture(scope="module")
-def text_moe(tmp_path_factory):
-    """A Qwen3.5-MoE causal LM (eager attention and experts), saved with an MTP module; (model,
+@pytest.fixture(scope="module", params=["moe", "dense"])
+def text_moe(request, tmp_path_factory):
+    """A Qwen3.5(-MoE) causal LM (eager attention and experts), saved with an MTP module; (model,
     its MTP module, the directory)."""
-    config = _text_config("moe")
+    config = _text_config(request.param)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
                                                           experts_implementation="eager")
     randomize_(model, 0)
-    path = str(tmp_path_factory.mktemp("qwen3_5-moe-mtp"))
+    path = str(tmp_path_factory.mktemp(f"qwen3_5-{request.param}-mtp"))
     model.save_pretrained(path)
     mtp_tensors = _with_mtp(path, model.config, 1)
     mtp = QwenMTP(model.config)
@@ -113,7 +115,8 @@ def test_mtp_losses_equal_transformers_layers(text_moe):
     model, mtp, path = text_moe
     stage = _stage(path).double()
     model, mtp = model.double(), mtp.double()
-    assert stage.arch.mtp == MTPArch(depth=1) and stage.arch.mtp.block(stage.arch) == "*E"
+    moe = stage.arch.moe is not None
+    assert stage.arch.mtp == MTPArch(depth=1) and stage.arch.mtp.block(stage.arch) == ("*E" if moe else "*-")
     gen = torch.Generator().manual_seed(4)
     toks = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in LENS]
     batch = pack_samples(toks)

@@ -118,3 +118,21 @@ def test_verify_train_equals_one_process(pools, native, one_process, layout):
     assert report["ok"], report
     assert all(0 < loss < 10 for loss in report["losses"])
     assert report["moe_dispatch"]["bytes_ratio"] == 1.0
+
+
+DENSE = ["modules.language.arch.pattern='G-G-G-*-'", "modules.language.arch.moe=null", "modules.language.arch.ffn=96",
+         "modules.language.parallel.ep=1", "modules.language.parallel.etp=null"]
+
+
+def test_dense_qwen3_5_verify_train_equals_one_process(pools, native):
+    """Dense Qwen3.5 (an MLP after every mixer, MTP attention + MLP) at the shipped two-module
+    non-colocated layout: the tower dp 2, the LLM tp 2 with SP."""
+    from mimo.commands.verify_train import compare, references, train_case
+
+    ref32, ref64 = references(pools(1), native, DENSE, STEPS)
+    ran = pools(4).run(train_case, native, DENSE, STEPS, False)
+    report = compare(ran, ref32, 1e-5, fp64=ref64)
+    assert report["ok"], report
+    assert ref32[0]["steps"][0]["mtp"]["mtp/loss"] > 0
+    grads = ref32[0]["steps"][0]["grads"]["language"]
+    assert any(n.startswith("mtp.0.layers.9.up_proj") for n in grads) and "moe_dispatch" not in report
