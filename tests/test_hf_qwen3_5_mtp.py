@@ -3,7 +3,8 @@
 transformers has no MTP module (it drops ``mtp.*`` on load), so the tests write one as serving
 engines read it: ``fc`` over [embedding | hidden], zero-centred ``pre_fc_norm_embedding`` /
 ``pre_fc_norm_hidden``, one full-attention decoder layer of transformers' own class (MoE for
-Qwen3.5-MoE), ``norm``; the head is the model's. On tiny random Qwen3.5-MoE models (text and VLM):
+Qwen3.5-MoE), ``norm``; the head is the model's. On tiny random Qwen3.5 and Qwen3.5-MoE models
+(text; the MoE also as a VLM):
 
 * ``import-hf`` gives ``arch.mtp`` where the checkpoint holds ``mtp.*`` (and none where it does
   not, whatever config.json says), and a checkpoint's ``mtp.*`` loaded into a model without MTP
