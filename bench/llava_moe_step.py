@@ -4,7 +4,8 @@ Trains configs/llava-moe.yaml (the model of ``../shared/bench/hf_llava_moe_basel
 CLIP ViT-L/14-224 + a 16-layer Qwen3-MoE of 64 experts, top 8; the same parameter counts
 and the same seeded samples) with ``bench/llava_step.py``'s machinery, 8 samples per step
 (the anchor runs 4: 8 do not fit it). Prints one JSON line: real tokens/s, model TFLOP/s on
-active parameters (``mimo.training.flops``), MFU against a measured bf16 matmul rate, peak
+active parameters (``mimo.training.flops``), MFU against the GPU's rated dense peak (and against
+a measured bf16 matmul rate beside it), peak
 memory, with ``--profile`` the step's kernel-time shares (grouped GEMMs, dense GEMMs,
 attention, router, permutation, optimizer, FP8 quantization), and the anchor's JSON line (its
 best: grouped_mm experts, B=4) run in the same invocation, with the ratio of real tokens/s.

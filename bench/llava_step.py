@@ -4,10 +4,13 @@ Trains configs/llava-1.3b.yaml (the same model and the same seeded samples as
 ``../shared/bench/hf_llava_baseline.py``) through mimo's own pieces: ``build_run`` (MimoModel
 on the device in the config's precision, the synthetic data pipeline packing THD, one AdamW per
 module from ``mimo.training.optim``) and ``mimo.training.step.train_step``. Prints one JSON line: real tokens/s,
-step time (median and spread over the timed steps), model TFLOP/s counted as the baseline counts
-them (``mimo.training.flops``: 6 * N_llm * real tokens + 6 * N_vision * image tokens incl. [CLS],
-N_vision being the whole 24-block CLIP tower that the baseline counts), MFU against an 8192^3 bf16 matmul timed in
-the same process, peak memory, the precision policy, and, unless ``--no-baseline``, the
+step time (median and spread over the timed steps), model TFLOP/s (``mimo.training.flops``: 6, 4
+or 2 FLOPs per parameter and token as each module trains, is crossed by gradients or only runs
+forward; the LLM over real tokens, the projector over image rows, the whole 24-block CLIP tower
+over image tokens incl. [CLS]; ``baseline_mfu``: the baseline's real tokens/s at the same FLOPs
+per real token, where its own script counts 6 for every module), MFU against the GPU's rated dense peak (``mfu``; and against
+an 8192^3 bf16 matmul timed in the same process, ``mfu_measured_rate``), peak memory, the
+precision policy, and, unless ``--no-baseline``, the
 baseline's own JSON line (run as a subprocess in the same invocation) and the ratio of real
 tokens/s.
 
@@ -291,7 +294,7 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
         parser.error("--steps must exceed --warmup")
 
     from mimo.compose.config import load_config
-    from mimo.training.flops import model_flops, param_counts
+    from mimo.training.flops import device_peak_flops, model_flops, param_counts
 
     # checked as the compile variant runs it (train.compile, train.cuda_graphs), then built eager: the
     # "compile" variant compiles the same model afterwards (train.compile's work, compile_blocks)
@@ -308,6 +311,8 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
             parser.error(f"no baseline script at {args.baseline or [str(p) for p in baselines]}; use --baseline or --no-baseline")
         baseline = run_baseline(path, args.steps, args.baseline_arg, args.baseline_env)  # before ours: a clean GPU for each
     rate = matmul_rate(device)
+    rated = device_peak_flops(device, config.train.precision, fp8=config.train.fp8 is not None)
+    rated = rated / 1e12 if rated else None  # TFLOP/s: MFU's denominator; the measured rate beside it
     got = run_mimo(config, device, args.steps, args.warmup, args.variants.split(","), args.profile, args.sync_steps)
 
     counts = param_counts(config)
@@ -322,12 +327,15 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
         "torch": torch.__version__, "params_llm": n_llm, "params_vision": n_vis,
         "precision": {"params": str(p.params), "compute": str(p.compute), "grad_reduce": str(p.grad_reduce),
                       "optimizer_state": str(p.optimizer_state), "master_params": str(p.master_params)},
-        "build_s": got["build_s"], "matmul_tflops_measured": rate, "sync_steps": args.sync_steps,
+        "build_s": got["build_s"], "peak_tflops_rated": rated, "matmul_tflops_measured": rate,
+        "sync_steps": args.sync_steps,
         "real_tokens_per_step": got["real_tokens"] / (args.steps - args.warmup),
         "model_tflop_per_step": flops / (args.steps - args.warmup) / 1e12,
     }
     if baseline is not None:
         res["baseline"] = baseline
+        if rated and got["real_tokens"]:  # its real tokens/s at mimo's FLOPs per real token: one count for both
+            res["baseline_mfu"] = baseline["real_tokens_per_s"] * flops / got["real_tokens"] / 1e12 / rated
         if rate:
             res["baseline_mfu_measured_rate"] = baseline["model_tflops_per_s"] / rate
     for name, v in got["variants"].items():
@@ -338,7 +346,8 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
         tflops = flops / total / 1e12
         r = {"timed_steps": len(v["times"]), "step_s_median": statistics.median(v["times"]), "step_s_min": min(v["times"]),
              "step_s_max": max(v["times"]), "step_s_mean": total / len(v["times"]), "warmup_step_s": v["warmup_s"],
-             "real_tokens_per_s": got["real_tokens"] / total, "model_tflops_per_s": tflops, "mfu": tflops / rate if rate else None,
+             "real_tokens_per_s": got["real_tokens"] / total, "model_tflops_per_s": tflops, "mfu": tflops / rated if rated else None,
+             "mfu_measured_rate": tflops / rate if rate else None,
              "peak_mem_gib": v["peak_mem_gib"], "data_s_median": v["data_s_median"], "loss_first": v["losses"][0], "loss_last": v["losses"][-1],
              "graphs_compiled_in_timed_steps": v["graphs_compiled_in_timed_steps"]}
         if "profile" in v:

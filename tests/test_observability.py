@@ -16,7 +16,7 @@ from mimo.commands.cli import main
 from mimo.compose.config import TrainConfig, load_config
 from mimo.core.errors import ConfigError
 from mimo.data.plan import PlannedSample
-from mimo.training.flops import device_peak_flops, model_flops, param_counts, throughput
+from mimo.training.flops import device_peak_flops, model_flops, module_factors, param_counts, throughput
 from mimo.training.metrics import check_reporting, module_peaks
 from mimo.training.optim import lr_at, lr_for
 
@@ -96,8 +96,16 @@ def test_model_flops_and_mfu_with_a_fake_peak(demo_config, monkeypatch):
     assert llm > 0 and vision > 0
     # demo tower: 32x32 images in 8x8 patches -> 16 patches and [CLS]
     samples = [PlannedSample(0, 100, 1, {"<image>": [3]}), PlannedSample(1, 50, 0, {})]
+    projector = counts["vision.projector"]
     flops = model_flops(config, samples, counts)
-    assert flops == 6 * llm * 150 + 6 * vision * 1 * 17
+    assert flops == 6 * llm * 150 + 6 * vision * 1 * 17 + 6 * projector * 1 * 16  # the projector: per image row
+    # frozen modules (LLaVA stage 1): the tower forward only, the LLM forward and its activations'
+    # backward (the projector before it trains), the projector all three
+    stage1 = load_config(demo_config, ["modules.vision.freeze=[tower]", "modules.language.freeze=true"])
+    assert module_factors(stage1) == {"vision": 2, "vision.projector": 6, "language": 4}
+    assert model_flops(stage1, samples, counts) == 4 * llm * 150 + 2 * vision * 17 + 6 * projector * 16
+    frozen_all_but_llm = load_config(demo_config, ["modules.vision.freeze=[tower, projector]"])
+    assert module_factors(frozen_all_but_llm) == {"vision": 2, "vision.projector": 2, "language": 6}
     assert throughput(flops, 0.0, 4, 1e12) == (None, None)
     tflops, mfu = throughput(2e12, 2.0, 4, None)  # no known peak: TFLOP/s, no MFU
     assert tflops == 1.0 and mfu is None
@@ -105,6 +113,7 @@ def test_model_flops_and_mfu_with_a_fake_peak(demo_config, monkeypatch):
     assert device_peak_flops("cpu", "bf16") is None
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     assert device_peak_flops("cuda:0", "bf16") == 989e12 and device_peak_flops("cuda:0", "fp32") == 67e12
+    assert device_peak_flops("cuda:0", "bf16", fp8=True) == 1979e12
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
     assert device_peak_flops("cuda:0", "bf16") == 756e12
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")

@@ -202,7 +202,8 @@ class Reporter:
         self.base_lr = {m: lr for m, lr in self.cfg.optimizer_settings()[0].items() if trains[m]}
         self.param_counts = param_counts(self.cfg)
         peak = self.cfg.train.log.peak_tflops
-        self.peak_flops = peak * 1e12 if peak is not None else device_peak_flops(run.model.device, self.cfg.train.precision)
+        self.peak_flops = peak * 1e12 if peak is not None else device_peak_flops(run.model.device, self.cfg.train.precision,
+                                                                          fp8=self.cfg.train.fp8 is not None)
         self.tty = sys.stdout.isatty()
         self.console_closed = False  # stdout went away (a closed pipe or terminal): the run stops as on Ctrl-C
         self.skipped_steps = steps[-1].get("skipped_steps", 0) if steps else 0
