@@ -279,6 +279,9 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
                         help=f"the baseline's argument (default {baseline_arg}: its measured best)")
     parser.add_argument("--baseline-env", action="append", default=list(baseline_env), metavar="KEY=VALUE",
                         help=f"environment of the baseline's run (default {list(baseline_env)})")
+    parser.add_argument("--batch", type=int, help="samples per step of both runs (the baseline's B and mimo's "
+                        "data.synthetic.samples_per_microbatch, one microbatch): the same samples at the same batch; "
+                        "default: each its own (the config's, the baseline's default)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, help="the compile variant with "
                         "train.cuda_graphs (the vision blocks replayed as CUDA graphs); default: the config's")
@@ -292,6 +295,9 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
+    if args.batch is not None:  # (later overrides win: after the config's, before the user's own)
+        args.baseline_env.append(f"B={args.batch}")
+        args.overrides = [f"data.synthetic.samples_per_microbatch={args.batch}", "train.micro_batches=1"] + args.overrides
 
     from mimo.compose.config import load_config
     from mimo.training.flops import device_peak_flops, model_flops, param_counts
@@ -329,11 +335,14 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
                       "optimizer_state": str(p.optimizer_state), "master_params": str(p.master_params)},
         "build_s": got["build_s"], "peak_tflops_rated": rated, "matmul_tflops_measured": rate,
         "sync_steps": args.sync_steps,
+        "batch": args.batch, "samples_per_step": len(got["samples"]) / (args.steps - args.warmup),
         "real_tokens_per_step": got["real_tokens"] / (args.steps - args.warmup),
         "model_tflop_per_step": flops / (args.steps - args.warmup) / 1e12,
     }
     if baseline is not None:
         res["baseline"] = baseline
+        # its real tokens per step beside mimo's: equal when both ran the same samples at the same batch
+        res["baseline_real_tokens_per_step"] = baseline["real_tokens_per_s"] * baseline["step_s"]
         if rated and got["real_tokens"]:  # its real tokens/s at mimo's FLOPs per real token: one count for both
             res["baseline_mfu"] = baseline["real_tokens_per_s"] * flops / got["real_tokens"] / 1e12 / rated
         if rate:
