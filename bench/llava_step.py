@@ -342,7 +342,9 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
     if baseline is not None:
         res["baseline"] = baseline
         # its real tokens per step beside mimo's: equal when both ran the same samples at the same batch
+        # and timed the same steps (the anchor warms up on its first 3: --warmup 3 matches it)
         res["baseline_real_tokens_per_step"] = baseline["real_tokens_per_s"] * baseline["step_s"]
+        res["same_timed_steps"] = args.warmup == 3
         if rated and got["real_tokens"]:  # its real tokens/s at mimo's FLOPs per real token: one count for both
             res["baseline_mfu"] = baseline["real_tokens_per_s"] * flops / got["real_tokens"] / 1e12 / rated
         if rate:
