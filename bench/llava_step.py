@@ -147,6 +147,24 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def step_timer(device: torch.device):
+    """(mark, seconds): a time mark on ``device``'s stream (a CUDA event, else the host clock) and
+    the seconds between two marks, so that timed steps run back to back without syncs."""
+    cuda = device.type == "cuda"
+
+    def mark():
+        if cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(a, b):
+        return a.elapsed_time(b) / 1e3 if cuda else b - a
+
+    return mark, seconds
+
+
 def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: list[str], profile_to: str | None = None,
              sync_steps: bool = False) -> dict:
     """Build the run once; train steps 1..steps for each variant in turn (``eager``: as built;
@@ -164,16 +182,7 @@ def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: li
     policy = run.policy
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda *a: None)
-
-    def mark():
-        if cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def seconds(a, b):
-        return a.elapsed_time(b) / 1e3 if cuda else b - a
+    mark, seconds = step_timer(device)
 
     data_s = []  # CPU time of each step's pipeline.step (reading, packing, moving to the device)
     step_data = run.pipeline.step
