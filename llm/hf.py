@@ -1593,7 +1593,8 @@ def checkpoint_tensors(ckpt: HFCheckpoint) -> tuple[dict, Rename, dict[str, tupl
 
 # arch fields whose difference from the checkpoint's config.json ``load_hf_checkpoint`` only warns
 # about (the weights still fit; the model computes something else than the checkpoint's)
-SOFT_FIELDS = ("rope_theta", "rope_scaling", "mrope_section", "norm_eps", "tie_embeddings", "qk_norm", "qk_norm_full", "moe")
+SOFT_FIELDS = ("rope_theta", "rope_scaling", "mrope_section", "norm_eps", "tie_embeddings", "qk_norm", "qk_norm_full", "moe",
+               "rotary_fraction", "norm_zero_centred")
 # those that size the weights (by the layer kind that has them; None: every arch), named when the
 # tensors do not fit; heads / kv_heads / head_dim refuse the checkpoint even where the shapes
 # agree (the same rows split into other heads)

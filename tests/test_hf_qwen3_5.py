@@ -330,6 +330,13 @@ def test_a_config_unlike_the_checkpoint_names_the_field(vlms, texts, tmp_path, c
     modules["language"]["arch"]["mrope_section"] = [2, 1, 1]
     with pytest.raises(MimoError, match=r"arch\.mrope_section=\[2, 1, 1\] differs from the checkpoint's config\.json"):
         check_fits(config_from_dict(_raw(modules)), vlms["dense"])
+    for key, value in (("rotary_fraction", 1.0), ("norm_zero_centred", False)):  # same shapes, another model
+        changed = {**modules, "language": {**modules["language"], "arch": {**modules["language"]["arch"],
+                                                                        "mrope_section": [1, 2, 1], key: value}}}
+        if key == "rotary_fraction":
+            changed["language"]["arch"]["mrope_section"] = [2, 4, 2]  # (sums to half the whole head)
+        with pytest.raises(MimoError, match=rf"arch\.{key}={value!r} differs from the checkpoint's config\.json"):
+            check_fits(config_from_dict(_raw(changed)), vlms["dense"])
     _, path = texts["dense"]
     assert main(["import-hf", path, "--yaml", str(tmp_path / "text.yaml")]) == 0
     text = yaml.safe_load((tmp_path / "text.yaml").read_text())["modules"]
