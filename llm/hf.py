@@ -1529,11 +1529,10 @@ def qwen3_vl_arch(config: Mapping, pattern_stages: Iterable[int] | None = None) 
     config's ``deepstack_visual_indexes`` (Qwen3.5: none), added after decoder layers 0, 1, ...
     (``deepstack_layers`` 1, 3, ...; ``pattern_stages``: decoder layers per explicit pipeline
     stage, the deepstack ones on the first)."""
-    from mimo.encoders.config import Qwen3VisionArch
-
-    whole = normalised_qwen3_vl_config(config)
-    arch = arch_from_hf_config(qwen3_vl_text_config(config), pattern_stages)
-    levels = len(Qwen3VisionArch.hf_deepstack_indexes(whole))
+    whole, text = normalised_qwen3_vl_config(config), qwen3_vl_text_config(config)
+    arch = arch_from_hf_config(text, pattern_stages)
+    # Qwen3.5's language models (the gated families) take no deepstack, whatever its vision config carries
+    levels = 0 if text["model_type"] in GATED_FAMILIES else len(whole["vision_config"].get("deepstack_visual_indexes") or ())
     arch.deepstack_layers = deepstack_after_decoder_layers(levels)
     if max(arch.deepstack_layers, default=-1) >= len(arch.layer_pattern().layers):
         raise MimoError(f"{levels} deepstack levels (vision_config.deepstack_visual_indexes) need as many decoder "
