@@ -146,28 +146,6 @@ def hf_config(preset: dict, vocab: int):
                                          **token_ids(vocab))
 
 
-@torch.no_grad()
-def randomize_on_device_(model: torch.nn.Module, seed: int) -> None:
-    """``mimo.commands.verify_hf.randomize_vlm_``'s distributions drawn on the model's device."""
-    gen = None
-    for name, p in model.named_parameters():
-        if gen is None:
-            gen = torch.Generator(device=p.device).manual_seed(seed)
-        noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
-        if name.endswith("visual.patch_embed.proj.weight"):
-            p.copy_(noise / p[0].numel() ** 0.5)
-        elif name.endswith("visual.pos_embed.weight"):
-            p.copy_(0.5 * noise)
-        elif name.endswith("mlp.gate.weight"):
-            p.copy_(2 * noise / p.shape[-1] ** 0.5)
-        elif p.dim() >= 2:
-            p.copy_(noise / p.shape[-1] ** 0.5)
-        elif "norm" in name:
-            p.copy_(1 + 0.2 * noise)
-        else:
-            p.copy_(0.2 * noise)
-
-
 def build_source(cfg, init: str, seed: int, device: torch.device, dtype: torch.dtype, out_dir: str) -> dict:
     """The model's weights: built with random weights (``init``), saved into ``out_dir`` by
     ``save_pretrained``; returns its state dict on the CPU (each transformers run loads it)."""
@@ -179,11 +157,8 @@ def build_source(cfg, init: str, seed: int, device: torch.device, dtype: torch.d
     torch.manual_seed(seed)
     with torch.device(device):
         model = cls._from_config(copy.deepcopy(cfg), dtype=dtype)
-    if init == "verify":
-        if device.type == "cpu":
-            randomize_vlm_(model, seed)
-        else:
-            randomize_on_device_(model, seed)
+    if init == "verify":  # (drawn on the CPU, copied to the model's device)
+        randomize_vlm_(model, seed)
     with _quiet():
         model.save_pretrained(out_dir)
     state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}

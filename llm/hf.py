@@ -114,7 +114,7 @@ import torch
 from mimo.core.errors import MimoError
 from mimo.llm import hf_nemotron_h
 from mimo.llm.blocks import build_layer
-from mimo.llm.config import HybridArch, MoEArch, RopeScaling
+from mimo.llm.config import HybridArch, MoEArch, MTPArch, RopeScaling
 from mimo.llm.lazy import StackedExperts, concat_reader
 from mimo.llm.model import LLMStage
 from mimo.llm.pattern import LayerSpec
@@ -1353,8 +1353,6 @@ def with_checkpoint_mtp(arch: HybridArch, keys: Iterable[str]) -> HybridArch:
     """``arch`` with Qwen's MTP module where the checkpoint holds ``mtp.*`` tensors (transformers
     saves none: a config's ``mtp_num_hidden_layers`` alone says nothing of the file), else
     without; for the arch ``import-hf`` writes."""
-    from mimo.llm.config import MTPArch
-
     has = any(k.startswith(MTP_PREFIX) for k in keys)
     return replace(arch, mtp=(arch.mtp or MTPArch()) if has else None)
 
