@@ -32,7 +32,8 @@ TINY = [o for o in llava_step.TINY if not o.startswith(("modules.language.arch.p
 
 def main(argv=None) -> dict:
     return llava_step.main(argv, bench="llava_moe_step", config_path=ROOT / "configs/llava-moe.yaml", tiny=TINY,
-                           baselines=BASELINES, baseline_arg="grouped_mm", baseline_env=("B=4",))
+                           baselines=BASELINES, baseline_configs=",".join(f"grouped_mm+ATTN={a}" for a in ("eager", "sdpa", "flex_attention")),
+                           baseline_env=("B=4",))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ per real token, where its own script counts 6 for every module), MFU against the
 an 8192^3 bf16 matmul timed in the same process, ``mfu_measured_rate``), peak memory, the
 precision policy, and, unless ``--no-baseline``, the
 baseline's own JSON line (run as a subprocess in the same invocation) and the ratio of real
-tokens/s.
+tokens/s. The baseline is the fastest of the configurations ``--baseline-configs`` names (default:
+eager, sdpa and flex attention; the MoE bench: those with grouped_mm experts), each run in turn
+on the same samples; ``baseline.config`` names it and ``baseline.runs`` holds every one's numbers
+or error. Its scripts take padded batches and run eager (no packing, no compile).
 
     python bench/llava_step.py [--steps 13] [--warmup 3] [--no-baseline] [--baseline PATH] [key=value ...]
     python bench/llava_step.py --tiny --no-baseline     # a few-second CPU smoke run
@@ -68,11 +71,31 @@ def matmul_rate(device: torch.device, n: int = 8192, iters: int = 20) -> float |
 
 
 def run_baseline(path: Path, steps: int, arg: str, env_extra: list[str] = ()) -> dict:
+    """One run of the anchor script: its JSON line, or ``{"error": ...}`` when it failed (out of
+    memory, an attention implementation that does not run there)."""
     env = dict(os.environ, STEPS=str(steps), **dict(kv.split("=", 1) for kv in env_extra))
     out = subprocess.run([sys.executable, str(path), arg], env=env, capture_output=True, text=True)
     if out.returncode != 0:
-        raise SystemExit(f"baseline failed ({out.returncode}):\n{out.stderr[-4000:]}")
+        return {"error": f"exit {out.returncode}: {out.stderr.strip().splitlines()[-1][-400:] if out.stderr.strip() else ''}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def search_baseline(path: Path, steps: int, configs: list[str], env_extra: list[str] = ()) -> dict:
+    """The anchor in each of ``configs`` (``ARG[+KEY=VALUE...]``: the script's argument and
+    environment, e.g. ``sdpa`` or ``grouped_mm+ATTN=sdpa``), in turn; the fastest that ran
+    (real tokens/s) is the anchor, with ``config`` naming it and ``runs`` every configuration's
+    numbers or error."""
+    runs = {}
+    for config in configs:
+        arg, *env = config.split("+")
+        runs[config] = run_baseline(path, steps, arg, list(env_extra) + env)
+    ran = {c: r for c, r in runs.items() if "error" not in r}
+    if not ran:
+        raise SystemExit(f"no configuration of the baseline ran: {runs}")
+    best = max(ran, key=lambda c: ran[c]["real_tokens_per_s"])
+    summary = {c: r if "error" in r else {k: r.get(k) for k in ("step_s", "real_tokens_per_s", "peak_mem_gib", "padded_fraction")}
+               for c, r in runs.items()}
+    return dict(ran[best], config=best, runs=summary)
 
 
 def profile_steps(run, policy, steps: list[int], path: str) -> dict:
@@ -273,7 +296,8 @@ def fp8_gains(res: dict) -> None:
 
 
 def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "configs/llava-1.3b.yaml", tiny: list[str] = TINY,
-         baselines=BASELINE_CANDIDATES, baseline_arg: str = "eager", baseline_env: tuple[str, ...] = ()) -> dict:
+         baselines=BASELINE_CANDIDATES, baseline_configs: str = "eager,sdpa,flex_attention",
+         baseline_env: tuple[str, ...] = ()) -> dict:
     """The bench (see module doc); ``bench/llava_moe_step.py`` runs it with its own model,
     anchor and tiny model."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -284,8 +308,9 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-baseline", action="store_true", help="skip the Hugging Face baseline")
     parser.add_argument("--baseline", help="path of hf_llava_baseline.py (default: ../shared/bench or .whl/)")
-    parser.add_argument("--baseline-arg", "--baseline-attn", default=baseline_arg,
-                        help=f"the baseline's argument (default {baseline_arg}: its measured best)")
+    parser.add_argument("--baseline-configs", "--baseline-arg", default=baseline_configs,
+                        help="the baseline's configurations to try, comma-separated, each ARG[+KEY=VALUE...] (the script's "
+                        f"argument and environment); the fastest is the anchor (default {baseline_configs})")
     parser.add_argument("--baseline-env", action="append", default=list(baseline_env), metavar="KEY=VALUE",
                         help=f"environment of the baseline's run (default {list(baseline_env)})")
     parser.add_argument("--batch", type=int, help="samples per step of both runs (the baseline's B and mimo's "
@@ -324,7 +349,8 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
         path = Path(args.baseline) if args.baseline else next((p for p in baselines if p.is_file()), None)
         if path is None or not path.is_file():
             parser.error(f"no baseline script at {args.baseline or [str(p) for p in baselines]}; use --baseline or --no-baseline")
-        baseline = run_baseline(path, args.steps, args.baseline_arg, args.baseline_env)  # before ours: a clean GPU for each
+        # before ours: a clean GPU for each
+        baseline = search_baseline(path, args.steps, args.baseline_configs.split(","), args.baseline_env)
     rate = matmul_rate(device)
     rated = device_peak_flops(device, config.train.precision, fp8=config.train.fp8 is not None)
     rated = rated / 1e12 if rated else None  # TFLOP/s: MFU's denominator; the measured rate beside it

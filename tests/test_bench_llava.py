@@ -1,0 +1,65 @@
+"""bench/llava_step.py and bench/llava_moe_step.py stay runnable: their tiny models on the CPU,
+with a stand-in anchor script in place of Hugging Face's (which needs a GPU), so that the
+anchor search (every configuration tried, a failing one recorded, the fastest taken) and the
+same-batch wiring are exercised."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+# prints the anchor's JSON line; its speed depends on the attention chosen (argv[1], or ATTN for the
+# MoE anchor); "flex_attention" fails as an implementation that does not run would
+FAKE_ANCHOR = textwrap.dedent("""
+    import json, os, sys
+    attn = os.environ.get("ATTN", sys.argv[1])
+    if attn == "flex_attention":
+        sys.exit("RuntimeError: flex attention does not run here")
+    speed = {"eager": 100.0, "sdpa": 300.0}[attn]
+    b = int(os.environ.get("B", 8))
+    print("loading...")
+    print(json.dumps(dict(attn=attn, arg=sys.argv[1], batch=b, steps=int(os.environ["STEPS"]), step_s=b * 10 / speed,
+                          real_tokens_per_s=speed, padded_fraction=0.25, model_tflops_per_s=1.0, peak_mem_gib=2.0)))
+""")
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_llava_moe_bench_searches_the_anchor_and_runs_mimo_at_its_batch(tmp_path, capsys):
+    anchor = tmp_path / "anchor.py"
+    anchor.write_text(FAKE_ANCHOR)
+    res = _load("llava_moe_step").main(["--tiny", "--device", "cpu", "--steps", "3", "--warmup", "1", "--batch", "2",
+                                        "--baseline", str(anchor)])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(res))
+    base = res["baseline"]
+    # every configuration tried; the failing one recorded with its message; the fastest taken
+    assert set(base["runs"]) == {"grouped_mm+ATTN=eager", "grouped_mm+ATTN=sdpa", "grouped_mm+ATTN=flex_attention"}
+    assert "flex attention does not run" in base["runs"]["grouped_mm+ATTN=flex_attention"]["error"]
+    assert base["config"] == "grouped_mm+ATTN=sdpa" and base["attn"] == "sdpa" and base["arg"] == "grouped_mm"
+    assert base["runs"]["grouped_mm+ATTN=eager"]["real_tokens_per_s"] == 100.0
+    # the same batch on both sides (--batch overrides the anchor's default B=4), the same step count
+    assert base["batch"] == 2 and base["steps"] == 3 and res["samples_per_step"] == 2
+    v = res["eager"]
+    assert v["timed_steps"] == 2 and v["real_tokens_per_s"] > 0
+    assert v["ratio_tokens_per_s"] == v["real_tokens_per_s"] / 300.0
+
+
+def test_llava_bench_tiny_without_anchor():
+    res = _load("llava_step").main(["--tiny", "--no-baseline", "--device", "cpu", "--steps", "3", "--warmup", "1"])
+    assert "baseline" not in res and res["samples_per_step"] == 8
+    v = res["eager"]
+    assert v["timed_steps"] == 2 and v["real_tokens_per_s"] > 0 and v["loss_first"] > 0
