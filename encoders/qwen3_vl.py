@@ -61,6 +61,7 @@ from mimo.parallel import gemm
 from mimo.parallel.collectives import gather_along, scatter_along
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import ColumnParallelLinear, FusedColumnParallelLinear, RowParallelLinear
+from mimo.parallel.lora import LoraTarget
 from mimo.parallel.params import ParamInfo
 from mimo.parallel.recompute import checkpoint, maybe, set_block_recompute
 
@@ -378,3 +379,12 @@ def _qwen3_init_fn(name: str, info: ParamInfo):
         return lambda t, g: t.zero_()
     return lambda t, g: t.normal_(0.0, 0.02, generator=g)
 
+
+# ``lora.targets`` of a ``kind: qwen3_vl`` tower (paths under the tower), as its Hugging Face
+# modules are laid out: one fused qkv projection (one adapter over q | k | v)
+LORA_TARGETS = {
+    "qkv": LoraTarget(r"blocks\.\d+\.attn\.qkv", (("q", "k", "v"),)),
+    "proj": LoraTarget(r"blocks\.\d+\.attn\.proj"),
+    "fc1": LoraTarget(r"blocks\.\d+\.mlp\.fc1"),
+    "fc2": LoraTarget(r"blocks\.\d+\.mlp\.fc2"),
+}

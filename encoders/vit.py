@@ -33,6 +33,7 @@ from mimo.parallel import gemm
 from mimo.parallel.collectives import gather_along, scatter_along
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import ColumnParallelLinear, FusedColumnParallelLinear, RowParallelLinear
+from mimo.parallel.lora import LoraTarget
 from mimo.parallel.params import ParamInfo
 from mimo.parallel.placement import ParamPlacement, replicated
 from mimo.parallel.recompute import checkpoint, maybe, set_block_recompute
@@ -310,3 +311,15 @@ def _vit_init_fn(name: str, info: ParamInfo):
     if name == "cls_token":
         return lambda t, g: t.normal_(0.0, 1e-6, generator=g)
     return lambda t, g: nn.init.trunc_normal_(t, std=0.02, a=-0.04, b=0.04, generator=g)
+
+
+# ``lora.targets`` of a ``kind: vit`` tower (paths under the tower), as CLIP / SigLIP's Hugging Face
+# modules are laid out: q, k and v are three projections there (an adapter each)
+LORA_TARGETS = {
+    "q": LoraTarget(r"blocks\.\d+\.attn\.qkv", (("q",),)),
+    "k": LoraTarget(r"blocks\.\d+\.attn\.qkv", (("k",),)),
+    "v": LoraTarget(r"blocks\.\d+\.attn\.qkv", (("v",),)),
+    "proj": LoraTarget(r"blocks\.\d+\.attn\.proj"),
+    "fc1": LoraTarget(r"blocks\.\d+\.mlp\.fc1"),
+    "fc2": LoraTarget(r"blocks\.\d+\.mlp\.fc2"),
+}

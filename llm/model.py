@@ -63,6 +63,7 @@ from mimo.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mimo.parallel.grid import ParallelGrid
 from mimo.parallel.init import param_seed
 from mimo.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_lookup
+from mimo.parallel.lora import LoraTarget
 from mimo.parallel.layout import Placement, packed_placement
 from mimo.parallel.params import ParamInfo, full_tensors, load_full_, main_grad, param_table
 from mimo.parallel.recompute import checkpoint, set_block_recompute
@@ -383,3 +384,19 @@ def sync_tied_grads(stage: LLMStage, group) -> None:
     if grad is None:
         weight.grad = grad = torch.zeros_like(weight)
     dist.all_reduce(grad, group=group)  # in place: a main gradient stays in its buffer
+
+
+# ``lora.targets`` of the LLM (paths under its stage, MTP blocks included), as the Hugging Face
+# decoders lay their projections out: q, k, v, gate and up are separate there (an adapter each)
+_LAYER = r"(.+\.)?layers\.\d+\."
+LORA_TARGETS = {
+    "q": LoraTarget(_LAYER + "qkv", (("q",),)),
+    "k": LoraTarget(_LAYER + "qkv", (("k",),)),
+    "v": LoraTarget(_LAYER + "qkv", (("v",),)),
+    "o": LoraTarget(_LAYER + "o_proj"),
+    "gate": LoraTarget(_LAYER + "up_proj", (("gate",),)),
+    "up": LoraTarget(_LAYER + "up_proj", (("up",),)),
+    "down": LoraTarget(_LAYER + "down_proj"),
+    "gdn_out": LoraTarget(_LAYER + r"mixer\.out_proj", owner="GatedDeltaNetMixer"),
+    "mamba_out": LoraTarget(_LAYER + r"mixer\.out_proj", owner="Mamba2Mixer"),
+}

@@ -48,6 +48,9 @@ class TPModule(nn.Module):
         self.sequence_parallel = ctx.sequence_parallel if sequence_parallel is None else (
             bool(sequence_parallel) and self.tp_size > 1)
         self.recipe = gemm.default_recipe()
+        # low-rank adapters (mimo.parallel.lora): a LoraAdapter on a column or row-parallel
+        # layer; on a fused one a ModuleDict of them keyed by the parts each covers, joined by "_"
+        self.lora = None
 
     def placements(self) -> dict[str, ParamPlacement]:
         raise NotImplementedError
@@ -113,7 +116,11 @@ class ColumnParallelLinear(TPModule):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         x_TD = gather_seq(x_TD, self.group) if self.sequence_parallel else copy_to_group(x_TD, self.group)
-        y_TF = gemm.linear(x_TD, self.weight, self.bias, self.recipe)
+        if self.lora is not None:
+            y_TF = self.lora(x_TD, gemm.linear(x_TD, self.weight, None, self.recipe), self.weight)
+            y_TF = y_TF if self.bias is None else y_TF + self.bias
+        else:
+            y_TF = gemm.linear(x_TD, self.weight, self.bias, self.recipe)
         if self.gather_output:
             y_TF = gather_along(y_TF, -1, self.group)
             if self.padded_out_features != self.out_features:
@@ -152,8 +159,20 @@ class FusedColumnParallelLinear(TPModule):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x_TD = gather_seq(x_TD, self.group) if self.sequence_parallel else copy_to_group(x_TD, self.group)
-        y_TF = gemm.linear(x_TD, self.weight, self.bias, self.recipe)
-        return tuple(y_TF.split(self.local_sizes, dim=-1))
+        if not self.lora:
+            y_TF = gemm.linear(x_TD, self.weight, self.bias, self.recipe)
+            return tuple(y_TF.split(self.local_sizes, dim=-1))
+        ys = list(gemm.linear(x_TD, self.weight, None, self.recipe).split(self.local_sizes, dim=-1))
+        weights = self.weight.split(self.local_sizes, dim=0)
+        names = list(self.parts)
+        for key, adapter in self.lora.items():  # key: its parts joined by "_" (consecutive, in part order)
+            idx = [names.index(p) for p in key.split("_")]
+            y_TP = adapter(x_TD, torch.cat([ys[i] for i in idx], -1), torch.cat([weights[i] for i in idx], 0))
+            for i, piece in zip(idx, y_TP.split([self.local_sizes[i] for i in idx], dim=-1)):
+                ys[i] = piece
+        biases = self.bias.split(self.local_sizes, dim=0) if self.bias is not None else [None] * len(ys)
+        out = [y_TP if b_P is None else y_TP + b_P for y_TP, b_P in zip(ys, biases)]
+        return tuple(out)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, parts={self.parts}, tp={self.tp_size}, bias={self.has_bias}, "
@@ -186,6 +205,8 @@ class RowParallelLinear(TPModule):
         if not self.input_is_parallel:
             x_TD = scatter_along(x_TD, -1, self.group)
         partial_TF = gemm.linear(x_TD, self.weight, None, self.recipe)
+        if self.lora is not None:  # linear in the partial products: joins them before the reduction
+            partial_TF = self.lora(x_TD, partial_TF, self.weight)
         if self.sequence_parallel:
             y_TF = reduce_scatter_seq(partial_TF, self.group)
             if self.bias is not None:

@@ -1,0 +1,290 @@
+"""Low-rank adapters (LoRA, and DoRA) on the tensor-parallel linear layers.
+
+An adapter adds ``s * B A x`` to a projection ``y = W x`` (``s = alpha / rank``; A ``[r, in]``,
+B ``[out, r]``, B zero at the start so that the model starts as its base). Its weights are split
+as the base weight is, so that no rank computes what another holds:
+
+* ``rows`` (column-parallel base, W's output rows split over TP): B's rows split with W's, A
+  replicated. A rank's A gradient covers only its output rows: a partial sum over TP, summed
+  once per step like every ``partial`` gradient.
+* ``cols`` (row-parallel base, W's input columns split): A's columns split with W's, B
+  replicated; the adapter's output joins the partial product before the TP reduction, so B's
+  gradient is partial too.
+* ``None``: a replicated base (TP 1, or a layer outside TP): both replicated.
+
+DoRA (weight-decomposed LoRA) scales each output row by ``m / ||W + s B A||``, the norm over the
+row's input features taken without gradient, as the DoRA paper (section 4.3) and PEFT do:
+``y = g * (W x + s B A x)`` with ``g = m / norm`` (a row-parallel weight's norm sums its
+shards' squares over TP). ``m`` starts at the base rows' norms (``init_magnitude_``, after the
+base weights are loaded) and is split as B is.
+
+Dropout (``dropout > 0``) drops the adapter's input only; each rank draws its own mask, so runs
+with dropout are not layout-independent (verify layouts at 0).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mimo.core.errors import ConfigError
+from mimo.core.schema import join_path
+from mimo.parallel.context import ParallelContext
+from mimo.parallel.init import init_local, param_seed
+from mimo.parallel.placement import ParamPlacement, replicated, sharded
+
+__all__ = ["LoraConfig", "LoraSpec", "LoraAdapter", "LoraTarget", "attach", "attach_targets", "init_magnitudes_"]
+
+
+@dataclass
+class LoraConfig:
+    """A module's ``lora`` section: adapters on the projections ``targets`` names (each module
+    kind's names: ``LoraTarget`` tables beside its layers), every base weight of the module frozen
+    (an encoder's projector still trains unless ``freeze`` lists it)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    dora: bool = False  # weight-decomposed LoRA
+    targets: list[str] = field(default_factory=list)
+
+    def validate(self, path: str) -> list[str]:
+        problems = []
+        if self.rank < 1:
+            problems.append(f"{join_path(path, 'rank')}: must be at least 1, got {self.rank}")
+        if self.alpha <= 0:
+            problems.append(f"{join_path(path, 'alpha')}: must be positive, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            problems.append(f"{join_path(path, 'dropout')}: must be in [0, 1), got {self.dropout}")
+        if not self.targets:
+            problems.append(f"{join_path(path, 'targets')}: name at least one projection")
+        repeated = sorted({t for t in self.targets if self.targets.count(t) > 1})
+        if repeated:
+            problems.append(f"{join_path(path, 'targets')}: {', '.join(repeated)} listed more than once")
+        return problems
+
+    def spec(self) -> "LoraSpec":
+        return LoraSpec(self.rank, self.alpha, self.dropout, self.dora)
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """One target name of a module kind: the linear layers it adapts (module paths matching
+    ``pattern``, held by a module of class ``owner`` where named), and for a fused layer the
+    groups of its parts that get one adapter each."""
+
+    pattern: str
+    groups: tuple[tuple[str, ...], ...] | None = None
+    owner: str | None = None
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    dora: bool = False
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ConfigError(f"lora.rank must be at least 1, got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoraAdapter(nn.Module):
+    """The adapter of one projection of full shape ``[out, in]``. ``split``: how the base weight is
+    split over TP (module doc). ``parts``: the output is several parts of a fused weight, each
+    split over TP on its own (a Hugging Face ``qkv`` over mimo's fused q | k | v), B and the
+    magnitude split likewise; ``out`` is their sum."""
+
+    def __init__(self, in_features: int, out_features: int, spec: LoraSpec, ctx: ParallelContext, split: str | None,
+                 *, parts: tuple[int, ...] = (), device=None, dtype=None):
+        super().__init__()
+        if split not in ("rows", "cols", None):
+            raise ValueError(f"split must be rows, cols or None, got {split!r}")
+        self.spec, self.ctx, self.in_features, self.out_features = spec, ctx, in_features, out_features
+        tp = ctx.tp_size > 1
+        self.split = split if tp else None
+        r = spec.rank
+        partial = ("tp",) if tp else ()
+        if self.split == "rows":
+            parts = tuple(parts) if len(parts) > 1 else ()
+            self._placements = {"lora_A": replicated((r, in_features), partial),
+                                "lora_B": sharded((out_features, r), 0, parts=parts)}
+            magnitude = sharded((out_features,), 0, parts=parts)
+        elif self.split == "cols":
+            self._placements = {"lora_A": sharded((r, in_features), 1), "lora_B": replicated((out_features, r), partial)}
+            magnitude = replicated((out_features,), partial)
+        else:
+            self._placements = {"lora_A": replicated((r, in_features)), "lora_B": replicated((out_features, r))}
+            magnitude = replicated((out_features,))
+        if spec.dora:
+            self._placements["lora_magnitude"] = magnitude
+        for name, placement in self._placements.items():
+            setattr(self, name, nn.Parameter(torch.empty(self._local_shape(placement), device=device, dtype=dtype)))
+
+    def _view(self, placement: ParamPlacement):
+        view = self.ctx.view(placement.axes)
+        return {a: view.size(a) for a in placement.axes}, {a: view.coord(a) for a in placement.axes}
+
+    def _local_shape(self, placement: ParamPlacement) -> tuple[int, ...]:
+        return placement.local_shape(self._view(placement)[0])
+
+    def placements(self) -> dict[str, ParamPlacement]:
+        return self._placements
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """A ~ N(0, 1/in) (the variance of PEFT's default uniform draw), B = 0; this rank's
+        shard of the one-process draw. DoRA's magnitude is set from the base weight afterwards
+        (``init_magnitude_``)."""
+        a = self._placements["lora_A"]
+        self.lora_A.copy_(init_local(a, *self._view(a), param_seed(seed, "lora_A"), std=1.0 / math.sqrt(self.in_features)))
+        self.lora_B.zero_()
+
+    @torch.no_grad()
+    def init_magnitude_(self, weight_OI: torch.Tensor) -> None:
+        """DoRA: m = ||W + s B A|| per output row of this rank's base shard ``weight_OI``."""
+        if self.spec.dora:
+            self.lora_magnitude.copy_(self.row_norm(weight_OI).to(self.lora_magnitude.dtype))
+
+    @torch.no_grad()
+    def row_norm(self, weight_OI: torch.Tensor) -> torch.Tensor:
+        """``||W + s B A||`` per output row (float32 at least), over all of the row's input
+        features: a row-parallel shard's squares are summed over TP."""
+        wide = torch.promote_types(weight_OI.dtype, torch.float32)
+        merged = weight_OI.to(wide) + self.spec.scale * (self.lora_B.to(wide) @ self.lora_A.to(wide))
+        squares_O = merged.square().sum(1)
+        if self.split == "cols":
+            dist.all_reduce(squares_O, group=self.ctx.tp)
+        return squares_O.sqrt()
+
+    def delta_weight(self) -> torch.Tensor:
+        """``s B A`` of this rank's shard (a merge adds it to the base weight's shard)."""
+        return self.spec.scale * (self.lora_B @ self.lora_A)
+
+    def forward(self, x_TI: torch.Tensor, y_TO: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
+        """The projection's output with the adapter: ``x_TI`` the base product's input (this
+        rank's columns for a row-parallel one), ``y_TO`` its output without bias (a partial sum
+        for a row-parallel one), ``weight_OI`` its weight (this rank's shard)."""
+        dropped_TI = F.dropout(x_TI, self.spec.dropout, self.training) if self.spec.dropout else x_TI
+        u_TR = F.linear(dropped_TI, self.lora_A.to(x_TI.dtype))
+        lora_TO = F.linear(u_TR, self.lora_B.to(x_TI.dtype)) * self.spec.scale
+        if not self.spec.dora:
+            return y_TO + lora_TO
+        g_O = (self.lora_magnitude / self.row_norm(weight_OI.detach())).to(y_TO.dtype)
+        if dropped_TI is not x_TI:  # as PEFT: the magnitude's rescaling of the base acts on the dropped input
+            return y_TO + (g_O - 1) * F.linear(dropped_TI, weight_OI.detach()) + g_O * lora_TO
+        return g_O * (y_TO + lora_TO)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, rank={self.spec.rank}, alpha={self.spec.alpha}, "
+                f"split={self.split}, dora={self.spec.dora}")
+
+
+def attach(layer: nn.Module, spec: LoraSpec, seed: int | None, groups: list[tuple[str, ...]] | None = None) -> list[str]:
+    """Adapters on one tensor-parallel linear layer, initialised from ``seed`` (``init_weights``;
+    None: left uninitialised, as on the meta device); returns their names under ``layer``. A fused layer gets one adapter per group of its parts
+    (consecutive, in part order; default: one per part), keyed by the parts joined by ``_``."""
+    from mimo.parallel.layers import ColumnParallelLinear, FusedColumnParallelLinear, RowParallelLinear
+
+    dd = {"device": layer.weight.device, "dtype": layer.weight.dtype}
+    if layer.ctx.gtp_size > 1:
+        raise ConfigError("lora: adapters on GTP-sharded weights are not supported (parallel.gtp: 1)")
+    if isinstance(layer, FusedColumnParallelLinear):
+        names = list(layer.parts)
+        groups = groups or [(p,) for p in names]
+        covered = [p for group in groups for p in group]
+        if len(covered) != len(set(covered)):
+            raise ValueError(f"adapter groups {groups} of {names} overlap: each part takes at most one adapter")
+        layer.lora = nn.ModuleDict()
+        for group in groups:
+            idx = [names.index(p) for p in group]
+            if idx != list(range(idx[0], idx[0] + len(idx))) or any("_" in p for p in group):
+                raise ValueError(f"adapter parts {group} must be consecutive parts of {names} without '_'")
+            sizes = tuple(layer.parts[p] for p in group)
+            adapter = LoraAdapter(layer.in_features, sum(sizes), spec, layer.ctx, "rows", parts=sizes, **dd)
+            if seed is not None:
+                adapter.init_weights(param_seed(seed, "_".join(group)))
+            layer.lora["_".join(group)] = adapter
+        return [f"lora.{key}" for key in layer.lora]
+    if isinstance(layer, ColumnParallelLinear):
+        if layer.padded_out_features != layer.out_features:
+            raise ConfigError("lora: a layer with padded output rows (a vocab-split head) takes no adapter")
+        split = "rows"
+    elif isinstance(layer, RowParallelLinear):
+        split = "cols"
+    else:
+        raise TypeError(f"LoRA attaches to the tensor-parallel linear layers, not {type(layer).__name__}")
+    layer.lora = LoraAdapter(layer.in_features, layer.out_features, spec, layer.ctx, split, **dd)
+    if seed is not None:
+        layer.lora.init_weights(seed)
+    return ["lora"]
+
+
+@torch.no_grad()
+def init_magnitudes_(root: nn.Module) -> None:
+    """DoRA: every adapter's magnitude from its base weight as it is now (after the base weights
+    are loaded; a no-op for plain LoRA)."""
+    from mimo.parallel.layers import FusedColumnParallelLinear
+
+    for module in root.modules():
+        lora = getattr(module, "lora", None)
+        if isinstance(lora, LoraAdapter):
+            lora.init_magnitude_(module.weight)
+        elif isinstance(lora, nn.ModuleDict) and isinstance(module, FusedColumnParallelLinear):
+            weights = module.weight.split(module.local_sizes, dim=0)
+            names = list(module.parts)
+            for key, adapter in lora.items():
+                adapter.init_magnitude_(torch.cat([weights[names.index(p)] for p in key.split("_")], 0))
+
+
+def attach_targets(root: nn.Module, spec: LoraSpec, seed: int | None, table: dict[str, LoraTarget], targets: list[str],
+                   what: str) -> list[str]:
+    """Adapters on every layer of ``root`` that one of ``targets`` (names of ``table``) selects,
+    each initialised from ``param_seed(seed, its module path)``; every other parameter of ``root``
+    frozen, the adapters trained. Returns the adapted module paths. ``what`` names the module in
+    errors (``modules.vision.lora``)."""
+    from mimo.parallel.layers import FusedColumnParallelLinear
+
+    unknown = [t for t in targets if t not in table]
+    if unknown:
+        raise ConfigError(f"{what}.targets: {', '.join(unknown)} not among this module's projections "
+                          f"({', '.join(table)})")
+    root.requires_grad_(False)
+    chosen: dict[str, list[tuple[str, ...]] | None] = {}
+    layers = dict(root.named_modules())
+    for name in targets:
+        target = table[name]
+        hits = [path for path in layers if re.fullmatch(target.pattern, path)
+                and (target.owner is None or type(layers[path.rpartition(".")[0]]).__name__ == target.owner)]
+        for path in hits:
+            if target.groups is None:
+                chosen[path] = None
+            else:
+                chosen.setdefault(path, [])
+                chosen[path] += list(target.groups)
+    adapted = []
+    for path, groups in chosen.items():
+        layer = layers[path]
+        if isinstance(layer, FusedColumnParallelLinear):
+            order = list(layer.parts)
+            groups = sorted(groups or [(p,) for p in order], key=lambda g: order.index(g[0]))
+        attach(layer, spec, None if seed is None else param_seed(seed, path), groups)
+        adapted.append(path)
+    for module in root.modules():
+        lora = getattr(module, "lora", None)
+        if lora is not None:
+            lora.requires_grad_(True)
+    return adapted

@@ -1,0 +1,257 @@
+"""LoRA and DoRA adapters (mimo.parallel.lora) on the TP linear layers against plain torch.
+
+Rank functions build a TP group on the shared 4-rank pool (ranks >= tp sit out and return
+None), build the layer at that tp and at one process from the same seeds, and compare the
+tp layer (fp32) with a float64 plain-torch reference computed from the one-process layer's full
+tensors: ``W' = W + s B A`` (LoRA) or ``m * W' / ||W'||_row`` with the norm detached (DoRA, as
+PEFT), ``y = x W'^T + b``. The adapters' B and DoRA's magnitude are randomised (a seeded full
+tensor, sliced per placement) so every path of the adapter carries weight. Gradients are read
+after ``reduce_partial_grads`` (what training's once-per-step sum of partial gradients does).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mimo.core.errors import ConfigError
+from mimo.core.testing import rel_err
+from mimo.parallel.context import ParallelContext
+from mimo.parallel.grid import ParallelGrid
+from mimo.parallel.init import param_seed
+from mimo.parallel.layers import ColumnParallelLinear, FusedColumnParallelLinear, RowParallelLinear
+from mimo.parallel.lora import LoraSpec, attach, init_magnitudes_
+from mimo.parallel.params import full_tensors, load_full_, param_table, reduce_partial_grads
+from mimo.parallel.placement import pad_to_multiple, replicated, shard_full, sharded
+
+TOL = 1e-5  # as tests/test_parallel.py (the reference here is float64)
+WORLD = 4
+TPS = [1, 2, 3]
+T_RAGGED = 13
+D_IN, D_OUT = 12, 18  # every size divisible by 2 and 3
+PARTS = {"q": 12, "k": 6, "v": 6}
+GROUPS = [("q",), ("k", "v")]
+RANK, ALPHA = 4, 8.0
+SCALE = ALPHA / RANK  # 2, the reference's own (not LoraSpec.scale): a wrong scale shows
+KINDS = ("column", "fused_groups", "fused_default", "row")
+
+_GRIDS: dict[int, ParallelGrid] = {}  # per worker process: groups made once per tp
+
+
+def _tp_group(tp: int):
+    """(group, tp_rank), or (None, None) on a rank outside the tp grid."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    grid = _GRIDS.setdefault(tp, ParallelGrid({"tp": tp}))
+    group = grid.group("tp")
+    if rank not in grid:
+        return None, None
+    return group, grid.coord(rank, "tp")
+
+
+def _gen(seed: int, *salt) -> torch.Generator:
+    return torch.Generator().manual_seed(param_seed(seed, "/".join(map(str, salt))))
+
+
+def _build(kind: str, ctx: ParallelContext, bias: bool, spec: LoraSpec, seed: int):
+    if kind == "column":
+        layer = ColumnParallelLinear(D_IN, D_OUT, bias, ctx)
+    elif kind == "row":
+        layer = RowParallelLinear(D_OUT, D_IN, bias, ctx)
+    else:
+        layer = FusedColumnParallelLinear(D_IN, PARTS, bias, ctx)
+    layer.init_weights(seed, std=0.3, bias_std=0.5)
+    names = attach(layer, spec, param_seed(seed, "lora"), GROUPS if kind == "fused_groups" else None)
+    return layer, names
+
+
+def _adapter_rows(kind: str, names: list[str]) -> dict[str, tuple[int, int]]:
+    """Each adapter's name under the layer -> the rows [lo, hi) of the full weight it covers."""
+    if not kind.startswith("fused"):
+        return {"lora": (0, D_IN if kind == "row" else D_OUT)}
+    offsets, start = {}, 0
+    for p, n in PARTS.items():
+        offsets[p] = (start, start + n)
+        start += n
+    out = {}
+    for name in names:
+        parts = name.removeprefix("lora.").split("_")
+        out[name] = (offsets[parts[0]][0], offsets[parts[-1]][1])
+    return out
+
+
+def _ref_weight(W, leaves, rows, dora: bool):
+    """The effective full weight ``W'`` (float64, differentiable in every leaf)."""
+    pieces, start = [], 0
+    for name, (lo, hi) in sorted(rows.items(), key=lambda kv: kv[1]):
+        pieces.append(W[start:lo])
+        merged = W[lo:hi] + SCALE * leaves[f"{name}.lora_B"] @ leaves[f"{name}.lora_A"]
+        if dora:
+            merged = leaves[f"{name}.lora_magnitude"][:, None] * merged / merged.norm(dim=1, keepdim=True).detach()
+        pieces.append(merged)
+        start = hi
+    pieces.append(W[start:])
+    return torch.cat(pieces)
+
+
+def _case(tp: int, kind: str, sp: bool, bias: bool, dora: bool, seed: int, group, r: int):
+    """One layer: {check: rel_err} and [names of exact checks that failed]."""
+    errs, bad = {}, []
+    spec = LoraSpec(RANK, ALPHA, dora=dora)
+    layer, names = _build(kind, ParallelContext.for_tp(group, sequence_parallel=sp), bias, spec, seed)
+    one, one_names = _build(kind, ParallelContext.for_tp(None), bias, spec, seed)
+    assert names == one_names and layer.sequence_parallel == (sp and tp > 1)
+    table = param_table(layer)
+    full = {n: p.detach().clone() for n, p in one.named_parameters()}
+    assert set(full) == set(table), (sorted(full), sorted(table))
+
+    # layout-independent init: every local tensor is its slice of the one-process one; B = 0
+    for n, info in table.items():
+        if n.endswith("lora_magnitude"):
+            continue  # set from the base weight below
+        if not torch.equal(info.param.detach(), shard_full(full[n], info.placement, info.sizes, info.coords)):
+            bad.append(f"init:{n}")
+        if n.endswith("lora_B") and info.param.detach().abs().sum() != 0:
+            bad.append(f"init_B_zero:{n}")
+
+    # randomise B (a seeded full tensor, each rank its slice), then DoRA's magnitude
+    g = _gen(seed, "B")
+    for n in table:
+        if n.endswith("lora_B"):
+            full[n] = 0.5 * torch.randn(full[n].shape, generator=g)
+    load_full_(table, full, strict=False)
+    rows = _adapter_rows(kind, names)
+    W64 = full["weight"].double()
+    if dora:
+        init_magnitudes_(layer)
+        got = full_tensors(table)
+        for name, (lo, hi) in rows.items():
+            want = (W64[lo:hi] + SCALE * full[f"{name}.lora_B"].double() @ full[f"{name}.lora_A"].double()).norm(dim=1)
+            errs[f"init_magnitude:{name}"] = rel_err(got[f"{name}.lora_magnitude"], want)
+            full[f"{name}.lora_magnitude"] = (want * (0.5 + torch.rand(hi - lo, generator=g, dtype=torch.float64))).float()
+        load_full_(table, full, strict=False)
+
+    # the reference, float64
+    T = pad_to_multiple(T_RAGGED, tp) if sp else T_RAGGED
+    n_in = layer.in_features
+    n_out = sum(PARTS.values()) if kind.startswith("fused") else layer.out_features
+    gx = _gen(seed, "x")
+    X, dY = torch.randn(T, n_in, generator=gx), torch.randn(T, n_out, generator=gx)
+    leaves = {n: t.double().requires_grad_(True) for n, t in full.items()}
+    Xr = X.double().requires_grad_(True)
+    Yr = F.linear(Xr, _ref_weight(leaves["weight"], leaves, rows, dora), leaves.get("bias"))
+    Yr.backward(dY.double())
+
+    # the layer at tp
+    if kind == "row":
+        x = X.chunk(tp, -1)[r].clone().requires_grad_(True)  # input_is_parallel
+        want_dx = Xr.grad.chunk(tp, -1)[r]
+    else:
+        x = (X.chunk(tp, 0)[r] if layer.sequence_parallel else X).clone().requires_grad_(True)
+        want_dx = Xr.grad.chunk(tp, 0)[r] if layer.sequence_parallel else Xr.grad
+    y = layer(x)
+    if kind == "row":
+        ys = [y]
+        if layer.sequence_parallel:
+            wants, dys = [Yr.chunk(tp, 0)[r]], [dY.chunk(tp, 0)[r]]
+        else:
+            wants, dys = [Yr], [dY]
+    elif kind == "column":
+        ys, wants, dys = [y], [Yr.chunk(tp, -1)[r]], [dY.chunk(tp, -1)[r]]
+    else:
+        ys = list(y)
+        sizes = list(PARTS.values())
+        wants = [p.chunk(tp, -1)[r] for p in Yr.split(sizes, -1)]
+        dys = [p.chunk(tp, -1)[r] for p in dY.split(sizes, -1)]
+    for i, (got, want) in enumerate(zip(ys, wants)):
+        errs[f"out{i}"] = rel_err(got, want)
+    torch.autograd.backward(ys, dys)
+    reduce_partial_grads(table)
+    errs["dx"] = rel_err(x.grad, want_dx)
+    for n, got in full_tensors(table, grads=True).items():
+        errs[f"d:{n}"] = rel_err(got, leaves[n].grad)
+    return errs, bad
+
+
+def _lora_case(tp: int, seed: int, kinds=KINDS):
+    group, r = _tp_group(tp)
+    if r is None:
+        return None
+    errs, bad = {}, []
+    for kind in kinds:
+        for sp in ((False, True) if tp > 1 else (False,)):
+            for dora in (False, True):
+                bias = sp != dora  # bias on and off, with LoRA and with DoRA (outside DoRA's scaling)
+                tag = f"{kind},sp={sp},bias={bias},dora={dora}"
+                e, b = _case(tp, kind, sp, bias, dora, param_seed(seed, tag), group, r)
+                errs.update({f"{tag}:{k}": v for k, v in e.items()})
+                bad += [f"{tag}:{k}" for k in b]
+    return {"errs": errs, "bad": bad}
+
+
+# --------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("tp", TPS)
+def test_lora_layers_match_one_process(pools, tp):
+    results = pools(WORLD).run(_lora_case, tp, 500 + tp)
+    active = [x for x in results if x is not None]
+    assert len(active) == tp
+    for rank, res in enumerate(active):
+        assert not res["bad"], f"rank {rank}: differs from the one-process init: {res['bad']}"
+        worst = max(res["errs"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= TOL, f"rank {rank}: {worst[0]}: rel err {worst[1]:.3e} > {TOL:.0e}"
+        # every kind, layout and adapter path was checked, gradients of every adapter weight included
+        assert any(k.endswith("lora.k_v.lora_magnitude") for k in res["errs"])
+        assert any(k.endswith("d:lora.lora_A") for k in res["errs"])
+        assert any("bias=True,dora=True" in k for k in res["errs"]) and any("bias=False" in k for k in res["errs"])
+        assert any("sp=True" in k for k in res["errs"]) == (tp > 1)
+
+
+def test_attach_refuses_non_consecutive_groups():
+    spec = LoraSpec(RANK, ALPHA)
+    for groups in ([("q", "v")], [("k", "q")]):
+        layer = FusedColumnParallelLinear(D_IN, PARTS, False, None)
+        with pytest.raises(ValueError, match="consecutive"):
+            attach(layer, spec, 0, groups)
+    for groups in ([("q",), ("q", "k")], [("v",), ("v",)]):  # a part takes one adapter
+        layer = FusedColumnParallelLinear(D_IN, PARTS, False, None)
+        with pytest.raises(ValueError, match="overlap"):
+            attach(layer, spec, 0, groups)
+    head = ColumnParallelLinear(D_IN, 37, False, ParallelContext.plan(ParallelGrid({"tp": 2})), pad_out_features=True)
+    with pytest.raises(ConfigError, match="padded"):
+        attach(head, spec, 0)
+    with pytest.raises(ConfigError, match="rank"):
+        LoraSpec(0, ALPHA)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_param_table_lists_adapters_with_placements(tp):
+    """At tp (a planning context: shapes and placements, no groups) param_table lists each
+    adapter weight with its placement: split as the base weight, partial where its gradient is."""
+    ctx = ParallelContext.plan(ParallelGrid({"tp": tp}))
+    r, part = RANK, ("tp",) if tp > 1 else ()
+
+    def split(shape, dim, parts=()):
+        return sharded(shape, dim, parts=parts) if tp > 1 else replicated(shape)
+
+    want = {
+        "column": {"lora.lora_A": replicated((r, D_IN), part), "lora.lora_B": split((D_OUT, r), 0),
+                   "lora.lora_magnitude": split((D_OUT,), 0)},
+        "row": {"lora.lora_A": split((r, D_OUT), 1), "lora.lora_B": replicated((D_IN, r), part),
+                "lora.lora_magnitude": replicated((D_IN,), part)},
+        "fused_groups": {"lora.q.lora_A": replicated((r, D_IN), part), "lora.q.lora_B": split((12, r), 0),
+                         "lora.q.lora_magnitude": split((12,), 0),
+                         "lora.k_v.lora_A": replicated((r, D_IN), part),
+                         "lora.k_v.lora_B": split((12, r), 0, (6, 6)), "lora.k_v.lora_magnitude": split((12,), 0, (6, 6))},
+        "fused_default": {f"lora.{p}.{w}": pl for p, n in PARTS.items() for w, pl in (
+            ("lora_A", replicated((r, D_IN), part)), ("lora_B", split((n, r), 0)), ("lora_magnitude", split((n,), 0)))},
+    }
+    for kind, expected in want.items():
+        layer, names = _build(kind, ctx, True, LoraSpec(RANK, ALPHA, dora=True), 3)
+        table = param_table(layer)
+        assert sorted(names) == sorted({n.rpartition(".")[0] for n in expected}), (kind, names)
+        got = {n: info.placement for n, info in table.items() if ".lora_" in n}
+        assert got == expected, kind
+        for n, info in table.items():
+            assert tuple(info.param.shape) == info.placement.local_shape({"tp": tp}), (kind, n)
+        assert [n for n in table if ".lora_" not in n] == (["weight", "bias"])
