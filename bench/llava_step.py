@@ -297,9 +297,10 @@ def fp8_gains(res: dict) -> None:
 
 def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "configs/llava-1.3b.yaml", tiny: list[str] = TINY,
          baselines=BASELINE_CANDIDATES, baseline_configs: str = "eager,sdpa,flex_attention",
-         baseline_env: tuple[str, ...] = ()) -> dict:
+         baseline_env: tuple[str, ...] = (), quiet: bool = False) -> dict:
     """The bench (see module doc); ``bench/llava_moe_step.py`` runs it with its own model,
-    anchor and tiny model."""
+    anchor and tiny model; ``bench/moe_llm_step.py`` with ``quiet`` (no JSON line printed: it
+    prints its own)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="config key=value overrides")
     parser.add_argument("--config", default=str(config_path))
@@ -402,7 +403,8 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
             r["ratio_tokens_per_s"] = r["real_tokens_per_s"] / baseline["real_tokens_per_s"]
         res[name] = r
     fp8_gains(res)
-    print(json.dumps(res))
+    if not quiet:
+        print(json.dumps(res))
     return res
 
 
