@@ -156,9 +156,9 @@ def set_recompute(model, mode: str) -> None:
     """``train.recompute = mode`` on a built model: the LLM stage's layers and each tower's blocks."""
     if mode not in ("none", "selective", "full"):
         raise SystemExit(f"unknown recompute mode {mode!r} (none, selective, full)")
-    if model.stage is not None:
-        model.stage.set_recompute(mode)
-    for part in model.encoders.values():
+    if model.llm.module is not None:
+        model.llm.module.set_recompute(mode)
+    for part in model.encoder_parts:
         if part.module is not None:
             part.module.tower.set_recompute(mode)
 

@@ -70,7 +70,6 @@ def predict(config) -> dict:
     from mimo.encoders.model import VisionEncoder
     from mimo.llm.model import LLMStage
     from mimo.parallel.context import ParallelContext
-    from mimo.parallel.params import param_table
 
     arch = config.llm.arch
     bf16 = config.train.precision.startswith("bf16")
@@ -88,7 +87,7 @@ def predict(config) -> dict:
                                    gtp=par.gtp, egtp=par.egtp if expert is not None else 1)
         with torch.device("meta"):
             module = LLMStage(arch, ctx) if name == config.llm_name else VisionEncoder(m, arch.hidden, ctx)
-        table = module.param_table() if name == config.llm_name else param_table(module, ctx=ctx)
+        table = module.param_table()
         sums = {"params": 0, "grads": 0, "optimizer": 0}
         for info in table.values():
             p = info.param
@@ -115,8 +114,8 @@ def _measure_rank(config_path: str, overrides: list[str]) -> dict:
     from mimo.training.step import train_step
 
     run = build_run(load_config(config_path, overrides), dist.get_rank())
-    params = sum(p.numel() * p.element_size() for part in (run.model.stage, *[e.module for e in run.model.encoders.values()])
-                 if part is not None for p in part.parameters())
+    params = sum(p.numel() * p.element_size() for part in run.model.parts if part.module is not None
+                 for p in part.module.parameters())
     grads = sum(b.flat.numel() * b.flat.element_size() for b in run.model.grad_sync._all)
     seen: dict[int, int] = {}
 

@@ -482,7 +482,7 @@ def run_mimo(config, plan: BenchPlan, samples: list[Sample], ids, pad_id: int, d
     feeds = [dataclasses.replace(f, pixel_dtype=torch.uint8) for f in encoder_feeds(config, model.encoder_grids())]
     (feed,) = feeds
     reader = BenchReader(samples, feed, ids, pad_id)
-    pipeline = DataPipeline(plan, text_spec(config), model.llm_grid, model.llm_ctx.sequence_parallel, feeds,
+    pipeline = DataPipeline(plan, text_spec(config), model.llm.grid, model.llm.ctx.sequence_parallel, feeds,
                             config.train.micro_batches, config.data.workers, config.data.prefetch, model.rank,
                             make_reader=lambda: reader, device=model.device, ahead=True, mrope=True)
     pipeline.last_step = steps

@@ -74,7 +74,7 @@ def main(argv=None) -> dict:
         setattr(grad_sync, name, timed(f"grad_sync.{name}", getattr(grad_sync, name)))
     for module, opt in run.optimizers.items():
         opt.step = timed(f"optimizer.{module}", opt.step)
-    for part in run.model.encoders.values():
+    for part in run.model.encoder_parts:
         if part.module is not None:
             part.module.forward = timed("encoder.forward", part.module.forward)
     step = [0]

@@ -19,6 +19,7 @@ from typing import ClassVar, Literal, Mapping
 
 from mimo.core.errors import ConfigError, MimoError
 from mimo.parallel.grid import ParallelConfig
+from mimo.parallel.lora_config import LoraConfig
 from mimo.core.schema import at_least, join_path, tp_divides
 
 EncoderPart = Literal["tower", "projector"]
@@ -255,9 +256,14 @@ def encoder_parallel_problems(par: ParallelConfig, pkey) -> list[str]:
     return problems
 
 
-def _freeze_problems(freeze: list, path: str) -> list[str]:
+def _freeze_problems(freeze: list, path: str, lora: LoraConfig | None = None, gtp: int = 1) -> list[str]:
     repeated = sorted({p for p in freeze if freeze.count(p) > 1})
-    return [f"{join_path(path, 'freeze')}: {', '.join(repeated)} listed more than once"] if repeated else []
+    out = [f"{join_path(path, 'freeze')}: {', '.join(repeated)} listed more than once"] if repeated else []
+    if lora is not None and "tower" in freeze:
+        out.append(f"{join_path(path, 'lora')}: the tower's adapters cannot train in a frozen tower (freeze: [tower]); drop one")
+    if lora is not None and gtp > 1:
+        out.append(f"{join_path(path, 'lora')}: adapters on GTP-sharded weights are not built (parallel.gtp: 1)")
+    return out
 
 
 @dataclass
@@ -272,6 +278,7 @@ class EncoderModuleConfig:
     feature_layer: int | Literal["post_norm"] = -2
     drop_class_token: bool = True  # LLaVA feeds the patch rows only; no effect without a [CLS] token
     freeze: list[EncoderPart] = field(default_factory=list)
+    lora: LoraConfig | None = None  # low-rank adapters on the tower, its base weights frozen (mimo.parallel.lora)
     lr: float | None = None  # this module's AdamW learning rate (None: train.lr)
     weight_decay: float | None = None  # None: train.weight_decay
     # activation recompute of this module (mimo.parallel.recompute); None: train.recompute / recompute_layers
@@ -312,7 +319,7 @@ class EncoderModuleConfig:
             )
         if not self.placeholder.strip():
             problems.append(f"{join_path(path, 'placeholder')}: must not be empty")
-        return problems + _freeze_problems(self.freeze, path)
+        return problems + _freeze_problems(self.freeze, path, self.lora, self.parallel.gtp)
 
 
 # ---------------------------------------------------------------- kind: qwen3_vl
@@ -407,6 +414,7 @@ class NativeEncoderModuleConfig:
     vision_start: str = "<|vision_start|>"
     vision_end: str = "<|vision_end|>"
     freeze: list[Literal["tower"]] = field(default_factory=list)  # "tower": the whole tower, mergers included
+    lora: LoraConfig | None = None  # low-rank adapters on the tower, its base weights frozen (mimo.parallel.lora)
     lr: float | None = None  # this module's AdamW learning rate (None: train.lr)
     weight_decay: float | None = None  # None: train.weight_decay
     # activation recompute of the tower's blocks (mimo.parallel.recompute); None: train.recompute / recompute_layers
@@ -445,4 +453,4 @@ class NativeEncoderModuleConfig:
             if not self.video_placeholder.strip() or self.video_placeholder == self.placeholder:
                 problems.append(f"{join_path(path, 'video_placeholder')}: must be a text of its own (not empty, not the "
                                 f"image placeholder {self.placeholder!r})")
-        return problems + _freeze_problems(self.freeze, path)
+        return problems + _freeze_problems(self.freeze, path, self.lora, self.parallel.gtp)

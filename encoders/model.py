@@ -27,6 +27,7 @@ from mimo.encoders.vit import VisionTransformer
 from mimo.encoders.weights import ImportedWeights
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.init import param_seed
+from mimo.parallel.params import ParamInfo, param_table
 
 __all__ = ["VisionEncoder", "NativeVisionEncoder", "load_pretrained", "build_encoder"]
 
@@ -64,6 +65,9 @@ class VisionEncoder(nn.Module):
     @property
     def rows_per_image(self) -> int:
         return self.tower.rows_per_image
+
+    def param_table(self) -> dict[str, ParamInfo]:
+        return param_table(self)
 
     def init_weights(self, seed: int) -> None:
         """Random TP-invariant init of both parts, then the configured checkpoint if any."""
@@ -103,6 +107,9 @@ class NativeVisionEncoder(nn.Module):
         if self.tower_frozen:
             self.tower.requires_grad_(False)
         self.imported: ImportedWeights | None = None  # the Hugging Face tower it loaded (its config.json in meta)
+
+    def param_table(self) -> dict[str, ParamInfo]:
+        return param_table(self)
 
     def init_weights(self, seed: int) -> None:
         """Random TP-invariant init (transformers' scheme), then ``init.hf`` if set."""

@@ -93,6 +93,22 @@ def balance_step(model: nn.Module, group=None) -> BalanceStats | None:
     return BalanceStats(layers, torch.stack(rows))
 
 
+class Balancer:
+    """``balance_step`` of one LLM stage as a once-per-step finaliser (``mimo.compose.model.
+    ModulePart``): ``reset()`` before the step's forwards (nothing but them counts), then called
+    after the optimizer's update; ``stats``: that update's."""
+
+    def __init__(self, stage: nn.Module, group=None):
+        self.stage, self.group = stage, group
+        self.stats: BalanceStats | None = None
+
+    def reset(self) -> None:
+        reset_accumulators(self.stage)
+
+    def __call__(self) -> None:
+        self.stats = balance_step(self.stage, self.group)
+
+
 def _update(router: Router, counts_E: torch.Tensor, qb_sum_E: torch.Tensor, qb_n: torch.Tensor,
             aux: torch.Tensor) -> torch.Tensor:
     """Apply one router's step update from its summed accumulators; its stats row."""

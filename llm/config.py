@@ -24,6 +24,7 @@ from typing import Literal
 
 from mimo.core.errors import ConfigError
 from mimo.parallel.grid import ParallelConfig
+from mimo.parallel.lora_config import LoraConfig
 from mimo.llm.pattern import LayerPattern, LayerSpec, layer_costs, parse_pattern
 from mimo.core.schema import at_least, join_path, tp_divides
 
@@ -403,6 +404,7 @@ class LLMModuleConfig:
     arch: HybridArch
     init: HybridInit = field(default_factory=HybridInit)
     freeze: bool = False  # true: the whole LLM is frozen (LLaVA stage 1 trains only projectors)
+    lora: LoraConfig | None = None  # low-rank adapters train, every base weight frozen (mimo.parallel.lora)
     lr: float | None = None  # this module's AdamW learning rate (None: train.lr)
     weight_decay: float | None = None  # None: train.weight_decay
     # activation recompute of this module (mimo.parallel.recompute); None: train.recompute / recompute_layers
@@ -423,6 +425,11 @@ class LLMModuleConfig:
         except ConfigError:
             return problems  # reported by HybridArch.validate
         problems += self._expert_layout_problems(pattern, pkey)
+        if self.lora is not None:
+            if self.freeze:
+                problems.append(f"{join_path(path, 'lora')}: a frozen LLM (freeze: true) trains no adapters; drop one")
+            if par.gtp > 1:
+                problems.append(f"{join_path(path, 'lora')}: adapters on GTP-sharded weights are not built (parallel.gtp: 1)")
         if par.pp >= 1:
             try:
                 first = {s.index for s in pattern.stages(par.pp)[0]}

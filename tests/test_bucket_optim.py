@@ -105,7 +105,7 @@ def _offload_case(config_path: str, overrides: list[str]) -> dict:
         where = {(s.master.device.type, s.master.is_pinned()) for opt in run.optimizers.values() if hasattr(opt, "states")
                  for s in opt.states}
         out[offload] = {"losses": losses, "where": sorted(where),
-                        "params": {n: p.detach().float().cpu() for n, p in run.model.stage.named_parameters()}}
+                        "params": {n: p.detach().float().cpu() for n, p in run.model.llm.module.named_parameters()}}
         run.close()
     return out
 

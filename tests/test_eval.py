@@ -97,7 +97,7 @@ def reference_rank(config_path: str, overrides: list[str], req: EvalRequest, sam
     index, _ = ensure_index(config, shards=req.shards)
     reader = SampleReader(index, text_spec(config), encoder_feeds(config))
     norm = PixelNorm(encoder_feeds(config)[0].image)  # the reader's bytes -> the encoder's numbers
-    vision, stage = model.encoders["vision"].module, model.stage
+    vision, stage = model.part("vision").module, model.llm.module
     rows = {"<image>": config.encoders["vision"].rows_per_image}
     loss_sum = loss_tokens = 0.0
     generated = {}

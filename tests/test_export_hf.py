@@ -100,7 +100,7 @@ def _mimo_forward(config_path: str, checkpoint: str) -> dict | None:
     try:
         load_checkpoint(run.model, checkpoint, rng=False)
         mb = run.pipeline.microbatch(0)
-        logits = run.model.stage.gather_logits(forward_only(run.model, mb, stage_runner(run.model)))
+        logits = run.model.llm.module.gather_logits(forward_only(run.model, mb, stage_runner(run.model)))
     finally:
         run.close()
     if dist.get_rank() != 0:

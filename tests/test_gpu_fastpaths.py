@@ -302,7 +302,7 @@ def test_cuda_graph_run_matches_the_compiled_run():
         run = build_run(load_config(str(path), tiny + [f"train.cuda_graphs={str(graphs).lower()}"]), 0, device=torch.device("cuda"))
         assert run.model.cuda_graphs is graphs
         losses = [train_step(run.model, run.pipeline, s, run.optimizers, run.policy).loss for s in range(1, 5)]
-        tower = next(iter(run.model.encoders.values())).module.tower
+        tower = run.model.encoder_parts[0].module.tower
         got[graphs] = (losses, {n: p.detach().float().cpu() for n, p in tower.named_parameters()})
         if graphs:
             assert not counters["inductor"]["cudagraph_skips"]

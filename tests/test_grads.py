@@ -179,8 +179,8 @@ def _tp_collectives_case(config_path, overrides, mutate):
             RMSNorm.forward = _old_rms_forward
         for frozen in (False, True):
             run = build_run(config, dist.get_rank(), policy=PrecisionPolicy.named("fp32"))
-            model, tp = run.model, run.model.llm_ctx.tp
-            partial = [i.param for i in model.stage.param_table().values() if i.partial_groups]
+            model, tp = run.model, run.model.llm.ctx.tp
+            partial = [i.param for i in model.llm.module.param_table().values() if i.partial_groups]
             optimizers = run.optimizers
             if frozen:
                 for p in partial:
@@ -191,7 +191,7 @@ def _tp_collectives_case(config_path, overrides, mutate):
                 optimizers = build_optimizers(model.train_params(), *config.optimizer_settings(), policy=run.policy)
             else:
                 out["partial_params"] = len(partial)
-                out["partial_norms"] = sum(isinstance(m, RMSNorm) and m.partial for m in model.stage.modules())
+                out["partial_norms"] = sum(isinstance(m, RMSNorm) and m.partial for m in model.llm.module.modules())
                 out["tp_buckets"] = sum(len(b.partial_groups) for bs in model.grad_sync.partial_buckets.values() for b in bs)
             count = [0]
 

@@ -56,7 +56,7 @@ def _stage_case(config_path: str, overrides: list[str]) -> dict:
     from mimo.data.pack import PackItem, pack
 
     model = MimoModel(load_config(config_path, overrides), dist.get_rank())
-    stage, chain = model.stage, model.llm_ctx.gtp_chain
+    stage, chain = model.llm.module, model.llm.ctx.gtp_chain
     sizes = {n: p.numel() for n, p in stage.named_parameters()}
     split = sorted(n for n, p in stage.named_parameters() if getattr(p, "gtp", None) is not None)
     traces = []

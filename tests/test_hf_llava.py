@@ -346,7 +346,7 @@ def _full_params_from(config_path: str, checkpoint: str) -> dict:
     model = MimoModel(load_config(config_path), dist.get_rank())
     load_checkpoint(model, checkpoint, rng=False)
     full = model.full_params()  # collective over each TP group
-    grids = {name: part.grid for name, part in model.encoders.items()} | {model.llm_name: model.llm_grid}
+    grids = {part.name: part.grid for part in model.parts}
     return {name: t for name, t in full.items() if all(v == 0 for k, v in grids[name].coords(model.rank).items() if k != "pp")}
 
 

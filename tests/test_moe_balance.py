@@ -267,9 +267,9 @@ def moe_configs(tmp_path_factory, write_moe_configs):
 
 
 def _biases(model) -> dict[int, torch.Tensor]:
-    if model.stage is None:
+    if model.llm.module is None:
         return {}
-    return {i: r.expert_bias.clone() for i, r in find_routers(model.stage).items()}
+    return {i: r.expert_bias.clone() for i, r in find_routers(model.llm.module).items()}
 
 
 def _train(config, steps, run=None):

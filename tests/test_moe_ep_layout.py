@@ -178,8 +178,8 @@ def _sources(info, model) -> list[int]:
     """Whose data this rank's copy sees (see module doc): experts on the expert view, the ranks
     of its expert-model-parallel group (one edp coordinate, this stage); a dense parameter its
     own replica (its cp, dp coordinates) and, where its gradient is partial over tp, its tp one."""
-    grid, rank = model.llm_grid, model.rank
-    if info.view is model.llm_ctx.expert:
+    grid, rank = model.llm.grid, model.rank
+    if info.view is model.llm.ctx.expert:
         ev = info.view.grid
         mine = ev.coords(rank)
         return [r for r in ev.ranks if ev.coords(r)["edp"] == mine["edp"] and ev.coords(r)["pp"] == mine["pp"]]
@@ -191,7 +191,7 @@ def _toy_loss(model) -> torch.Tensor:
     """``sum_s  A_s * w^2`` over this rank's LLM shards, ``A_s`` each source's full tensor sliced
     by the parameter's placement (a stand-in for the dispatched MoE forward: see module doc)."""
     total = torch.zeros((), dtype=torch.float64)
-    for name, info in model.stage.param_table().items():
+    for name, info in model.llm.module.param_table().items():
         for s in _sources(info, model):
             a = shard_full(_data(name, info.placement.full_shape, s), info.placement, info.sizes, info.coords)
             total = total + (a * info.param.double() ** 2).sum()
@@ -204,13 +204,13 @@ def _grad_case(overrides: list[str]) -> dict:
     from mimo.training.optim import GradSync, global_grad_norm
 
     model = _build(overrides)
-    params = [p for p in model.train_params() if p.module == model.llm_name]
+    params = [p for p in model.train_params() if p.module == model.llm.name]
     sync = GradSync(params)
     sync.zero_grad()
     _toy_loss(model).backward()
     sync.finish()
     norm = global_grad_norm(params, "cpu")
-    table = model.stage.param_table()
+    table = model.llm.module.param_table()
     groups = {n: (None if g is None else dist.get_process_group_ranks(g))
               for n, g in ((p.name, p.dp_group) for p in params)}
     from mimo.parallel.params import full_tensors
@@ -218,9 +218,9 @@ def _grad_case(overrides: list[str]) -> dict:
     shapes = {n: tuple(i.param.shape) for n, i in table.items()}
     partial = {n: i.placement.partial for n, i in table.items()}
     owners = {n: i.is_owner for n, i in table.items()}
-    experts = next(m for m in model.stage.modules() if type(m).__name__ == "GroupedExperts")
+    experts = next(m for m in model.llm.module.modules() if type(m).__name__ == "GroupedExperts")
     return {"weights": full_tensors(table), "grads": full_tensors(table, grads=True), "norm": float(norm), "groups": groups,
-            "shapes": shapes, "owners": owners, "partial": partial, "pp": model.llm_ctx.pp_rank,
+            "shapes": shapes, "owners": owners, "partial": partial, "pp": model.llm.ctx.pp_rank,
             "local_experts": (experts.first_expert, experts.local_experts)}
 
 
@@ -236,7 +236,7 @@ def _reference_weights(overrides: list[str]) -> dict:
     for module in config.modules.values():
         module.parallel = dataclasses.replace(module.parallel, tp=1, cp=1, dp=1, pp=1, ep=1, etp=None, ranks="0:1",
                                               sequence_parallel=False)
-    return full_tensors(MimoModel(config, 0).stage.param_table())
+    return full_tensors(MimoModel(config, 0).llm.module.param_table())
 
 
 def _reference(pools, overrides: list[str], cache={}) -> dict:
@@ -354,7 +354,7 @@ def _ckpt_case(overrides: list[str], root: str) -> dict:
         return model, build_optimizers(model.train_params(), *model.config.optimizer_settings())
 
     model, optimizers = built([])
-    params = [p for p in model.train_params() if p.module == model.llm_name]
+    params = [p for p in model.train_params() if p.module == model.llm.name]
     sync = GradSync(params)
     sync.zero_grad()
     _toy_loss(model).backward()
@@ -369,7 +369,7 @@ def _ckpt_case(overrides: list[str], root: str) -> dict:
     from mimo.parallel.params import full_tensors
 
     return {"path": path, "before": before, "mismatch": _differ(want, _state(other, other_opts)),
-            "full": full_tensors(model.stage.param_table())}
+            "full": full_tensors(model.llm.module.param_table())}
 
 
 @pytest.mark.parametrize("name", ["ep4 etp1 (EP > DP, edp 1)", "ep2 etp1 (edp 2)", "ep2 etp2 (edp 1)"])

@@ -273,9 +273,9 @@ def _delivered_pack(config_path: str, overrides: list[str]) -> dict:
             # the bridge was planned with the microbatch, on the data thread: as the runner would
             from mimo.training.schedule_run import image_bridge_plans
 
-            src, dst, plans = image_bridge_plans(mb.arrays, "<image>", 0, 64 * 2, run.model.encoders["vision"].grid,
-                                                 mb.encoder_blocks["vision"], run.model.llm_grid, mb.llm_blocks,
-                                                 run.model.llm_ctx.sequence_parallel, dist.get_rank())
+            src, dst, plans = image_bridge_plans(mb.arrays, "<image>", 0, 64 * 2, run.model.part("vision").grid,
+                                                 mb.encoder_blocks["vision"], run.model.llm.grid, mb.llm_blocks,
+                                                 run.model.llm.ctx.sequence_parallel, dist.get_rank())
             got = mb.bridge_plans["vision"]
             out.append(got[0].to_placement() == src.to_placement() and got[1].to_placement() == dst.to_placement()
                        and all(repr(a) == repr(b) for a, b in zip(got[2], plans)))

@@ -149,7 +149,7 @@ def _trace_case(config_path, overrides):
     run = build_run(config, dist.get_rank(), policy=PrecisionPolicy.named("fp32"))
     result = train_step(run.model, run.pipeline, 1, run.optimizers, trace=True)
     run.close()
-    stage = run.model.llm_grid.coords(dist.get_rank())["pp"] if run.model.stage is not None else None
+    stage = run.model.llm.grid.coords(dist.get_rank())["pp"] if run.model.llm.module is not None else None
     return stage, result.trace
 
 
@@ -443,11 +443,11 @@ def _tables_per_step_case(config_path, overrides):
     model = run.model
     train_step(model, run.pipeline, 1, run.optimizers, run.policy)
     count, marks = [0], [0]
-    real_table, real_params = model_module.param_table, type(model).train_params
+    real_table, real_params = model_module.ModulePart.param_table, type(model).train_params
     real_mark = torch.compiler.cudagraph_mark_step_begin
     model.cuda_graphs = True  # as train.cuda_graphs sets it (the blocks themselves run as built)
     torch.compiler.cudagraph_mark_step_begin = lambda: marks.__setitem__(0, marks[0] + 1)
-    stage_cls = type(model.stage) if model.stage is not None else None
+    stage_cls = type(model.llm.module) if model.llm.module is not None else None
     real_stage_table = stage_cls.param_table if stage_cls is not None else None
 
     def counting(fn):
@@ -456,14 +456,14 @@ def _tables_per_step_case(config_path, overrides):
             return fn(*args, **kwargs)
         return wrapped
 
-    model_module.param_table = counting(real_table)
+    model_module.ModulePart.param_table = counting(real_table)
     type(model).train_params = counting(real_params)
     if stage_cls is not None:
         stage_cls.param_table = counting(real_stage_table)
     try:
         result = train_step(model, run.pipeline, 2, run.optimizers, run.policy)
     finally:  # the pool's processes run later cases too
-        model_module.param_table, type(model).train_params = real_table, real_params
+        model_module.ModulePart.param_table, type(model).train_params = real_table, real_params
         torch.compiler.cudagraph_mark_step_begin = real_mark
         if stage_cls is not None:
             stage_cls.param_table = real_stage_table

@@ -147,7 +147,7 @@ def _mutant_case(config, overrides, steps, mutation):
 
     def doubling_step(*args, on_grads=None, **kwargs):
         def hook(model, norm):
-            p = next(p for p in model.stage.parameters() if p.grad is not None)
+            p = next(p for p in model.llm.module.parameters() if p.grad is not None)
             p.grad.mul_(2)
             fired.append(mutation)
             if on_grads is not None:

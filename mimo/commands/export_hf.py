@@ -318,6 +318,10 @@ def export_hf(checkpoint: str, out: str, llm_only: bool = False, max_shard_bytes
         raise MimoError(f"--out {out}: exists and is not an empty directory (choose a new one)")
     meta, full = gather_checkpoint(path)
     config = checkpoint_config(path, meta)
+    adapted = [name for name, m in config.modules.items() if m.lora is not None]
+    if adapted:  # its base weights are not in it (they come from each module's init)
+        raise MimoError(f"{path}: a LoRA checkpoint (modules {', '.join(adapted)} hold adapters only); exporting "
+                        f"adapters or a merged model is not built yet: export the base, or train without lora")
     llm = config.llm_name
     if llm not in full:
         raise CheckpointError(f"{path}: no tensors of the language model {llm!r}")

@@ -327,13 +327,13 @@ def load_llava_(model, w: LlavaWeights, encoder: str | None = None) -> None:
     """Load the weights into a built ``MimoModel`` on this rank: the tower and projector of
     ``encoder`` (default: the only encoder) and this rank's LLM stage."""
     encoder = check_fits(model.config, w, encoder)
-    module = model.encoders[encoder].module
+    module = model.part(encoder).module
     if module is not None:
         module.tower.load_weights_(w.vision)
         module.imported = w.vision
         module.projector.load_full_(w.projector.tower)
-    if model.stage is not None:
-        model.stage.load_full_(w.llm)
+    if model.llm.module is not None:
+        model.llm.module.load_full_(w.llm)
 
 
 # ---------------------------------------------------------------- `mimo import-hf-llava`

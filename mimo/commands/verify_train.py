@@ -89,7 +89,7 @@ def train_case(config_path: str, overrides: list[str], steps: int, reference: bo
         for group in opt.param_groups:
             group["eps"] = VERIFY_ADAM_EPS
     record = {"steps": []}
-    moe = dispatchers(model.stage) if model.stage is not None else []
+    moe = dispatchers(model.llm.module) if model.llm.module is not None else []
     for d in moe:  # count the independent minimum of every EP / ETP exchange beside what is sent
         d.audit = not reference
 
@@ -98,8 +98,7 @@ def train_case(config_path: str, overrides: list[str], steps: int, reference: bo
         full = model.full_grads()  # collective over each TP group
         mine = {}
         for name, tensors in full.items():
-            grid = model.llm_grid if name == model.llm_name else model.encoders[name].grid
-            if _reporter(model, grid):
+            if _reporter(model, model.part(name).grid):
                 mine[name] = tensors
         record["steps"][-1].update(grad_norm=norm, grads=_to_cpu(mine))
 
@@ -112,7 +111,7 @@ def train_case(config_path: str, overrides: list[str], steps: int, reference: bo
     full = model.full_params()
     record["params"] = _to_cpu({
         name: tensors for name, tensors in full.items()
-        if _reporter(model, model.llm_grid if name == model.llm_name else model.encoders[name].grid)
+        if _reporter(model, model.part(name).grid)
     })
     pipeline.close()
     record["moe_dispatch"] = {k: sum(getattr(d.stats, k) for d in moe if getattr(d, "audit", False))

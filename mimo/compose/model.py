@@ -4,40 +4,55 @@
 the run's ``GroupRegistry`` (one communicator per distinct rank set) and builds, in one fixed
 order, each module's ``ParallelContext`` (the LLM's first, then each encoder's), the
 tied-embedding groups and one group per encoder→LLM bridge over the union of their ranks;
-then the parts this rank runs: the encoders it belongs to (tower + projector; a ``kind:
+then the modules this rank runs: the encoders it belongs to (tower + projector; a ``kind:
 qwen3_vl`` encoder: the Qwen3-VL tower, ``mimo.encoders.model.NativeVisionEncoder``) and its LLM
-pipeline stage, each handed its context. Weights are initialised from ``train.seed`` by
-layout-independent names (each rank drawing only its shards), so any layout starts from the
-one-process model's weights; ``init`` sections then load timm / Hugging Face checkpoints.
+pipeline stage, each handed its context. Each module is a ``ModulePart`` of ``model.parts``
+(the LLM first, then the encoders in config order) on every rank, holding its module only
+where this rank is on its grid, and what it runs once per step (its finalisers), decided here.
+Weights are initialised from ``train.seed`` by layout-independent names (each rank drawing
+only its shards), so any layout starts from the one-process model's weights; ``init``
+sections then load timm / Hugging Face checkpoints.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Literal
 
 import torch
 
+from mimo.compose.adapters import adapt_encoder, adapt_llm
 from mimo.compose.config import Fp8Config, MimoConfig
 from mimo.core.errors import MimoError
-from mimo.encoders.model import NativeVisionEncoder, VisionEncoder, build_encoder
-from mimo.llm.model import LLMStage, build_stage, embedding_group
+from mimo.encoders.model import build_encoder
+from mimo.llm.balance import Balancer, find_routers
+from mimo.llm.model import LLMStage, build_stage, embedding_group, sync_tied_grads
 from mimo.llm.moe import set_dispatchers
 from mimo.parallel import gemm, param_seed
-from mimo.parallel.fp8 import apply_fp8, clear_fp8
+from mimo.parallel.fp8 import apply_fp8, clear_fp8, history_step
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.grid import GroupRegistry, ParallelGrid
-from mimo.parallel.params import TrainParam, param_table
+from mimo.parallel.params import ParamInfo, TrainParam
 
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.")  # an LLM layer's modules, by global index
 
 
 @dataclass
-class EncoderPart:
+class ModulePart:
+    """One module of the model (the LLM or an encoder) as this rank sees it."""
+
     name: str
+    role: Literal["llm", "encoder"]
     ctx: ParallelContext
-    bridge_group: object  # over encoder ∪ LLM ranks
-    module: VisionEncoder | NativeVisionEncoder | None  # None on ranks outside the encoder's grid
+    module: torch.nn.Module | None  # None on ranks outside the module's grid
+    trains: bool  # from the config, so known on every rank (a bridge runs backward or not)
+    bridge_group: object = None  # an encoder's: over encoder ∪ LLM ranks
+    # once per step on the summed gradients, before the norm: f(grad_sync) (a tied embedding's sum)
+    grad_finalisers: list[Callable] = field(default_factory=list)
+    # once per step after the optimizer's update, in order: MoE balancing, FP8 amax histories
+    finalisers: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def grid(self) -> ParallelGrid:
@@ -51,57 +66,123 @@ class EncoderPart:
     def dp_group(self):
         return self.ctx.grad_group
 
+    @property
+    def blocks(self) -> list[torch.nn.Module]:
+        """The module's repeated blocks on this rank: the LLM stage's layers, a tower's blocks."""
+        if self.module is None:
+            return []
+        return list(self.module.layers.values()) if self.role == "llm" else list(self.module.tower.blocks)
+
+    @property
+    def first_stage_copy(self) -> torch.nn.Parameter | None:
+        """The parameter here that mirrors the first pipeline stage's (a later LLM stage's copy of
+        a tied embedding): counted in the norm and written by the first stage only."""
+        if self.role != "llm" or self.module is None or self.module.is_first:
+            return None
+        return self.module.embedding_copy()
+
+    def param_table(self) -> dict[str, ParamInfo]:
+        """This rank's parameters of the module by layout-independent name."""
+        return self.module.param_table()
+
 
 class MimoModel:
     def __init__(self, config: MimoConfig, rank: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.config, self.rank = config, rank
         self.device = torch.device(device)  # this rank's compute device (also where nothing of it trains)
         llm_cfg = config.llm
-        self.llm_name = config.llm_name
         # ---- process groups: the same requests in the same order on every rank ----
         self.registry = registry = GroupRegistry()
         par = llm_cfg.parallel
         # the experts' own view (parallel folding) where they are laid out unlike the dense layers
-        self.llm_ctx = ParallelContext(par.grid(config.world_size, registry), rank, registry,
-                                       sequence_parallel=par.sequence_parallel, expert=llm_cfg.expert_layout(), gtp=par.gtp,
-                                       egtp=par.egtp if llm_cfg.expert_layout() is not None else 1)
-        self.llm_grid = self.llm_ctx.grid
-        self.llm_embedding_group = embedding_group(self.llm_ctx)
-        self.encoders: dict[str, EncoderPart] = {}
-        for name, enc in config.encoders.items():
-            ctx = ParallelContext(enc.parallel.grid(config.world_size, registry), rank, registry,
-                                  sequence_parallel=enc.parallel.sequence_parallel, gtp=enc.parallel.gtp)
-            bridge = registry.group(set(ctx.grid.ranks) | set(self.llm_grid.ranks), rank)
-            module = None
-            if ctx.member:
-                module = build_encoder(enc, llm_cfg.arch.hidden, ctx).to(device=device, dtype=dtype)
-                module.init_weights(param_seed(config.train.seed, name))
-                module.tower.set_recompute(*config.recompute_for(name))
-            self.encoders[name] = EncoderPart(name, ctx, bridge, module)
-        # the encoders' "trains" must be known on every rank (bridges run backward or not)
-        self.encoder_trains = {name: enc.trains for name, enc in config.encoders.items()}
-        self.stage: LLMStage | None = build_stage(llm_cfg.arch, self.llm_ctx)
-        if self.stage is not None:
-            self.stage.to(device=device, dtype=dtype)
-            self.stage.init_weights(param_seed(config.train.seed, self.llm_name))
-            if llm_cfg.init.hf:
-                from mimo.llm.hf import load_hf_checkpoint
-
-                load_hf_checkpoint(self.stage, llm_cfg.init.hf)
-            if llm_cfg.freeze:
-                self.stage.requires_grad_(False)
-            if config.train.moe_dispatcher == "deepep" and self.llm_ctx.expert is not None and self.device.type != "cuda":
-                raise MimoError("train.moe_dispatcher: deepep runs DeepEP's GPU kernels; this run is on the CPU "
-                                "(--device cuda with a GPU per rank, or alltoall)")
-            set_dispatchers(self.stage, config.train.moe_dispatcher)
-            self.stage.set_recompute(*config.recompute_for(self.llm_name))
+        llm_ctx = ParallelContext(par.grid(config.world_size, registry), rank, registry,
+                                  sequence_parallel=par.sequence_parallel, expert=llm_cfg.expert_layout(), gtp=par.gtp,
+                                  egtp=par.egtp if llm_cfg.expert_layout() is not None else 1)
+        tied_group = embedding_group(llm_ctx)
+        encoders = [self._encoder_part(name, llm_ctx, dtype) for name in config.encoders]
+        llm = ModulePart(config.llm_name, "llm", llm_ctx, self._llm_stage(llm_ctx, dtype), trains=not llm_cfg.freeze)
+        self.parts: list[ModulePart] = [llm, *encoders]
+        if llm.module is not None and llm.module.embedding_copy() is not None and tied_group is not None:
+            llm.grad_finalisers.append(partial(_sum_tied_embedding, llm.module, tied_group))
         self.fp8: Fp8Config | None = None  # train.fp8 as set on the modules (set_fp8)
+        self._set_finalisers()
         if config.train.fp8 is not None:
-            self.set_fp8(config.train.fp8)
+            self.set_fp8(config.train.fp8)  # (its finalisers too)
         # the run's gradient buffers (``mimo.training.optim.GradSync``), built once by the
         # training side on its first step and kept
         self.grad_sync = None
         self.cuda_graphs = False  # the vision blocks replay as CUDA graphs (mimo.training.run.compile_blocks)
+
+    def _encoder_part(self, name: str, llm_ctx: ParallelContext, dtype: torch.dtype) -> ModulePart:
+        config, registry, rank = self.config, self.registry, self.rank
+        enc = config.encoders[name]
+        ctx = ParallelContext(enc.parallel.grid(config.world_size, registry), rank, registry,
+                              sequence_parallel=enc.parallel.sequence_parallel, gtp=enc.parallel.gtp)
+        bridge = registry.group(set(ctx.grid.ranks) | set(llm_ctx.grid.ranks), rank)
+        module = None
+        if ctx.member:
+            module = build_encoder(enc, config.llm.arch.hidden, ctx).to(device=self.device, dtype=dtype)
+            module.init_weights(param_seed(config.train.seed, name))
+            adapt_encoder(module, enc, name, config.train.seed)  # (its lora section: after the base weights load)
+            module.tower.set_recompute(*config.recompute_for(name))
+        return ModulePart(name, "encoder", ctx, module, enc.trains, bridge)
+
+    def _llm_stage(self, ctx: ParallelContext, dtype: torch.dtype) -> LLMStage | None:
+        """This rank's LLM pipeline stage, initialised and loaded; None outside the LLM's grid."""
+        config, llm_cfg = self.config, self.config.llm
+        stage = build_stage(llm_cfg.arch, ctx)
+        if stage is None:
+            return None
+        stage.to(device=self.device, dtype=dtype)
+        stage.init_weights(param_seed(config.train.seed, config.llm_name))
+        if llm_cfg.init.hf:
+            from mimo.llm.hf import load_hf_checkpoint
+
+            load_hf_checkpoint(stage, llm_cfg.init.hf)
+        if llm_cfg.freeze:
+            stage.requires_grad_(False)
+        adapt_llm(stage, llm_cfg, config.llm_name, config.train.seed)  # (its lora section: after the base weights load)
+        if config.train.moe_dispatcher == "deepep" and ctx.expert is not None and self.device.type != "cuda":
+            raise MimoError("train.moe_dispatcher: deepep runs DeepEP's GPU kernels; this run is on the CPU "
+                            "(--device cuda with a GPU per rank, or alltoall)")
+        set_dispatchers(stage, config.train.moe_dispatcher)
+        stage.set_recompute(*config.recompute_for(config.llm_name))
+        return stage
+
+    def _set_finalisers(self) -> None:
+        """Each part's once-per-step work after the update, as its module and ``self.fp8`` need it."""
+        for part in self.parts:
+            part.finalisers = []
+            if part.module is None:
+                continue
+            if find_routers(part.module):  # each stage its own layers, counts summed over its gradient group
+                part.finalisers.append(Balancer(part.module, part.dp_group))
+            if self.fp8 is not None and self.fp8.recipe == "delayed":  # reduced over the ranks holding the same layers
+                part.finalisers.append(partial(history_step, part.module, (part.tp_group, part.dp_group)))
+
+    # ---- the parts ----
+    @property
+    def llm(self) -> ModulePart:
+        return self.parts[0]
+
+    @property
+    def encoder_parts(self) -> list[ModulePart]:
+        return self.parts[1:]
+
+    def part(self, name: str) -> ModulePart:
+        for part in self.parts:
+            if part.name == name:
+                return part
+        raise KeyError(name)
+
+    def encoder_grids(self) -> dict[str, ParallelGrid]:
+        return {part.name: part.grid for part in self.encoder_parts}
+
+    def _in_param_order(self) -> list[ModulePart]:
+        """The parts this rank holds, encoders before the LLM: the order of the run's parameter
+        table (its gradient buckets, the norm's sum, the optimizers; another would round the
+        norm differently)."""
+        return [p for p in [*self.encoder_parts, self.llm] if p.module is not None]
 
     def graph_step(self) -> None:
         """A new step of the CUDA-graphed blocks: outputs of the last one may be overwritten
@@ -114,72 +195,36 @@ class MimoModel:
         block (not patch embeddings, projectors, embeddings or the LM head); None: back to the
         run's precision everywhere."""
         self.fp8 = f8
-        parts = [(p.module.tower, p.ctx, lambda n: n.startswith("blocks.")) for p in self.encoders.values() if p.module is not None]
-        if self.stage is not None:
-            kept = f8.kept_layers(len(self.config.llm.arch.layer_pattern().layers)) if f8 is not None else set()
-            parts.append((self.stage, self.llm_ctx,
-                          lambda n: (m := _LAYER_NAME.match(n)) is not None and int(m.group(1)) not in kept))
-        for root, ctx, keep in parts:
+        self._set_finalisers()  # (the amax histories' step with delayed scaling)
+        kept = f8.kept_layers(len(self.config.llm.arch.layer_pattern().layers)) if f8 is not None else set()
+        for part in self.parts:
+            if part.module is None:
+                continue
+            if part.role == "llm":
+                root, keep = part.module, lambda n: (m := _LAYER_NAME.match(n)) is not None and int(m.group(1)) not in kept
+            else:
+                root, keep = part.module.tower, lambda n: n.startswith("blocks.")
             if f8 is None:
                 clear_fp8(root, gemm.default_recipe)
             else:
-                apply_fp8(root, f8.recipe, ctx, f8.amax_history, keep)
-
-    # the LLM's groups, as its context holds them
-    @property
-    def llm_tp(self):
-        return self.llm_ctx.tp
-
-    @property
-    def llm_dp(self):
-        return self.llm_ctx.grad_group
-
-    @property
-    def llm_pp(self):
-        return self.llm_ctx.pp
-
-    def encoder_grids(self) -> dict[str, ParallelGrid]:
-        return {name: part.grid for name, part in self.encoders.items()}
+                apply_fp8(root, f8.recipe, part.ctx, f8.amax_history, keep)
 
     def gtp_chains(self) -> list[tuple[str, object]]:
         """(module name, a GTP chain of it on this rank: ``mimo.parallel.gtp``) for each one."""
-        contexts = [(name, part.ctx) for name, part in self.encoders.items() if part.module is not None]
-        if self.stage is not None:
-            contexts.append((self.llm_name, self.llm_ctx))
-        return [(name, chain) for name, ctx in contexts for chain in (ctx.gtp_chain, ctx.egtp_chain) if chain is not None]
+        return [(part.name, chain) for part in self.parts if part.module is not None
+                for chain in (part.ctx.gtp_chain, part.ctx.egtp_chain) if chain is not None]
 
     def wait_roots(self, module: str) -> list[torch.nn.Module]:
         """The submodules of ``module`` on this rank whose forwards first use its weights, outer
         before inner: the LLM stage and its layers; an encoder and its tower's blocks (a sharded
         optimizer's weight gathers are waited for there)."""
-        if module == self.llm_name:
-            return [] if self.stage is None else [self.stage, *self.stage.layers.values()]
-        part = self.encoders[module].module
-        return [] if part is None else [part, *part.tower.blocks]
-
-    # ---- views ----
-    @property
-    def sequence_parallel(self) -> bool:
-        return self.stage.sequence_parallel if self.stage is not None else False
-
-    def coords(self, grid: ParallelGrid) -> dict[str, int]:
-        return grid.coords(self.rank)
+        part = self.part(module)
+        return [] if part.module is None else [part.module, *part.blocks]
 
     def train_params(self) -> list[TrainParam]:
         """Every local trainable parameter with its gradient group and whether this rank's copy
         counts in the norm (read from its placement: one copy of every element in the world)."""
-        out: list[TrainParam] = []
-        for name, part in self.encoders.items():
-            if part.module is not None:
-                out += _describe(name, param_table(part.module, ctx=part.ctx), part.ctx)
-        if self.stage is not None:
-            tied = self.stage.embedding_copy()
-            infos = _describe(self.llm_name, self.stage.param_table(), self.llm_ctx)
-            for info in infos:  # a tied embedding's last-stage copy is the same parameter: count it once
-                if tied is not None and info.param is tied and not self.stage.is_first:
-                    info.counts_in_norm = info.counts_in_shard_norm = False
-            out += infos
-        return out
+        return [p for part in self._in_param_order() for p in _describe(part)]
 
     def full_grads(self) -> dict[str, dict[str, torch.Tensor]]:
         """Full gradients by module and canonical name (collective over each TP group)."""
@@ -191,22 +236,25 @@ class MimoModel:
     def _full(self, grads: bool) -> dict[str, dict[str, torch.Tensor]]:
         from mimo.parallel.params import full_tensors
 
-        out = {}
-        for name, part in self.encoders.items():
-            if part.module is not None:
-                out[name] = full_tensors(param_table(part.module, ctx=part.ctx), grads=grads)
-        if self.stage is not None:
-            out[self.llm_name] = full_tensors(self.stage.param_table(), grads=grads)
-        return out
+        return {part.name: full_tensors(part.param_table(), grads=grads) for part in self._in_param_order()}
 
 
-def _describe(module_name: str, table, ctx: ParallelContext) -> list[TrainParam]:
+def _sum_tied_embedding(stage: LLMStage, group, grad_sync) -> None:
+    """The gradients of a tied embedding's first- and last-stage copies summed (``sync_tied_grads``)."""
+    grad_sync.gather_shards([stage.embedding_copy()])  # (sharded: the two copies' buckets are cut differently)
+    sync_tied_grads(stage, group)
+
+
+def _describe(part: ModulePart) -> list[TrainParam]:
     out = []
-    for name, info in table.items():
+    mirror = part.first_stage_copy  # the same parameter as the first stage's: counted once, there
+    for name, info in part.param_table().items():
         if not info.param.requires_grad:
             continue
         group = info.view.group("grad")
+        counted = info.param is not mirror
         # no weight decay on biases, norms and other vectors (the usual AdamW practice)
-        out.append(TrainParam(module_name, name, info.param, group, info.is_owner, info.param.dim() >= 2,
-                              partial_groups=info.partial_groups, counts_in_shard_norm=info.is_owner_but_data_parallel))
+        out.append(TrainParam(part.name, name, info.param, group, info.is_owner and counted, info.param.dim() >= 2,
+                              partial_groups=info.partial_groups,
+                              counts_in_shard_norm=info.is_owner_but_data_parallel and counted))
     return out

@@ -97,7 +97,7 @@ from mimo.compose.config import MimoConfig
 from mimo.compose.model import MimoModel
 from mimo.core.errors import CheckpointError
 from mimo.parallel.fp8 import fit_history
-from mimo.parallel.params import ParamInfo, param_table
+from mimo.parallel.params import ParamInfo
 from mimo.parallel.placement import replicated
 from mimo.training.bucket_optim import BucketAdamW, finish_updates
 from mimo.training.reshard import STATE_FIELDS, STATE_KIND, StoredModule
@@ -449,16 +449,15 @@ def _persistent_buffers(module: torch.nn.Module, ctx) -> dict[str, ParamInfo]:
 
 def _local_parts(model: MimoModel) -> list[_Part]:
     parts = []
-    for name, p in model.encoders.items():
-        if p.module is not None:
-            table = param_table(p.module, ctx=p.ctx)
-            table.update(_persistent_buffers(p.module, p.ctx))  # (FP8 amax histories)
-            parts.append(_Part(name, table))
-    if model.stage is not None:
-        table, tied = model.stage.param_table(), model.stage.embedding_copy()
-        table.update(_persistent_buffers(model.stage, model.llm_ctx))
-        copies = frozenset(n for n, info in table.items() if tied is not None and info.param is tied and not model.stage.is_first)
-        parts.append(_Part(model.llm_name, table, copies))
+    for part in model.parts:
+        if part.module is not None:
+            table = part.param_table()
+            if model.config.modules[part.name].lora is not None:
+                # adapters (and whatever else trains): the frozen base comes from the module's init again
+                table = {name: info for name, info in table.items() if info.param.requires_grad}
+            table.update(_persistent_buffers(part.module, part.ctx))  # (MoE router state, FP8 amax histories)
+            copy = part.first_stage_copy
+            parts.append(_Part(part.name, table, frozenset(n for n, info in table.items() if info.param is copy)))
     return parts
 
 

@@ -239,8 +239,8 @@ def _loss(model, runner, mb) -> tuple[float, float]:
     logits = forward_only(model, mb, runner)
     if logits is None:
         return 0.0, 0.0
-    losses = model.stage.token_losses(logits, mb.pack)  # a collective over TP
-    if model.llm_grid.coords(model.rank)["tp"] != 0:
+    losses = model.llm.module.token_losses(logits, mb.pack)  # a collective over TP
+    if model.llm.grid.coords(model.rank)["tp"] != 0:
         return 0.0, 0.0
     return float(losses.sum()), float(count_loss_tokens(mb.pack))
 
@@ -261,10 +261,10 @@ class Completer:
     def __init__(self, model, pipeline, runner, max_new_tokens: int, stop_id: int | None, cache: bool = False, pick=greedy):
         self.model, self.pipeline, self.runner, self.cache = model, pipeline, runner, cache
         self.max_new_tokens, self.stop_id, self.pick = max_new_tokens, stop_id, pick
-        grid, rank = model.llm_grid, model.rank
+        grid, rank = model.llm.grid, model.rank
         c = grid.coords(rank) if rank in grid else None
         self.dp = c["dp"] if c is not None else None
-        self.is_last_tp0 = c is not None and model.stage.is_last and c["tp"] == 0
+        self.is_last_tp0 = c is not None and model.llm.module.is_last and c["tp"] == 0
         self.block = range(0)  # this LLM rank's DP block of the microbatch being completed
         # sample -> its decode positions' offset (``rope_deltas``: M-RoPE's; 0 for 1-D positions), from the prefill
         self.deltas: dict[int, int] = {}
@@ -336,10 +336,10 @@ class Completer:
         if info is None:
             return batch
         model = self.model
-        tp = model.llm_ctx.tp_size
+        tp = model.llm.ctx.tp_size
         lens = [2 * info.cp * c for c in info.chunk_lens]
-        layout = PackLayout(tuple(lens), tp, info.cp, model.llm_ctx.sequence_parallel)
-        got = all_gather_along(torch.stack([batch.tokens, batch.loss_mask.long()]).cpu(), 1, model.llm_ctx.cp)
+        layout = PackLayout(tuple(lens), tp, info.cp, model.llm.ctx.sequence_parallel)
+        got = all_gather_along(torch.stack([batch.tokens, batch.loss_mask.long()]).cpu(), 1, model.llm.ctx.cp)
         order = torch.tensor([p for r in range(info.cp) for p in layout.cp_local_index(r)], dtype=torch.int64)
         tokens, mask = torch.empty_like(got).index_copy_(1, order, got)
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -374,11 +374,11 @@ class Completer:
             par = cfg.llm.parallel
             order = self._mine(active)
             items = [_item(mb.samples[i], tokens[i][: int(prompt[i])] + generated[i]) for i in order]
-            whole = pack(items, self.pipeline.rows_per_image, par.tp, par.cp, model.llm_ctx.sequence_parallel,
+            whole = pack(items, self.pipeline.rows_per_image, par.tp, par.cp, model.llm.ctx.sequence_parallel,
                          self.pipeline.pad_id, self.pipeline.mrope_merge)
             if cache is not None:
                 self.deltas = rope_deltas(whole, [lengths[i] for i in order], order)
-            cp_rank = model.llm_ctx.dense.coord("cp")
+            cp_rank = model.llm.ctx.dense.coord("cp")
             batch = cp_share(whole, cp_rank).to(model.device)  # packed on the CPU; the pixels are on the device already
         logits = forward_only(model, Microbatch(samples, llm_blocks, enc_blocks, batch, pixels), self.runner, cache)
         if logits is None:
@@ -388,7 +388,7 @@ class Completer:
             mine = list(enumerate(order))
             last = [cu[j] + lengths[i] - 1 for j, i in mine]
         else:  # each sample's last position lives on one CP rank: that rank answers for it
-            layout = PackLayout(tuple(lengths[i] for i in order), par.tp, par.cp, model.llm_ctx.sequence_parallel)
+            layout = PackLayout(tuple(lengths[i] for i in order), par.tp, par.cp, model.llm.ctx.sequence_parallel)
             where = [(j, i, layout.locate_cp(j, lengths[i] - 1)) for j, i in enumerate(order)]
             mine = [(j, i) for j, i, (c, _) in where if c == cp_rank]
             last = [local for _, _, (c, local) in where if c == cp_rank]
@@ -404,7 +404,7 @@ class Completer:
 
         model = self.model
         enc = model.config.encoders[name]
-        mine = mb.encoder_blocks[name][model.encoders[name].grid.coords(model.rank)["dp"]]
+        mine = mb.encoder_blocks[name][model.part(name).grid.coords(model.rank)["dp"]]
         placeholder = enc.placeholder  # a sample's images for this encoder (not all its files)
         if not enc.native:
             offsets, rows = 0, []
@@ -442,7 +442,7 @@ class Completer:
         # the new token's place in its sequence (the cache's length), plus its M-RoPE offset (module doc)
         positions = [int(prompt[i]) + len(generated[i]) - 1 + self.deltas[i] for i in order]
         batch = decode_pack([generated[i][-1] for i in order], positions, [mb.samples[i].id for i in order],
-                            model.llm_ctx.tp_size, model.llm_ctx.sequence_parallel, self.pipeline.pad_id,
+                            model.llm.ctx.tp_size, model.llm.ctx.sequence_parallel, self.pipeline.pad_id,
                             mrope=self.pipeline.mrope_merge is not None)
         logits = self.runner.forward(batch.to(model.device), cache=cache).logits
         self.runner.finish()
@@ -457,7 +457,7 @@ class Completer:
         from mimo.parallel import gather_along
 
         rows = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        full = gather_along(logits.index_select(0, rows), -1, self.model.stage.tp_group)[:, : self.model.config.llm.arch.vocab]
+        full = gather_along(logits.index_select(0, rows), -1, self.model.llm.tp_group)[:, : self.model.config.llm.arch.vocab]
         if not self.is_last_tp0:
             return None
         return self.pick(full, samples)

@@ -73,22 +73,24 @@ def param_counts(config) -> dict[str, int]:
 
 def module_factors(config) -> dict[str, int]:
     """FLOPs per parameter and token of each ``param_counts`` entry (module doc): 6 where it
-    trains, 4 where it is frozen but a module before it trains, 2 where nothing before it does."""
+    trains, 4 where it is frozen but a module before it trains, 2 where nothing before it does.
+    A module with low-rank adapters (``lora``) counts 4 (gradients cross its frozen weights to
+    the adapters of every layer; the adapters' own products, rank r, are left out)."""
     def factor(trains: bool, upstream_trains: bool) -> int:
         return 6 if trains else (4 if upstream_trains else 2)
 
     out, feeding = {}, False  # feeding: some encoder part before the LLM trains
     for name, enc in config.encoders.items():
-        tower = "tower" not in enc.freeze
-        out[name] = factor(tower, False)
+        tower = "tower" not in enc.freeze and enc.lora is None
+        out[name] = 4 if enc.lora is not None else factor(tower, False)
         if enc.native:
             out[f"{name}.mergers"] = out[name]
-            feeding |= tower
+            feeding |= tower or enc.lora is not None
         else:
             projector = "projector" not in enc.freeze
-            out[f"{name}.projector"] = factor(projector, tower)
-            feeding |= tower or projector
-    out[config.llm_name] = factor(not config.llm.freeze, feeding)
+            out[f"{name}.projector"] = factor(projector, tower or enc.lora is not None)
+            feeding |= tower or projector or enc.lora is not None
+    out[config.llm_name] = 4 if config.llm.lora is not None else factor(not config.llm.freeze, feeding)
     return out
 
 

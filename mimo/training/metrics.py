@@ -20,6 +20,7 @@ import torch.distributed as dist
 from mimo.core import strict_json
 from mimo.core.console import to_devnull
 from mimo.core.errors import ConfigError
+from mimo.compose.adapters import trainable_parameters
 from mimo.training.flops import device_peak_flops, model_flops, param_counts, throughput
 from mimo.training.optim import lr_for
 
@@ -64,12 +65,9 @@ class StepTimer:
         self.ranges = {m: run.config.rank_range(m) for m in self.modules}
         self.device = run.model.device
         self.pipeline = _TimedPipeline(run.pipeline, self)
-        model = run.model
-        parts = {name: p.module for name, p in model.encoders.items() if p.module is not None}
-        if model.stage is not None:
-            parts[model.llm_name] = model.stage
-        for name, module in parts.items():
-            self._hook_module(name, module)
+        for part in run.model.parts:
+            if part.module is not None:
+                self._hook_module(part.name, part.module)
         for name, opt in run.optimizers.items():
             started = []
             opt.register_step_pre_hook(lambda o, a, k, s=started: s.append(time.perf_counter()))
@@ -198,9 +196,9 @@ class Reporter:
         self.read_failures_total = steps[-1].get("read_failures_total", 0) if steps else 0
         self.skipped = run.pipeline.plan.skipped_counts()
         # every training module's base learning rate (known on every rank, unlike its optimizer)
-        trains = {**run.model.encoder_trains, run.model.llm_name: not self.cfg.llm.freeze}
-        self.base_lr = {m: lr for m, lr in self.cfg.optimizer_settings()[0].items() if trains[m]}
+        self.base_lr = {m: lr for m, lr in self.cfg.optimizer_settings()[0].items() if run.model.part(m).trains}
         self.param_counts = param_counts(self.cfg)
+        self.trainable = trainable_parameters(self.cfg)  # per module, on every step's record
         peak = self.cfg.train.log.peak_tflops
         self.peak_flops = peak * 1e12 if peak is not None else device_peak_flops(run.model.device, self.cfg.train.precision,
                                                                           fp8=self.cfg.train.fp8 is not None)
@@ -235,7 +233,7 @@ class Reporter:
             "lr": {m: lr_for(self.cfg.train, step, base) for m, base in self.base_lr.items()},
             "loss_tokens": result.loss_tokens, "tokens": tokens, "samples": len(samples),
             "tokens_per_s": tokens / step_s if step_s else None, "samples_per_s": len(samples) / step_s if step_s else None,
-            "tflops": tflops, "mfu": mfu, "mem_peak_gib": stats.get("mem_peak_gib"),
+            "tflops": tflops, "mfu": mfu, "mem_peak_gib": stats.get("mem_peak_gib"), "params_trainable": self.trainable,
             "time_s": stats["time_s"], "read_failures": stats["read_failures"], "read_failures_total": self.read_failures_total,
             "skipped": {**self.skipped, "read failure": self.read_failures_total}, "checkpoint": checkpoint,
             "skipped_step": result.skipped, "skipped_steps": self.skipped_steps,

@@ -74,7 +74,7 @@ def data_pipeline(config: MimoConfig, model: MimoModel, plan, micro_batches: int
     prepared on a thread of its own during the step before (training's; only one pipeline of
     a run may: they would share the data groups). ``make_reader``: samples read from elsewhere
     than the config's shards (``mimo generate``'s prompts), delivered the same way."""
-    return DataPipeline(plan, text_spec(config), model.llm_grid, model.llm_ctx.sequence_parallel,
+    return DataPipeline(plan, text_spec(config), model.llm.grid, model.llm.ctx.sequence_parallel,
                         encoder_feeds(config, model.encoder_grids()), micro_batches, config.data.workers, config.data.prefetch,
                         model.rank, make_reader=make_reader or (lambda: sample_reader(config, plan)), device=model.device, ahead=ahead,
                         mrope=config.llm.arch.mrope_section is not None)
@@ -99,21 +99,23 @@ def compile_blocks(model: MimoModel) -> int:
     ``train.cuda_graphs``: the vision blocks
     in reduce-overhead mode, their kernels replayed as CUDA graphs (on a CUDA device; elsewhere
     torch runs them as compiled). Returns the count."""
-    n = 0
-    if model.stage is not None:
-        options = _dynamic_length_options()
-        for layer in model.stage.layers.values():
-            layer.compile(dynamic=True, options=options)
-            n += 1
-        model.stage.compiled_loss = True
     graphs = model.config.train.cuda_graphs
-    for name, part in model.encoders.items():
-        # a native tower's blocks stay eager: each pack's images (their segment runs, a Python
-        # list the attention loops over) would compile them anew for every microbatch
-        if part.module is not None and not model.config.encoders[name].native:
+    n = 0
+    for part in model.parts:
+        if part.module is None:
+            continue
+        if part.role == "llm":  # every pack's length differs
+            how = {"dynamic": True, "options": _dynamic_length_options()}
+            part.module.compiled_loss = True
+        elif model.config.encoders[part.name].native:
+            # a native tower's blocks stay eager: each pack's images (their segment runs, a Python
+            # list the attention loops over) would compile them anew for every microbatch
+            continue
+        else:
+            how = {"mode": "reduce-overhead" if graphs else None}
             part.module.tower.graphs = graphs  # its output then leaves the graphs' memory
-            for block in part.module.tower.blocks:
-                block.compile(mode="reduce-overhead" if graphs else None)
-                n += 1
+        for block in part.blocks:
+            block.compile(**how)
+            n += 1
     model.cuda_graphs = graphs
     return n

@@ -57,18 +57,18 @@ def encode_and_bridge(model: MimoModel, mb: Microbatch, trace: Trace | None = No
     ``defer_sends``: a non-colocated encoder rank returns once its sends are posted (the
     caller waits for them with ``Bridge.wait_sends``). An encoder that trains nothing runs
     without autograd state."""
-    rank, llm_grid = model.rank, model.llm_grid
+    rank, llm = model.rank, model.llm
     bridges, image_rows = {}, {}
-    sequence_parallel = model.llm_ctx.sequence_parallel
-    for name, part in model.encoders.items():
-        if rank not in part.grid and rank not in llm_grid:  # the bridge's ranks: both grids
+    sequence_parallel = llm.ctx.sequence_parallel
+    for part in model.encoder_parts:
+        name, trains = part.name, part.trains
+        if rank not in part.grid and rank not in llm.grid:  # the bridge's ranks: both grids
             continue
         placeholder = model.config.encoders[name].placeholder
         src, dst, plans = _bridge_plans(model, mb, name)
-        trains = model.encoder_trains[name]
         bridge = Bridge(src, dst, part.bridge_group,
                         src_replica_group=part.tp_group if rank in part.grid else None,
-                        dst_replica_group=model.llm_tp if rank in llm_grid and not sequence_parallel else None,
+                        dst_replica_group=llm.tp_group if rank in llm.grid and not sequence_parallel else None,
                         needs_grad=trains, rank=rank, defer_sends=defer_sends, plans=plans)
         x = None
         if part.module is not None:
@@ -110,15 +110,15 @@ def _bridge_plans(model: MimoModel, mb: Microbatch, name: str):
         enc = model.config.encoders[name]
         cache[name] = image_bridge_plans(mb.arrays, enc.placeholder, 0 if enc.native else enc.rows_per_image,
                                          model.config.bridge_width(name),
-                                         model.encoders[name].grid, mb.encoder_blocks[name], model.llm_grid,
-                                         mb.llm_blocks, model.llm_ctx.sequence_parallel, model.rank)
+                                         model.part(name).grid, mb.encoder_blocks[name], model.llm.grid,
+                                         mb.llm_blocks, model.llm.ctx.sequence_parallel, model.rank)
     return cache[name]
 
 
 def _receive_as(model: MimoModel) -> tuple[torch.dtype, torch.device]:
     """What a rank without the encoder receives: its LLM stage's dtype and device (the gradient
     it sends back must match what the encoder ranks expect)."""
-    p = next(model.stage.parameters())
+    p = next(model.llm.module.parameters())
     return p.dtype, p.device
 
 
@@ -127,7 +127,8 @@ def bridge_backward(model: MimoModel, bridges: dict, trace: Trace | None = None,
     """Each trained bridge's backward (the LLM side hands the gradient of the rows it
     received), continuing into the encoder; on every rank of the bridge."""
     for name, (bridge, y, y_leaf) in bridges.items():
-        if not model.encoder_trains[name]:
+        part = model.part(name)
+        if not part.trains:
             continue
         start = time.perf_counter()
         if bridge.is_dst:
@@ -137,20 +138,21 @@ def bridge_backward(model: MimoModel, bridges: dict, trace: Trace | None = None,
             Bridge.backward_source(y)
         # the bridge's backward continues into the encoder: one span for both
         note(trace, tick, "bridge_bwd", index, name, start=start)
-        if model.encoders[name].module is not None:
+        if part.module is not None:
             note(trace, tick, "encoder_bwd", index, name, start=start)
 
 
 def stage_runner(model: MimoModel, num_loss_tokens: float | None = None, trace: Trace | None = None) -> StageRunner | None:
     """The runner of this rank's LLM stage (None on a rank without one); its events go to
     ``trace`` under the LLM's name."""
-    if model.stage is None:
+    llm = model.llm
+    if llm.module is None:
         return None
 
     def notes(tick, kind, k, **extra):
-        note(trace, tick, kind, k, model.llm_name, **extra)
+        note(trace, tick, kind, k, llm.name, **extra)
 
-    return StageRunner(model.stage, model.llm_grid, model.rank, num_loss_tokens, notes if trace is not None else None)
+    return StageRunner(llm.module, llm.grid, model.rank, num_loss_tokens, notes if trace is not None else None)
 
 
 def forward_only(model: MimoModel, mb: Microbatch, runner: StageRunner | None, cache=None) -> torch.Tensor | None:
@@ -174,7 +176,7 @@ def run_schedule(model: MimoModel, mbs: list[Microbatch], num_loss_tokens: float
     rank's loss sum (non-zero on last-stage ranks only; a 0-dim tensor there, left on the
     device for the caller to read when it suits). Gradients are left accumulated (and
     with ``grad_sync``, their DP sums launched)."""
-    stages, count = model.llm_grid.shape.get("pp", 1), len(mbs)
+    stages, count = model.llm.grid.shape.get("pp", 1), len(mbs)
     ticks = SCHEDULES[schedule](stages, count)
     encode_at = encoder_ticks(ticks, count, prefetch)
     at = tick_of(ticks)
@@ -186,7 +188,7 @@ def run_schedule(model: MimoModel, mbs: list[Microbatch], num_loss_tokens: float
     now = 0  # the tick that bucket events are stamped with
     if grad_sync is not None:  # the run's GradSync serves every step: this step's trace or none
         grad_sync.note = (lambda kind, module, **extra: note(trace, now, kind, None, module, **extra)) if trace is not None else None
-    encoders = [name for name, part in model.encoders.items() if part.module is not None]
+    encoders = [part.name for part in model.encoder_parts if part.module is not None]
 
     def last_backward(modules: list[str], run) -> None:
         """``run`` is these modules' last backward on this rank: their buckets reduce while it runs."""
@@ -230,9 +232,9 @@ def run_schedule(model: MimoModel, mbs: list[Microbatch], num_loss_tokens: float
                     runner.forward(mbs[op.mb].pack, op.mb, image_rows[op.mb], now)
                     image_rows[op.mb] = None
                 elif op.mb == last:  # the stage's gradients become final
-                    last_backward([model.llm_name], lambda: runner.backward(op.mb, now))
+                    last_backward([model.llm.name], lambda: runner.backward(op.mb, now))
                 else:
-                    backward([model.llm_name], lambda: runner.backward(op.mb, now))
+                    backward([model.llm.name], lambda: runner.backward(op.mb, now))
         for k in range(count):  # (c)
             if bridge_back_at[k] == now:
                 if k == last:

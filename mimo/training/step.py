@@ -13,10 +13,12 @@ phase on every rank — ``bridge_backward``), which continues into the encoder. 
 gradients accumulate in the run's persistent fp32 main gradients (``GradSync``, built once:
 ``grad_sync_for``). Then the TP sums of partial gradients and the DP sums (launched bucket by
 bucket during each module's last backward), the tied-embedding sum, the global norm (one
-world-wide all-reduce), clipping, and each module's optimizer step; then the MoE balancing
-update of this rank's LLM stage (``mimo.llm.balance``: expert bias / quantile balancing from the
-step's counts, summed over the LLM's gradient group) and its per-layer stats, gathered to every
-rank in the step's one loss all-reduce (each stage knows only its own layers).
+world-wide all-reduce), clipping, and each module's optimizer step; then each module part's
+finalisers (``mimo.compose.model.ModulePart``, decided when the model is built): the MoE
+balancing update of this rank's LLM stage (``mimo.llm.balance``: expert bias / quantile
+balancing from the step's counts, summed over the LLM's gradient group), whose per-layer stats
+are gathered to every rank in the step's one loss all-reduce (each stage knows only its own
+layers), and the FP8 amax histories.
 """
 
 from __future__ import annotations
@@ -29,10 +31,8 @@ import torch.distributed as dist
 
 from mimo.compose.model import MimoModel
 from mimo.data.pipeline import DataPipeline
-from mimo.llm.balance import STATS, balance_step, reset_accumulators, stats_metrics
+from mimo.llm.balance import STATS, Balancer, stats_metrics
 from mimo.llm.mtp import mtp_metrics
-from mimo.llm.model import sync_tied_grads
-from mimo.parallel.fp8 import history_step
 from mimo.training.bucket_optim import BucketAdamW, bucket_grad_norm
 from mimo.training.optim import GradSync, PrecisionPolicy, bucket_numel, clip_grads_, clip_scale, global_grad_norm, lr_for
 from mimo.training.schedule_run import run_schedule
@@ -94,7 +94,7 @@ def _moe_table(model: MimoModel, layers: list[int], stats) -> torch.Tensor:
     stage's reporting rank (tp = cp = dp = 0), zeros elsewhere, so that a sum over the world
     gives every layer's stats once."""
     table = torch.zeros(len(layers), len(STATS), dtype=torch.float64)
-    coords = model.llm_grid.coords(model.rank) if model.stage is not None else {}
+    coords = model.llm.grid.coords(model.rank) if model.llm.module is not None else {}
     if stats is not None and all(coords.get(a, 0) == 0 for a in ("tp", "cp", "dp")):
         at = torch.tensor([layers.index(i) for i in stats.layers])
         table[at] = stats.table_L3.to("cpu", torch.float64)
@@ -114,14 +114,9 @@ def grad_sync_for(model: MimoModel, policy: PrecisionPolicy | None = None) -> Gr
     return model.grad_sync
 
 
-def fp8_history_step(model: MimoModel) -> None:
-    """Every module's delayed-scaling histories: this step's amaxes reduced over the ranks that
-    hold the same layers (TP, then the gradient group), the window rolled."""
-    if model.stage is not None:
-        history_step(model.stage, (model.llm_ctx.tp, model.llm_ctx.grad_group))
-    for part in model.encoders.values():
-        if part.module is not None:
-            history_step(part.module, (part.ctx.tp, part.ctx.grad_group))
+def _balancer(model: MimoModel) -> Balancer | None:
+    """This rank's MoE balancing (a finaliser of its LLM stage), None where it holds no router."""
+    return next((f for f in model.llm.finalisers if isinstance(f, Balancer)), None)
 
 
 def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: dict, policy: PrecisionPolicy | None = None,
@@ -132,16 +127,18 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     model.graph_step()
     mbs = pipeline.step(step)
     # the global loss-token count: each LLM DP rank's packs, summed over DP (docs/design.md §2)
-    local = sum(mb.loss_tokens for mb in mbs) if model.stage is not None else 0  # counted on the CPU
-    num_loss_tokens = _sum_over(local, model.llm_dp) if model.stage is not None else 0.0
+    llm = model.llm
+    local = sum(mb.loss_tokens for mb in mbs) if llm.module is not None else 0  # counted on the CPU
+    num_loss_tokens = _sum_over(local, llm.dp_group) if llm.module is not None else 0.0
     events: Trace | None = [] if trace else None
     # one tick loop runs both schedules; microbatches accumulate into the run's main gradients,
     # and each module's DP sums start bucket by bucket during its last backward on this rank
     # (the tied-embedding sum below commutes with them)
     layers = moe_layers(model)
-    if layers and model.stage is not None:  # nothing but this step's forwards counts
-        reset_accumulators(model.stage)
-    mtp = getattr(model.stage, "mtp", None)
+    balancer = _balancer(model)
+    if balancer is not None:
+        balancer.reset()
+    mtp = getattr(llm.module, "mtp", None)
     if mtp is not None:
         mtp.reset()
     grad_sync = grad_sync_for(model, policy)
@@ -152,11 +149,9 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     grad_sync.finish()
     for _, chain in model.gtp_chains():  # no weight gather may outlive the weights it read
         chain.drop()
-    if model.stage is not None:
-        tied = model.stage.embedding_copy()
-        if tied is not None and model.llm_embedding_group is not None:
-            grad_sync.gather_shards([tied])  # (sharded: the two copies' buckets are cut differently)
-        sync_tied_grads(model.stage, model.llm_embedding_group)
+    for part in model.parts:  # (a tied embedding's two copies summed)
+        for finalise in part.grad_finalisers:
+            finalise(grad_sync)
     # on the rank's device, also where no parameter trains (one backend for the all-reduce);
     # read below, after the optimizer's launches
     bucketed = [o for o in optimizers.values() if isinstance(o, BucketAdamW)]
@@ -188,10 +183,10 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
             grad_sync.round_grads_(module)  # torch's AdamW on bf16 weights (bf16-pure) reads .grad
         opt.step()  # the main gradients are zeroed at the next step's start
         lrs[module] = lr
-    # MoE balancing: each stage for its own layers, its counts summed over the LLM's grad group
-    stats = balance_step(model.stage, model.llm_dp) if layers and model.stage is not None else None
-    if model.fp8 is not None and model.fp8.recipe == "delayed":  # FP8 amax histories, once per step
-        fp8_history_step(model)
+    for part in model.parts:  # MoE balancing, FP8 amax histories: each part's, as it was built
+        for finalise in part.finalisers:
+            finalise()
+    stats = balancer.stats if balancer is not None else None
     # the step's loss: the last stage's DP ranks hold the parts; read only after the optimizer's
     # kernels are queued (at world 1 only when the caller asks), so that reading it does not
     # idle the device
@@ -215,8 +210,8 @@ def _mtp_losses(model: MimoModel, depth: int, num_loss_tokens: float) -> torch.T
     """``[depth]``: this rank's summed MTP token losses over the step's loss-token count where it
     is a last-stage rank of TP coordinate 0 (one per DP rank), zeros elsewhere: their sum over the
     world is each depth's loss."""
-    mtp = getattr(model.stage, "mtp", None)
-    holds = mtp is not None and mtp.sums_K is not None and model.llm_grid.coords(model.rank)["tp"] == 0
+    mtp = getattr(model.llm.module, "mtp", None)
+    holds = mtp is not None and mtp.sums_K is not None and model.llm.grid.coords(model.rank)["tp"] == 0
     if not holds:
         return torch.zeros(depth, dtype=torch.float64)
     return mtp.sums_K.to("cpu", torch.float64) / max(num_loss_tokens, 1.0)
@@ -224,7 +219,7 @@ def _mtp_losses(model: MimoModel, depth: int, num_loss_tokens: float) -> torch.T
 
 def _held_by_first_llm_rank(model: MimoModel, value: float) -> torch.Tensor:
     """``[1]``: ``value`` on the LLM grid's first rank, 0 elsewhere."""
-    first = model.stage is not None and not any(model.llm_grid.coords(model.rank).values())
+    first = model.llm.module is not None and not any(model.llm.grid.coords(model.rank).values())
     return torch.tensor([value if first else 0.0], dtype=torch.float64)
 
 
@@ -233,7 +228,8 @@ def _world_loss(model: MimoModel, loss_local, extra: torch.Tensor | None = None)
     parts; ``extra`` (e.g. the MoE stats) rides along in the one all-reduce. At world 1: as they are."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return loss_local, None
-    holds = model.stage is not None and model.stage.is_last and model.llm_grid.coords(model.rank)["tp"] == 0
+    stage = model.llm.module
+    holds = stage is not None and stage.is_last and model.llm.grid.coords(model.rank)["tp"] == 0
     t = torch.tensor([float(loss_local) if holds else 0.0], dtype=torch.float64)
     if extra is not None:  # every rank enters with the same size
         t = torch.cat([t, extra])

@@ -1,0 +1,62 @@
+"""Low-rank adapters on a run's modules (a module's ``lora`` section; ``mimo.parallel.lora``).
+
+A module with ``lora`` trains its adapters only: every base weight of the LLM, or of an encoder's
+tower, is frozen (an encoder's projector follows ``freeze`` as without adapters). Adapters are
+attached after the base weights are initialised and loaded, each drawn from ``param_seed(seed,
+its layer's path)`` (layer paths are global: any layout draws the one-process adapters), and
+DoRA's magnitudes are taken from the loaded base.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mimo.encoders import qwen3_vl, vit
+from mimo.llm import model as llm_model
+from mimo.parallel.init import param_seed
+from mimo.parallel.lora import attach_targets, init_magnitudes_
+
+__all__ = ["adapt_llm", "adapt_encoder", "trainable_parameters"]
+
+
+def adapt_llm(stage: torch.nn.Module, cfg, name: str, seed: int | None) -> list[str]:
+    """Adapters on the LLM stage ``stage`` as ``cfg.lora`` says (none: nothing changes)."""
+    if cfg.lora is None:
+        return []
+    adapted = attach_targets(stage, cfg.lora.spec(), None if seed is None else param_seed(seed, f"{name}.lora"),
+                             llm_model.LORA_TARGETS, cfg.lora.targets, f"modules.{name}.lora")
+    if seed is not None:
+        init_magnitudes_(stage)
+    return adapted
+
+
+def adapt_encoder(encoder: torch.nn.Module, cfg, name: str, seed: int | None) -> list[str]:
+    """Adapters on an encoder's tower as ``cfg.lora`` says (none: nothing changes)."""
+    if cfg.lora is None:
+        return []
+    table = qwen3_vl.LORA_TARGETS if cfg.native else vit.LORA_TARGETS
+    adapted = attach_targets(encoder.tower, cfg.lora.spec(), None if seed is None else param_seed(seed, f"{name}.lora"),
+                             table, cfg.lora.targets, f"modules.{name}.lora")
+    if seed is not None:
+        init_magnitudes_(encoder.tower)
+    return adapted
+
+
+def trainable_parameters(config) -> dict[str, int]:
+    """Parameters that train, per module, counted on the meta device (no memory, any layout)."""
+    from mimo.encoders.model import build_encoder
+
+    count = lambda m: sum(p.numel() for p in m.parameters() if p.requires_grad)  # noqa: E731
+    out = {}
+    with torch.device("meta"):
+        llm = config.llm
+        stage = llm_model.LLMStage(llm.arch)
+        if llm.freeze:
+            stage.requires_grad_(False)
+        adapt_llm(stage, llm, config.llm_name, None)
+        out[config.llm_name] = count(stage)
+        for name, enc in config.encoders.items():
+            module = build_encoder(enc, llm.arch.hidden)
+            adapt_encoder(module, enc, name, None)
+            out[name] = count(module)
+    return out
