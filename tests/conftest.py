@@ -3,7 +3,9 @@ or once per session for the common sizes (``SHARED_SIZES``; ``session_pools(N)``
 session at every size, for the modules that share all theirs);
 ``write_demo_config`` writes the demo config over fresh demo shards, ``write_moe_configs``
 tests/configs/moe_{tp,pp}.yaml over them; ``with indexes_here():`` builds their data indexes in
-this process; ``mimo_here(*argv)`` runs a ``mimo`` command line in this process. Helper modules
+this process; ``mimo_here(*argv)`` runs a ``mimo`` command line in this process, and
+``with lend_pools(pools):`` has the commands in it run their ranks on the test's worker pools
+instead of fresh processes (for runs whose ranks' freshness is not what is checked). Helper modules
 of this folder (``test_hf_llava``'s tiny LLaVAs, ``sequence_mixer_checks``) import by name: under
 ``--import-mode=importlib`` the folder is put on ``sys.path`` here (worker pools' processes
 inherit it)."""
@@ -177,6 +179,106 @@ def mimo_here(capfd):
         return Ran(code, out, err)
 
     return run
+
+
+def _lent_rank(out_dir: str, ref, args: tuple, kwargs: dict):
+    """Rank function of a lent pool (``lend_pools``): a command's rank function (``ref``, as
+    ``WorkerPool`` sends it), this rank's output (fds 1 and 2) going to ``out_dir``'s files
+    meanwhile, and what the function changes for the rest of its process (the default timeout of
+    the groups it creates, the ``mimo`` logger's level) set back after it."""
+    import logging
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from mimo.training.launch import _resolve
+
+    timeouts = {n: getattr(c10d, n) for n in ("default_pg_timeout", "default_pg_nccl_timeout") if hasattr(c10d, n)}
+    level = logging.getLogger("mimo").level
+    rank = dist.get_rank()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    try:
+        with open(os.path.join(out_dir, f"{rank}.out"), "wb") as out, open(os.path.join(out_dir, f"{rank}.err"), "wb") as err:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            try:
+                return _resolve(ref, {})(*args, **kwargs)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+    finally:
+        os.close(saved[0])
+        os.close(saved[1])
+        for name, value in timeouts.items():
+            setattr(c10d, name, value)
+        logging.getLogger("mimo").setLevel(level)
+
+
+class _LentPool:
+    """What a command started within ``lend_pools`` gets for its ``WorkerPool``: the test's pool of
+    that size, its processes up already (torch and mimo imported), left open at the command's end.
+    Its ranks' output reaches this process's stdout and stderr (so ``capfd`` and ``mimo_here``
+    see it, as a fresh rank's), each rank's after the case, in rank order."""
+
+    def __init__(self, pool: WorkerPool, timeout_s: float):
+        self.pool, self.world_size, self.timeout_s, self.device = pool, pool.world_size, timeout_s, "cpu"
+
+    def __enter__(self) -> "_LentPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def run(self, fn, *args, timeout_s: float | None = None, **kwargs):
+        import tempfile
+
+        from mimo.training.launch import _fn_ref
+
+        with tempfile.TemporaryDirectory(prefix="mimo-lent-") as out_dir:
+            try:
+                return self.pool.run(_lent_rank, out_dir, _fn_ref(fn), args, kwargs,
+                                     timeout_s=self.timeout_s if timeout_s is None else timeout_s)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                for stream, fd in (("out", 1), ("err", 2)):
+                    for rank in range(self.world_size):
+                        path = os.path.join(out_dir, f"{rank}.{stream}")
+                        if os.path.exists(path):
+                            with open(path, "rb") as f:
+                                os.write(fd, f.read())
+
+
+@pytest.fixture(scope="session")
+def lend_pools():
+    """``with lend_pools(pools): mimo_here(...)``: a command run within it (``mimo train``,
+    ``convert-checkpoint``, ``verify-bridge``: whatever starts a ``WorkerPool``, CPU) runs its
+    ranks on ``pools(N)``, the test's processes, instead of N fresh ones (each importing torch,
+    mimo and transformers: seconds a rank on a busy machine); their output is captured as a fresh
+    rank's (``_LentPool``). For a run whose ranks' freshness is not what the test checks (an
+    uninterrupted reference, a conversion): a run that must carry on from a checkpoint alone, or
+    that takes ``env`` (the pool's ranks do not see it), stays outside it."""
+    from mimo.training import launch
+
+    @contextlib.contextmanager
+    def lend(pools):
+        def borrowed(world_size: int, timeout_s: float = 120.0, start_timeout_s: float = 120.0,
+                     collective_timeout_s: float | None = None, device: str = "cpu") -> _LentPool:
+            assert device == "cpu", device
+            return _LentPool(pools(world_size), min(timeout_s, 280.0))
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(launch, "WorkerPool", borrowed)
+            yield
+
+    return lend
 
 
 @pytest.fixture(scope="session")

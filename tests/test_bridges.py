@@ -168,19 +168,23 @@ def test_local_view_roundtrip():
 
 
 # ---- the command line --------------------------------------------------------------------------
-def test_cli_verify_bridge_ok_and_impossible_layouts(mimo_here):
-    """``mimo verify-bridge``, its command line in this process (``mimo_here``; each check's ranks
-    are fresh processes, as from a shell)."""
+def test_cli_verify_bridge_ok_and_impossible_layouts(pools, mimo_here, lend_pools):
+    """``mimo verify-bridge``, its command line in this process (``mimo_here``), its ranks this
+    module's 8-rank pool (``lend_pools``: ``--world 8``, the layouts leaving ranks idle as the
+    cases above do), not 8 fresh processes per check."""
     import json
 
     def _cli(*args):
         proc = mimo_here("verify-bridge", *args)
         return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout + proc.stderr
 
-    code, report, out = _cli("--world", "5", "--src", "tp=1,dp=1", "--dst", "tp=2,dp=2,shard=seq", "--non-colocated", "--hidden", "7")
-    assert code == 0 and report["ok"] and report["bytes_ratio"] == 1.0, out
-    assert set(report) >= {"fwd_max_abs_err", "grad_max_abs_err", "bytes_sent", "bytes_min", "allgather_bytes", "bytes_ratio", "ok"}
-    code, report, out = _cli("--world", "6", "--src", "tp=2,dp=3", "--dst", "tp=3,dp=2", "--colocated", "--rows", "uniform", "--microbatches", "2")
-    assert code == 0 and report["ok"], out
+    with lend_pools(pools):
+        code, report, out = _cli("--world", "8", "--src", "tp=1,dp=1", "--dst", "tp=2,dp=2,shard=seq", "--non-colocated", "--hidden", "7")
+        assert code == 0 and report["ok"] and report["bytes_ratio"] == 1.0, out
+        assert set(report) >= {"fwd_max_abs_err", "grad_max_abs_err", "bytes_sent", "bytes_min", "allgather_bytes", "bytes_ratio", "ok"}
+        assert report["fwd_max_abs_err"] == report["grad_max_abs_err"] == 0.0 and report["bytes_sent"] > 0, out
+        code, report, out = _cli("--world", "8", "--src", "tp=2,dp=3", "--dst", "tp=3,dp=2", "--colocated", "--rows", "uniform",
+                                 "--microbatches", "2")
+        assert code == 0 and report["ok"], out
     code, report, out = _cli("--world", "4", "--src", "tp=2,dp=2", "--dst", "tp=3,dp=1", "--colocated")
     assert code == 2 and not report["ok"] and "same rank count" in report["errors"][0] and "Traceback" not in out

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -338,13 +340,18 @@ def test_config_errors():
 # ---- training: delayed scaling resumes exactly -----------------------------------------------
 
 
-def test_delayed_history_resumes_exactly_from_a_checkpoint(write_demo_config, indexes_here, mimo_here, tmp_path):
+def test_delayed_history_resumes_exactly_from_a_checkpoint(pools, write_demo_config, indexes_here, mimo_here, lend_pools,
+                                                          tmp_path):
     """The demo at world 2 (vision dp 2; LLM tp 2 with SP) under ``train.fp8`` delayed: stopped
     after step 2 and resumed, its losses equal the uninterrupted run's (the amax histories are
     in the checkpoint: without them step 3 would scale differently), and differ from plain fp32
     products (FP8 is in effect); turning FP8 off or on across a resume works (the histories are
-    optional state). Each ``mimo train`` runs its command line in this process (``mimo_here``), its
-    ranks fresh processes every run, as from a shell: only the checkpoint carries a run on."""
+    optional state). Each ``mimo train`` runs its command line in this process (``mimo_here``). The
+    runs that carry a run on from its checkpoint (the resumed run, the changed windows) start
+    fresh ranks every run, as from a shell: only the checkpoint carries a run on. The two runs
+    from step 0 (the references) and the two that only have to start across an FP8 change run
+    their ranks on the session's 2-rank pool (``lend_pools``), no chain's run following its own
+    predecessor there."""
     import json
     import os
 
@@ -357,8 +364,9 @@ def test_delayed_history_resumes_exactly_from_a_checkpoint(write_demo_config, in
               "train.micro_batches=1", "train.checkpoint.every=1"]
     fp8 = "train.fp8={recipe: delayed, amax_history: 2, bf16_layers: [last]}"
 
-    def train(run, *args):
-        proc = mimo_here("train", config, f"train.checkpoint.dir={run}/ckpt", *common, *args)
+    def train(run, *args, lent=False):
+        with lend_pools(pools) if lent else contextlib.nullcontext():
+            proc = mimo_here("train", config, f"train.checkpoint.dir={run}/ckpt", *common, *args)
         assert proc.returncode == 0, proc.stderr[-3000:]
         with open(run / "metrics.jsonl") as f:
             return [json.loads(line)["loss"] for line in f if '"eval"' not in line]
@@ -371,16 +379,16 @@ def test_delayed_history_resumes_exactly_from_a_checkpoint(write_demo_config, in
                 out.update({k: fh.get_tensor(k) for k in fh.keys() if k.endswith("fp8_history") and k not in out})
         return out
 
-    whole = train(tmp_path / "whole", fp8)
+    whole = train(tmp_path / "whole", fp8, lent=True)
     train(tmp_path / "resumed", fp8, "--stop-at", "2")
     assert train(tmp_path / "resumed", fp8) == whole
-    assert train(tmp_path / "plain")[1:] != whole[1:]
+    assert train(tmp_path / "plain", lent=True)[1:] != whole[1:]
     names = list(histories("whole", 3))
     assert any(n.startswith("layers.0.") for n in names) and not any(n.startswith("layers.5.") for n in names)
     assert any("blocks." in n for n in names), names
     # train.fp8 turned off, then on, across a resume: the histories are optional state
-    train(tmp_path / "whole", "train.steps=4")
-    train(tmp_path / "plain", fp8, "train.steps=4")
+    train(tmp_path / "whole", "train.steps=4", lent=True)
+    train(tmp_path / "plain", fp8, "train.steps=4", lent=True)
 
     # amax_history changed across a resume: the stored windows fitted (the newest steps kept, zeros
     # where the window grew), at the same layout and at another (resharded: LLM tp 1 x dp 2)

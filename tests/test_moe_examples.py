@@ -9,8 +9,7 @@ tp 2) trains a few steps and exports as ``NemotronHForCausalLM``.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import time
 from pathlib import Path
 
 import torch
@@ -21,19 +20,22 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "configs" / "examples"
 
 
-def mimo(*args: str, cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mimo", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
-
-
-def last_json(proc: subprocess.CompletedProcess) -> dict:
+def last_json(proc) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 FAST = ["train.steps=2", "train.checkpoint.every=1", "data.tokens_per_microbatch=1024", "eval.samples=8", "eval.max_new_tokens=4"]
 
 
-def test_moe_demo_runs_end_to_end(tmp_path):
-    proc = mimo("demo", "--config", str(EXAMPLES / "moe.yaml"), "--log-every", "1", *FAST, cwd=tmp_path)
+def test_moe_demo_runs_end_to_end(tmp_path, monkeypatch, pools, mimo_here, lend_pools):
+    """``mimo demo --config moe.yaml`` as from a shell in ``tmp_path``, its command line in this
+    process (``mimo_here``), its training from nothing and its evaluation on the session's 4-rank
+    pool (``lend_pools``; their output captured as fresh ranks' is)."""
+    monkeypatch.chdir(tmp_path)
+    t0 = time.monotonic()
+    with lend_pools(pools):
+        proc = mimo_here("demo", "--config", str(EXAMPLES / "moe.yaml"), "--log-every", "1", *FAST)
+    assert time.monotonic() - t0 < 400  # as a subprocess of it had
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 1/2 | loss" in proc.stdout and "step 2/2 | loss" in proc.stdout and "held-out: loss" in proc.stdout
     result = last_json(proc)

@@ -159,18 +159,22 @@ def _losses(run) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(os.path.join(run, "metrics.jsonl"))}
 
 
-def test_mimo_train_resumes_and_convert_checkpoint_rewrites_at_another_layout(cp_config, tmp_path, cli):
+def test_mimo_train_resumes_and_convert_checkpoint_rewrites_at_another_layout(pools, cp_config, tmp_path, cli, lend_pools):
     """``mimo train`` at layout A (3 steps, a checkpoint at 2); at layout B (the LLM tp2 x pp2, the
     vision tp2 dp2): ``mimo train --resume-from A/step-2`` warns and goes on as A did;
     ``mimo convert-checkpoint`` writes step 2 at B, which then resumes without resharding, the
-    same; a checkpoint of another model is a clear error, not a traceback."""
+    same; a checkpoint of another model is a clear error, not a traceback. The reference run A
+    and the conversion run their ranks on the session's 4-rank pool (``lend_pools``); the two
+    runs that resume (from A's checkpoint, from the converted one) start fresh ranks, as from a
+    shell: only the checkpoint carries A on."""
     from mimo.training.checkpoint import layout_of, read_meta
     from mimo.compose.config import load_config
 
     steps = ["train.steps=3", "train.checkpoint.every=2"]
     b = [VIS + "tp=2", VIS + "dp=2", LANG + "cp=1", LANG + "tp=2", LANG + "pp=2", LANG + "dp=1"]
     a_run, b_run, c_run = (str(tmp_path / n) for n in ("a", "b", "c"))
-    proc, _ = cli("train", cp_config, *steps, f"train.checkpoint.dir={a_run}/ckpt", "--run-dir", a_run)
+    with lend_pools(pools):
+        proc, _ = cli("train", cp_config, *steps, f"train.checkpoint.dir={a_run}/ckpt", "--run-dir", a_run)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stayed = _losses(a_run)
     step2 = os.path.join(a_run, "ckpt", "step-00000002")
@@ -183,7 +187,8 @@ def test_mimo_train_resumes_and_convert_checkpoint_rewrites_at_another_layout(cp
     assert sorted(moved) == [3] and _rel(moved[3], stayed[3]) < 1e-5, (moved, stayed)
 
     out = str(tmp_path / "converted")
-    proc, result = cli("convert-checkpoint", step2, "--config", cp_config, *b, "--out", out)
+    with lend_pools(pools):
+        proc, result = cli("convert-checkpoint", step2, "--config", cp_config, *b, "--out", out)
     assert proc.returncode == 0 and result["ok"] and result["step"] == 2, proc.stderr[-3000:]
     converted = os.path.join(out, "step-00000002")
     assert read_meta(converted)["layout"] == layout_of(load_config(cp_config, b))

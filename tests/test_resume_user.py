@@ -9,6 +9,7 @@ runs in a subprocess where a test kills it, else in this process (``train_here``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -52,14 +53,17 @@ def _env() -> dict:
 
 
 @pytest.fixture
-def train_here(mimo_here):
-    """``train_here(config, run, *options) -> (ran, result)``: ``mimo train`` (``_command``) that
-    succeeded, its command line in this process (``mimo_here``; the ranks are fresh processes
-    every run), within the time a subprocess of it had."""
+def train_here(mimo_here, pools, lend_pools):
+    """``train_here(config, run, *options, lent=False) -> (ran, result)``: ``mimo train``
+    (``_command``) that succeeded, its command line in this process (``mimo_here``; the ranks are
+    fresh processes every run), within the time a subprocess of it had. ``lent``: a run from
+    step 0 (the reference), its ranks the session's pool (``lend_pools``, their output captured
+    all the same); every run that resumes starts fresh ranks: only the checkpoint carries it on."""
 
-    def run(config: str, run_dir: Path, *options: str) -> tuple:
+    def run(config: str, run_dir: Path, *options: str, lent: bool = False) -> tuple:
         t0 = time.monotonic()
-        proc = mimo_here(*_command(config, run_dir, *options)[3:])  # the words after `python -m mimo`
+        with lend_pools(pools) if lent else contextlib.nullcontext():
+            proc = mimo_here(*_command(config, run_dir, *options)[3:])  # the words after `python -m mimo`
         assert time.monotonic() - t0 < 240
         lines = proc.stdout.strip().splitlines()
         assert lines and proc.returncode == 0, proc.stderr
@@ -103,7 +107,7 @@ def reference(config, tmp_path_factory, train_here, _made) -> Reference:
     """The uninterrupted run, made once for the module, by the first test that asks for it."""
     if "reference" not in _made:
         run = tmp_path_factory.mktemp("reference") / "run"
-        proc, result = train_here(config, run)
+        proc, result = train_here(config, run, lent=True)
         assert result["steps_run"] == STEPS
         _made["reference"] = Reference(run, proc.stderr)
     return _made["reference"]

@@ -8,6 +8,7 @@ subprocess where a test kills or signals it, else in this process (``train_here`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -65,15 +66,21 @@ def _command(config: str, run: Path, *args: str) -> list[str]:
 
 
 @pytest.fixture
-def train_here(mimo_here):
-    """``train_here(config, run, *args, fault=None, timeout=280) -> (ran, result)``: ``mimo train``
-    (``_command``), its command line in this process (``mimo_here``; the ranks are fresh processes
-    every run, with ``fault`` in their environment), within ``timeout`` seconds (as a subprocess
-    of it had)."""
+def train_here(mimo_here, pools, lend_pools):
+    """``train_here(config, run, *args, fault=None, timeout=280, lent=False) -> (ran, result)``:
+    ``mimo train`` (``_command``), its command line in this process (``mimo_here``; the ranks are
+    fresh processes every run, with ``fault`` in their environment), within ``timeout`` seconds
+    (as a subprocess of it had). ``lent``: its ranks the session's pool (``lend_pools``, their
+    output captured all the same), for a run whose ranks' freshness is not what the test checks:
+    a run from step 0 (a reference), or one that only has to start and run (its messages and
+    files are read, its losses compared with nothing). A run compared with a reference after
+    resuming starts fresh ranks, as from a shell: only the checkpoint carries a run on."""
 
-    def run(config: str, run_dir: Path, *args: str, fault: str | None = None, timeout: float = 280) -> tuple:
+    def run(config: str, run_dir: Path, *args: str, fault: str | None = None, timeout: float = 280, lent: bool = False) -> tuple:
+        assert not (lent and fault), "a lent pool's ranks do not see the command's environment"
         t0 = time.monotonic()
-        proc = mimo_here(*_command(config, run_dir, *args)[3:], env={FAULT_ENV: fault} if fault else None)  # after `python -m mimo`
+        with lend_pools(pools) if lent else contextlib.nullcontext():
+            proc = mimo_here(*_command(config, run_dir, *args)[3:], env={FAULT_ENV: fault} if fault else None)  # after `python -m mimo`
         assert time.monotonic() - t0 < timeout
         lines = proc.stdout.strip().splitlines()
         assert lines, proc.stderr
@@ -112,10 +119,12 @@ def _made() -> dict:
 def colocated(config, tmp_path_factory, train_here, _made) -> Reference:
     """The uninterrupted reference of the demo layout (vision dp 4, LLM tp 2 x dp 2 with SP on
     the same 4 ranks), checkpointing every step and keeping the last 2; made once for the module,
-    by the first test that asks for it."""
+    by the first test that asks for it. A run from step 0: its ranks are the session's 4-rank
+    pool (``lent``; their output captured as fresh ranks' is); the runs compared with it that
+    resume from a checkpoint start fresh ranks."""
     if "colocated" not in _made:
         run = tmp_path_factory.mktemp("colocated") / "run"
-        proc, result = train_here(config, run, "train.checkpoint.every=1")
+        proc, result = train_here(config, run, "train.checkpoint.every=1", lent=True)
         assert proc.returncode == 0, proc.stderr
         _made["colocated"] = Reference(run, proc.stdout, result)
     return _made["colocated"]
@@ -200,7 +209,7 @@ def test_kill_during_async_save_then_resume_is_exact(config, colocated, tmp_path
 
 def test_clean_stop_then_resume_is_exact_non_colocated(config, tmp_path, train_here):
     reference, run = tmp_path / "reference", tmp_path / "run"
-    proc, _ = train_here(config, reference, *NON_COLOCATED)
+    proc, _ = train_here(config, reference, *NON_COLOCATED, lent=True)  # the uninterrupted run: the stopped and resumed ones are fresh
     assert proc.returncode == 0, proc.stderr
     proc, result = train_here(config, run, *NON_COLOCATED, "--stop-at", "3")
     assert proc.returncode == 0, proc.stderr
@@ -215,8 +224,9 @@ def test_clean_stop_then_resume_is_exact_non_colocated(config, tmp_path, train_h
 def test_another_layout_is_resharded_with_a_warning(config, colocated, tmp_path, train_here):
     run = tmp_path / "run"
     shutil.copytree(colocated.run, run)
+    # (its messages and result are what is read, no loss compared: its ranks may be the session's)
     proc, result = train_here(config, run, "modules.language.parallel.tp=1", "modules.language.parallel.dp=4",
-                              f"train.steps={STEPS + 1}", timeout=120)
+                              f"train.steps={STEPS + 1}", timeout=120, lent=True)
     assert proc.returncode == 0 and result["ok"], proc.stderr[-3000:]
     assert "checkpoint written at layout [world_size=4; vision tp=1,dp=4,ranks=0:4; language tp=2,dp=2,ranks=0:4]" in proc.stderr
     assert ("the config asks for [world_size=4; vision tp=1,dp=4,ranks=0:4; language tp=1,dp=4,ranks=0:4]: resharding it on load"
