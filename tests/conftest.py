@@ -181,11 +181,13 @@ def mimo_here(capfd):
     return run
 
 
-def _lent_rank(out_dir: str, ref, args: tuple, kwargs: dict):
+def _lent_rank(out_dir: str, cwd: str, ref, args: tuple, kwargs: dict):
     """Rank function of a lent pool (``lend_pools``): a command's rank function (``ref``, as
     ``WorkerPool`` sends it), this rank's output (fds 1 and 2) going to ``out_dir``'s files
-    meanwhile, and what the function changes for the rest of its process (the default timeout of
-    the groups it creates, the ``mimo`` logger's level) set back after it."""
+    meanwhile, run in the caller's working directory ``cwd`` (as a fresh rank starts in it: relative
+    paths of a config), and what the function changes for the rest of its process (the working
+    directory, the default timeout of the groups it creates, the ``mimo`` logger's level) set back
+    after it."""
     import logging
 
     import torch.distributed as dist
@@ -196,6 +198,7 @@ def _lent_rank(out_dir: str, ref, args: tuple, kwargs: dict):
     timeouts = {n: getattr(c10d, n) for n in ("default_pg_timeout", "default_pg_nccl_timeout") if hasattr(c10d, n)}
     level = logging.getLogger("mimo").level
     rank = dist.get_rank()
+    here = os.getcwd()
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
@@ -204,6 +207,7 @@ def _lent_rank(out_dir: str, ref, args: tuple, kwargs: dict):
             os.dup2(out.fileno(), 1)
             os.dup2(err.fileno(), 2)
             try:
+                os.chdir(cwd)
                 return _resolve(ref, {})(*args, **kwargs)
             finally:
                 sys.stdout.flush()
@@ -211,6 +215,7 @@ def _lent_rank(out_dir: str, ref, args: tuple, kwargs: dict):
                 os.dup2(saved[0], 1)
                 os.dup2(saved[1], 2)
     finally:
+        os.chdir(here)
         os.close(saved[0])
         os.close(saved[1])
         for name, value in timeouts.items():
@@ -243,7 +248,7 @@ class _LentPool:
 
         with tempfile.TemporaryDirectory(prefix="mimo-lent-") as out_dir:
             try:
-                return self.pool.run(_lent_rank, out_dir, _fn_ref(fn), args, kwargs,
+                return self.pool.run(_lent_rank, out_dir, os.getcwd(), _fn_ref(fn), args, kwargs,
                                      timeout_s=self.timeout_s if timeout_s is None else timeout_s)
             finally:
                 sys.stdout.flush()

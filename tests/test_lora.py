@@ -66,6 +66,11 @@ def test_trainable_parameter_count_is_the_models(pools, tmp_path):
     model = MimoModel(config, 0)
     built = {part.name: sum(p.numel() for p in part.module.parameters() if p.requires_grad) for part in model.parts}
     assert counted == built
+    # at other layouts alike (the count is the one-process model's): the example's, a tp 2 tower
+    assert trainable_parameters(load_config(EXAMPLE)) == counted
+    assert trainable_parameters(load_config(EXAMPLE, [VIS + "parallel={tp: 2, dp: 2, ranks: '0:4'}"])) == counted
+    full = load_config(EXAMPLE, ["world_size=1", LANG + "parallel={}", VIS + "parallel={tp: 1}", f"{LANG}lora=null", f"{VIS}lora=null"])
+    assert trainable_parameters(full)["vision"] == sum(p.numel() for p in MimoModel(full, 0).part("vision").module.parameters())
     projector = sum(p.numel() for p in model.part("vision").module.projector.parameters())
     assert projector < counted["vision"] < projector + 10_000  # the projector and the tower's adapters only
     # r x (in + out) per adapter: q, k, v, o in each of 2 attention layers, gate, up, down in 2 MLPs

@@ -9,6 +9,8 @@ DoRA's magnitudes are taken from the loaded base.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from mimo.encoders import qwen3_vl, vit
@@ -56,7 +58,8 @@ def trainable_parameters(config) -> dict[str, int]:
         adapt_llm(stage, llm, config.llm_name, None)
         out[config.llm_name] = count(stage)
         for name, enc in config.encoders.items():
-            module = build_encoder(enc, llm.arch.hidden)
+            # one process's module (the count does not depend on the layout)
+            module = build_encoder(dataclasses.replace(enc, parallel=dataclasses.replace(enc.parallel, tp=1)), llm.arch.hidden)
             adapt_encoder(module, enc, name, None)
             out[name] = count(module)
     return out
