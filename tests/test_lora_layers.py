@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from mimo.core.errors import ConfigError
@@ -37,21 +36,7 @@ RANK, ALPHA = 4, 8.0
 SCALE = ALPHA / RANK  # 2, the reference's own (not LoraSpec.scale): a wrong scale shows
 KINDS = ("column", "fused_groups", "fused_default", "row")
 
-_GRIDS: dict[int, ParallelGrid] = {}  # per worker process: groups made once per tp
-
-
-def _tp_group(tp: int):
-    """(group, tp_rank), or (None, None) on a rank outside the tp grid."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    grid = _GRIDS.setdefault(tp, ParallelGrid({"tp": tp}))
-    group = grid.group("tp")
-    if rank not in grid:
-        return None, None
-    return group, grid.coord(rank, "tp")
-
-
-def _gen(seed: int, *salt) -> torch.Generator:
-    return torch.Generator().manual_seed(param_seed(seed, "/".join(map(str, salt))))
+from tp_cases import seeded as _gen, tp_group as _tp_group  # noqa: E402 (tests/ is on sys.path)
 
 
 def _build(kind: str, ctx: ParallelContext, bias: bool, spec: LoraSpec, seed: int):

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from mimo.core.errors import LayoutError
-from mimo.parallel.grid import ParallelGrid
 from mimo.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -46,23 +44,7 @@ TPS = [1, 2, 3, 4]
 T_RAGGED = 13
 VOCAB = 37
 
-# Test-only cache (per worker process) so each case does not create new groups; every rank
-# runs the same sequence of cases, so the first grid.group() call stays collective.
-_GRIDS: dict[int, ParallelGrid] = {}
-
-
-def _tp_group(tp: int):
-    """(group, tp_rank), or (None, None) on a rank outside the tp grid."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    grid = _GRIDS.setdefault(tp, ParallelGrid({"tp": tp}))
-    group = grid.group("tp")
-    if rank not in grid:
-        return None, None
-    return group, grid.coord(rank, "tp")
-
-
-def _gen(seed: int, *salt: int) -> torch.Generator:
-    return torch.Generator().manual_seed(param_seed(seed, "/".join(map(str, salt))))
+from tp_cases import seeded as _gen, tp_group as _tp_group  # noqa: E402 (tests/ is on sys.path)
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:
