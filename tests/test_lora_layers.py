@@ -240,3 +240,45 @@ def test_param_table_lists_adapters_with_placements(tp):
         for n, info in table.items():
             assert tuple(info.param.shape) == info.placement.local_shape({"tp": tp}), (kind, n)
         assert [n for n in table if ".lora_" not in n] == (["weight", "bias"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA bf16 case needs a GPU (this machine has none)")
+@pytest.mark.parametrize("dora", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_lora_layers_cuda_bf16(kind, dora):
+    """One process, bf16 on CUDA against the same layer in fp32 on the CPU (TF32 off): output,
+    input gradient and every weight gradient within 2e-2 (as tests/test_gpu_fastpaths.py)."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        spec = LoraSpec(RANK, ALPHA, dora=dora)
+        ref, _ = _build(kind, ParallelContext.for_tp(None), True, spec, 77)
+        g = _gen(77, "B")
+        with torch.no_grad():
+            for n, p in ref.named_parameters():
+                if n.endswith("lora_B"):
+                    p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        init_magnitudes_(ref)
+        gpu, _ = _build(kind, ParallelContext.for_tp(None), True, spec, 77)
+        gpu.load_state_dict(ref.state_dict())
+        gpu = gpu.to("cuda", torch.bfloat16)
+        with torch.no_grad():  # the reference on the bf16-rounded weights
+            for p in ref.parameters():
+                p.copy_(p.bfloat16().float())
+        X = torch.randn(T_RAGGED, ref.in_features, generator=g).bfloat16().float()
+        xr, xg = X.clone().requires_grad_(True), X.cuda().bfloat16().requires_grad_(True)
+        yr, yg = ref(xr), gpu(xg)
+        yr, yg = (list(yr), list(yg)) if kind.startswith("fused") else ([yr], [yg])
+        dys = [torch.randn(y.shape, generator=g) for y in yr]
+        torch.autograd.backward(yr, dys)
+        torch.autograd.backward(yg, [d.cuda().bfloat16() for d in dys])
+        errs = {f"out{i}": rel_err(b.float().cpu(), a) for i, (a, b) in enumerate(zip(yr, yg))}
+        errs["dx"] = rel_err(xg.grad.float().cpu(), xr.grad)
+        grads = dict(gpu.named_parameters())
+        for n, p in ref.named_parameters():
+            errs[f"d:{n}"] = rel_err(grads[n].grad.float().cpu(), p.grad)
+        assert any(k.endswith("lora_A") for k in errs) and (any("magnitude" in k for k in errs) == dora)
+        worst = max(errs.items(), key=lambda kv: kv[1])
+        assert worst[1] <= 2e-2, f"{worst[0]}: rel err {worst[1]:.3e}"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
