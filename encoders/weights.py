@@ -28,7 +28,7 @@ from mimo.encoders.config import VitArch
 from mimo.core.errors import MimoError
 
 __all__ = ["Rule", "ImportedWeights", "LazyTensor", "MappedTensor", "lazy_safetensors", "materialize", "map_state",
-           "load_state_file", "check_arch", "replace_named"]
+           "load_state_file", "check_arch", "replace_named", "rule_row_blocks"]
 
 Index = tuple[slice, ...]  # explicit start / stop on every dim
 
@@ -110,6 +110,21 @@ class Rule:
             region = src[(slice(0, 1),) * lead + tuple(index)]
             return region.reshape(region.shape[lead:])
         return self.to_ours([materialize(src)])[tuple(index)]
+
+
+def rule_row_blocks(rules) -> dict[str, list[tuple[str, int, int, int]]]:
+    """Where the rows of each of our 2-D tensors go on export (``Rule.to_theirs``): ours ->
+    [(source key, its first row, our first row, rows)], for rules that copy or split rows."""
+    out = {}
+    for rule in rules:
+        if len(rule.our_shape) != 2:
+            continue
+        if len(rule.theirs) > 1:
+            n = rule.their_shape[0]
+            out[rule.ours] = [(key, 0, k * n, n) for k, key in enumerate(rule.theirs)]
+        elif rule.their_shape == rule.our_shape:
+            out[rule.ours] = [(rule.theirs[0], 0, 0, rule.our_shape[0])]
+    return out
 
 
 @dataclass(frozen=True)

@@ -869,6 +869,28 @@ def _state_from_hf(layout: _Layout, state: Mapping[str, torch.Tensor]) -> dict[s
             for ours in layout.sources}
 
 
+def hf_row_blocks(arch: HybridArch, rename: Rename = _same, model_type: str | None = None
+                  ) -> dict[str, list[tuple[str, int, int, int]]]:
+    """Where the rows of each of our 2-D weights go on export: ours -> [(HF name, its first row,
+    our first row, rows)], for each weight whose every part lands whole, as rows (dim 0), in a
+    tensor that is not a copy; a low-rank adapter on such rows is one on those HF tensors."""
+    layout, out = _Layout(arch, rename, model_type), {}
+    for ours, pl in layout.placements.items():
+        if len(pl.full_shape) != 2 or ours not in layout.sources:
+            continue
+        sizes = pl.parts or (pl.full_shape[0],)
+        blocks, start = [], 0
+        for (theirs, offset), n in zip(layout.parts(ours), sizes):
+            t = layout.hf[theirs]
+            if t.dim != 0 or t.unit is not None or t.copy:
+                break
+            blocks.append((theirs, offset, start, n))
+            start += n
+        else:
+            out[ours] = blocks
+    return out
+
+
 def export_hf_state(full_state: Mapping[str, torch.Tensor], arch: HybridArch, rename: Rename = _same,
                     model_type: str | None = None) -> dict[str, torch.Tensor]:
     """Hugging Face state dict (as ``model.state_dict()`` has it) from our full canonical state

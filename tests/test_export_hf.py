@@ -54,17 +54,24 @@ def _last_json(capsys) -> dict:
 _BUILT: dict[str, dict] = {}
 
 
-def _build(case: str, tmp_path_factory) -> dict:
-    """The case's LLaVA, imported at tp 2, trained one step, exported (full and --llm-only); once per module."""
-    if case in _BUILT:
-        return _BUILT[case]
-    root = tmp_path_factory.mktemp(case)
+def llava_source(case: str, root) -> tuple[dict, list]:
+    """The case's tiny LLaVA saved in ``root/llava``, a tokenizer and one shard of four samples
+    beside it; (its config, the samples)."""
     config = llava_config(case)
     rng = np.random.default_rng(0)
     samples = [(turns, _images(rng, n, config["vision_config"]["image_size"])) for turns, n in CONVERSATIONS[:4]]
     make_tokenizer(str(root / "tokenizer"))
     write_shards(str(root / "train-000000.tar"), samples)
     hf_model(config, seed=1).save_pretrained(root / "llava")
+    return config, samples
+
+
+def _build(case: str, tmp_path_factory) -> dict:
+    """The case's LLaVA, imported at tp 2, trained one step, exported (full and --llm-only); once per module."""
+    if case in _BUILT:
+        return _BUILT[case]
+    root = tmp_path_factory.mktemp(case)
+    config, samples = llava_source(case, root)
     imported = str(root / "imported")
     tp2 = _write_config(root, config, 2, "run", init_from=imported)
     assert main(["import-hf-llava", str(root / "llava"), "--config", tp2, "--out", imported]) == 0

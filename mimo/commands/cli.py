@@ -507,6 +507,10 @@ def export_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face model directory to write (new or empty)")
     parser.add_argument("--llm-only", action="store_true", help="only the language model, as its *ForCausalLM, and the tokenizer")
     parser.add_argument("--max-shard-gib", type=float, default=5.0, metavar="G", help="safetensors shard size (default 5)")
+    lora = parser.add_mutually_exclusive_group()
+    lora.add_argument("--adapter", metavar="DIR", help="a LoRA run: the base model to --out, its adapters as a PEFT adapter "
+                                                       "directory to DIR (new or empty)")
+    lora.add_argument("--merge", action="store_true", help="a LoRA run: the adapters merged into the base weights, to --out")
 
 
 def run_export_hf(args: argparse.Namespace) -> dict[str, Any]:
@@ -514,7 +518,8 @@ def run_export_hf(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.max_shard_gib <= 0:
         raise UsageError("--max-shard-gib must be > 0")
-    return export_hf(args.checkpoint, args.out, args.llm_only, int(args.max_shard_gib * 2**30))
+    return export_hf(args.checkpoint, args.out, args.llm_only, int(args.max_shard_gib * 2**30), adapter=args.adapter,
+                     merge=args.merge)
 
 
 # ---------------------------------------------------------------- convert-checkpoint

@@ -308,20 +308,91 @@ def _only_encoder(config) -> str:
     return names[0]
 
 
-def export_hf(checkpoint: str, out: str, llm_only: bool = False, max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES) -> dict:
+def _with_base(path: str, config, full: dict, adapter: str | None, merge: bool) -> dict[str, tuple]:
+    """A LoRA checkpoint's modules completed with their base (``adapted_base``) and, with
+    ``merge``, the adapters folded in; otherwise the adapters taken out of ``full`` and returned:
+    module -> (its adapter sites, its full state with the adapters)."""
+    from mimo.compose.model import adapted_base
+    from mimo.parallel.lora import merge_adapters
+
+    adapted = [name for name, m in config.modules.items() if m.lora is not None]
+    if not adapted:
+        if adapter or merge:
+            raise MimoError(f"{path}: the run has no lora section: --adapter / --merge export a LoRA run's adapters")
+        return {}
+    if not (adapter or merge):
+        raise MimoError(f"{path}: a LoRA checkpoint (modules {', '.join(adapted)} hold their adapters, not the frozen base): "
+                        f"--adapter DIR writes the base to --out and the adapters as a PEFT adapter to DIR; --merge writes "
+                        f"the adapters merged into the base")
+    start = None  # train.init_from: a module it holds whole took its base from it (load_checkpoint's start)
+    if config.train.init_from:
+        from mimo.training.checkpoint import resolve_checkpoint
+
+        try:
+            start_path = resolve_checkpoint(config.train.init_from)
+        except CheckpointError as e:
+            raise MimoError(f"{path}: the run's base weights came from train.init_from, which export-hf reads again: {e}") from e
+        start_meta, start_full = gather_checkpoint(start_path)
+        start = (checkpoint_config(start_path, start_meta), start_full)
+    adapters = {}
+    for name in adapted:
+        base, sites = adapted_base(config, name)
+        if start is not None and name in start[1] and start[0].modules.get(name) is not None \
+                and start[0].modules[name].lora is None:
+            base.update({n: t for n, t in start[1][name].items() if n in base})
+        stored = full.get(name, {})
+        absent = [f"{s.adapter}.lora_A" for s in sites if f"{s.adapter}.lora_A" not in stored]
+        if absent:
+            raise CheckpointError(f"{path}: modules.{name} has no adapter tensors {absent[:3]}")
+        state = {**base, **stored}
+        if merge:
+            full[name] = merge_adapters(state, sites)
+        else:
+            full[name] = merge_adapters(state, [])  # the base as trained, without the adapters
+            adapters[name] = (sites, state)
+    return adapters
+
+
+def _row_blocks(config, hf_config: dict | None, architecture_kind: str, text_type: str | None) -> dict[str, dict]:
+    """module -> where the rows of its 2-D weights land in the exported state (``hf_row_blocks``,
+    ``rule_row_blocks``), by the module's own tensor names."""
+    from mimo.encoders.weights import rule_row_blocks
+    from mimo.llm.hf import _same, hf_row_blocks, qwen3_vl_lm_key
+
+    arch, llm = config.llm.arch, config.llm_name
+    if architecture_kind == "llm":
+        return {llm: hf_row_blocks(arch, _same, text_type)}
+    encoder = next(iter(config.encoders))
+    if architecture_kind == "qwen3_vl":
+        from mimo.commands.hf_qwen3_vl import _text_family
+        from mimo.encoders.hf_qwen3_vl import hf_rules
+
+        tower_rules = hf_rules(config.encoders[encoder].arch)
+        text = hf_row_blocks(arch, qwen3_vl_lm_key, _text_family(arch))
+    else:
+        from mimo.commands.hf_llava import import_llava_state
+
+        w = import_llava_state(_template_state(hf_config), hf_config, "the exported LLaVA")
+        tower_rules, text = w.vision.rules, hf_row_blocks(arch, w.naming.llm_key)
+    tower = {f"tower.{ours}": blocks for ours, blocks in rule_row_blocks(tower_rules).items()}
+    return {llm: text, encoder: tower}
+
+
+def export_hf(checkpoint: str, out: str, llm_only: bool = False, max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES,
+              adapter: str | None = None, merge: bool = False) -> dict:
     from mimo.commands.hf_llava import save_llava
     from mimo.data.text import load_tokenizer
     from mimo.llm.hf import export_hf_state, hf_config_from_arch, save_hf_checkpoint
 
     path = find_checkpoint(checkpoint)
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise MimoError(f"--out {out}: exists and is not an empty directory (choose a new one)")
+    for flag, d in (("--out", out), ("--adapter", adapter)):
+        if d is not None and os.path.exists(d) and (not os.path.isdir(d) or os.listdir(d)):
+            raise MimoError(f"{flag} {d}: exists and is not an empty directory (choose a new one)")
+    if adapter is not None and os.path.abspath(adapter) == os.path.abspath(out):
+        raise MimoError("--adapter: a directory of its own, not --out (the base model goes there)")
     meta, full = gather_checkpoint(path)
     config = checkpoint_config(path, meta)
-    adapted = [name for name, m in config.modules.items() if m.lora is not None]
-    if adapted:  # its base weights are not in it (they come from each module's init)
-        raise MimoError(f"{path}: a LoRA checkpoint (modules {', '.join(adapted)} hold adapters only); exporting "
-                        f"adapters or a merged model is not built yet: export the base, or train without lora")
+    adapters = _with_base(path, config, full, adapter, merge)
     llm = config.llm_name
     if llm not in full:
         raise CheckpointError(f"{path}: no tensors of the language model {llm!r}")
@@ -341,11 +412,12 @@ def export_hf(checkpoint: str, out: str, llm_only: bool = False, max_shard_bytes
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         architecture, filled_from, extra = hf_config["architectures"][0], None, {}
+        kind = "llm"
     elif any(enc.native for enc in config.encoders.values()):  # a kind: qwen3_vl tower: Hugging Face's Qwen3-VL
         from mimo.commands.hf_qwen3_vl import export_qwen3_vl
 
         architecture, extra = export_qwen3_vl(tmp, path, meta, config, full, tokenizer, max_shard_bytes)
-        filled_from = None
+        filled_from, kind, text_type, hf_config = None, "qwen3_vl", None, None
     else:
         if tokenizer is None:
             raise MimoError("the run has no data.tokenizer: a LLaVA directory needs one (its processor marks the image "
@@ -371,6 +443,25 @@ def export_hf(checkpoint: str, out: str, llm_only: bool = False, max_shard_bytes
         processor.image_processor.save_pretrained(tmp)  # preprocessor_config.json too, for readers of the older layout
         architecture = "LlavaForConditionalGeneration"
         extra = {"unused_vision_tensors_from": filled_from, "image_token_id": image_token_id, "image_token_added": added}
+        kind, text_type = "llava", None
+    if kind == "llm":  # the language model alone: its adapters alone
+        adapters = {m: a for m, a in adapters.items() if m == llm}
+    if adapters:
+        from mimo.commands.peft_adapter import write_peft_adapter
+        from mimo.encoders.hf_import import load_hf_state
+
+        blocks = _row_blocks(config, hf_config, kind, text_type)
+        adapter_tmp = adapter.rstrip(os.sep) + ".tmp"
+        shutil.rmtree(adapter_tmp, ignore_errors=True)
+        extra["adapter"] = write_peft_adapter(adapter_tmp, out, {m: (sites, state, blocks.get(m, {}))
+                                                                 for m, (sites, state) in adapters.items()},
+                                              load_hf_state(tmp, lazy=True))
+        if os.path.isdir(adapter):
+            os.rmdir(adapter)
+        os.replace(adapter_tmp, adapter)
+        extra["adapter"]["adapter"] = adapter
+    elif merge:
+        extra["merged"] = True
     if os.path.isdir(out):
         os.rmdir(out)  # empty (checked above)
     os.replace(tmp, out)

@@ -377,7 +377,7 @@ def _convert_rank(checkpoint: str, config_path: str, overrides: list[str], out: 
     from mimo.compose.config import load_config
     from mimo.compose.model import MimoModel
 
-    model = MimoModel(load_config(config_path, overrides), dist.get_rank())
+    model = MimoModel(load_config(config_path, overrides).without_adapters(), dist.get_rank())  # (the base)
     load_llava_(model, load_llava(checkpoint))
     return save_checkpoint(model, {}, 0, out, extra_meta={"imported_from": checkpoint})
 

@@ -207,7 +207,7 @@ def _convert_rank(path: str, config_path: str, overrides: list[str], out: str, e
     from mimo.compose.model import MimoModel
     from mimo.training.checkpoint import save_checkpoint
 
-    config = load_config(config_path, overrides)
+    config = load_config(config_path, overrides).without_adapters()  # (the base)
     config.modules[encoder].init.hf = path  # what the run loads: recorded with the checkpoint's config
     config.llm.init.hf = path
     model = MimoModel(config, dist.get_rank())

@@ -148,7 +148,7 @@ def _causal_lm_rank(path: str, config_path: str, overrides: list[str], out: str)
     from mimo.compose.model import MimoModel
     from mimo.training.checkpoint import save_checkpoint
 
-    config = load_config(config_path, overrides)
+    config = load_config(config_path, overrides).without_adapters()  # (the base)
     config.llm.init.hf = path  # what the run loads: recorded with the checkpoint's config
     model = MimoModel(config, dist.get_rank())
     return save_checkpoint(model, {}, 0, out, extra_meta={"imported_from": path})

@@ -227,6 +227,13 @@ class MimoConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     # ---- views ----
+    def without_adapters(self) -> "MimoConfig":
+        """The config with no module's ``lora`` section: what an import writes is the base."""
+        out = copy.deepcopy(self)
+        for module in out.modules.values():
+            module.lora = None
+        return out
+
     @property
     def llm_name(self) -> str:
         return next(name for name, m in self.modules.items() if isinstance(m, LLMModuleConfig))

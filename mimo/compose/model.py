@@ -16,6 +16,7 @@ sections then load timm / Hugging Face checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from functools import partial
@@ -34,6 +35,7 @@ from mimo.parallel import gemm, param_seed
 from mimo.parallel.fp8 import apply_fp8, clear_fp8, history_step
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.grid import GroupRegistry, ParallelGrid
+from mimo.parallel.lora import AdapterSite, adapter_sites
 from mimo.parallel.params import ParamInfo, TrainParam
 
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.")  # an LLM layer's modules, by global index
@@ -86,6 +88,48 @@ class ModulePart:
         return self.module.param_table()
 
 
+
+def init_llm_(stage: LLMStage, config) -> None:
+    """The LLM stage's base weights: the run's seeded init, then ``init.hf`` if set (any layout:
+    each rank its shard of the one-process tensors)."""
+    stage.init_weights(param_seed(config.train.seed, config.llm_name))
+    if config.llm.init.hf:
+        from mimo.llm.hf import load_hf_checkpoint
+
+        load_hf_checkpoint(stage, config.llm.init.hf)
+
+
+def init_encoder_(module: torch.nn.Module, config, name: str) -> None:
+    """An encoder's base weights: the run's seeded init (and its ``init.hf``)."""
+    module.init_weights(param_seed(config.train.seed, name))
+
+
+def adapted_base(config: MimoConfig, name: str) -> tuple[dict[str, torch.Tensor], list[AdapterSite]]:
+    """The base of module ``name`` of a run with ``lora``, which its checkpoints do not hold: the
+    full tensors (parameters and persistent buffers) of the module built on one process and
+    initialised as the run does (seed, ``init.hf``), before its adapters; and where the
+    adapters sit in it."""
+    from mimo.parallel.params import full_tensors
+
+    cfg = config.modules[name]
+    one = dataclasses.replace(cfg.parallel, tp=1, cp=1, dp=1, pp=1, ep=1, etp=1, gtp=1, egtp=1, ranks="0:1",
+                              sequence_parallel=False)
+    if cfg is config.llm:
+        module = LLMStage(cfg.arch)
+        init_llm_(module, config)
+    else:
+        module = build_encoder(dataclasses.replace(cfg, parallel=one), config.llm.arch.hidden)
+        init_encoder_(module, config, name)
+    state = full_tensors(module.param_table())
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    state.update({n: t.detach().clone() for n, t in module.state_dict().items() if n not in params and n not in state})
+    with torch.device("meta"):  # the adapters' places (adapt_*'s own attach, nothing drawn)
+        shell = LLMStage(cfg.arch) if cfg is config.llm else build_encoder(dataclasses.replace(cfg, parallel=one),
+                                                                           config.llm.arch.hidden)
+        (adapt_llm if cfg is config.llm else adapt_encoder)(shell, cfg, name, None)
+    return state, adapter_sites(shell)
+
+
 class MimoModel:
     def __init__(self, config: MimoConfig, rank: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.config, self.rank = config, rank
@@ -122,7 +166,7 @@ class MimoModel:
         module = None
         if ctx.member:
             module = build_encoder(enc, config.llm.arch.hidden, ctx).to(device=self.device, dtype=dtype)
-            module.init_weights(param_seed(config.train.seed, name))
+            init_encoder_(module, config, name)
             adapt_encoder(module, enc, name, config.train.seed)  # (its lora section: after the base weights load)
             module.tower.set_recompute(*config.recompute_for(name))
         return ModulePart(name, "encoder", ctx, module, enc.trains, bridge)
@@ -134,11 +178,7 @@ class MimoModel:
         if stage is None:
             return None
         stage.to(device=self.device, dtype=dtype)
-        stage.init_weights(param_seed(config.train.seed, config.llm_name))
-        if llm_cfg.init.hf:
-            from mimo.llm.hf import load_hf_checkpoint
-
-            load_hf_checkpoint(stage, llm_cfg.init.hf)
+        init_llm_(stage, config)
         if llm_cfg.freeze:
             stage.requires_grad_(False)
         adapt_llm(stage, llm_cfg, config.llm_name, config.train.seed)  # (its lora section: after the base weights load)

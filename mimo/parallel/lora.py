@@ -39,7 +39,8 @@ from mimo.parallel.init import init_local, param_seed
 from mimo.parallel.lora_config import LoraConfig, LoraSpec
 from mimo.parallel.placement import ParamPlacement, replicated, sharded
 
-__all__ = ["LoraConfig", "LoraSpec", "LoraAdapter", "LoraTarget", "attach", "attach_targets", "init_magnitudes_"]
+__all__ = ["LoraConfig", "LoraSpec", "LoraAdapter", "LoraTarget", "AdapterSite", "attach", "attach_targets", "init_magnitudes_",
+           "adapter_sites", "merge_adapters", "merged_rows", "is_adapter_tensor"]
 
 
 @dataclass(frozen=True)
@@ -239,3 +240,68 @@ def attach_targets(root: nn.Module, spec: LoraSpec, seed: int | None, table: dic
         if lora is not None:
             lora.requires_grad_(True)
     return adapted
+
+
+# ---------------------------------------------------------------- adapters on full tensors (export)
+
+
+@dataclass(frozen=True)
+class AdapterSite:
+    """Where one adapter sits in its module's full (one-process) state: its tensors are
+    ``<adapter>.lora_A`` ``[r, in]``, ``.lora_B`` ``[hi - lo, r]`` (DoRA: ``.lora_magnitude``
+    ``[hi - lo]``); it adapts rows ``lo:hi`` of the full weight ``weight`` ``[out, in]``."""
+
+    adapter: str
+    weight: str
+    rows: tuple[int, int]
+    spec: LoraSpec
+
+
+def adapter_sites(root: nn.Module) -> list[AdapterSite]:
+    """Every adapter of ``root`` (adapters attached, any device, the meta one included), by
+    the full names of a one-process module's state."""
+    from mimo.parallel.layers import FusedColumnParallelLinear
+
+    sites = []
+    for path, module in root.named_modules():
+        lora = getattr(module, "lora", None)
+        prefix = f"{path}." if path else ""
+        if isinstance(lora, LoraAdapter):
+            sites.append(AdapterSite(f"{prefix}lora", f"{prefix}weight", (0, lora.out_features), lora.spec))
+        elif isinstance(lora, nn.ModuleDict) and isinstance(module, FusedColumnParallelLinear):
+            starts, at = {}, 0
+            for part, size in module.parts.items():
+                starts[part], at = at, at + size
+            for key, adapter in lora.items():
+                lo = starts[key.split("_")[0]]
+                sites.append(AdapterSite(f"{prefix}lora.{key}", f"{prefix}weight", (lo, lo + adapter.out_features), adapter.spec))
+    return sites
+
+
+@torch.no_grad()
+def merged_rows(site: AdapterSite, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The adapted rows of ``site``'s weight, ``W + s B A`` (DoRA: each row rescaled to its
+    magnitude), computed in float32 at least and returned in the weight's dtype."""
+    weight = state[site.weight]
+    lo, hi = site.rows
+    wide = torch.promote_types(weight.dtype, torch.float32)
+    A, B = state[f"{site.adapter}.lora_A"].to(wide), state[f"{site.adapter}.lora_B"].to(wide)
+    merged_OI = weight[lo:hi].to(wide) + site.spec.scale * (B @ A)
+    if site.spec.dora:
+        m_O = state[f"{site.adapter}.lora_magnitude"].to(wide)
+        merged_OI = m_O[:, None] * merged_OI / merged_OI.norm(dim=1, keepdim=True)
+    return merged_OI.to(weight.dtype)
+
+
+def merge_adapters(state: dict[str, torch.Tensor], sites: list[AdapterSite]) -> dict[str, torch.Tensor]:
+    """A full state with every adapter folded into its base weight (``merged_rows``) and the
+    adapters' tensors gone: the module as it computes, without adapters."""
+    out = dict(state)
+    for site in sites:
+        weight = out[site.weight] = out[site.weight].clone() if out[site.weight] is state[site.weight] else out[site.weight]
+        weight[site.rows[0]:site.rows[1]] = merged_rows(site, state)
+    return {name: t for name, t in out.items() if not is_adapter_tensor(name)}
+
+
+def is_adapter_tensor(name: str) -> bool:
+    return name.rpartition(".")[2] in ("lora_A", "lora_B", "lora_magnitude")

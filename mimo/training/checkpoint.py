@@ -97,6 +97,7 @@ from mimo.compose.config import MimoConfig
 from mimo.compose.model import MimoModel
 from mimo.core.errors import CheckpointError
 from mimo.parallel.fp8 import fit_history
+from mimo.parallel.lora import init_magnitudes_, is_adapter_tensor
 from mimo.parallel.params import ParamInfo
 from mimo.parallel.placement import replicated
 from mimo.training.bucket_optim import BucketAdamW, finish_updates
@@ -447,13 +448,17 @@ def _persistent_buffers(module: torch.nn.Module, ctx) -> dict[str, ParamInfo]:
     return out
 
 
-def _local_parts(model: MimoModel) -> list[_Part]:
+def _local_parts(model: MimoModel, base_of: Iterable[str] = ()) -> list[_Part]:
+    """What each module's checkpoint files hold on this rank. A module with ``lora``: its adapters
+    and whatever else trains (the frozen base comes from the module's init again); ``base_of``
+    names such modules read from a checkpoint without adapters: everything but the adapters."""
     parts = []
     for part in model.parts:
         if part.module is not None:
             table = part.param_table()
-            if model.config.modules[part.name].lora is not None:
-                # adapters (and whatever else trains): the frozen base comes from the module's init again
+            if part.name in base_of:
+                table = {name: info for name, info in table.items() if not is_adapter_tensor(name)}
+            elif model.config.modules[part.name].lora is not None:
                 table = {name: info for name, info in table.items() if info.param.requires_grad}
             table.update(_persistent_buffers(part.module, part.ctx))  # (MoE router state, FP8 amax histories)
             copy = part.first_stage_copy
@@ -965,7 +970,7 @@ def _owner_files(part: _Part, rank: int) -> set[str]:
 
 
 def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.optim.Optimizer] | None = None,
-                    rng: bool = True) -> dict:
+                    rng: bool = True, start: bool = False) -> dict:
     """Restore this rank's model shards (and optimizer states, RNG) from the checkpoint at
     ``path``; returns its meta. Every tensor is assembled from the stored pieces that overlap it
     (``mimo.training.reshard.StoredModule``, the one reader): at the checkpoint's layout from its
@@ -977,7 +982,14 @@ def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.opt
     missing = [f for f in meta["files"] if not os.path.isfile(os.path.join(path, f))]
     if missing:
         raise CheckpointError(f"{path}: incomplete, missing {missing[:3]}{' ...' if len(missing) > 3 else ''}")
-    parts = {part.module: part for part in _local_parts(model)}
+    # ``start`` (a new run from the checkpoint's weights, train.init_from): a module with lora
+    # that the checkpoint holds whole reads its base from it, its adapters start fresh
+    base_of = set()
+    if start:
+        theirs = (meta.get("config") or {}).get("modules") or {}
+        base_of = {name for name, m in model.config.modules.items()
+                   if m.lora is not None and name in theirs and not (theirs[name] or {}).get("lora")}
+    parts = {part.module: part for part in _local_parts(model, base_of)}
     stored: dict[str, StoredModule] = {}
     with ExitStack() as stack:
         files = _Files(path, stack)
@@ -985,6 +997,9 @@ def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.opt
             stored[module] = _read_part(part, (optimizers or {}).get(module), files, meta["files"], model.rank, same)
     if not same:
         _check_all_read({m: set(p.table) for m, p in parts.items()}, {m: s.names() for m, s in stored.items()}, path)
+    for part in model.parts:
+        if part.name in base_of and part.module is not None:
+            init_magnitudes_(part.module)  # DoRA: from the base just read
     if rng:
         rng_file = os.path.join(path, f"rng-rank{model.rank:05d}.safetensors")
         if same or os.path.isfile(rng_file):  # (training draws from seeded generators of its own: see reshard)

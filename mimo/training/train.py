@@ -456,7 +456,7 @@ def train_rank(config_path: str, overrides: list[str], options: TrainOptions) ->
         elif config.train.init_from:
             path = _agreed(lambda: resolve_checkpoint(config.train.init_from))
             log.info("loading weights (%s, train.init_from)", path)
-            load_checkpoint(run.model, path, rng=False)  # weights only: a new run, step 1, fresh optimizer
+            load_checkpoint(run.model, path, rng=False, start=True)  # weights only: a new run, step 1, fresh optimizer
         if rank == 0:
             for path in remove_leftovers(ckpt_dir):
                 log.info("removed an incomplete checkpoint: %s", path)

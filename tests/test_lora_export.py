@@ -1,0 +1,231 @@
+"""A LoRA / DoRA run of a tiny Hugging Face LLaVA, exported for PEFT (``mimo export-hf --adapter``)
+and merged (``--merge``).
+
+Per case (Llama + CLIP with LoRA, Qwen2 + SigLIP with DoRA): the LLaVA is imported at tp 2
+(``import-hf-llava``), a run with adapters on the LLM's q k v o gate up down and the tower's q v
+starts from it (``train.init_from``: the base), trains two steps at tp 2, and is exported three
+ways. ``peft.PeftModel`` loads the adapter onto the exported base with nothing missing or
+unexpected, and its logits on the step's microbatch equal mimo's forward of the LoRA checkpoint
+(base from init_from, adapters from the checkpoint) at its layout (the fp64 yardstick, tol
+1e-5), and, before the adapters load, the source LLaVA's (B = 0, DoRA's magnitudes taken from the
+base init_from gave); the merged export's weights equal PEFT's ``merge_and_unload`` (1e-6) and its logits
+mimo's; ``--llm-only --adapter`` loads onto the causal LM with the same text logits.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import yaml
+
+from mimo.commands.cli import main
+from mimo.core.errors import MimoError
+from mimo.core.testing import Yardstick, rel_err
+
+from test_export_hf import _hf_inputs, llava_source
+from test_hf_llava import llava_modules
+
+peft = pytest.importorskip("peft")  # (a test extra: pip install -e '.[test]')
+
+TOL = 1e-5
+CASES = {"clip-2-default-untied": False, "siglip-2-full-qwen2": True}  # case -> DoRA
+
+
+def _write_config(root, config: dict, dora: bool, imported: str) -> str:
+    modules = llava_modules(config)
+    for name, m in modules.items():
+        m["parallel"] = {"tp": 2, "dp": 1}
+        targets = ["q", "k", "v", "o", "gate", "up", "down"] if name == "language" else ["q", "v"]
+        m["lora"] = {"rank": 4, "alpha": 8, "targets": targets, "dora": dora}
+    raw = {
+        "world_size": 2, "modules": modules,
+        "data": {"shards": str(root / "train-000000.tar"), "tokenizer": str(root / "tokenizer"), "template": "chatml",
+                 "tokens_per_microbatch": 512, "max_sample_tokens": 512, "workers": 1},
+        "train": {"micro_batches": 1, "steps": 2, "lr": 3e-2, "precision": "fp32", "grad_clip": None,
+                  "checkpoint": {"dir": str(root / "run" / "ckpt")}, "init_from": imported},
+    }
+    path = root / "lora.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def exported(request, tmp_path_factory):
+    case, dora = request.param, CASES[request.param]
+    root = tmp_path_factory.mktemp(case)
+    config, _ = llava_source(case, root)
+    imported = str(root / "imported")
+    cfg = _write_config(root, config, dora, imported)
+    assert main(["import-hf-llava", str(root / "llava"), "--config", cfg, "--out", imported]) == 0
+    assert main(["train", cfg, "--run-dir", str(root / "run")]) == 0
+    run = str(root / "run")
+    assert main(["export-hf", run, "--out", str(root / "base"), "--adapter", str(root / "adapter")]) == 0
+    assert main(["export-hf", run, "--out", str(root / "merged"), "--merge"]) == 0
+    assert main(["export-hf", run, "--out", str(root / "base-llm"), "--adapter", str(root / "adapter-llm"), "--llm-only"]) == 0
+    return {"case": case, "dora": dora, "root": root, "config": cfg, "imported": imported}
+
+
+def _mimo_forward(config_path: str, init_from: str, checkpoint: str) -> dict | None:
+    """On a 2-rank pool: the run as training left it (its base from init_from, its adapters from
+    the checkpoint), forward of step 1's microbatch; rank 0 returns the pack, pixels, logits."""
+    import torch.distributed as dist
+
+    from mimo.compose.config import load_config
+    from mimo.training.checkpoint import load_checkpoint, resolve_checkpoint
+    from mimo.training.optim import PrecisionPolicy
+    from mimo.training.run import build_run
+    from mimo.training.schedule_run import forward_only, stage_runner
+
+    run = build_run(load_config(config_path), dist.get_rank(), policy=PrecisionPolicy.named("fp32"))
+    try:
+        mb = run.pipeline.microbatch(0)
+        forward = lambda: run.model.llm.module.gather_logits(forward_only(run.model, mb, stage_runner(run.model)))  # noqa: E731
+        load_checkpoint(run.model, resolve_checkpoint(init_from), rng=False, start=True)
+        start = forward()  # B = 0, DoRA's magnitudes the loaded base's norms: the base itself
+        load_checkpoint(run.model, checkpoint, rng=False)
+        logits = forward()
+    finally:
+        run.close()
+    if dist.get_rank() != 0:
+        return None
+    return {"pack": mb.pack, "pixels": mb.pixels["vision"], "logits": logits, "start": start}
+
+
+def _load(cls, path):
+    model, info = cls.from_pretrained(path, local_files_only=True, dtype=torch.float32, attn_implementation="eager",
+                                      output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.eval()
+
+
+def _with_adapter(model, adapter: str):
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(model, adapter, is_trainable=False)
+    return model.eval()
+
+
+def test_peft_adapter_and_merged_export_compute_what_mimo_does(pools, exported):
+    from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
+
+    from mimo.training.checkpoint import latest_checkpoint
+
+    root = exported["root"]
+    conf = json.loads((root / "adapter" / "adapter_config.json").read_text())
+    assert conf["use_dora"] == exported["dora"] and conf["r"] == 4 and conf["lora_alpha"] == 8
+    # every adapted projection of both towers, one PEFT module each (q k v o gate up down: 7 per layer)
+    text_layers = sum(1 for t in conf["target_modules"] if t.endswith("self_attn.q_proj") and "language_model" in t)
+    assert text_layers > 0 and sum("language_model" in t for t in conf["target_modules"]) == 7 * text_layers
+    assert any("vision_tower" in t and t.endswith("v_proj") for t in conf["target_modules"])
+    assert not any("vision_tower" in t and t.endswith("k_proj") for t in conf["target_modules"])
+
+    step, ckpt = latest_checkpoint(str(root / "run" / "ckpt"))
+    assert step == 2
+    mimo = pools(2).run(_mimo_forward, exported["config"], exported["imported"], ckpt)[0]
+
+    base = _load(LlavaForConditionalGeneration, root / "base")
+    plain = copy.deepcopy(base)
+    tuned = _with_adapter(base, str(root / "adapter"))
+    tuned64 = copy.deepcopy(tuned).double()
+    merged = _load(LlavaForConditionalGeneration, root / "merged")
+    source = _load(LlavaForConditionalGeneration, root / "llava")  # the base as imported
+    ys = Yardstick(TOL)
+    moved = 0.0
+    with torch.no_grad():
+        for i, (ids, pixels, rows) in enumerate(_hf_inputs(mimo, base.config.image_token_id)):
+            ref = tuned(input_ids=ids, pixel_values=pixels).logits[0]
+            ref64 = tuned64(input_ids=ids, pixel_values=None if pixels is None else pixels.double()).logits[0]
+            ys.check(f"PEFT logits of sample {i}", mimo["logits"][rows], ref, ref64)
+            ys.check(f"merged logits of sample {i}", merged(input_ids=ids, pixel_values=pixels).logits[0], ref, ref64)
+            moved = max(moved, rel_err(plain(input_ids=ids, pixel_values=pixels).logits[0], ref))
+            assert rel_err(mimo["start"][rows], source(input_ids=ids, pixel_values=pixels).logits[0]) <= TOL
+    assert ys.ok, ys.summary(3)
+    assert moved > 1e-3, "the adapters changed nothing: the check above could not fail"
+
+    # --merge is base + adapter: PEFT's own merge of the adapter into the exported base
+    unloaded = tuned.merge_and_unload().state_dict()
+    for key, t in merged.state_dict().items():
+        assert rel_err(t, unloaded[key]) <= 1e-6, key
+
+    # --llm-only --adapter: the language model's adapters onto the causal LM
+    lm = _with_adapter(_load(AutoModelForCausalLM, root / "base-llm"), str(root / "adapter-llm"))
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        assert rel_err(lm(input_ids=ids).logits, merged(input_ids=ids).logits) <= TOL
+    conf_llm = json.loads((root / "adapter-llm" / "adapter_config.json").read_text())
+    assert len(conf_llm["target_modules"]) == 7 * text_layers
+
+
+def test_export_of_a_lora_run_needs_adapter_or_merge(exported, tmp_path):
+    run = str(exported["root"] / "run")
+    with pytest.raises(MimoError, match="--adapter DIR"):
+        from mimo.commands.export_hf import export_hf
+
+        export_hf(run, str(tmp_path / "out"))
+    assert main(["export-hf", run, "--out", str(tmp_path / "a"), "--adapter", str(tmp_path / "a")]) != 0
+
+
+# ---------------------------------------------------------------- Qwen3-VL: a fused vision qkv
+
+
+def _qwen3_vl_lora_checkpoint(config_path: str, out: str) -> str:
+    """One rank: the run's model (base from init.hf), every adapter's B and DoRA magnitude drawn
+    (as training would have moved them), saved as the run's checkpoint would be."""
+    import torch.distributed as dist
+
+    from mimo.compose.config import load_config
+    from mimo.compose.model import MimoModel
+    from mimo.training.checkpoint import save_checkpoint
+
+    model = MimoModel(load_config(config_path), dist.get_rank())
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for part in model.parts:
+            for name, p in part.module.named_parameters():
+                if name.endswith("lora_B"):
+                    p.copy_(0.3 * torch.randn(p.shape, generator=g))
+                elif name.endswith("lora_magnitude"):
+                    p.mul_(1 + 0.2 * torch.rand(p.shape, generator=g))
+    return save_checkpoint(model, {}, 3, out)
+
+
+def test_qwen3_vl_adapter_on_the_fused_vision_qkv(pools, tmp_path, capsys):
+    """A Qwen3-VL LoRA checkpoint (DoRA on the tower's fused qkv, proj, fc1, fc2 and the text
+    model's projections) exports as an adapter PEFT loads onto the exported base with nothing
+    missing; PEFT's logits equal the merged export's (tol 1e-5) and its merge_and_unload the
+    merged weights (1e-6)."""
+    import transformers
+    from test_import_hf_qwen3_vl import TOKENS, _build, _modules, _raw
+
+    path = _build("dense", tmp_path)
+    modules = _modules(path, tmp_path, capsys)["modules"]
+    modules["vision"]["lora"] = {"rank": 3, "alpha": 6, "targets": ["qkv", "proj", "fc1", "fc2"], "dora": True}
+    modules["language"]["lora"] = {"rank": 3, "alpha": 6, "targets": ["q", "k", "v", "o", "gate", "up", "down"], "dora": True}
+    config_path = tmp_path / "lora.yaml"
+    config_path.write_text(yaml.safe_dump(_raw(modules)))
+    ckpt = pools(1).run(_qwen3_vl_lora_checkpoint, str(config_path), str(tmp_path / "ckpt"))[0]
+    assert main(["export-hf", ckpt, "--out", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter")]) == 0
+    assert main(["export-hf", ckpt, "--out", str(tmp_path / "merged"), "--merge"]) == 0
+    conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert conf["use_dora"] and any(t.endswith("visual.blocks.0.attn.qkv") for t in conf["target_modules"])
+
+    cls = transformers.Qwen3VLForConditionalGeneration
+    tuned = _with_adapter(_load(cls, tmp_path / "base"), str(tmp_path / "adapter"))
+    merged = _load(cls, tmp_path / "merged")
+    plain = _load(cls, tmp_path / "base")
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randn(16, 3 * 2 * 4 * 4, generator=g)  # one 4x4-patch image (2 merged tokens per side)
+    ids = torch.tensor([[1, 2, TOKENS["vision_start_token_id"], *[TOKENS["image_token_id"]] * 4,
+                         TOKENS["vision_end_token_id"], 5, 6, 7]])
+    inputs = dict(input_ids=ids, pixel_values=pixels, image_grid_thw=torch.tensor([[1, 4, 4]]),
+                  mm_token_type_ids=(ids == TOKENS["image_token_id"]).to(torch.int32))
+    with torch.no_grad():
+        want = tuned(**inputs).logits
+        assert rel_err(merged(**inputs).logits, want) <= TOL
+        assert rel_err(plain(**inputs).logits, want) > 1e-3  # the adapters act: the check above can fail
+    unloaded = tuned.merge_and_unload().state_dict()
+    for key, t in merged.state_dict().items():
+        assert rel_err(t, unloaded[key]) <= 1e-6, key
