@@ -9,7 +9,10 @@ unexpected, and its logits on the step's microbatch equal mimo's forward of the 
 (base from init_from, adapters from the checkpoint) at its layout (the fp64 yardstick, tol
 1e-5), and, before the adapters load, the source LLaVA's (B = 0, DoRA's magnitudes taken from the
 base init_from gave); the merged export's weights equal PEFT's ``merge_and_unload`` (1e-6) and its logits
-mimo's; ``--llm-only --adapter`` loads onto the causal LM with the same text logits.
+mimo's; ``--llm-only --adapter`` loads onto the causal LM with the same text logits. A module's
+``lora.init`` reads the exported directory back, at another layout, tensor for tensor, and refuses
+an adapter of another rank, scale or DoRA setting, or other targets, by name. A Qwen3-VL with
+DoRA on the tower's fused qkv exports and reads back the same way.
 """
 
 from __future__ import annotations
@@ -196,7 +199,7 @@ def test_qwen3_vl_adapter_on_the_fused_vision_qkv(pools, tmp_path, capsys):
     """A Qwen3-VL LoRA checkpoint (DoRA on the tower's fused qkv, proj, fc1, fc2 and the text
     model's projections) exports as an adapter PEFT loads onto the exported base with nothing
     missing; PEFT's logits equal the merged export's (tol 1e-5) and its merge_and_unload the
-    merged weights (1e-6)."""
+    merged weights (1e-6); ``lora.init`` of the directory gives back every adapter tensor exactly."""
     import transformers
     from test_import_hf_qwen3_vl import TOKENS, _build, _modules, _raw
 
@@ -229,3 +232,84 @@ def test_qwen3_vl_adapter_on_the_fused_vision_qkv(pools, tmp_path, capsys):
     unloaded = tuned.merge_and_unload().state_dict()
     for key, t in merged.state_dict().items():
         assert rel_err(t, unloaded[key]) <= 1e-6, key
+    # lora.init of that directory reads every adapter back as the checkpoint holds it
+    adapter = str(tmp_path / "adapter")
+    got = pools(1).run(_adapter_tensors, str(config_path), [f"modules.{m}.lora.init={adapter}" for m in ("language", "vision")])[0]
+    want = _stored_adapters(ckpt)
+    for module in ("language", "vision"):
+        assert want[module] and set(got[module]) == set(want[module])
+        assert all(torch.equal(got[module][n], t) for n, t in want[module].items())
+
+
+# ---------------------------------------------------------------- lora.init: a PEFT adapter read back
+
+
+def _adapter_tensors(config_path: str, overrides: list[str]) -> dict | None:
+    """The model of the config (a lora.init among the overrides), its adapters' full tensors (rank 0)."""
+    import torch.distributed as dist
+
+    from mimo.compose.config import load_config
+    from mimo.compose.model import MimoModel
+    from mimo.parallel.lora import is_adapter_tensor
+
+    model = MimoModel(load_config(config_path, overrides), dist.get_rank())
+    full = model.full_params()
+    if dist.get_rank() != 0:
+        return None
+    return {m: {n: t for n, t in tensors.items() if is_adapter_tensor(n)} for m, tensors in full.items()}
+
+
+def _stored_adapters(checkpoint: str) -> dict:
+    from mimo.commands.export_hf import gather_checkpoint
+    from mimo.parallel.lora import is_adapter_tensor
+
+    _, full = gather_checkpoint(checkpoint)
+    return {m: {n: t for n, t in tensors.items() if is_adapter_tensor(n)} for m, tensors in full.items()}
+
+
+def test_lora_init_reads_the_exported_adapter_back_exactly(pools, exported):
+    """``lora.init`` of the exported PEFT directory, at another layout (the LLM tp 2, the tower data
+    parallel): every adapter tensor of both modules equals the checkpoint's."""
+    from mimo.training.checkpoint import latest_checkpoint
+
+    root = exported["root"]
+    _, ckpt = latest_checkpoint(str(root / "run" / "ckpt"))
+    want = _stored_adapters(ckpt)
+    adapter = str(root / "adapter")
+    got = pools(2).run(_adapter_tensors, exported["config"], [
+        f"modules.language.lora.init={adapter}", f"modules.vision.lora.init={adapter}",
+        "modules.vision.parallel.tp=1", "modules.vision.parallel.dp=2"])[0]
+    for module in ("language", "vision"):
+        assert want[module] and set(got[module]) == set(want[module])
+        unequal = [n for n, t in want[module].items() if not torch.equal(got[module][n], t)]
+        assert not unequal, unequal[:3]
+
+
+def test_lora_init_refuses_what_it_cannot_read_whole(exported, tmp_path):
+    """Another rank or scale, DoRA on one side only, targets the adapter does not have or does
+    not cover: each a MimoError naming it, before any weight is read into a model."""
+    import dataclasses
+
+    from mimo.compose.adapters import adapter_layout
+    from mimo.compose.config import load_config
+    from mimo.compose.peft import module_row_blocks, read_peft_adapter
+
+    adapter = str(exported["root"] / "adapter")
+    base = load_config(exported["config"]).llm
+
+    def read(**changes):
+        cfg = dataclasses.replace(base, lora=dataclasses.replace(base.lora, **changes))
+        return read_peft_adapter(adapter, "language", adapter_layout(cfg, "language", True), module_row_blocks(cfg, True))
+
+    assert len(read()) == (3 if exported["dora"] else 2) * 7 * 2  # 7 projections x 2 layers
+    for changes, message in (({"rank": 2}, "rank 4 and alpha 8"), ({"alpha": 4.0}, "rank 4 and alpha 8"),
+                             ({"dora": not exported["dora"]}, "use_dora"),
+                             ({"targets": ["q", "k", "v", "o"]}, "which modules.language.lora.targets does not"),
+                             ({"targets": ["q", "k", "v", "o", "gate", "up", "down", "gdn_out"]}, None)):
+        if message is None:  # (a target the arch has nothing of: no adapter, nothing missing)
+            read(**changes)
+            continue
+        with pytest.raises(MimoError, match=message):
+            read(**changes)
+    with pytest.raises(MimoError, match="not a PEFT adapter directory"):
+        load_config(exported["config"], [f"modules.language.lora.init={tmp_path}"])

@@ -447,7 +447,7 @@ def export_hf(checkpoint: str, out: str, llm_only: bool = False, max_shard_bytes
     if kind == "llm":  # the language model alone: its adapters alone
         adapters = {m: a for m, a in adapters.items() if m == llm}
     if adapters:
-        from mimo.commands.peft_adapter import write_peft_adapter
+        from mimo.compose.peft import write_peft_adapter
         from mimo.encoders.hf_import import load_hf_state
 
         blocks = _row_blocks(config, hf_config, kind, text_type)

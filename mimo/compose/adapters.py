@@ -16,24 +16,27 @@ import torch
 from mimo.encoders import qwen3_vl, vit
 from mimo.llm import model as llm_model
 from mimo.parallel.init import param_seed
-from mimo.parallel.lora import attach_targets, init_magnitudes_
+from mimo.parallel.lora import AdapterSite, adapter_sites, attach_targets, init_magnitudes_
+from mimo.parallel.params import load_full_
 
-__all__ = ["adapt_llm", "adapt_encoder", "trainable_parameters"]
+__all__ = ["adapt_llm", "adapt_encoder", "adapter_layout", "one_process", "trainable_parameters"]
 
 
 def adapt_llm(stage: torch.nn.Module, cfg, name: str, seed: int | None) -> list[str]:
-    """Adapters on the LLM stage ``stage`` as ``cfg.lora`` says (none: nothing changes)."""
+    """Adapters on the LLM stage ``stage`` as ``cfg.lora`` says (none: nothing changes); drawn
+    from ``seed`` (None: left as built, as on the meta device), or read from ``lora.init``."""
     if cfg.lora is None:
         return []
     adapted = attach_targets(stage, cfg.lora.spec(), None if seed is None else param_seed(seed, f"{name}.lora"),
                              llm_model.LORA_TARGETS, cfg.lora.targets, f"modules.{name}.lora")
     if seed is not None:
         init_magnitudes_(stage)
+        _read_init(stage, cfg, name, llm=True)
     return adapted
 
 
 def adapt_encoder(encoder: torch.nn.Module, cfg, name: str, seed: int | None) -> list[str]:
-    """Adapters on an encoder's tower as ``cfg.lora`` says (none: nothing changes)."""
+    """Adapters on an encoder's tower as ``cfg.lora`` says (as ``adapt_llm``)."""
     if cfg.lora is None:
         return []
     table = qwen3_vl.LORA_TARGETS if cfg.native else vit.LORA_TARGETS
@@ -41,7 +44,40 @@ def adapt_encoder(encoder: torch.nn.Module, cfg, name: str, seed: int | None) ->
                              table, cfg.lora.targets, f"modules.{name}.lora")
     if seed is not None:
         init_magnitudes_(encoder.tower)
+        _read_init(encoder, cfg, name, llm=False)
     return adapted
+
+
+def one_process(cfg):
+    """A module config at one process (every parallel size 1): its full shapes."""
+    one = dataclasses.replace(cfg.parallel, tp=1, cp=1, dp=1, pp=1, ep=1, etp=1, gtp=1, egtp=1, ranks="0:1",
+                              sequence_parallel=False)
+    return dataclasses.replace(cfg, parallel=one)
+
+
+def adapter_layout(cfg, name: str, llm: bool) -> list[AdapterSite]:
+    """Where the adapters of module ``name`` sit in its one-process state (built on the meta
+    device: nothing is allocated)."""
+    from mimo.encoders.model import build_encoder
+
+    with torch.device("meta"):
+        if llm:
+            shell = llm_model.LLMStage(cfg.arch)
+            adapt_llm(shell, cfg, name, None)
+        else:  # (the projector's width does not matter: it takes no adapter)
+            shell = build_encoder(one_process(cfg), 1)
+            adapt_encoder(shell, cfg, name, None)
+    return adapter_sites(shell)
+
+
+def _read_init(module: torch.nn.Module, cfg, name: str, llm: bool) -> None:
+    """``lora.init``: the adapters from a PEFT adapter directory, each rank its shard."""
+    if not cfg.lora.init:
+        return
+    from mimo.compose.peft import module_row_blocks, read_peft_adapter
+
+    full = read_peft_adapter(cfg.lora.init, name, adapter_layout(cfg, name, llm), module_row_blocks(cfg, llm))
+    load_full_(module.param_table(), full, strict=False)
 
 
 def trainable_parameters(config) -> dict[str, int]:
@@ -59,7 +95,7 @@ def trainable_parameters(config) -> dict[str, int]:
         out[config.llm_name] = count(stage)
         for name, enc in config.encoders.items():
             # one process's module (the count does not depend on the layout)
-            module = build_encoder(dataclasses.replace(enc, parallel=dataclasses.replace(enc.parallel, tp=1)), llm.arch.hidden)
+            module = build_encoder(one_process(enc), llm.arch.hidden)
             adapt_encoder(module, enc, name, None)
             out[name] = count(module)
     return out

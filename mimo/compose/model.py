@@ -16,7 +16,6 @@ sections then load timm / Hugging Face checkpoints.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field
 from functools import partial
@@ -24,7 +23,7 @@ from typing import Callable, Literal
 
 import torch
 
-from mimo.compose.adapters import adapt_encoder, adapt_llm
+from mimo.compose.adapters import adapt_encoder, adapt_llm, adapter_layout, one_process
 from mimo.compose.config import Fp8Config, MimoConfig
 from mimo.core.errors import MimoError
 from mimo.encoders.model import build_encoder
@@ -35,7 +34,7 @@ from mimo.parallel import gemm, param_seed
 from mimo.parallel.fp8 import apply_fp8, clear_fp8, history_step
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.grid import GroupRegistry, ParallelGrid
-from mimo.parallel.lora import AdapterSite, adapter_sites
+from mimo.parallel.lora import AdapterSite
 from mimo.parallel.params import ParamInfo, TrainParam
 
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.")  # an LLM layer's modules, by global index
@@ -111,23 +110,17 @@ def adapted_base(config: MimoConfig, name: str) -> tuple[dict[str, torch.Tensor]
     adapters sit in it."""
     from mimo.parallel.params import full_tensors
 
-    cfg = config.modules[name]
-    one = dataclasses.replace(cfg.parallel, tp=1, cp=1, dp=1, pp=1, ep=1, etp=1, gtp=1, egtp=1, ranks="0:1",
-                              sequence_parallel=False)
-    if cfg is config.llm:
+    cfg, llm = config.modules[name], name == config.llm_name
+    if llm:
         module = LLMStage(cfg.arch)
         init_llm_(module, config)
     else:
-        module = build_encoder(dataclasses.replace(cfg, parallel=one), config.llm.arch.hidden)
+        module = build_encoder(one_process(cfg), config.llm.arch.hidden)
         init_encoder_(module, config, name)
     state = full_tensors(module.param_table())
     params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     state.update({n: t.detach().clone() for n, t in module.state_dict().items() if n not in params and n not in state})
-    with torch.device("meta"):  # the adapters' places (adapt_*'s own attach, nothing drawn)
-        shell = LLMStage(cfg.arch) if cfg is config.llm else build_encoder(dataclasses.replace(cfg, parallel=one),
-                                                                           config.llm.arch.hidden)
-        (adapt_llm if cfg is config.llm else adapt_encoder)(shell, cfg, name, None)
-    return state, adapter_sites(shell)
+    return state, adapter_layout(cfg, name, llm)
 
 
 class MimoModel:

@@ -3,6 +3,7 @@ torch so that configs load without it."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from mimo.core.errors import ConfigError
@@ -40,6 +41,7 @@ class LoraConfig:
     dropout: float = 0.0
     dora: bool = False  # weight-decomposed LoRA
     targets: list[str] = field(default_factory=list)
+    init: str | None = None  # a PEFT adapter directory the adapters start from (mimo.compose.peft)
 
     def validate(self, path: str) -> list[str]:
         problems = []
@@ -51,6 +53,8 @@ class LoraConfig:
             problems.append(f"{join_path(path, 'dropout')}: must be in [0, 1), got {self.dropout}")
         if not self.targets:
             problems.append(f"{join_path(path, 'targets')}: name at least one projection")
+        if self.init is not None and not os.path.isfile(os.path.join(self.init, "adapter_config.json")):
+            problems.append(f"{join_path(path, 'init')}: {self.init} is not a PEFT adapter directory (no adapter_config.json)")
         repeated = sorted({t for t in self.targets if self.targets.count(t) > 1})
         if repeated:
             problems.append(f"{join_path(path, 'targets')}: {', '.join(repeated)} listed more than once")

@@ -998,8 +998,8 @@ def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.opt
     if not same:
         _check_all_read({m: set(p.table) for m, p in parts.items()}, {m: s.names() for m, s in stored.items()}, path)
     for part in model.parts:
-        if part.name in base_of and part.module is not None:
-            init_magnitudes_(part.module)  # DoRA: from the base just read
+        if part.name in base_of and part.module is not None and not model.config.modules[part.name].lora.init:
+            init_magnitudes_(part.module)  # DoRA: from the base just read (lora.init: the adapter's own)
     if rng:
         rng_file = os.path.join(path, f"rng-rank{model.rank:05d}.safetensors")
         if same or os.path.isfile(rng_file):  # (training draws from seeded generators of its own: see reshard)

@@ -1,0 +1,265 @@
+"""A run's low-rank adapters as a PEFT adapter directory (``mimo export-hf --adapter DIR``), and
+a PEFT adapter directory as a run's starting adapters (a module's ``lora.init``).
+
+PEFT keeps one adapter per Hugging Face linear module: ``lora_A`` ``[r, in]``, ``lora_B``
+``[out, r]`` and, for DoRA, ``lora_magnitude_vector`` ``[out]``, keyed
+``base_model.model.<module>.lora_A.weight`` etc. beside an ``adapter_config.json``. Ours sit on
+rows of our (often fused) weights; the export's own rules say where each of our rows lands
+(``hf_row_blocks`` of the language model, ``rule_row_blocks`` of a tower), so:
+
+* an adapter on rows that land in several Hugging Face tensors (our ``qkv`` with one adapter on
+  k | v, written as ``k_proj`` and ``v_proj``) becomes one PEFT adapter per tensor, each with the
+  same A and its own rows of B and of the magnitude: ``s B A`` and DoRA's per-row rescaling
+  are row by row, so the two compute the same;
+* a Hugging Face tensor some of whose rows no adapter of ours covers gets B rows of zero and,
+  for DoRA, magnitudes equal to those base rows' norms (a rescaling by exactly one).
+
+What PEFT cannot hold is refused by name: one Hugging Face tensor with rows of two of our
+adapters (two A), adapters whose rows the export does not copy as rows, modules of one run
+that differ in DoRA.
+
+Reading one (``read_peft_adapter``) inverts the same rules: each adapter of ours takes its A from
+the PEFT modules its rows land in (the same A in each, else an error), its B and magnitude rows
+from theirs; the PEFT modules are found under the base model's own names (a causal LM's, or
+inside a LLaVA or a Qwen3-VL: ``module_row_blocks`` lists the candidates). Rank, scale and DoRA
+must be the config's; a PEFT module no adapter of ours reads, or rows of one that ours do not
+cover holding a nonzero B, are errors: nothing of the adapter is dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from typing import Mapping
+
+import torch
+
+from mimo.core.errors import MimoError
+from mimo.parallel.lora import AdapterSite
+
+__all__ = ["write_peft_adapter", "read_peft_adapter", "module_row_blocks", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
+
+RowBlocks = Mapping[str, list[tuple[str, int, int, int]]]  # ours -> [(HF name, its first row, our first row, rows)]
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+
+def _hf_adapters(module: str, sites: list[AdapterSite], state: Mapping[str, torch.Tensor],
+                 row_blocks: Mapping[str, list[tuple[str, int, int, int]]]) -> dict[str, list[tuple[int, int, AdapterSite, int]]]:
+    """HF tensor -> [(its first row, rows, our adapter, the adapter's first row)] for one module."""
+    out: dict[str, list[tuple[int, int, AdapterSite, int]]] = {}
+    for site in sites:
+        blocks = row_blocks.get(site.weight)
+        if blocks is None:
+            raise MimoError(f"export-hf --adapter: modules.{module}: the adapter {site.adapter} is on {site.weight}, whose "
+                            f"rows Hugging Face does not hold as rows of its own tensors; export with --merge instead")
+        lo, hi = site.rows
+        for theirs, t0, o0, n in blocks:
+            a, b = max(lo, o0), min(hi, o0 + n)
+            if b > a:
+                out.setdefault(theirs, []).append((t0 + a - o0, b - a, site, a - lo))
+    return out
+
+
+def write_peft_adapter(directory: str, base: str, modules: Mapping[str, tuple[list[AdapterSite], Mapping[str, torch.Tensor],
+                                                                            Mapping[str, list[tuple[str, int, int, int]]]]],
+                       hf_state: Mapping[str, object]) -> dict:
+    """Write the adapters of ``modules`` (name -> (its adapter sites, its full state holding
+    the adapters, its row blocks)) as a PEFT directory ``directory`` whose base is the Hugging
+    Face directory ``base`` (``hf_state``: its tensors, indexable lazily). Returns a summary."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    specs: dict[str, object] = {}  # HF module -> the spec of its adapter
+    for module, (sites, state, row_blocks) in modules.items():
+        for theirs, pieces in _hf_adapters(module, sites, state, row_blocks).items():
+            owners = {p[2].adapter for p in pieces}
+            if len(owners) > 1:
+                raise MimoError(f"export-hf --adapter: Hugging Face's {theirs} holds rows of {len(owners)} adapters of "
+                                f"modules.{module} ({', '.join(sorted(owners))}); PEFT has one adapter per module: adapt "
+                                f"those projections together (one lora target) or export with --merge")
+            if theirs not in hf_state or not theirs.endswith(".weight"):
+                raise MimoError(f"export-hf --adapter: modules.{module}: {theirs} is not a weight of the exported model")
+            site = pieces[0][2]
+            A = state[f"{site.adapter}.lora_A"]
+            shape = tuple(hf_state[theirs].shape)
+            if len(shape) != 2 or shape[1] != A.shape[1]:
+                raise MimoError(f"export-hf --adapter: {theirs} has shape {shape}; the adapter {site.adapter} reads {A.shape[1]} "
+                                f"input features")
+            B, m = state[f"{site.adapter}.lora_B"], state.get(f"{site.adapter}.lora_magnitude")
+            B_hf = torch.zeros(shape[0], B.shape[1], dtype=B.dtype)
+            covered = torch.zeros(shape[0], dtype=torch.bool)
+            m_hf = None if m is None else torch.zeros(shape[0], dtype=m.dtype)
+            for t0, n, _, s0 in pieces:
+                B_hf[t0:t0 + n] = B[s0:s0 + n]
+                covered[t0:t0 + n] = True
+                if m is not None:
+                    m_hf[t0:t0 + n] = m[s0:s0 + n]
+            if m is not None and not bool(covered.all()):  # B = 0 there: m = the base row's norm rescales by one
+                rows = torch.as_tensor(hf_state[theirs][(slice(0, shape[0]), slice(0, shape[1]))])
+                norms = rows.to(torch.promote_types(rows.dtype, torch.float32)).norm(dim=1)
+                m_hf[~covered] = norms[~covered].to(m.dtype)
+            name = PREFIX + theirs[: -len(".weight")]
+            tensors[f"{name}.lora_A.weight"] = A.detach().contiguous().clone()
+            tensors[f"{name}.lora_B.weight"] = B_hf
+            if m_hf is not None:
+                tensors[f"{name}.lora_magnitude_vector"] = m_hf
+            specs[theirs[: -len(".weight")]] = site.spec
+    if not specs:
+        raise MimoError("export-hf --adapter: the run has no adapters to write")
+    doras = {spec.dora for spec in specs.values()}
+    if len(doras) > 1:
+        raise MimoError("export-hf --adapter: some modules use DoRA and some do not; PEFT's use_dora is one for the whole "
+                        "adapter: export with --merge")
+    # the commonest rank and alpha for all; the rest per module (PEFT's rank_pattern / alpha_pattern)
+    rank, alpha = Counter((s.rank, s.alpha) for s in specs.values()).most_common(1)[0][0]
+    config = {
+        "peft_type": "LORA", "task_type": None, "base_model_name_or_path": os.path.abspath(base), "revision": None,
+        "r": rank, "lora_alpha": alpha, "lora_dropout": max(s.dropout for s in specs.values()),
+        "target_modules": sorted(specs), "use_dora": doras.pop(), "use_rslora": False, "bias": "none",
+        "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "rank_pattern": {k: s.rank for k, s in specs.items() if s.rank != rank},
+        "alpha_pattern": {k: s.alpha for k, s in specs.items() if s.alpha != alpha},
+    }
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(directory, ADAPTER_CONFIG), "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+    return {"adapter": directory, "adapted_modules": len(specs), "adapter_tensors": len(tensors),
+            "rank": rank, "alpha": alpha, "dora": config["use_dora"]}
+
+
+# ---------------------------------------------------------------- reading
+
+
+def module_row_blocks(cfg, llm: bool) -> list[RowBlocks]:
+    """Candidate row rules of a module (its config ``cfg``; ``llm``: the language model) under the names a PEFT adapter of a Hugging Face
+    model of it may use, first match wins: the language model as a causal LM, inside a LLaVA
+    (either naming) or inside a Qwen3-VL; a tower's rules without their prefix (found by
+    suffix: ``encoder.layers.0.self_attn.q_proj`` under any LLaVA or CLIP prefix)."""
+    from mimo.encoders.weights import rule_row_blocks
+    from mimo.llm.hf import LLAVA_LM, _same, hf_row_blocks, llava_lm_key, qwen3_vl_lm_key
+
+    if llm:
+        renames = [_same, qwen3_vl_lm_key, *[(lambda k, pair=pair: llava_lm_key(k, *pair)) for pair in LLAVA_LM.values()]]
+        out = []
+        for rename in renames:
+            try:
+                out.append(hf_row_blocks(cfg.arch, rename))
+            except MimoError:  # (a family whose names this rename does not take)
+                continue
+        return out
+    if cfg.native:
+        from mimo.encoders.hf_qwen3_vl import hf_rules
+    else:
+        from mimo.encoders.hf_import import hf_rules
+    return [{f"tower.{ours}": blocks for ours, blocks in rule_row_blocks(hf_rules(cfg.arch, "")).items()}]
+
+
+def _pattern_value(patterns: Mapping[str, object], module: str, default):
+    """PEFT's per-module override: the value of the first pattern the module's name ends with."""
+    for pattern, value in patterns.items():
+        if re.fullmatch(rf"(.*\.)?({pattern})", module):
+            return value
+    return default
+
+
+def _read_dir(directory: str) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """(adapter_config.json, PEFT module -> {lora_A, lora_B, lora_magnitude_vector})."""
+    from safetensors.torch import load_file
+
+    conf_file, weights = os.path.join(directory, ADAPTER_CONFIG), os.path.join(directory, ADAPTER_WEIGHTS)
+    for f in (conf_file, weights):
+        if not os.path.isfile(f):
+            raise MimoError(f"lora.init {directory}: no {os.path.basename(f)} (a PEFT adapter directory as "
+                            f"save_pretrained or mimo export-hf --adapter writes it)")
+    with open(conf_file) as f:
+        conf = json.load(f)
+    if conf.get("peft_type") != "LORA":
+        raise MimoError(f"lora.init {directory}: a {conf.get('peft_type')} adapter; mimo reads LoRA / DoRA ones")
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in load_file(weights).items():
+        m = re.fullmatch(r"base_model\.model\.(.+)\.(lora_A|lora_B)\.weight|base_model\.model\.(.+)\.(lora_magnitude_vector)", key)
+        if m is None:
+            raise MimoError(f"lora.init {directory}: tensor {key!r} is not a LoRA weight (embedding adapters, "
+                            f"modules_to_save and bias training are not read)")
+        modules.setdefault(m.group(1) or m.group(3), {})[m.group(2) or m.group(4)] = t
+    return conf, modules
+
+
+def _resolve(theirs: str, modules: Mapping[str, dict]) -> str | None:
+    name = theirs[: -len(".weight")] if theirs.endswith(".weight") else theirs
+    if name in modules:
+        return name
+    found = [m for m in modules if m.endswith("." + name)]
+    return found[0] if len(found) == 1 else None
+
+
+def read_peft_adapter(directory: str, module: str, sites: list[AdapterSite], candidates: list[RowBlocks]
+                      ) -> dict[str, torch.Tensor]:
+    """The full tensors of ``sites`` (one module's adapters, ``module`` its name) from the PEFT
+    adapter directory ``directory``, by the names of the module's one-process state."""
+    conf, modules = _read_dir(directory)
+    what = f"modules.{module}.lora.init {directory}"
+    if conf.get("use_rslora"):
+        raise MimoError(f"{what}: use_rslora scales by alpha / sqrt(r); mimo's adapters scale by alpha / r")
+    best, placed, owned = None, None, set()
+    for blocks in candidates:
+        try:
+            pieces = {s.adapter: [(_resolve(theirs, modules), t0, n, s0) for theirs, (t0, n, _, s0) in
+                                  ((t, p) for t, ps in _hf_adapters(module, [s], {}, blocks).items() for p in ps)]
+                      for s in sites}
+        except MimoError:
+            continue
+        lost = sum(p[0] is None for ps in pieces.values() for p in ps)
+        if best is None or lost < best:  # (owned: the PEFT modules that are this module's projections)
+            best, placed = lost, pieces
+            owned = {_resolve(theirs, modules) for bs in blocks.values() for theirs, *_ in bs} - {None}
+        if lost == 0:
+            break
+    if placed is None or best:
+        raise MimoError(f"{what}: holds no adapter for some of the projections modules.{module}.lora.targets adapts "
+                        f"(its modules: {', '.join(sorted(modules)[:4])} ...): adapt what the adapter adapts")
+    out: dict[str, torch.Tensor] = {}
+    used: dict[str, torch.Tensor] = {}  # PEFT module -> rows of it that ours cover
+    for site in sites:
+        spec, lo, hi = site.spec, *site.rows
+        A = None
+        B = torch.zeros(hi - lo, spec.rank)
+        m = torch.zeros(hi - lo) if spec.dora else None
+        for peft_module, t0, n, s0 in placed[site.adapter]:
+            theirs = modules[peft_module]
+            r = _pattern_value(conf.get("rank_pattern") or {}, peft_module, conf.get("r"))
+            alpha = _pattern_value(conf.get("alpha_pattern") or {}, peft_module, conf.get("lora_alpha"))
+            if theirs["lora_A"].shape[0] != spec.rank or r != spec.rank or abs(alpha / r - spec.scale) > 1e-9 * spec.scale:
+                raise MimoError(f"{what}: {peft_module} has rank {theirs['lora_A'].shape[0]} and alpha {alpha}; "
+                                f"modules.{module}.lora says rank {spec.rank}, alpha {spec.alpha}")
+            if ("lora_magnitude_vector" in theirs) != spec.dora or bool(conf.get("use_dora")) != spec.dora:
+                raise MimoError(f"{what}: use_dora is {bool(conf.get('use_dora'))}; modules.{module}.lora.dora is {spec.dora}")
+            if A is None:
+                A = theirs["lora_A"]
+            elif not torch.equal(A, theirs["lora_A"]):
+                raise MimoError(f"{what}: {peft_module} and another PEFT module hold different A, where mimo's adapter "
+                                f"{site.adapter} has one: adapt those projections separately (lora.targets)")
+            B[s0:s0 + n] = theirs["lora_B"][t0:t0 + n]
+            if m is not None:
+                m[s0:s0 + n] = theirs["lora_magnitude_vector"][t0:t0 + n]
+            rows = used.setdefault(peft_module, torch.zeros(theirs["lora_B"].shape[0], dtype=torch.bool))
+            rows[t0:t0 + n] = True
+        out[f"{site.adapter}.lora_A"] = A.float()
+        out[f"{site.adapter}.lora_B"] = B
+        if m is not None:
+            out[f"{site.adapter}.lora_magnitude"] = m
+    unread = sorted(owned - set(used))
+    if unread:
+        raise MimoError(f"{what}: adapts {', '.join(unread[:3])}{' ...' if len(unread) > 3 else ''}, which "
+                        f"modules.{module}.lora.targets does not: nothing of the adapter is left out")
+    for peft_module, rows in used.items():
+        if not bool(rows.all()) and bool(modules[peft_module]["lora_B"][~rows].any()):
+            raise MimoError(f"{what}: {peft_module}'s adapter changes rows no adapter of modules.{module} covers")
+    return out
