@@ -47,6 +47,7 @@ from mimo.parallel import gemm
 from mimo.parallel.collectives import copy_to_group, gather_seq
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import RowParallelLinear, TPModule
+from mimo.parallel.lora import fused_adapters
 from mimo.parallel.placement import ParamPlacement, replicated, sharded
 
 __all__ = ["GDNConfig", "gated_delta_chunked", "gated_delta_step", "gated_delta_over_chunks", "l2norm", "GatedDeltaNetMixer", "GatedDeltaNet", "build_gdn"]
@@ -226,9 +227,14 @@ class GatedDeltaNetMixer(TPModule):
         for name, placement in self._placements.items():
             self.register_parameter(name, self._new_param(placement, None, None))
         self.out_proj = RowParallelLinear(dv, cfg.hidden, bias=False, ctx=self.ctx, input_is_parallel=True)
+        self.in_parts = dict(zip("qkvzba", in_parts))
 
     def placements(self) -> dict[str, ParamPlacement]:
         return self._placements
+
+    def lora_rows(self) -> tuple[str, dict[str, int]]:
+        """The input projection's fused weight and its parts, for adapters (``mimo.parallel.lora``)."""
+        return "in_proj_weight", self.in_parts
 
     def param_init(self, name: str):
         """Init rules for ``mimo.parallel.params`` (as fla); None: N(0, std) projections."""
@@ -243,8 +249,10 @@ class GatedDeltaNetMixer(TPModule):
         t, hl, vhl = x_TD.shape[0], self.heads_local, self.v_heads_local
         dql, dvl = hl * cfg.head_dim, vhl * cfg.v_head_dim
         # this rank's q | k | v | z | b | a rows are adjacent in the fused weight, as are its q | k | v conv rows
-        qkv_TC, z_TC, b_TH, a_TH = gemm.linear(x_TD, self.in_proj_weight, None, self.recipe).split(
-            [2 * dql + dvl, dvl, vhl, vhl], dim=-1)
+        y_TC = gemm.linear(x_TD, self.in_proj_weight, None, self.recipe)
+        if self.lora:  # (adapters per group of the q | k | v | z | b | a parts)
+            y_TC = torch.cat(fused_adapters(self, x_TD, y_TC.split([dql, dql, dvl, dvl, vhl, vhl], dim=-1)), -1)
+        qkv_TC, z_TC, b_TH, a_TH = y_TC.split([2 * dql + dvl, dvl, vhl, vhl], dim=-1)
 
         cache = seq.cache
         state = None if cache is None else cache.state(self)  # its generation cache entry (mimo.llm.cache)

@@ -1,7 +1,8 @@
 """Low-rank adapters on whole runs (issue 51): ``configs/examples/lora.yaml`` (LoRA on the LLM's
 attention and MLP projections at tp 2, on the vision tower's q / v at dp 4, the projector trained
 whole) against the one-process reference (``mimo verify-train``'s comparison, fp64 yardstick), in
-LoRA and DoRA, with sequence parallelism, pipeline stages and the distributed optimizer; a LoRA
+LoRA and DoRA, with sequence parallelism, pipeline stages and the distributed optimizer, and DoRA on a
+Gated DeltaNet layer's fused input projection (four adapters: q | k | v, z, b, a); a LoRA
 checkpoint holds the adapters and what else trains, and resumes exactly; the counts that
 metrics.jsonl reports; configuration errors."""
 
@@ -27,6 +28,8 @@ LAYOUTS = {
     "dora, llm tp2 pp2, distributed optimizer, recompute": [
         LANG + "lora.dora=true", VIS + "lora.dora=true", LANG + "parallel={tp: 2, pp: 2, dp: 1, ranks: '0:4'}",
         "train.distributed_optimizer=true", "train.recompute=full"],
+    "dora on gated deltanet in / out and mlp, llm tp2 dp2": [
+        LANG + "arch.pattern=G-*-", LANG + "lora.dora=true", LANG + "lora.targets=[gdn_in, gdn_out, q, v, gate, down]"],
 }
 
 

@@ -31,6 +31,7 @@ from mimo.parallel.collectives import (
 )
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.init import init_local, param_seed
+from mimo.parallel.lora import fused_adapters
 from mimo.parallel.placement import ParamPlacement, gather_full, replicated, shard_full, sharded
 
 __all__ = ["TPModule", "ColumnParallelLinear", "FusedColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
@@ -157,19 +158,16 @@ class FusedColumnParallelLinear(TPModule):
     def placements(self) -> dict[str, ParamPlacement]:
         return self._placements
 
+    def lora_rows(self) -> tuple[str, dict[str, int]]:
+        """The fused weight's name and parts, for adapters per group of parts (``mimo.parallel.lora``)."""
+        return "weight", self.parts
+
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x_TD = gather_seq(x_TD, self.group) if self.sequence_parallel else copy_to_group(x_TD, self.group)
         if not self.lora:
             y_TF = gemm.linear(x_TD, self.weight, self.bias, self.recipe)
             return tuple(y_TF.split(self.local_sizes, dim=-1))
-        ys = list(gemm.linear(x_TD, self.weight, None, self.recipe).split(self.local_sizes, dim=-1))
-        weights = self.weight.split(self.local_sizes, dim=0)
-        names = list(self.parts)
-        for key, adapter in self.lora.items():  # key: its parts joined by "_" (consecutive, in part order)
-            idx = [names.index(p) for p in key.split("_")]
-            y_TP = adapter(x_TD, torch.cat([ys[i] for i in idx], -1), torch.cat([weights[i] for i in idx], 0))
-            for i, piece in zip(idx, y_TP.split([self.local_sizes[i] for i in idx], dim=-1)):
-                ys[i] = piece
+        ys = fused_adapters(self, x_TD, gemm.linear(x_TD, self.weight, None, self.recipe).split(self.local_sizes, dim=-1))
         biases = self.bias.split(self.local_sizes, dim=0) if self.bias is not None else [None] * len(ys)
         out = [y_TP if b_P is None else y_TP + b_P for y_TP, b_P in zip(ys, biases)]
         return tuple(out)

@@ -40,7 +40,7 @@ from mimo.parallel.lora_config import LoraConfig, LoraSpec
 from mimo.parallel.placement import ParamPlacement, replicated, sharded
 
 __all__ = ["LoraConfig", "LoraSpec", "LoraAdapter", "LoraTarget", "AdapterSite", "attach", "attach_targets", "init_magnitudes_",
-           "adapter_sites", "merge_adapters", "merged_rows", "is_adapter_tensor"]
+           "adapter_sites", "merge_adapters", "merged_rows", "is_adapter_tensor", "fused_rows", "fused_adapters"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class LoraTarget:
     pattern: str
     groups: tuple[tuple[str, ...], ...] | None = None
     owner: str | None = None
+    cls: str | None = None  # the class of the matched module itself, where named
 
 
 class LoraAdapter(nn.Module):
@@ -149,13 +150,16 @@ def attach(layer: nn.Module, spec: LoraSpec, seed: int | None, groups: list[tupl
     """Adapters on one tensor-parallel linear layer, initialised from ``seed`` (``init_weights``;
     None: left uninitialised, as on the meta device); returns their names under ``layer``. A fused layer gets one adapter per group of its parts
     (consecutive, in part order; default: one per part), keyed by the parts joined by ``_``."""
-    from mimo.parallel.layers import ColumnParallelLinear, FusedColumnParallelLinear, RowParallelLinear
+    from mimo.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    dd = {"device": layer.weight.device, "dtype": layer.weight.dtype}
     if layer.ctx.gtp_size > 1:
         raise ConfigError("lora: adapters on GTP-sharded weights are not supported (parallel.gtp: 1)")
-    if isinstance(layer, FusedColumnParallelLinear):
-        names = list(layer.parts)
+    rows = fused_rows(layer)
+    if rows is not None:
+        weight_name, parts = rows
+        weight = getattr(layer, weight_name)
+        dd = {"device": weight.device, "dtype": weight.dtype}
+        names = list(parts)
         groups = groups or [(p,) for p in names]
         covered = [p for group in groups for p in group]
         if len(covered) != len(set(covered)):
@@ -165,12 +169,13 @@ def attach(layer: nn.Module, spec: LoraSpec, seed: int | None, groups: list[tupl
             idx = [names.index(p) for p in group]
             if idx != list(range(idx[0], idx[0] + len(idx))) or any("_" in p for p in group):
                 raise ValueError(f"adapter parts {group} must be consecutive parts of {names} without '_'")
-            sizes = tuple(layer.parts[p] for p in group)
-            adapter = LoraAdapter(layer.in_features, sum(sizes), spec, layer.ctx, "rows", parts=sizes, **dd)
+            sizes = tuple(parts[p] for p in group)
+            adapter = LoraAdapter(weight.shape[1], sum(sizes), spec, layer.ctx, "rows", parts=sizes, **dd)
             if seed is not None:
                 adapter.init_weights(param_seed(seed, "_".join(group)))
             layer.lora["_".join(group)] = adapter
         return [f"lora.{key}" for key in layer.lora]
+    dd = {"device": layer.weight.device, "dtype": layer.weight.dtype}
     if isinstance(layer, ColumnParallelLinear):
         if layer.padded_out_features != layer.out_features:
             raise ConfigError("lora: a layer with padded output rows (a vocab-split head) takes no adapter")
@@ -185,19 +190,44 @@ def attach(layer: nn.Module, spec: LoraSpec, seed: int | None, groups: list[tupl
     return ["lora"]
 
 
+def fused_rows(layer: nn.Module) -> tuple[str, dict[str, int]] | None:
+    """A layer whose weight is several projections' rows fused (each part split over TP by rows,
+    this rank's rows of every part adjacent, in part order): (its weight's name, the parts' full
+    sizes), from its ``lora_rows()``; None for any other layer."""
+    rows = getattr(layer, "lora_rows", None)
+    return rows() if callable(rows) else None
+
+
+def _local_parts(layer: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+    """(part names, this rank's rows of the weight per part) of a fused layer."""
+    weight_name, parts = fused_rows(layer)
+    tp = layer.ctx.tp_size
+    return list(parts), list(getattr(layer, weight_name).split([n // tp for n in parts.values()], dim=0))
+
+
+def fused_adapters(layer: nn.Module, x_TD: torch.Tensor, ys: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A fused layer's per-part outputs ``ys`` (this rank's, bias not added) with its adapters'
+    (``layer.lora``: one per group of consecutive parts, keyed by their names joined by ``_``)."""
+    names, weights = _local_parts(layer)
+    ys = list(ys)
+    for key, adapter in layer.lora.items():
+        idx = [names.index(p) for p in key.split("_")]
+        y_TP = adapter(x_TD, torch.cat([ys[i] for i in idx], -1), torch.cat([weights[i] for i in idx], 0))
+        for i, piece in zip(idx, y_TP.split([ys[i].shape[-1] for i in idx], dim=-1)):
+            ys[i] = piece
+    return ys
+
+
 @torch.no_grad()
 def init_magnitudes_(root: nn.Module) -> None:
     """DoRA: every adapter's magnitude from its base weight as it is now (after the base weights
     are loaded; a no-op for plain LoRA)."""
-    from mimo.parallel.layers import FusedColumnParallelLinear
-
     for module in root.modules():
         lora = getattr(module, "lora", None)
         if isinstance(lora, LoraAdapter):
             lora.init_magnitude_(module.weight)
-        elif isinstance(lora, nn.ModuleDict) and isinstance(module, FusedColumnParallelLinear):
-            weights = module.weight.split(module.local_sizes, dim=0)
-            names = list(module.parts)
+        elif isinstance(lora, nn.ModuleDict) and fused_rows(module) is not None:
+            names, weights = _local_parts(module)
             for key, adapter in lora.items():
                 adapter.init_magnitude_(torch.cat([weights[names.index(p)] for p in key.split("_")], 0))
 
@@ -208,8 +238,6 @@ def attach_targets(root: nn.Module, spec: LoraSpec, seed: int | None, table: dic
     each initialised from ``param_seed(seed, its module path)``; every other parameter of ``root``
     frozen, the adapters trained. Returns the adapted module paths. ``what`` names the module in
     errors (``modules.vision.lora``)."""
-    from mimo.parallel.layers import FusedColumnParallelLinear
-
     unknown = [t for t in targets if t not in table]
     if unknown:
         raise ConfigError(f"{what}.targets: {', '.join(unknown)} not among this module's projections "
@@ -220,7 +248,8 @@ def attach_targets(root: nn.Module, spec: LoraSpec, seed: int | None, table: dic
     for name in targets:
         target = table[name]
         hits = [path for path in layers if re.fullmatch(target.pattern, path)
-                and (target.owner is None or type(layers[path.rpartition(".")[0]]).__name__ == target.owner)]
+                and (target.owner is None or type(layers[path.rpartition(".")[0]]).__name__ == target.owner)
+                and (target.cls is None or type(layers[path]).__name__ == target.cls)]
         for path in hits:
             if target.groups is None:
                 chosen[path] = None
@@ -230,8 +259,8 @@ def attach_targets(root: nn.Module, spec: LoraSpec, seed: int | None, table: dic
     adapted = []
     for path, groups in chosen.items():
         layer = layers[path]
-        if isinstance(layer, FusedColumnParallelLinear):
-            order = list(layer.parts)
+        if fused_rows(layer) is not None:
+            order = list(fused_rows(layer)[1])
             groups = sorted(groups or [(p,) for p in order], key=lambda g: order.index(g[0]))
         attach(layer, spec, None if seed is None else param_seed(seed, path), groups)
         adapted.append(path)
@@ -260,21 +289,21 @@ class AdapterSite:
 def adapter_sites(root: nn.Module) -> list[AdapterSite]:
     """Every adapter of ``root`` (adapters attached, any device, the meta one included), by
     the full names of a one-process module's state."""
-    from mimo.parallel.layers import FusedColumnParallelLinear
-
     sites = []
     for path, module in root.named_modules():
         lora = getattr(module, "lora", None)
         prefix = f"{path}." if path else ""
         if isinstance(lora, LoraAdapter):
             sites.append(AdapterSite(f"{prefix}lora", f"{prefix}weight", (0, lora.out_features), lora.spec))
-        elif isinstance(lora, nn.ModuleDict) and isinstance(module, FusedColumnParallelLinear):
+        elif isinstance(lora, nn.ModuleDict) and fused_rows(module) is not None:
+            weight_name, parts = fused_rows(module)
             starts, at = {}, 0
-            for part, size in module.parts.items():
+            for part, size in parts.items():
                 starts[part], at = at, at + size
             for key, adapter in lora.items():
                 lo = starts[key.split("_")[0]]
-                sites.append(AdapterSite(f"{prefix}lora.{key}", f"{prefix}weight", (lo, lo + adapter.out_features), adapter.spec))
+                sites.append(AdapterSite(f"{prefix}lora.{key}", prefix + weight_name, (lo, lo + adapter.out_features),
+                                         adapter.spec))
     return sites
 
 
