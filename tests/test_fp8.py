@@ -78,6 +78,23 @@ def test_linear_is_its_quantization_in_fp64(kind, rows):
         assert torch.equal(owner.fp8_history[0, :, 0], want)
 
 
+@pytest.mark.parametrize("kind", ["tensorwise", "rowwise", "delayed"])
+def test_a_product_of_no_rows(kind):
+    """A rank with no rows this microbatch (a data-parallel tower given no image): an empty output,
+    a zero weight gradient, and (delayed) amax 0 recorded, which takes no part in the window's max."""
+    w = torch.nn.Parameter(torch.randn(48, 64))
+    owner = torch.nn.Module()
+    owner.w = w
+    if kind == "delayed":
+        owner.register_buffer("fp8_history", torch.zeros(1, 3, 4))
+    x = torch.zeros(0, 64, requires_grad=True)
+    y = gemm.linear(x, w, None, FP8Site(kind, None, (), owner if kind == "delayed" else None, [w]))
+    y.backward(torch.zeros(0, 48))
+    assert y.shape == (0, 48) and x.grad.shape == (0, 64) and not w.grad.any()
+    if kind == "delayed":
+        assert owner.fp8_history[0, 0, 0] == 0 and owner.fp8_history[0, 1, 0] == w.detach().abs().max()
+
+
 def _graph_nodes(t: torch.Tensor) -> set[str]:
     seen, todo, names = set(), [t.grad_fn], set()
     while todo:

@@ -174,8 +174,8 @@ def test_export_of_a_lora_run_needs_adapter_or_merge(exported, tmp_path):
 # ---------------------------------------------------------------- Qwen3-VL: a fused vision qkv
 
 
-def _qwen3_vl_lora_checkpoint(config_path: str, out: str) -> str:
-    """One rank: the run's model (base from init.hf), every adapter's B and DoRA magnitude drawn
+def _drawn_lora_checkpoint(config_path: str, out: str) -> str:
+    """One rank: the config's model (base from init.hf), every adapter's B and DoRA magnitude drawn
     (as training would have moved them), saved as the run's checkpoint would be."""
     import torch.distributed as dist
 
@@ -209,7 +209,7 @@ def test_qwen3_vl_adapter_on_the_fused_vision_qkv(pools, tmp_path, capsys):
     modules["language"]["lora"] = {"rank": 3, "alpha": 6, "targets": ["q", "k", "v", "o", "gate", "up", "down"], "dora": True}
     config_path = tmp_path / "lora.yaml"
     config_path.write_text(yaml.safe_dump(_raw(modules)))
-    ckpt = pools(1).run(_qwen3_vl_lora_checkpoint, str(config_path), str(tmp_path / "ckpt"))[0]
+    ckpt = pools(1).run(_drawn_lora_checkpoint, str(config_path), str(tmp_path / "ckpt"))[0]
     assert main(["export-hf", ckpt, "--out", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter")]) == 0
     assert main(["export-hf", ckpt, "--out", str(tmp_path / "merged"), "--merge"]) == 0
     conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
@@ -313,3 +313,52 @@ def test_lora_init_refuses_what_it_cannot_read_whole(exported, tmp_path):
             read(**changes)
     with pytest.raises(MimoError, match="not a PEFT adapter directory"):
         load_config(exported["config"], [f"modules.language.lora.init={tmp_path}"])
+
+
+# ---------------------------------------------------------------- Qwen3.5: Gated DeltaNet's input projection
+
+
+def test_qwen3_5_adapters_on_gated_deltanet_projections(pools, tmp_path, capsys):
+    """A Qwen3.5 causal LM with DoRA on the Gated DeltaNet input projection (gdn_in: four adapters
+    on our fused weight, one per Hugging Face module in_proj_qkv / _z / _b / _a), its output
+    projection and the attention / MLP ones: ``--llm-only --adapter`` loads into PEFT, its logits
+    equal the merged export's (1e-5) and its merge_and_unload the merged weights (1e-6); read
+    back by lora.init tensor for tensor."""
+    import transformers
+    from test_hf_qwen3_5 import _text_config, randomize_
+
+    model = transformers.AutoModelForCausalLM.from_config(_text_config("dense"), dtype=torch.float32)
+    randomize_(model, 0)
+    path = str(tmp_path / "qwen3_5")
+    model.save_pretrained(path)
+    assert main(["import-hf", path, "--yaml", str(tmp_path / "modules.yaml")]) == 0
+    capsys.readouterr()
+    modules = yaml.safe_load((tmp_path / "modules.yaml").read_text())["modules"]
+    (name, llm), = modules.items()
+    llm["lora"] = {"rank": 2, "alpha": 5, "dora": True,
+                   "targets": ["gdn_in", "gdn_out", "q", "k", "v", "o", "gate", "up", "down"]}
+    config_path = tmp_path / "lora.yaml"
+    config_path.write_text(yaml.safe_dump({"world_size": 1, "modules": modules,
+                                           "data": {"source": "synthetic", "max_sample_tokens": 256}}))
+    ckpt = pools(1).run(_drawn_lora_checkpoint, str(config_path), str(tmp_path / "ckpt"))[0]
+    for out, flags in (("base", ["--adapter", str(tmp_path / "adapter")]), ("merged", ["--merge"])):
+        assert main(["export-hf", ckpt, "--out", str(tmp_path / out), "--llm-only", *flags]) == 0
+    targets = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    assert {t.rpartition(".")[2] for t in targets if ".linear_attn." in t} == {
+        "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}
+
+    cls = transformers.AutoModelForCausalLM
+    tuned = _with_adapter(_load(cls, tmp_path / "base"), str(tmp_path / "adapter"))
+    merged, plain = _load(cls, tmp_path / "merged"), _load(cls, tmp_path / "base")
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        want = tuned(input_ids=ids).logits
+        assert rel_err(merged(input_ids=ids).logits, want) <= TOL
+        assert rel_err(plain(input_ids=ids).logits, want) > 1e-3
+    unloaded = tuned.merge_and_unload().state_dict()
+    for key, t in merged.state_dict().items():
+        assert rel_err(t, unloaded[key]) <= 1e-6, key
+    got = pools(1).run(_adapter_tensors, str(config_path), [f"modules.{name}.lora.init={tmp_path / 'adapter'}"])[0]
+    want_adapters = _stored_adapters(ckpt)[name]
+    assert want_adapters and set(got[name]) == set(want_adapters)
+    assert all(torch.equal(got[name][n], t) for n, t in want_adapters.items())

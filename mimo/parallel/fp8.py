@@ -71,7 +71,11 @@ def _reduce_max(amax: torch.Tensor, group) -> torch.Tensor:
 
 
 def amax_of(x: torch.Tensor, dim: int | None) -> torch.Tensor:
-    """fp32 amax of ``x``: of the whole tensor (``dim`` None) or along ``dim`` (kept)."""
+    """fp32 amax of ``x``: of the whole tensor (``dim`` None) or along ``dim`` (kept); zeros for
+    an empty ``x`` (a rank with no rows this microbatch: its amax takes no part in a max)."""
+    if x.numel() == 0:
+        shape = () if dim is None else tuple(1 if d == dim % x.dim() else n for d, n in enumerate(x.shape))
+        return torch.zeros(shape, dtype=torch.float32, device=x.device)
     a = x.abs()
     return (a.amax() if dim is None else a.amax(dim=dim, keepdim=True)).float()
 
