@@ -84,9 +84,14 @@ class GroupedExperts(nn.Module):
         self.first_expert = (view.coord("ep") if self.folded else 0) * self.local_experts
         self.recipe = gemm.default_recipe()
         self.dispatcher = make_dispatcher("auto", experts, ctx)  # train.moe_dispatcher may replace it
+        self.lora = None  # per-expert adapters (mimo.parallel.lora.attach)
 
     def placements(self) -> dict[str, ParamPlacement]:
         return self._placements
+
+    def lora_experts(self) -> dict:
+        """Sizes and layout for per-expert adapters (``mimo.parallel.lora.ExpertLoraAdapter``)."""
+        return {"experts": self.experts, "dim": self.dim, "ffn": self.ffn, "gated": self.gated, "folded": self.folded}
 
     def forward(self, x_TI: torch.Tensor, routing: Routing) -> torch.Tensor:
         """``sum_k gate_tk * expert_{idx_tk}(x_t)`` for the tokens given, ``[T, I]``: this rank's
@@ -113,12 +118,15 @@ class GroupedExperts(nn.Module):
         combine then keeps nothing for backward), as Megatron-Core's grouped MLP does.
         ``aligned``: the groups start where the recipe wants them (``gemm.grouped_row_align``)."""
         h_RF = gemm.grouped_linear(x_RI, self.up_proj, ends_L, self.recipe, aligned)
+        if self.lora is not None:  # per-expert adapters (lora target experts)
+            h_RF = self.lora["up"](x_RI, h_RF, ends_L)
         parts = h_RF.chunk(2, dim=-1) if self.gated else (h_RF,)
         if gate_R is None:
             a_RF = activate_maybe_recomputed(self.selective, parts, self.act)
         else:
             a_RF = maybe(self.selective, lambda g_R, *p: activate(p, self.act) * g_R[:, None].to(p[0].dtype), gate_R, *parts)
-        return gemm.grouped_linear(a_RF, self.down_proj, ends_L, self.recipe, aligned)
+        y_RI = gemm.grouped_linear(a_RF, self.down_proj, ends_L, self.recipe, aligned)
+        return y_RI if self.lora is None else self.lora["down"](a_RF, y_RI, ends_L)
 
     def extra_repr(self) -> str:
         where = (f"local={self.first_expert}:{self.first_expert + self.local_experts}, etp={self.ctx.expert.size('etp')}"

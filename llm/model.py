@@ -397,6 +397,8 @@ LORA_TARGETS = {
     "gate": LoraTarget(_LAYER + "up_proj", (("gate",),)),
     "up": LoraTarget(_LAYER + "up_proj", (("up",),)),
     "down": LoraTarget(_LAYER + "down_proj"),
+    # the routed experts: an adapter per expert on its up (gate | up) and down projections
+    "experts": LoraTarget(_LAYER + "experts", cls="GroupedExperts"),
     # Gated DeltaNet's fused input projection, one adapter per Qwen3.5 module: in_proj_qkv, _z, _b, _a
     "gdn_in": LoraTarget(_LAYER + "mixer", (("q", "k", "v"), ("z",), ("b",), ("a",)), cls="GatedDeltaNetMixer"),
     "gdn_out": LoraTarget(_LAYER + r"mixer\.out_proj", owner="GatedDeltaNetMixer"),

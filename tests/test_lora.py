@@ -2,7 +2,8 @@
 attention and MLP projections at tp 2, on the vision tower's q / v at dp 4, the projector trained
 whole) against the one-process reference (``mimo verify-train``'s comparison, fp64 yardstick), in
 LoRA and DoRA, with sequence parallelism, pipeline stages and the distributed optimizer, and DoRA on a
-Gated DeltaNet layer's fused input projection (four adapters: q | k | v, z, b, a); a LoRA
+Gated DeltaNet layer's fused input projection (four adapters: q | k | v, z, b, a), and LoRA on the
+routed experts (per-expert adapters split over tp, or over ep with their experts); a LoRA
 checkpoint holds the adapters and what else trains, and resumes exactly; the counts that
 metrics.jsonl reports; configuration errors."""
 
@@ -23,11 +24,14 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "configs" / "examples" / "lora.yaml")
 LANG, VIS = "modules.language.", "modules.vision."
 
+MOE = [LANG + 'arch.pattern="*E*E"', LANG + "arch.moe={experts: 4, topk: 2, ffn: 32}", LANG + "lora.targets=[q, v, experts]"]
 LAYOUTS = {
     "lora, llm tp2 sp dp2, vision dp4": [LANG + "parallel.sequence_parallel=true"],
     "dora, llm tp2 pp2, distributed optimizer, recompute": [
         LANG + "lora.dora=true", VIS + "lora.dora=true", LANG + "parallel={tp: 2, pp: 2, dp: 1, ranks: '0:4'}",
         "train.distributed_optimizer=true", "train.recompute=full"],
+    "lora on experts, llm tp2 dp2 (experts split over tp)": [*MOE, LANG + "parallel.sequence_parallel=true"],
+    "lora on experts, llm tp2 dp2, ep2 etp2": [*MOE, LANG + "parallel={tp: 2, dp: 2, ep: 2, etp: 2, ranks: '0:4'}"],
     "dora on gated deltanet in / out and mlp, llm tp2 dp2": [
         LANG + "arch.pattern=G-*-", LANG + "lora.dora=true", LANG + "lora.targets=[gdn_in, gdn_out, q, v, gate, down]"],
 }

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -362,3 +364,40 @@ def test_qwen3_5_adapters_on_gated_deltanet_projections(pools, tmp_path, capsys)
     want_adapters = _stored_adapters(ckpt)[name]
     assert want_adapters and set(got[name]) == set(want_adapters)
     assert all(torch.equal(got[name][n], t) for n, t in want_adapters.items())
+
+
+# ---------------------------------------------------------------- experts: merged only
+
+
+def test_expert_adapters_export_merged_and_refuse_peft_cleanly(pools, tmp_path):
+    """Adapters on the routed experts (3-D weights PEFT's per-module LoRA cannot hold): ``--merge``
+    writes a model transformers loads whole, whose expert weights moved and nothing else of the
+    base; ``--adapter`` is an error naming ``--merge`` that leaves no directory behind."""
+    import transformers
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "examples" / "lora.yaml").read_text())
+    raw["world_size"] = 1
+    for m in raw["modules"].values():
+        m["parallel"] = {"tp": 1, "dp": 1, "ranks": "0:1"}
+    lang = raw["modules"]["language"]
+    lang["arch"].update(pattern="*E*E", moe={"experts": 4, "topk": 2, "ffn": 32})
+    lang["lora"]["targets"] = ["experts"]
+    config_path = tmp_path / "moe.yaml"
+    config_path.write_text(yaml.safe_dump(raw))
+    ckpt = pools(1).run(_drawn_lora_checkpoint, str(config_path), str(tmp_path / "ckpt"))[0]
+    with pytest.raises(MimoError, match="export with --merge"):
+        from mimo.commands.export_hf import export_hf
+
+        export_hf(ckpt, str(tmp_path / "base"), llm_only=True, adapter=str(tmp_path / "adapter"))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "moe.yaml"]
+    assert main(["export-hf", ckpt, "--out", str(tmp_path / "merged"), "--llm-only", "--merge"]) == 0
+    merged = _load(transformers.AutoModelForCausalLM, tmp_path / "merged").state_dict()
+    from mimo.compose.config import load_config
+    from mimo.compose.model import adapted_base
+    from mimo.llm.hf import export_hf_state
+
+    config = load_config(str(config_path))
+    base, _ = adapted_base(config, "language")
+    base_hf = export_hf_state(base, config.llm.arch)
+    moved = {k for k, t in merged.items() if not torch.equal(t, base_hf[k])}
+    assert moved and all(".experts." in k for k in moved), sorted(moved)[:4]

@@ -324,3 +324,39 @@ def test_gated_deltanet_input_adapters_compute_their_merge(dora):
         y, want = mixer(x, seq), merged(x, seq)
         assert rel_err(y, want) <= 1e-10
         assert rel_err(base(x, seq), want) > 1e-3
+
+
+def test_expert_adapters_compute_their_merge():
+    """Routed experts with an adapter per expert on the up (gate | up) and down projections
+    (``experts``) compute, on rows grouped by expert (an empty group among them), what the
+    experts without adapters compute on the merged weights (W_e + s B_e A_e), fp64, 1e-10; not what
+    the base computes. DoRA on experts is refused."""
+    import copy
+
+    from mimo.llm.experts import GroupedExperts
+    from mimo.llm.model import LORA_TARGETS
+    from mimo.parallel.lora import adapter_sites, attach_targets, merge_adapters
+
+    torch.manual_seed(0)
+    host = torch.nn.Module()
+    host.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
+    host.layers["0"].experts = GroupedExperts(4, 16, 8, "swiglu").double()
+    with torch.no_grad():
+        for p in host.parameters():
+            p.normal_(0, 0.3)
+    base = copy.deepcopy(host.layers["0"].experts)
+    with pytest.raises(ConfigError, match="DoRA on the MoE experts"):
+        attach_targets(copy.deepcopy(host), LoraSpec(RANK, ALPHA, dora=True), 3, LORA_TARGETS, ["experts"], "t")
+    assert attach_targets(host, LoraSpec(RANK, ALPHA), 3, LORA_TARGETS, ["experts"], "t") == ["layers.0.experts"]
+    experts = host.layers["0"].experts.double()
+    with torch.no_grad():
+        for name, p in experts.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0, 0.3)
+    merged = copy.deepcopy(base)
+    merged.load_state_dict(merge_adapters({n: t.detach() for n, t in experts.state_dict().items()}, adapter_sites(experts)))
+    x, ends = torch.randn(13, 16, dtype=torch.float64), torch.tensor([3, 3, 9, 13], dtype=torch.int32)
+    with torch.no_grad():
+        want = merged.compute(x, ends)
+        assert rel_err(experts.compute(x, ends), want) <= 1e-10
+        assert rel_err(base.compute(x, ends), want) > 1e-3

@@ -400,68 +400,74 @@ def export_hf(checkpoint: str, out: str, llm_only: bool = False, max_shard_bytes
     tmp = out.rstrip(os.sep) + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    arch = config.llm.arch
-    dtype = next(iter(full[llm].values())).dtype
-    if llm_only:
-        text_type = _text_model_type(arch)
-        if text_type in ("qwen3_vl_text", "qwen3_vl_moe_text"):
-            raise MimoError(f"--llm-only: Hugging Face has no causal LM of Qwen3-VL's language model ({text_type}: M-RoPE, "
-                            f"deepstack); export the whole model (without --llm-only)")
-        hf_config = {**hf_config_from_arch(arch, text_type), "dtype": str(dtype).removeprefix("torch.")}
-        save_hf_checkpoint(tmp, export_hf_state(full[llm], arch), hf_config, max_shard_bytes)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        architecture, filled_from, extra = hf_config["architectures"][0], None, {}
-        kind = "llm"
-    elif any(enc.native for enc in config.encoders.values()):  # a kind: qwen3_vl tower: Hugging Face's Qwen3-VL
-        from mimo.commands.hf_qwen3_vl import export_qwen3_vl
+    try:  # nothing half-written is left behind: the directories are moved into place at the end
+        arch = config.llm.arch
+        dtype = next(iter(full[llm].values())).dtype
+        if llm_only:
+            text_type = _text_model_type(arch)
+            if text_type in ("qwen3_vl_text", "qwen3_vl_moe_text"):
+                raise MimoError(f"--llm-only: Hugging Face has no causal LM of Qwen3-VL's language model ({text_type}: M-RoPE, "
+                                f"deepstack); export the whole model (without --llm-only)")
+            hf_config = {**hf_config_from_arch(arch, text_type), "dtype": str(dtype).removeprefix("torch.")}
+            save_hf_checkpoint(tmp, export_hf_state(full[llm], arch), hf_config, max_shard_bytes)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            architecture, filled_from, extra = hf_config["architectures"][0], None, {}
+            kind = "llm"
+        elif any(enc.native for enc in config.encoders.values()):  # a kind: qwen3_vl tower: Hugging Face's Qwen3-VL
+            from mimo.commands.hf_qwen3_vl import export_qwen3_vl
 
-        architecture, extra = export_qwen3_vl(tmp, path, meta, config, full, tokenizer, max_shard_bytes)
-        filled_from, kind, text_type, hf_config = None, "qwen3_vl", None, None
-    else:
-        if tokenizer is None:
-            raise MimoError("the run has no data.tokenizer: a LLaVA directory needs one (its processor marks the image "
-                            "positions with the tokenizer's image token); --llm-only exports the language model without it")
-        from transformers import LlavaProcessor
+            architecture, extra = export_qwen3_vl(tmp, path, meta, config, full, tokenizer, max_shard_bytes)
+            filled_from, kind, text_type, hf_config = None, "qwen3_vl", None, None
+        else:
+            if tokenizer is None:
+                raise MimoError("the run has no data.tokenizer: a LLaVA directory needs one (its processor marks the image "
+                                "positions with the tokenizer's image token); --llm-only exports the language model without it")
+            from transformers import LlavaProcessor
 
-        from mimo.training.checkpoint import weights_origin
+            from mimo.training.checkpoint import weights_origin
 
-        encoder = _only_encoder(config)
-        enc = config.encoders[encoder]
-        image_token_id, added = image_token(tokenizer, enc.placeholder, arch.vocab)
-        if added:
-            print(f"the tokenizer has no {enc.placeholder!r} token: added to the exported tokenizer as id {image_token_id}")
-        hf_config = llava_hf_config(config, encoder, image_token_id, dtype)
-        state, filled_from = llava_state(config, full, hf_config, encoder, weights_origin(meta, [encoder]))
-        save_llava(tmp, state, hf_config, max_shard_bytes)
-        processor = LlavaProcessor(
-            image_processor=image_processor(config, encoder), tokenizer=tokenizer, patch_size=enc.arch.patch,
-            vision_feature_select_strategy=hf_config["vision_feature_select_strategy"], chat_template=tokenizer.chat_template,
-            image_token=enc.placeholder, num_additional_image_tokens=1 if enc.arch.class_token else 0,
-        )
-        processor.save_pretrained(tmp)
-        processor.image_processor.save_pretrained(tmp)  # preprocessor_config.json too, for readers of the older layout
-        architecture = "LlavaForConditionalGeneration"
-        extra = {"unused_vision_tensors_from": filled_from, "image_token_id": image_token_id, "image_token_added": added}
-        kind, text_type = "llava", None
-    if kind == "llm":  # the language model alone: its adapters alone
-        adapters = {m: a for m, a in adapters.items() if m == llm}
-    if adapters:
-        from mimo.compose.peft import write_peft_adapter
-        from mimo.encoders.hf_import import load_hf_state
+            encoder = _only_encoder(config)
+            enc = config.encoders[encoder]
+            image_token_id, added = image_token(tokenizer, enc.placeholder, arch.vocab)
+            if added:
+                print(f"the tokenizer has no {enc.placeholder!r} token: added to the exported tokenizer as id {image_token_id}")
+            hf_config = llava_hf_config(config, encoder, image_token_id, dtype)
+            state, filled_from = llava_state(config, full, hf_config, encoder, weights_origin(meta, [encoder]))
+            save_llava(tmp, state, hf_config, max_shard_bytes)
+            processor = LlavaProcessor(
+                image_processor=image_processor(config, encoder), tokenizer=tokenizer, patch_size=enc.arch.patch,
+                vision_feature_select_strategy=hf_config["vision_feature_select_strategy"], chat_template=tokenizer.chat_template,
+                image_token=enc.placeholder, num_additional_image_tokens=1 if enc.arch.class_token else 0,
+            )
+            processor.save_pretrained(tmp)
+            processor.image_processor.save_pretrained(tmp)  # preprocessor_config.json too, for readers of the older layout
+            architecture = "LlavaForConditionalGeneration"
+            extra = {"unused_vision_tensors_from": filled_from, "image_token_id": image_token_id, "image_token_added": added}
+            kind, text_type = "llava", None
+        if kind == "llm":  # the language model alone: its adapters alone
+            adapters = {m: a for m, a in adapters.items() if m == llm}
+        if adapters:
+            from mimo.compose.peft import write_peft_adapter
+            from mimo.encoders.hf_import import load_hf_state
 
-        blocks = _row_blocks(config, hf_config, kind, text_type)
-        adapter_tmp = adapter.rstrip(os.sep) + ".tmp"
-        shutil.rmtree(adapter_tmp, ignore_errors=True)
-        extra["adapter"] = write_peft_adapter(adapter_tmp, out, {m: (sites, state, blocks.get(m, {}))
-                                                                 for m, (sites, state) in adapters.items()},
-                                              load_hf_state(tmp, lazy=True))
-        if os.path.isdir(adapter):
-            os.rmdir(adapter)
-        os.replace(adapter_tmp, adapter)
-        extra["adapter"]["adapter"] = adapter
-    elif merge:
-        extra["merged"] = True
+            blocks = _row_blocks(config, hf_config, kind, text_type)
+            adapter_tmp = adapter.rstrip(os.sep) + ".tmp"
+            shutil.rmtree(adapter_tmp, ignore_errors=True)
+            extra["adapter"] = write_peft_adapter(adapter_tmp, out, {m: (sites, state, blocks.get(m, {}))
+                                                                     for m, (sites, state) in adapters.items()},
+                                                  load_hf_state(tmp, lazy=True))
+            if os.path.isdir(adapter):
+                os.rmdir(adapter)
+            os.replace(adapter_tmp, adapter)
+            extra["adapter"]["adapter"] = adapter
+        elif merge:
+            extra["merged"] = True
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if adapter is not None:
+            shutil.rmtree(adapter.rstrip(os.sep) + ".tmp", ignore_errors=True)
+        raise
     if os.path.isdir(out):
         os.rmdir(out)  # empty (checked above)
     os.replace(tmp, out)

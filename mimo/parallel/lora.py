@@ -40,7 +40,8 @@ from mimo.parallel.lora_config import LoraConfig, LoraSpec
 from mimo.parallel.placement import ParamPlacement, replicated, sharded
 
 __all__ = ["LoraConfig", "LoraSpec", "LoraAdapter", "LoraTarget", "AdapterSite", "attach", "attach_targets", "init_magnitudes_",
-           "adapter_sites", "merge_adapters", "merged_rows", "is_adapter_tensor", "fused_rows", "fused_adapters"]
+           "adapter_sites", "merge_adapters", "merged_rows", "is_adapter_tensor", "fused_rows", "fused_adapters",
+           "ExpertLoraAdapter", "experts_layer"]
 
 
 @dataclass(frozen=True)
@@ -146,14 +147,90 @@ class LoraAdapter(nn.Module):
                 f"split={self.split}, dora={self.spec.dora}")
 
 
+class ExpertLoraAdapter(nn.Module):
+    """The adapters of one grouped expert projection, one per expert: A ``[E, r, in]``, B
+    ``[E, out, r]``, split as the experts' weight is (``mimo.llm.experts``): experts over ``ep``
+    on the expert view, and the inner size over etp (or tp on the dense view): B's rows for the up
+    projection (``rows``, A replicated there, its gradient partial), A's columns for the down
+    projection (``cols``, B's gradient partial, its output joining the partial product). No DoRA
+    (a per-expert row norm): refused at attach."""
+
+    def __init__(self, experts: int, in_features: int, out_features: int, spec: LoraSpec, ctx: ParallelContext,
+                 split: str, folded: bool, *, parts: tuple[int, ...] = (), device=None, dtype=None):
+        super().__init__()
+        self.spec, self.ctx, self.in_features, self.out_features = spec, ctx, in_features, out_features
+        inner = "etp" if folded else "tp"
+        view_size = ctx.expert.size("etp") if folded else ctx.tp_size
+        outer = (("ep", 0),) if folded else ()
+        partial = (inner,) if view_size > 1 else ()
+        r = spec.rank
+        if split == "rows":
+            self._placements = {
+                "lora_A": ParamPlacement((experts, r, in_features), outer, partial),
+                "lora_B": ParamPlacement((experts, out_features, r), (*outer, (inner, 1)), (), False, tuple(parts),
+                                         1 if parts else None)}
+        else:
+            self._placements = {"lora_A": ParamPlacement((experts, r, in_features), (*outer, (inner, 2))),
+                                "lora_B": ParamPlacement((experts, out_features, r), outer, partial)}
+        view = ctx.view(tuple(a for pl in self._placements.values() for a in pl.axes))
+        for name, pl in self._placements.items():
+            shape = pl.local_shape({a: view.size(a) for a in pl.axes})
+            setattr(self, name, nn.Parameter(torch.empty(shape, device=device, dtype=dtype)))
+
+    def placements(self) -> dict[str, ParamPlacement]:
+        return self._placements
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """As ``LoraAdapter``: A ~ N(0, 1/in) per expert (this rank's tile of the full draw), B = 0."""
+        a = self._placements["lora_A"]
+        view = self.ctx.view(a.axes)
+        sizes, coords = {x: view.size(x) for x in a.axes}, {x: view.coord(x) for x in a.axes}
+        self.lora_A.copy_(init_local(a, sizes, coords, param_seed(seed, "lora_A"), std=1.0 / math.sqrt(self.in_features)))
+        self.lora_B.zero_()
+
+    def forward(self, x_RI: torch.Tensor, y_RO: torch.Tensor, ends_L: torch.Tensor) -> torch.Tensor:
+        """``y_RO`` (the expert product of rows grouped by local expert, ``ends_L`` their ends)
+        plus each row's expert's ``s B A x``."""
+        from mimo.parallel.grouped import grouped_rows
+
+        dropped_RI = F.dropout(x_RI, self.spec.dropout, self.training) if self.spec.dropout else x_RI
+        u_RR = grouped_rows(dropped_RI, self.lora_A.to(x_RI.dtype), ends_L)
+        return y_RO + grouped_rows(u_RR, self.lora_B.to(x_RI.dtype), ends_L) * self.spec.scale
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, rank={self.spec.rank}, alpha={self.spec.alpha}"
+
+
+def experts_layer(layer: nn.Module) -> dict | None:
+    """A grouped-experts layer's sizes (its ``lora_experts()``), None for any other layer."""
+    sizes = getattr(layer, "lora_experts", None)
+    return sizes() if callable(sizes) else None
+
+
 def attach(layer: nn.Module, spec: LoraSpec, seed: int | None, groups: list[tuple[str, ...]] | None = None) -> list[str]:
     """Adapters on one tensor-parallel linear layer, initialised from ``seed`` (``init_weights``;
     None: left uninitialised, as on the meta device); returns their names under ``layer``. A fused layer gets one adapter per group of its parts
     (consecutive, in part order; default: one per part), keyed by the parts joined by ``_``."""
     from mimo.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    if layer.ctx.gtp_size > 1:
-        raise ConfigError("lora: adapters on GTP-sharded weights are not supported (parallel.gtp: 1)")
+    if layer.ctx.gtp_size > 1 or layer.ctx.egtp_size > 1:
+        raise ConfigError("lora: adapters on GTP-sharded weights are not supported (parallel.gtp: 1, egtp: 1)")
+    sizes = experts_layer(layer)
+    if sizes is not None:
+        if spec.dora:
+            raise ConfigError("lora: DoRA on the MoE experts is not built (dora: false, or leave experts out of targets)")
+        weight = layer.up_proj
+        dd = {"device": weight.device, "dtype": weight.dtype}
+        E, dim, ffn, gated, folded = (sizes[k] for k in ("experts", "dim", "ffn", "gated", "folded"))
+        layer.lora = nn.ModuleDict({
+            "up": ExpertLoraAdapter(E, dim, 2 * ffn if gated else ffn, spec, layer.ctx, "rows", folded,
+                                    parts=(ffn, ffn) if gated else (), **dd),
+            "down": ExpertLoraAdapter(E, ffn, dim, spec, layer.ctx, "cols", folded, **dd)})
+        if seed is not None:
+            for key, adapter in layer.lora.items():
+                adapter.init_weights(param_seed(seed, key))
+        return ["lora.up", "lora.down"]
     rows = fused_rows(layer)
     if rows is not None:
         weight_name, parts = rows
@@ -295,6 +372,9 @@ def adapter_sites(root: nn.Module) -> list[AdapterSite]:
         prefix = f"{path}." if path else ""
         if isinstance(lora, LoraAdapter):
             sites.append(AdapterSite(f"{prefix}lora", f"{prefix}weight", (0, lora.out_features), lora.spec))
+        elif isinstance(lora, nn.ModuleDict) and experts_layer(module) is not None:
+            for key, adapter in lora.items():  # per expert, on every row of the expert's weight
+                sites.append(AdapterSite(f"{prefix}lora.{key}", f"{prefix}{key}_proj", (0, adapter.out_features), adapter.spec))
         elif isinstance(lora, nn.ModuleDict) and fused_rows(module) is not None:
             weight_name, parts = fused_rows(module)
             starts, at = {}, 0
@@ -315,7 +395,7 @@ def merged_rows(site: AdapterSite, state: dict[str, torch.Tensor]) -> torch.Tens
     lo, hi = site.rows
     wide = torch.promote_types(weight.dtype, torch.float32)
     A, B = state[f"{site.adapter}.lora_A"].to(wide), state[f"{site.adapter}.lora_B"].to(wide)
-    merged_OI = weight[lo:hi].to(wide) + site.spec.scale * (B @ A)
+    merged_OI = weight[..., lo:hi, :].to(wide) + site.spec.scale * (B @ A)  # (an expert weight: per expert)
     if site.spec.dora:
         m_O = state[f"{site.adapter}.lora_magnitude"].to(wide)
         merged_OI = m_O[:, None] * merged_OI / merged_OI.norm(dim=1, keepdim=True)
@@ -328,7 +408,7 @@ def merge_adapters(state: dict[str, torch.Tensor], sites: list[AdapterSite]) -> 
     out = dict(state)
     for site in sites:
         weight = out[site.weight] = out[site.weight].clone() if out[site.weight] is state[site.weight] else out[site.weight]
-        weight[site.rows[0]:site.rows[1]] = merged_rows(site, state)
+        weight[..., site.rows[0]:site.rows[1], :] = merged_rows(site, state)
     return {name: t for name, t in out.items() if not is_adapter_tensor(name)}
 
 
