@@ -247,6 +247,20 @@ def test_verify_train_equals_one_process(pools, native, one_process, layout):
     assert all(0 < loss < 10 for loss in report["losses"])
 
 
+def test_lora_and_dora_on_the_native_vlm_equal_one_process(pools, native):
+    """Adapters on both modules of the native VLM (DoRA on the tower's fused qkv and MLP, LoRA on
+    the LLM's attention and routed experts, its experts split over tp 2 with sequence parallelism;
+    the tower data parallel on its own ranks) equal the one-process run of the same config."""
+    from mimo.commands.verify_train import compare, references, train_case
+
+    lora = ["modules.vision.lora={rank: 4, alpha: 8, dora: true, targets: [qkv, fc1, fc2]}",
+            "modules.language.lora={rank: 4, alpha: 8, targets: [q, k, v, o, experts]}"]
+    ref = references(pools(1), native, lora, STEPS)
+    report = compare(pools(4).run(train_case, native, lora, STEPS, False), ref[0], 1e-5, fp64=ref[1])
+    assert report["ok"], report
+    assert "lora" in report["worst"]["grads"], report["worst"]
+
+
 def test_a_resumed_run_equals_a_straight_one(pools, native, resume_case, tmp_path):
     overrides = ["world_size=2", "modules.language.parallel.ranks=0:2"]
     out = pools(2).run(resume_case, native, overrides, str(tmp_path))
