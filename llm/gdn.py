@@ -46,8 +46,7 @@ from mimo.llm.ssm import PreNormResidual, find_kernel, init_constant, init_conv,
 from mimo.parallel import gemm
 from mimo.parallel.collectives import copy_to_group, gather_seq
 from mimo.parallel.context import ParallelContext
-from mimo.parallel.layers import RowParallelLinear, TPModule
-from mimo.parallel.lora import fused_adapters
+from mimo.parallel.layers import RowParallelLinear, TPModule, fused_adapters
 from mimo.parallel.placement import ParamPlacement, replicated, sharded
 
 __all__ = ["GDNConfig", "gated_delta_chunked", "gated_delta_step", "gated_delta_over_chunks", "l2norm", "GatedDeltaNetMixer", "GatedDeltaNet", "build_gdn"]

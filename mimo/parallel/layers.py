@@ -31,11 +31,42 @@ from mimo.parallel.collectives import (
 )
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.init import init_local, param_seed
-from mimo.parallel.lora import fused_adapters
 from mimo.parallel.placement import ParamPlacement, gather_full, replicated, shard_full, sharded
 
 __all__ = ["TPModule", "ColumnParallelLinear", "FusedColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "vocab_parallel_lookup"]
+           "vocab_parallel_lookup", "fused_rows", "local_parts", "fused_adapters"]
+
+
+
+# ---------------------------------------------------------------- layers of fused rows (adapters: mimo.parallel.lora)
+
+
+def fused_rows(layer: nn.Module) -> tuple[str, dict[str, int]] | None:
+    """A layer whose weight is several projections' rows fused (each part split over TP by rows,
+    this rank's rows of every part adjacent, in part order): (its weight's name, the parts' full
+    sizes), from its ``lora_rows()``; None for any other layer."""
+    rows = getattr(layer, "lora_rows", None)
+    return rows() if callable(rows) else None
+
+
+def local_parts(layer: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+    """(part names, this rank's rows of the weight per part) of a fused layer."""
+    weight_name, parts = fused_rows(layer)
+    tp = layer.ctx.tp_size
+    return list(parts), list(getattr(layer, weight_name).split([n // tp for n in parts.values()], dim=0))
+
+
+def fused_adapters(layer: nn.Module, x_TD: torch.Tensor, ys: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A fused layer's per-part outputs ``ys`` (this rank's, bias not added) with its adapters'
+    (``layer.lora``: one per group of consecutive parts, keyed by their names joined by ``_``)."""
+    names, weights = local_parts(layer)
+    ys = list(ys)
+    for key, adapter in layer.lora.items():
+        idx = [names.index(p) for p in key.split("_")]
+        y_TP = adapter(x_TD, torch.cat([ys[i] for i in idx], -1), torch.cat([weights[i] for i in idx], 0))
+        for i, piece in zip(idx, y_TP.split([ys[i].shape[-1] for i in idx], dim=-1)):
+            ys[i] = piece
+    return ys
 
 
 class TPModule(nn.Module):

@@ -36,12 +36,12 @@ import torch.nn.functional as F
 from mimo.core.errors import ConfigError
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.init import init_local, param_seed
+from mimo.parallel.layers import ColumnParallelLinear, RowParallelLinear, fused_rows, local_parts
 from mimo.parallel.lora_config import LoraConfig, LoraSpec
 from mimo.parallel.placement import ParamPlacement, replicated, sharded
 
 __all__ = ["LoraConfig", "LoraSpec", "LoraAdapter", "LoraTarget", "AdapterSite", "attach", "attach_targets", "init_magnitudes_",
-           "adapter_sites", "merge_adapters", "merged_rows", "is_adapter_tensor", "fused_rows", "fused_adapters",
-           "ExpertLoraAdapter", "experts_layer"]
+           "adapter_sites", "merge_adapters", "merged_rows", "is_adapter_tensor", "ExpertLoraAdapter", "experts_layer"]
 
 
 @dataclass(frozen=True)
@@ -212,8 +212,6 @@ def attach(layer: nn.Module, spec: LoraSpec, seed: int | None, groups: list[tupl
     """Adapters on one tensor-parallel linear layer, initialised from ``seed`` (``init_weights``;
     None: left uninitialised, as on the meta device); returns their names under ``layer``. A fused layer gets one adapter per group of its parts
     (consecutive, in part order; default: one per part), keyed by the parts joined by ``_``."""
-    from mimo.parallel.layers import ColumnParallelLinear, RowParallelLinear
-
     if layer.ctx.gtp_size > 1 or layer.ctx.egtp_size > 1:
         raise ConfigError("lora: adapters on GTP-sharded weights are not supported (parallel.gtp: 1, egtp: 1)")
     sizes = experts_layer(layer)
@@ -267,34 +265,6 @@ def attach(layer: nn.Module, spec: LoraSpec, seed: int | None, groups: list[tupl
     return ["lora"]
 
 
-def fused_rows(layer: nn.Module) -> tuple[str, dict[str, int]] | None:
-    """A layer whose weight is several projections' rows fused (each part split over TP by rows,
-    this rank's rows of every part adjacent, in part order): (its weight's name, the parts' full
-    sizes), from its ``lora_rows()``; None for any other layer."""
-    rows = getattr(layer, "lora_rows", None)
-    return rows() if callable(rows) else None
-
-
-def _local_parts(layer: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
-    """(part names, this rank's rows of the weight per part) of a fused layer."""
-    weight_name, parts = fused_rows(layer)
-    tp = layer.ctx.tp_size
-    return list(parts), list(getattr(layer, weight_name).split([n // tp for n in parts.values()], dim=0))
-
-
-def fused_adapters(layer: nn.Module, x_TD: torch.Tensor, ys: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A fused layer's per-part outputs ``ys`` (this rank's, bias not added) with its adapters'
-    (``layer.lora``: one per group of consecutive parts, keyed by their names joined by ``_``)."""
-    names, weights = _local_parts(layer)
-    ys = list(ys)
-    for key, adapter in layer.lora.items():
-        idx = [names.index(p) for p in key.split("_")]
-        y_TP = adapter(x_TD, torch.cat([ys[i] for i in idx], -1), torch.cat([weights[i] for i in idx], 0))
-        for i, piece in zip(idx, y_TP.split([ys[i].shape[-1] for i in idx], dim=-1)):
-            ys[i] = piece
-    return ys
-
-
 @torch.no_grad()
 def init_magnitudes_(root: nn.Module) -> None:
     """DoRA: every adapter's magnitude from its base weight as it is now (after the base weights
@@ -304,7 +274,7 @@ def init_magnitudes_(root: nn.Module) -> None:
         if isinstance(lora, LoraAdapter):
             lora.init_magnitude_(module.weight)
         elif isinstance(lora, nn.ModuleDict) and fused_rows(module) is not None:
-            names, weights = _local_parts(module)
+            names, weights = local_parts(module)
             for key, adapter in lora.items():
                 adapter.init_magnitude_(torch.cat([weights[names.index(p)] for p in key.split("_")], 0))
 
