@@ -313,7 +313,7 @@ def _with_base(path: str, config, full: dict, adapter: str | None, merge: bool) 
     ``merge``, the adapters folded in; otherwise the adapters taken out of ``full`` and returned:
     module -> (its adapter sites, its full state with the adapters)."""
     from mimo.compose.model import adapted_base
-    from mimo.parallel.lora import merge_adapters
+    from mimo.parallel.lora import is_adapter_tensor, merge_adapters
 
     adapted = [name for name, m in config.modules.items() if m.lora is not None]
     if not adapted:
@@ -324,22 +324,20 @@ def _with_base(path: str, config, full: dict, adapter: str | None, merge: bool) 
         raise MimoError(f"{path}: a LoRA checkpoint (modules {', '.join(adapted)} hold their adapters, not the frozen base): "
                         f"--adapter DIR writes the base to --out and the adapters as a PEFT adapter to DIR; --merge writes "
                         f"the adapters merged into the base")
-    start = None  # train.init_from: a module it holds whole took its base from it (load_checkpoint's start)
-    if config.train.init_from:
-        from mimo.training.checkpoint import resolve_checkpoint
+    from mimo.training.checkpoint import holds_whole, resolve_checkpoint
 
+    start_meta, start_full = {}, {}  # train.init_from: a module it holds whole took its base from it (load_checkpoint's start)
+    if config.train.init_from:
         try:
             start_path = resolve_checkpoint(config.train.init_from)
         except CheckpointError as e:
             raise MimoError(f"{path}: the run's base weights came from train.init_from, which export-hf reads again: {e}") from e
         start_meta, start_full = gather_checkpoint(start_path)
-        start = (checkpoint_config(start_path, start_meta), start_full)
     adapters = {}
     for name in adapted:
         base, sites = adapted_base(config, name)
-        if start is not None and name in start[1] and start[0].modules.get(name) is not None \
-                and start[0].modules[name].lora is None:
-            base.update({n: t for n, t in start[1][name].items() if n in base})
+        if holds_whole(start_meta, name) and name in start_full:
+            base.update({n: t for n, t in start_full[name].items() if n in base})
         stored = full.get(name, {})
         absent = [f"{s.adapter}.lora_A" for s in sites if f"{s.adapter}.lora_A" not in stored]
         if absent:
@@ -348,34 +346,9 @@ def _with_base(path: str, config, full: dict, adapter: str | None, merge: bool) 
         if merge:
             full[name] = merge_adapters(state, sites)
         else:
-            full[name] = merge_adapters(state, [])  # the base as trained, without the adapters
+            full[name] = {n: t for n, t in state.items() if not is_adapter_tensor(n)}  # the base as trained
             adapters[name] = (sites, state)
     return adapters
-
-
-def _row_blocks(config, hf_config: dict | None, architecture_kind: str, text_type: str | None) -> dict[str, dict]:
-    """module -> where the rows of its 2-D weights land in the exported state (``hf_row_blocks``,
-    ``rule_row_blocks``), by the module's own tensor names."""
-    from mimo.encoders.weights import rule_row_blocks
-    from mimo.llm.hf import _same, hf_row_blocks, qwen3_vl_lm_key
-
-    arch, llm = config.llm.arch, config.llm_name
-    if architecture_kind == "llm":
-        return {llm: hf_row_blocks(arch, _same, text_type)}
-    encoder = next(iter(config.encoders))
-    if architecture_kind == "qwen3_vl":
-        from mimo.commands.hf_qwen3_vl import _text_family
-        from mimo.encoders.hf_qwen3_vl import hf_rules
-
-        tower_rules = hf_rules(config.encoders[encoder].arch)
-        text = hf_row_blocks(arch, qwen3_vl_lm_key, _text_family(arch))
-    else:
-        from mimo.commands.hf_llava import import_llava_state
-
-        w = import_llava_state(_template_state(hf_config), hf_config, "the exported LLaVA")
-        tower_rules, text = w.vision.rules, hf_row_blocks(arch, w.naming.llm_key)
-    tower = {f"tower.{ours}": blocks for ours, blocks in rule_row_blocks(tower_rules).items()}
-    return {llm: text, encoder: tower}
 
 
 def export_hf(checkpoint: str, out: str, llm_only: bool = False, max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES,
@@ -413,12 +386,12 @@ def export_hf(checkpoint: str, out: str, llm_only: bool = False, max_shard_bytes
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
             architecture, filled_from, extra = hf_config["architectures"][0], None, {}
-            kind = "llm"
+            adapters = {m: a for m, a in adapters.items() if m == llm}  # the language model alone: its adapters alone
         elif any(enc.native for enc in config.encoders.values()):  # a kind: qwen3_vl tower: Hugging Face's Qwen3-VL
             from mimo.commands.hf_qwen3_vl import export_qwen3_vl
 
             architecture, extra = export_qwen3_vl(tmp, path, meta, config, full, tokenizer, max_shard_bytes)
-            filled_from, kind, text_type, hf_config = None, "qwen3_vl", None, None
+            filled_from = None
         else:
             if tokenizer is None:
                 raise MimoError("the run has no data.tokenizer: a LLaVA directory needs one (its processor marks the image "
@@ -444,17 +417,14 @@ def export_hf(checkpoint: str, out: str, llm_only: bool = False, max_shard_bytes
             processor.image_processor.save_pretrained(tmp)  # preprocessor_config.json too, for readers of the older layout
             architecture = "LlavaForConditionalGeneration"
             extra = {"unused_vision_tensors_from": filled_from, "image_token_id": image_token_id, "image_token_added": added}
-            kind, text_type = "llava", None
-        if kind == "llm":  # the language model alone: its adapters alone
-            adapters = {m: a for m, a in adapters.items() if m == llm}
         if adapters:
-            from mimo.compose.peft import write_peft_adapter
+            from mimo.compose.peft import module_row_blocks, write_peft_adapter
             from mimo.encoders.hf_import import load_hf_state
 
-            blocks = _row_blocks(config, hf_config, kind, text_type)
             adapter_tmp = adapter.rstrip(os.sep) + ".tmp"
             shutil.rmtree(adapter_tmp, ignore_errors=True)
-            extra["adapter"] = write_peft_adapter(adapter_tmp, out, {m: (sites, state, blocks.get(m, {}))
+            candidates = {m: module_row_blocks(config.modules[m], m == llm) for m in adapters}
+            extra["adapter"] = write_peft_adapter(adapter_tmp, out, {m: (sites, state, candidates[m])
                                                                      for m, (sites, state) in adapters.items()},
                                                   load_hf_state(tmp, lazy=True))
             if os.path.isdir(adapter):

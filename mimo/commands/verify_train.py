@@ -16,12 +16,11 @@ Every run of a verification steps AdamW with eps ``VERIFY_ADAM_EPS`` (why: there
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import torch
 import torch.distributed as dist
 
-from mimo.compose.config import MimoConfig, load_config
+from mimo.compose.config import MimoConfig, load_config, one_process_module
 from mimo.core.testing import Yardstick, rel_err
 from mimo.llm.moe import dispatchers
 from mimo.training.bucket_optim import finish_updates
@@ -46,8 +45,7 @@ def one_process(config: MimoConfig) -> MimoConfig:
     ref.train.recompute = "none"
     ref.train.distributed_optimizer = ref.train.optimizer_offload = False
     for module in ref.modules.values():
-        module.parallel = dataclasses.replace(module.parallel, tp=1, cp=1, dp=1, pp=1, ep=1, etp=1, gtp=1, egtp=1, ranks="0:1",
-                                              sequence_parallel=False)
+        module.parallel = one_process_module(module).parallel
         module.recompute = None
     return ref
 

@@ -9,17 +9,16 @@ DoRA's magnitudes are taken from the loaded base.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
+from mimo.compose.config import one_process_module
 from mimo.encoders import qwen3_vl, vit
 from mimo.llm import model as llm_model
 from mimo.parallel.init import param_seed
 from mimo.parallel.lora import AdapterSite, adapter_sites, attach_targets, init_magnitudes_
 from mimo.parallel.params import load_full_
 
-__all__ = ["adapt_llm", "adapt_encoder", "adapter_layout", "one_process", "trainable_parameters"]
+__all__ = ["adapt_llm", "adapt_encoder", "adapter_layout", "trainable_parameters"]
 
 
 def adapt_llm(stage: torch.nn.Module, cfg, name: str, seed: int | None) -> list[str]:
@@ -48,13 +47,6 @@ def adapt_encoder(encoder: torch.nn.Module, cfg, name: str, seed: int | None) ->
     return adapted
 
 
-def one_process(cfg):
-    """A module config at one process (every parallel size 1): its full shapes."""
-    one = dataclasses.replace(cfg.parallel, tp=1, cp=1, dp=1, pp=1, ep=1, etp=1, gtp=1, egtp=1, ranks="0:1",
-                              sequence_parallel=False)
-    return dataclasses.replace(cfg, parallel=one)
-
-
 def adapter_layout(cfg, name: str, llm: bool) -> list[AdapterSite]:
     """Where the adapters of module ``name`` sit in its one-process state (built on the meta
     device: nothing is allocated)."""
@@ -65,7 +57,7 @@ def adapter_layout(cfg, name: str, llm: bool) -> list[AdapterSite]:
             shell = llm_model.LLMStage(cfg.arch)
             adapt_llm(shell, cfg, name, None)
         else:  # (the projector's width does not matter: it takes no adapter)
-            shell = build_encoder(one_process(cfg), 1)
+            shell = build_encoder(one_process_module(cfg), 1)
             adapt_encoder(shell, cfg, name, None)
     return adapter_sites(shell)
 
@@ -95,7 +87,7 @@ def trainable_parameters(config) -> dict[str, int]:
         out[config.llm_name] = count(stage)
         for name, enc in config.encoders.items():
             # one process's module (the count does not depend on the layout)
-            module = build_encoder(one_process(enc), llm.arch.hidden)
+            module = build_encoder(one_process_module(enc), llm.arch.hidden)
             adapt_encoder(module, enc, name, None)
             out[name] = count(module)
     return out

@@ -218,6 +218,12 @@ class EvalConfig:
         return problems
 
 
+def one_process_module(cfg):
+    """A module's config at one process (every parallel size 1, ranks 0:1): its full shapes."""
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, tp=1, cp=1, dp=1, pp=1, ep=1, etp=1, gtp=1, egtp=1, ranks="0:1", sequence_parallel=False))
+
+
 @dataclass
 class MimoConfig:
     world_size: int

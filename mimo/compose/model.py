@@ -23,8 +23,8 @@ from typing import Callable, Literal
 
 import torch
 
-from mimo.compose.adapters import adapt_encoder, adapt_llm, adapter_layout, one_process
-from mimo.compose.config import Fp8Config, MimoConfig
+from mimo.compose.adapters import adapt_encoder, adapt_llm, adapter_layout
+from mimo.compose.config import Fp8Config, MimoConfig, one_process_module
 from mimo.core.errors import MimoError
 from mimo.encoders.model import build_encoder
 from mimo.llm.balance import Balancer, find_routers
@@ -87,7 +87,6 @@ class ModulePart:
         return self.module.param_table()
 
 
-
 def init_llm_(stage: LLMStage, config) -> None:
     """The LLM stage's base weights: the run's seeded init, then ``init.hf`` if set (any layout:
     each rank its shard of the one-process tensors)."""
@@ -108,18 +107,17 @@ def adapted_base(config: MimoConfig, name: str) -> tuple[dict[str, torch.Tensor]
     full tensors (parameters and persistent buffers) of the module built on one process and
     initialised as the run does (seed, ``init.hf``), before its adapters; and where the
     adapters sit in it."""
-    from mimo.parallel.params import full_tensors
+    from mimo.parallel.params import full_tensors, persistent_buffers
 
     cfg, llm = config.modules[name], name == config.llm_name
     if llm:
         module = LLMStage(cfg.arch)
         init_llm_(module, config)
     else:
-        module = build_encoder(one_process(cfg), config.llm.arch.hidden)
+        module = build_encoder(one_process_module(cfg), config.llm.arch.hidden)
         init_encoder_(module, config, name)
     state = full_tensors(module.param_table())
-    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    state.update({n: t.detach().clone() for n, t in module.state_dict().items() if n not in params and n not in state})
+    state.update({n: t.detach().clone() for n, t in persistent_buffers(module).items() if n not in state})
     return state, adapter_layout(cfg, name, llm)
 
 
@@ -267,7 +265,7 @@ class MimoModel:
         return self._full(grads=False)
 
     def _full(self, grads: bool) -> dict[str, dict[str, torch.Tensor]]:
-        from mimo.parallel.params import full_tensors
+        from mimo.parallel.params import full_tensors, persistent_buffers
 
         return {part.name: full_tensors(part.param_table(), grads=grads) for part in self._in_param_order()}
 

@@ -48,15 +48,14 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 
 
-def _hf_adapters(module: str, sites: list[AdapterSite], state: Mapping[str, torch.Tensor],
-                 row_blocks: Mapping[str, list[tuple[str, int, int, int]]]) -> dict[str, list[tuple[int, int, AdapterSite, int]]]:
+def _hf_adapters(module: str, sites: list[AdapterSite], row_blocks: RowBlocks) -> dict[str, list[tuple[int, int, AdapterSite, int]]]:
     """HF tensor -> [(its first row, rows, our adapter, the adapter's first row)] for one module."""
     out: dict[str, list[tuple[int, int, AdapterSite, int]]] = {}
     for site in sites:
         blocks = row_blocks.get(site.weight)
         if blocks is None:
-            raise MimoError(f"export-hf --adapter: modules.{module}: the adapter {site.adapter} is on {site.weight}, whose "
-                            f"rows Hugging Face does not hold as rows of its own tensors; export with --merge instead")
+            raise MimoError(f"modules.{module}: the adapter {site.adapter} is on {site.weight}, whose rows Hugging Face "
+                            f"does not hold as rows of its own tensors: no PEFT adapter holds it (export with --merge)")
         lo, hi = site.rows
         for theirs, t0, o0, n in blocks:
             a, b = max(lo, o0), min(hi, o0 + n)
@@ -66,24 +65,32 @@ def _hf_adapters(module: str, sites: list[AdapterSite], state: Mapping[str, torc
 
 
 def write_peft_adapter(directory: str, base: str, modules: Mapping[str, tuple[list[AdapterSite], Mapping[str, torch.Tensor],
-                                                                            Mapping[str, list[tuple[str, int, int, int]]]]],
+                                                                            list[RowBlocks]]],
                        hf_state: Mapping[str, object]) -> dict:
     """Write the adapters of ``modules`` (name -> (its adapter sites, its full state holding
-    the adapters, its row blocks)) as a PEFT directory ``directory`` whose base is the Hugging
-    Face directory ``base`` (``hf_state``: its tensors, indexable lazily). Returns a summary."""
+    the adapters, its candidate row rules: ``module_row_blocks``)) as a PEFT directory
+    ``directory`` whose base is the Hugging Face directory ``base`` (``hf_state``: its tensors,
+    indexable lazily; each adapter goes to the module of it that its rows land in). Returns a summary."""
     from safetensors.torch import save_file
 
+    weights = {key[: -len(".weight")]: key for key in hf_state if key.endswith(".weight")}
     tensors: dict[str, torch.Tensor] = {}
     specs: dict[str, object] = {}  # HF module -> the spec of its adapter
-    for module, (sites, state, row_blocks) in modules.items():
-        for theirs, pieces in _hf_adapters(module, sites, state, row_blocks).items():
+    for module, (sites, state, candidates) in modules.items():
+        try:
+            lost, placed, _ = _place(module, sites, candidates, weights)
+        except MimoError as e:
+            raise MimoError(f"export-hf --adapter: {e}") from None
+        if lost:
+            raise MimoError(f"export-hf --adapter: modules.{module}: {lost} of the Hugging Face tensors its adapters' rows "
+                            f"land in are not weights of the exported model: export with --merge")
+        for hf_module, pieces in placed.items():
+            theirs = weights[hf_module]
             owners = {p[2].adapter for p in pieces}
             if len(owners) > 1:
                 raise MimoError(f"export-hf --adapter: Hugging Face's {theirs} holds rows of {len(owners)} adapters of "
                                 f"modules.{module} ({', '.join(sorted(owners))}); PEFT has one adapter per module: adapt "
                                 f"those projections together (one lora target) or export with --merge")
-            if theirs not in hf_state or not theirs.endswith(".weight"):
-                raise MimoError(f"export-hf --adapter: modules.{module}: {theirs} is not a weight of the exported model")
             site = pieces[0][2]
             A = state[f"{site.adapter}.lora_A"]
             shape = tuple(hf_state[theirs].shape)
@@ -103,12 +110,12 @@ def write_peft_adapter(directory: str, base: str, modules: Mapping[str, tuple[li
                 rows = torch.as_tensor(hf_state[theirs][(slice(0, shape[0]), slice(0, shape[1]))])
                 norms = rows.to(torch.promote_types(rows.dtype, torch.float32)).norm(dim=1)
                 m_hf[~covered] = norms[~covered].to(m.dtype)
-            name = PREFIX + theirs[: -len(".weight")]
+            name = PREFIX + hf_module
             tensors[f"{name}.lora_A.weight"] = A.detach().contiguous().clone()
             tensors[f"{name}.lora_B.weight"] = B_hf
             if m_hf is not None:
                 tensors[f"{name}.lora_magnitude_vector"] = m_hf
-            specs[theirs[: -len(".weight")]] = site.spec
+            specs[hf_module] = site.spec
     if not specs:
         raise MimoError("export-hf --adapter: the run has no adapters to write")
     doras = {spec.dora for spec in specs.values()}
@@ -200,6 +207,36 @@ def _resolve(theirs: str, modules: Mapping[str, dict]) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
+def _place(module: str, sites: list[AdapterSite], candidates: list[RowBlocks], names: Mapping[str, object]
+           ) -> tuple[int, dict[str, list[tuple[int, int, AdapterSite, int]]], set[str]]:
+    """Our adapters among the Hugging Face modules ``names`` (PEFT's, or the exported model's),
+    by the first candidate naming under which all are found (else the one that finds most):
+    (how many HF tensors were not found, HF module -> [(its first row, rows, our adapter, the
+    adapter's first row)], the modules of ``names`` that are this module's projections)."""
+    best, error = None, None
+    for blocks in candidates:
+        try:
+            raw = _hf_adapters(module, sites, blocks)
+        except MimoError as e:  # (our rows are not HF rows under this naming)
+            error = e
+            continue
+        placed: dict[str, list[tuple[int, int, AdapterSite, int]]] = {}
+        lost = 0
+        for theirs, pieces in raw.items():
+            name = _resolve(theirs, names)
+            if name is None:
+                lost += 1
+            else:
+                placed.setdefault(name, []).extend(pieces)
+        if best is None or lost < best[0]:
+            best = (lost, placed, {_resolve(t, names) for bs in blocks.values() for t, *_ in bs} - {None})
+        if lost == 0:
+            break
+    if best is None:
+        raise error
+    return best
+
+
 def read_peft_adapter(directory: str, module: str, sites: list[AdapterSite], candidates: list[RowBlocks]
                       ) -> dict[str, torch.Tensor]:
     """The full tensors of ``sites`` (one module's adapters, ``module`` its name) from the PEFT
@@ -208,23 +245,17 @@ def read_peft_adapter(directory: str, module: str, sites: list[AdapterSite], can
     what = f"modules.{module}.lora.init {directory}"
     if conf.get("use_rslora"):
         raise MimoError(f"{what}: use_rslora scales by alpha / sqrt(r); mimo's adapters scale by alpha / r")
-    best, placed, owned = None, None, set()
-    for blocks in candidates:
-        try:
-            pieces = {s.adapter: [(_resolve(theirs, modules), t0, n, s0) for theirs, (t0, n, _, s0) in
-                                  ((t, p) for t, ps in _hf_adapters(module, [s], {}, blocks).items() for p in ps)]
-                      for s in sites}
-        except MimoError:
-            continue
-        lost = sum(p[0] is None for ps in pieces.values() for p in ps)
-        if best is None or lost < best:  # (owned: the PEFT modules that are this module's projections)
-            best, placed = lost, pieces
-            owned = {_resolve(theirs, modules) for bs in blocks.values() for theirs, *_ in bs} - {None}
-        if lost == 0:
-            break
-    if placed is None or best:
+    try:
+        lost, placed, owned = _place(module, sites, candidates, modules)
+    except MimoError as e:
+        raise MimoError(f"{what}: {e}") from None
+    if lost:
         raise MimoError(f"{what}: holds no adapter for some of the projections modules.{module}.lora.targets adapts "
                         f"(its modules: {', '.join(sorted(modules)[:4])} ...): adapt what the adapter adapts")
+    by_site: dict[str, list[tuple[str, int, int, int]]] = {}
+    for peft_module, pieces in placed.items():
+        for t0, n, site, s0 in pieces:
+            by_site.setdefault(site.adapter, []).append((peft_module, t0, n, s0))
     out: dict[str, torch.Tensor] = {}
     used: dict[str, torch.Tensor] = {}  # PEFT module -> rows of it that ours cover
     for site in sites:
@@ -232,7 +263,7 @@ def read_peft_adapter(directory: str, module: str, sites: list[AdapterSite], can
         A = None
         B = torch.zeros(hi - lo, spec.rank)
         m = torch.zeros(hi - lo) if spec.dora else None
-        for peft_module, t0, n, s0 in placed[site.adapter]:
+        for peft_module, t0, n, s0 in by_site[site.adapter]:
             theirs = modules[peft_module]
             r = _pattern_value(conf.get("rank_pattern") or {}, peft_module, conf.get("r"))
             alpha = _pattern_value(conf.get("alpha_pattern") or {}, peft_module, conf.get("lora_alpha"))

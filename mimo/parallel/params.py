@@ -140,6 +140,12 @@ def init_params_(table: Mapping[str, ParamInfo], seed: int, std: float, stds: Ma
 
 
 @torch.no_grad()
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The persistent buffers of ``module`` by full name (its state beside the parameters)."""
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    return {name: t for name, t in module.state_dict(keep_vars=True).items() if name not in params}
+
+
 def full_tensors(table: Mapping[str, ParamInfo], grads: bool = False) -> dict[str, torch.Tensor]:
     """Full, unpadded parameters (or gradients; zeros where none) on every rank.
 

@@ -98,7 +98,7 @@ from mimo.compose.model import MimoModel
 from mimo.core.errors import CheckpointError
 from mimo.parallel.fp8 import fit_history
 from mimo.parallel.lora import init_magnitudes_, is_adapter_tensor
-from mimo.parallel.params import ParamInfo
+from mimo.parallel.params import ParamInfo, persistent_buffers
 from mimo.parallel.placement import replicated
 from mimo.training.bucket_optim import BucketAdamW, finish_updates
 from mimo.training.reshard import STATE_FIELDS, STATE_KIND, StoredModule
@@ -438,11 +438,8 @@ def _persistent_buffers(module: torch.nn.Module, ctx) -> dict[str, ParamInfo]:
     """The persistent buffers of ``module`` (the MoE routers' ``expert_bias`` / ``qb_beta``, FP8
     amax histories ``fp8_history``):
     replicated state, written once like a replicated parameter (coordinate 0 off pp)."""
-    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     out = {}
-    for name, t in module.state_dict(keep_vars=True).items():
-        if name in params:
-            continue
+    for name, t in persistent_buffers(module).items():
         owner, _, local = name.rpartition(".")
         out[name] = ParamInfo(t, replicated(tuple(t.shape)), ctx.view(()), module.get_submodule(owner), local)
     return out
@@ -969,6 +966,13 @@ def _owner_files(part: _Part, rank: int) -> set[str]:
     return {_file(part.module, r, kind) for r in owners for kind in ("model", STATE_KIND, "optim")}
 
 
+def holds_whole(meta: dict, module: str) -> bool:
+    """Whether the checkpoint (its ``meta``) holds ``module`` whole: written without a ``lora``
+    section, so its base weights are in it (a LoRA checkpoint's are not)."""
+    theirs = ((meta.get("config") or {}).get("modules") or {})
+    return module in theirs and not (theirs[module] or {}).get("lora")
+
+
 def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.optim.Optimizer] | None = None,
                     rng: bool = True, start: bool = False) -> dict:
     """Restore this rank's model shards (and optimizer states, RNG) from the checkpoint at
@@ -984,11 +988,7 @@ def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.opt
         raise CheckpointError(f"{path}: incomplete, missing {missing[:3]}{' ...' if len(missing) > 3 else ''}")
     # ``start`` (a new run from the checkpoint's weights, train.init_from): a module with lora
     # that the checkpoint holds whole reads its base from it, its adapters start fresh
-    base_of = set()
-    if start:
-        theirs = (meta.get("config") or {}).get("modules") or {}
-        base_of = {name for name, m in model.config.modules.items()
-                   if m.lora is not None and name in theirs and not (theirs[name] or {}).get("lora")}
+    base_of = {name for name, m in model.config.modules.items() if m.lora is not None and holds_whole(meta, name)} if start else set()
     parts = {part.module: part for part in _local_parts(model, base_of)}
     stored: dict[str, StoredModule] = {}
     with ExitStack() as stack:
