@@ -231,9 +231,9 @@ class GatedDeltaNetMixer(TPModule):
     def placements(self) -> dict[str, ParamPlacement]:
         return self._placements
 
-    def lora_rows(self) -> tuple[str, dict[str, int]]:
+    def lora_rows(self) -> dict[str, dict[str, int]]:
         """The input projection's fused weight and its parts, for adapters (``mimo.parallel.lora``)."""
-        return "in_proj_weight", self.in_parts
+        return {"in_proj_weight": self.in_parts}
 
     def param_init(self, name: str):
         """Init rules for ``mimo.parallel.params`` (as fla); None: N(0, std) projections."""

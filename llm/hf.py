@@ -725,7 +725,7 @@ class _Layout:
         for theirs, pieces in tensor_pieces.items():
             pieces = (tuple(pieces),) if isinstance(pieces[0], str) else tuple(map(tuple, pieces))  # one (ours, part)
             self.hf[theirs] = self._tensor(theirs, pieces, unit_dim(theirs))
-        self.export_view = export_view
+        self.export_view, self.unit_dim = export_view, unit_dim
 
     def _tensor(self, theirs: str, pieces: tuple[Piece, ...], unit: int | None) -> _HFTensor:
         pls = []
@@ -875,6 +875,14 @@ def hf_row_blocks(arch: HybridArch, rename: Rename = _same, model_type: str | No
     our first row, rows)], for each weight whose every part lands whole, as rows (dim 0), in a
     tensor that is not a copy; a low-rank adapter on such rows is one on those HF tensors."""
     layout, out = _Layout(arch, rename, model_type), {}
+    joined: dict[str, tuple[str, int]] = {}  # a row block "name:label" (export joins them: join_split) -> (name, first row)
+    if layout.export_view is not _as_is:
+        ends: dict[str, int] = {}
+        for theirs, t in layout.hf.items():
+            name, sep, _ = theirs.rpartition(":")
+            if sep and t.dim == 0 and t.unit is None and layout.unit_dim(name) is None:
+                joined[theirs] = (name, ends.get(name, 0))
+                ends[name] = joined[theirs][1] + t.shape[0]
     for ours, pl in layout.placements.items():
         if len(pl.full_shape) != 2 or ours not in layout.sources:
             continue
@@ -884,7 +892,8 @@ def hf_row_blocks(arch: HybridArch, rename: Rename = _same, model_type: str | No
             t = layout.hf[theirs]
             if t.dim != 0 or t.unit is not None or t.copy:
                 break
-            blocks.append((theirs, offset, start, n))
+            name, first = joined.get(theirs, (theirs, 0))
+            blocks.append((name, first + offset, start, n))
             start += n
         else:
             out[ours] = blocks

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mimo.core.errors import LayoutError
+from mimo.core.errors import ConfigError, LayoutError
 from mimo.llm.cache import pad_rows
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
@@ -40,7 +40,7 @@ from mimo.llm.ssm import PreNormResidual, find_kernel, init_constant, init_conv,
 from mimo.parallel import gemm
 from mimo.parallel.collectives import copy_to_group, gather_seq, reduce_from_group
 from mimo.parallel.context import ParallelContext
-from mimo.parallel.layers import RowParallelLinear, TPModule
+from mimo.parallel.layers import RowParallelLinear, TPModule, fused_adapters
 from mimo.parallel.placement import ParamPlacement, replicated, sharded
 
 __all__ = ["Mamba2Config", "ssd_chunked", "ssd_over_chunks", "ssd_states", "ssd_step", "Mamba2Mixer", "Mamba2", "build_mamba2"]
@@ -232,6 +232,16 @@ class Mamba2Mixer(TPModule):
     def placements(self) -> dict[str, ParamPlacement]:
         return self._placements
 
+    def lora_rows(self) -> dict[str, dict[str, int]]:
+        """The input projection's rows (z | x | dt in one weight, B | C in the other), for
+        adapters (``mimo.parallel.lora``): one adapter spans both, as Hugging Face's one in_proj."""
+        cfg = self.cfg
+        if not self.bc_sharded:
+            raise ConfigError(f"lora: adapters on the Mamba-2 input projection (mamba_in) need its B | C rows split over "
+                              f"tp, which needs tp ({self.tp_size}) to divide mamba_groups ({cfg.groups})")
+        d, bc = cfg.heads * cfg.head_dim, cfg.groups * cfg.state
+        return {"in_proj_weight": {"z": d, "x": d, "dt": cfg.heads}, "in_bc_weight": {"B": bc, "C": bc}}
+
     def param_init(self, name: str):
         """Init rules for ``mimo.parallel.params`` (as mamba_ssm); None: N(0, std) projections."""
         if name.startswith("conv_"):
@@ -246,6 +256,9 @@ class Mamba2Mixer(TPModule):
         z_TC, x_TC, dt_TH = gemm.linear(x_TD, self.in_proj_weight, None, self.recipe).split([dl, dl, hl], dim=-1)
         # replicated B/C weights feed only this rank's heads: partial gradients (their placement)
         bc_TC = gemm.linear(x_TD, self.in_bc_weight, None, self.recipe)
+        if self.lora:  # (one adapter on the z | x | dt | B | C rows of both weights)
+            z_TC, x_TC, dt_TH, B_TC, C_TC = fused_adapters(self, x_TD, [z_TC, x_TC, dt_TH, *bc_TC.split([bcl, bcl], -1)])
+            bc_TC = torch.cat([B_TC, C_TC], -1)
 
         cache = seq.cache
         state = None if cache is None else cache.state(self)  # its generation cache entry (mimo.llm.cache)

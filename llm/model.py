@@ -402,5 +402,7 @@ LORA_TARGETS = {
     # Gated DeltaNet's fused input projection, one adapter per Qwen3.5 module: in_proj_qkv, _z, _b, _a
     "gdn_in": LoraTarget(_LAYER + "mixer", (("q", "k", "v"), ("z",), ("b",), ("a",)), cls="GatedDeltaNetMixer"),
     "gdn_out": LoraTarget(_LAYER + r"mixer\.out_proj", owner="GatedDeltaNetMixer"),
+    # Mamba-2's input rows z | x | dt | B | C (two weights of ours), one adapter as Hugging Face's one in_proj
+    "mamba_in": LoraTarget(_LAYER + "mixer", (("z", "x", "dt", "B", "C"),), cls="Mamba2Mixer"),
     "mamba_out": LoraTarget(_LAYER + r"mixer\.out_proj", owner="Mamba2Mixer"),
 }

@@ -26,7 +26,8 @@ experts (top 2) in every layer, a shared expert and its sigmoid gate, a tied hea
 Gradients of a Gated DeltaNet model in fp32 carry noise near 1e-4 that transformers' and mimo's
 chunked delta rules amplify by different factors (one up to several times the other; measured
 while writing this: mimo in fp64 against transformers in fp64 within ~1e-6 on every gradient), so
-``verify-hf`` bounds them with its floor ``GDN_GRAD_FLOOR`` (2e-4) and everything else at its
+``verify-hf`` bounds them with its floor ``GDN_GRAD_FLOOR`` (5e-4: the amplification depends on the
+CPU's kernels, AVX-512 ones doubling it) and everything else at its
 default ``tol`` (the fp64 run kept fp64: ``fp64_kept``); the tests run it at its defaults.
 """
 
@@ -283,7 +284,7 @@ def test_verify_hf(pools, vlms, case):
     name, tp, ep = VERIFY[case]
     r = verify_hf(vlms[name], pools(2), tp=tp, ep=ep, seed=1)
     assert r["ok"], json.dumps(r["yardstick"], indent=1)
-    assert (r["tol"], r["grad_tol"]) == (1e-5, 2e-4)
+    assert (r["tol"], r["grad_tol"]) == (1e-5, 5e-4)
     assert r["architecture"] == ARCH[name.split()[0]][1] and r["labels_agree"] and r["grads_checked"] > 60
     images, video = r["samples"][1]["image_grids"], r["samples"][0]["video_grids"]
     assert len(images) == 2 and images[0] != images[1] and video[0][0] == 2

@@ -317,37 +317,61 @@ def test_lora_init_refuses_what_it_cannot_read_whole(exported, tmp_path):
         load_config(exported["config"], [f"modules.language.lora.init={tmp_path}"])
 
 
-# ---------------------------------------------------------------- Qwen3.5: Gated DeltaNet's input projection
+# ---------------------------------------------------------------- the recurrent layers: Gated DeltaNet, Mamba-2
 
 
-def test_qwen3_5_adapters_on_gated_deltanet_projections(pools, tmp_path, capsys):
-    """A Qwen3.5 causal LM with DoRA on the Gated DeltaNet input projection (gdn_in: four adapters
-    on our fused weight, one per Hugging Face module in_proj_qkv / _z / _b / _a), its output
-    projection and the attention / MLP ones: ``--llm-only --adapter`` loads into PEFT, its logits
-    equal the merged export's (1e-5) and its merge_and_unload the merged weights (1e-6); read
-    back by lora.init tensor for tensor."""
+def _qwen3_5_model():
     import transformers
     from test_hf_qwen3_5 import _text_config, randomize_
 
     model = transformers.AutoModelForCausalLM.from_config(_text_config("dense"), dtype=torch.float32)
     randomize_(model, 0)
-    path = str(tmp_path / "qwen3_5")
+    return model
+
+
+def _nemotron_h_model():
+    from test_llm_hf_nemotron_h import PLAIN, SMALL, hf_model
+
+    return hf_model(dict(SMALL, hybrid_override_pattern="M-*M", mlp_bias=PLAIN["mlp_bias"]))
+
+
+RECURRENT_LMS = {  # case -> (the model, lora.targets, the HF modules its recurrent layers' adapters land in)
+    "qwen3.5 gdn_in": (_qwen3_5_model, ["gdn_in", "gdn_out", "q", "k", "v", "o", "gate", "up", "down"],
+                       (".linear_attn.", {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"})),
+    "nemotron-h mamba_in": (_nemotron_h_model, ["mamba_in", "q", "o", "up", "down"],
+                            (".mixer.", {"in_proj", "q_proj", "o_proj", "up_proj", "down_proj"})),
+}
+
+
+@pytest.mark.parametrize("case", list(RECURRENT_LMS))
+def test_adapters_on_recurrent_projections(pools, tmp_path, capsys, case):
+    """A Qwen3.5 causal LM with DoRA on the Gated DeltaNet input projection (gdn_in: four adapters
+    on our fused weight, one per Hugging Face module in_proj_qkv / _z / _b / _a), its output
+    projection and the attention / MLP ones, and a Nemotron-H with DoRA on the Mamba-2 input rows
+    (mamba_in: one adapter on rows of two weights of ours, Hugging Face's one in_proj, whose row
+    order z | x | B | C | dt is not ours): ``--llm-only --adapter`` loads into PEFT, its logits
+    equal the merged export's (1e-5) and its merge_and_unload the merged weights (1e-6); read
+    back by lora.init tensor for tensor. PEFT takes no adapter on a Mamba layer's out_proj:
+    ``mamba_out`` exports merged, and ``--adapter`` says so."""
+    import transformers
+
+    make, targets, (where, hf_modules) = RECURRENT_LMS[case]
+    model = make()
+    path = str(tmp_path / "hf")
     model.save_pretrained(path)
     assert main(["import-hf", path, "--yaml", str(tmp_path / "modules.yaml")]) == 0
     capsys.readouterr()
     modules = yaml.safe_load((tmp_path / "modules.yaml").read_text())["modules"]
     (name, llm), = modules.items()
-    llm["lora"] = {"rank": 2, "alpha": 5, "dora": True,
-                   "targets": ["gdn_in", "gdn_out", "q", "k", "v", "o", "gate", "up", "down"]}
+    llm["lora"] = {"rank": 2, "alpha": 5, "dora": True, "targets": targets}
     config_path = tmp_path / "lora.yaml"
     config_path.write_text(yaml.safe_dump({"world_size": 1, "modules": modules,
                                            "data": {"source": "synthetic", "max_sample_tokens": 256}}))
     ckpt = pools(1).run(_drawn_lora_checkpoint, str(config_path), str(tmp_path / "ckpt"))[0]
     for out, flags in (("base", ["--adapter", str(tmp_path / "adapter")]), ("merged", ["--merge"])):
         assert main(["export-hf", ckpt, "--out", str(tmp_path / out), "--llm-only", *flags]) == 0
-    targets = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
-    assert {t.rpartition(".")[2] for t in targets if ".linear_attn." in t} == {
-        "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}
+    adapted = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    assert {t.rpartition(".")[2] for t in adapted if where in t} == hf_modules
 
     cls = transformers.AutoModelForCausalLM
     tuned = _with_adapter(_load(cls, tmp_path / "base"), str(tmp_path / "adapter"))
@@ -364,6 +388,17 @@ def test_qwen3_5_adapters_on_gated_deltanet_projections(pools, tmp_path, capsys)
     want_adapters = _stored_adapters(ckpt)[name]
     assert want_adapters and set(got[name]) == set(want_adapters)
     assert all(torch.equal(got[name][n], t) for n, t in want_adapters.items())
+    if "mamba_in" in targets:
+        llm["lora"]["targets"] = ["mamba_in", "mamba_out"]
+        config_path.write_text(yaml.safe_dump({"world_size": 1, "modules": modules,
+                                               "data": {"source": "synthetic", "max_sample_tokens": 256}}))
+        ckpt = pools(1).run(_drawn_lora_checkpoint, str(config_path), str(tmp_path / "ckpt-out"))[0]
+        with pytest.raises(MimoError, match="PEFT takes no LoRA on out_proj of a Mamba-based model"):
+            from mimo.commands.export_hf import export_hf
+
+            export_hf(ckpt, str(tmp_path / "base-out"), llm_only=True, adapter=str(tmp_path / "adapter-out"))
+        assert not any(p.name.startswith(("base-out", "adapter-out")) for p in tmp_path.iterdir())
+        assert main(["export-hf", ckpt, "--out", str(tmp_path / "merged-out"), "--llm-only", "--merge"]) == 0
 
 
 # ---------------------------------------------------------------- experts: merged only

@@ -284,29 +284,48 @@ def test_lora_layers_cuda_bf16(kind, dora):
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
+def _gdn_mixer():
+    from mimo.llm.gdn import GatedDeltaNetMixer, GDNConfig
+
+    return GatedDeltaNetMixer(GDNConfig(hidden=16, heads=2, v_heads=4, head_dim=4, v_head_dim=4, conv_kernel=4, chunk=4))
+
+
+def _mamba_mixer():
+    from mimo.llm.mamba2 import Mamba2Config, Mamba2Mixer
+
+    return Mamba2Mixer(Mamba2Config(hidden=16, heads=4, head_dim=3, state=5, groups=2, conv_kernel=4, chunk=4))
+
+
+RECURRENT_INPUTS = {  # target -> (mixer, its adapters)
+    "gdn_in": (_gdn_mixer, ["a", "b", "q_k_v", "z"]),
+    "mamba_in": (_mamba_mixer, ["z_x_dt_B_C"]),
+}
+
+
 @pytest.mark.parametrize("dora", [False, True])
-def test_gated_deltanet_input_adapters_compute_their_merge(dora):
+@pytest.mark.parametrize("target", list(RECURRENT_INPUTS))
+def test_recurrent_input_adapters_compute_their_merge(target, dora):
     """A Gated DeltaNet mixer with adapters on its fused input projection (``gdn_in``: q | k | v,
-    z, b, a, each B drawn) computes what the mixer without adapters computes on the merged weight
-    (``merge_adapters``: W + s B A per adapter's rows, DoRA rescaled), fp64, 1e-10; and not what
-    the base alone computes."""
+    z, b, a) and a Mamba-2 mixer with one adapter on its input rows in two weights (``mamba_in``:
+    z | x | dt of one, B | C of the other), each B drawn, compute what the mixer without adapters
+    computes on the merged weights (``merge_adapters``: W + s B A per adapter's rows, DoRA
+    rescaled), fp64, 1e-10; and not what the base alone computes."""
     import copy
 
     from mimo.llm.context import SeqContext
-    from mimo.llm.gdn import GatedDeltaNetMixer, GDNConfig
     from mimo.llm.model import LORA_TARGETS
     from mimo.parallel.lora import adapter_sites, attach_targets, merge_adapters
 
     torch.manual_seed(0)
-    cfg = GDNConfig(hidden=16, heads=2, v_heads=4, head_dim=4, v_head_dim=4, conv_kernel=4, chunk=4)
+    make, adapters = RECURRENT_INPUTS[target]
     host = torch.nn.Module()
     host.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
-    host.layers["0"].mixer = GatedDeltaNetMixer(cfg).double()
+    host.layers["0"].mixer = make().double()
     with torch.no_grad():
         for p in host.parameters():
             p.normal_(0, 0.3)
     base = copy.deepcopy(host.layers["0"].mixer)
-    assert attach_targets(host, LoraSpec(RANK, ALPHA, dora=dora), 3, LORA_TARGETS, ["gdn_in"], "t") == ["layers.0.mixer"]
+    assert attach_targets(host, LoraSpec(RANK, ALPHA, dora=dora), 3, LORA_TARGETS, [target], "t") == ["layers.0.mixer"]
     mixer = host.layers["0"].mixer.double()
     init_magnitudes_(mixer)
     with torch.no_grad():
@@ -315,7 +334,7 @@ def test_gated_deltanet_input_adapters_compute_their_merge(dora):
                 p.normal_(0, 0.3)
             elif name.endswith("lora_magnitude"):
                 p.mul_(1.5)
-    assert sorted(mixer.lora) == ["a", "b", "q_k_v", "z"]
+    assert sorted(mixer.lora) == adapters
     state = {n: t.detach() for n, t in mixer.state_dict().items()}
     merged = copy.deepcopy(base)
     merged.load_state_dict(merge_adapters(state, adapter_sites(mixer)))
@@ -360,3 +379,17 @@ def test_expert_adapters_compute_their_merge():
         want = merged.compute(x, ends)
         assert rel_err(experts.compute(x, ends), want) <= 1e-10
         assert rel_err(base.compute(x, ends), want) > 1e-3
+
+
+def test_mamba_input_adapter_needs_its_b_c_rows_split():
+    """Where tp does not divide mamba_groups, Mamba-2's B | C rows are replicated (each rank's heads
+    read all of them): one adapter over z | x | dt | B | C cannot split as its rows do, and says so."""
+    from mimo.llm.model import LORA_TARGETS
+    from mimo.parallel.lora import attach_targets
+
+    host = torch.nn.Module()
+    host.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
+    host.layers["0"].mixer = mixer = _mamba_mixer()
+    mixer.bc_sharded = False  # (as at tp 2 with one group)
+    with pytest.raises(ConfigError, match="mamba_in.*tp .* to divide mamba_groups"):
+        attach_targets(host, LoraSpec(RANK, ALPHA), 3, LORA_TARGETS, ["mamba_in"], "t")

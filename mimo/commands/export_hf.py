@@ -419,14 +419,14 @@ def export_hf(checkpoint: str, out: str, llm_only: bool = False, max_shard_bytes
             extra = {"unused_vision_tensors_from": filled_from, "image_token_id": image_token_id, "image_token_added": added}
         if adapters:
             from mimo.compose.peft import module_row_blocks, write_peft_adapter
-            from mimo.encoders.hf_import import load_hf_state
+            from mimo.encoders.hf_import import load_hf_state, read_config_json
 
             adapter_tmp = adapter.rstrip(os.sep) + ".tmp"
             shutil.rmtree(adapter_tmp, ignore_errors=True)
             candidates = {m: module_row_blocks(config.modules[m], m == llm) for m in adapters}
             extra["adapter"] = write_peft_adapter(adapter_tmp, out, {m: (sites, state, candidates[m])
                                                                      for m, (sites, state) in adapters.items()},
-                                                  load_hf_state(tmp, lazy=True))
+                                                  load_hf_state(tmp, lazy=True), read_config_json(tmp).get("model_type"))
             if os.path.isdir(adapter):
                 os.rmdir(adapter)
             os.replace(adapter_tmp, adapter)

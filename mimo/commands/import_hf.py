@@ -8,9 +8,10 @@ The architecture comes from ``DIR/config.json`` (``architectures``, else ``model
     Qwen3VLMoeForConditionalGeneration     and the LLM; Qwen3.5's tower has no deepstack, its LLM
     Qwen3_5ForConditionalGeneration        is Gated DeltaNet / gated attention with M-RoPE)
     Qwen3_5MoeForConditionalGeneration
-    Qwen3NextForCausalLM                 a text-only LLM (``mimo.llm.hf``'s qwen3_next, qwen3_5_text,
-    Qwen3_5ForCausalLM                     qwen3_5_moe_text families; here: ``describe_causal_lm``,
-    Qwen3_5MoeForCausalLM                  ``causal_lm_to_checkpoint``)
+    LlamaForCausalLM, Qwen2ForCausalLM,  a text-only LLM: every family of ``mimo.llm.hf`` (Llama,
+    Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2 / Qwen3 (MoE), Mixtral, OLMoE, Nemotron-H, Qwen3-Next,
+    NemotronHForCausalLM, ...               Qwen3.5 (MoE) text; here: ``describe_causal_lm``,
+                                           ``causal_lm_to_checkpoint``)
 
 Without ``--config``: every tensor checked against the config.json (safetensors headers only)
 and the ``modules:`` section of a mimo config that loads the checkpoint (``init.hf``), printed or
@@ -24,16 +25,25 @@ import os
 
 from mimo.core.errors import MimoError
 
-__all__ = ["SUPPORTED", "detect_architecture", "describe", "import_to_checkpoint", "describe_causal_lm",
+__all__ = ["MULTIMODAL", "causal_lms", "supported", "detect_architecture", "describe", "import_to_checkpoint", "describe_causal_lm",
            "causal_lm_to_checkpoint", "run_ranks"]
 
-# architecture -> config.json model_type
-SUPPORTED = {"LlavaForConditionalGeneration": "llava", "Qwen3VLForConditionalGeneration": "qwen3_vl",
-             "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe", "Qwen3_5ForConditionalGeneration": "qwen3_5",
-             "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe", "Qwen3NextForCausalLM": "qwen3_next",
-             "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"}
-# text-only: one kind: hybrid module (mimo.llm.hf's family of the model_type)
-CAUSAL_LMS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+# architecture -> config.json model_type: the multimodal models
+MULTIMODAL = {"LlavaForConditionalGeneration": "llava", "Qwen3VLForConditionalGeneration": "qwen3_vl",
+              "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe", "Qwen3_5ForConditionalGeneration": "qwen3_5",
+              "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe"}
+
+
+def causal_lms() -> dict[str, str]:
+    """The text-only causal LMs (architecture -> model_type): every family ``mimo.llm.hf`` reads
+    and ``export-hf --llm-only`` writes; one ``kind: hybrid`` module."""
+    from mimo.llm.hf import SUPPORTED as FAMILIES
+
+    return {a: t for t, a in FAMILIES.items() if a.endswith("ForCausalLM")}
+
+
+def supported() -> dict[str, str]:
+    return {**MULTIMODAL, **causal_lms()}
 
 
 def detect_architecture(path: str) -> str:
@@ -43,21 +53,22 @@ def detect_architecture(path: str) -> str:
 
     config = read_config_json(path)
     listed = config.get("architectures") or []
+    known = supported()
     for name in listed:
-        if name in SUPPORTED:
+        if name in known:
             return name
-    by_type = {t: a for a, t in SUPPORTED.items()}
+    by_type = {t: a for a, t in known.items()}
     if config.get("model_type") in by_type and not listed:
         return by_type[config["model_type"]]
     what = ", ".join(map(repr, listed)) if listed else "no architectures"
     raise MimoError(f"{path!r}: config.json says {what} (model_type {config.get('model_type')!r}); mimo import-hf "
-                    f"supports {', '.join(SUPPORTED)}")
+                    f"supports {', '.join(known)}")
 
 
 def describe(path: str, out: str | None = None) -> dict:
     """Check the checkpoint and give (print, or write to ``out``) the mimo ``modules:`` section that loads it."""
     architecture = detect_architecture(path)
-    if architecture in CAUSAL_LMS:
+    if architecture in causal_lms():
         result = describe_causal_lm(path, out)
         if out is None:
             print(f"# import-hf {path}: {result['tensors']} tensors fit the config ({architecture})")
@@ -79,7 +90,7 @@ def describe(path: str, out: str | None = None) -> dict:
 def import_to_checkpoint(path: str, config_path: str, overrides: list[str], out: str, timeout_s: float = 900.0) -> dict:
     """The checkpoint as a mimo checkpoint at the config's layout (step 0, weights only)."""
     architecture = detect_architecture(path)
-    if architecture in CAUSAL_LMS:
+    if architecture in causal_lms():
         return causal_lm_to_checkpoint(path, config_path, overrides, out, timeout_s)
     if architecture == "LlavaForConditionalGeneration":
         from mimo.commands.hf_llava import import_to_checkpoint as llava
@@ -105,7 +116,7 @@ def _causal_lm_tensors(arch, path: str, source: str) -> int:
 
 
 def describe_causal_lm(path: str, out: str | None = None, language: str = "language") -> dict:
-    """A text-only causal LM (``CAUSAL_LMS``): every tensor checked against its config.json
+    """A text-only causal LM (``causal_lms``): every tensor checked against its config.json
     (headers only), and the ``modules:`` section of one ``kind: hybrid`` module that loads it
     (``init.hf``), printed or written to ``out``."""
     import yaml

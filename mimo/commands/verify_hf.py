@@ -44,9 +44,10 @@ Face fp32 run's own error against fp64. ``max_*_rel_err`` are the errors against
 ``tightest`` the measure closest to its bound of each kind (logits, loss, grad). A Gated DeltaNet
 model's gradients (Qwen3.5) carry fp32 noise near 1e-4 that mimo's and transformers' chunked delta
 rules amplify by different factors (each up to several times the other's), so that 4 * e1 does
-not bound them reliably: their floor is ``max(tol, GDN_GRAD_FLOOR)`` (2e-4; planted mapping bugs
-still fail by over 1000x; in fp64 the two agree to ~5e-7), reported as ``grad_tol``; logits and
-loss keep ``tol``.
+not bound them reliably, and by how much depends on the CPU's kernels (one tiny Qwen3.5-MoE's
+worst gradient: 1.1e-4 with AVX2 kernels, 2.5e-4 with AVX-512 ones, where transformers' own stays
+at 5e-5): their floor is ``max(tol, GDN_GRAD_FLOOR)`` (5e-4; planted mapping bugs still fail by
+over 100x; in fp64 the two agree to ~5e-7), reported as ``grad_tol``; logits and loss keep ``tol``.
 """
 
 from __future__ import annotations
@@ -321,7 +322,7 @@ def deal(count: int, dp: int) -> list[list[int]]:
     return [list(range(d, count, dp)) for d in range(dp)]
 
 
-GDN_GRAD_FLOOR = 2e-4  # the gradients' yardstick floor of a model with Gated DeltaNet layers (module doc)
+GDN_GRAD_FLOOR = 5e-4  # the gradients' yardstick floor of a model with Gated DeltaNet layers (module doc)
 
 
 def verify_hf(path: str, pool, *, tp: int = 1, ep: int = 1, seed: int = 0, tol: float = 1e-5,

@@ -43,6 +43,9 @@ __all__ = ["write_peft_adapter", "read_peft_adapter", "module_row_blocks", "ADAP
 
 RowBlocks = Mapping[str, list[tuple[str, int, int, int]]]  # ours -> [(HF name, its first row, our first row, rows)]
 
+# PEFT refuses LoRA on these modules of these model types (peft.tuners.tuners_utils, _check_lora_target_modules_mamba)
+PEFT_MAMBA_TYPES = ("falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h")
+PEFT_NOT_ON_MAMBA = ("out_proj", "conv1d")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
@@ -60,17 +63,18 @@ def _hf_adapters(module: str, sites: list[AdapterSite], row_blocks: RowBlocks) -
         for theirs, t0, o0, n in blocks:
             a, b = max(lo, o0), min(hi, o0 + n)
             if b > a:
-                out.setdefault(theirs, []).append((t0 + a - o0, b - a, site, a - lo))
+                out.setdefault(theirs, []).append((t0 + a - o0, b - a, site, site.first + a - lo))
     return out
 
 
 def write_peft_adapter(directory: str, base: str, modules: Mapping[str, tuple[list[AdapterSite], Mapping[str, torch.Tensor],
                                                                             list[RowBlocks]]],
-                       hf_state: Mapping[str, object]) -> dict:
+                       hf_state: Mapping[str, object], model_type: str | None = None) -> dict:
     """Write the adapters of ``modules`` (name -> (its adapter sites, its full state holding
     the adapters, its candidate row rules: ``module_row_blocks``)) as a PEFT directory
     ``directory`` whose base is the Hugging Face directory ``base`` (``hf_state``: its tensors,
-    indexable lazily; each adapter goes to the module of it that its rows land in). Returns a summary."""
+    indexable lazily; each adapter goes to the module of it that its rows land in; ``model_type``:
+    its config's). Returns a summary."""
     from safetensors.torch import save_file
 
     weights = {key[: -len(".weight")]: key for key in hf_state if key.endswith(".weight")}
@@ -86,6 +90,11 @@ def write_peft_adapter(directory: str, base: str, modules: Mapping[str, tuple[li
                             f"land in are not weights of the exported model: export with --merge")
         for hf_module, pieces in placed.items():
             theirs = weights[hf_module]
+            if model_type in PEFT_MAMBA_TYPES and hf_module.rpartition(".")[2] in PEFT_NOT_ON_MAMBA:
+                raise MimoError(f"export-hf --adapter: PEFT takes no LoRA on {hf_module.rpartition('.')[2]} of a Mamba-based "
+                                f"model ({model_type}: its fused kernels read that weight directly), where modules.{module}'s "
+                                f"adapter {pieces[0][2].adapter} lands: leave that projection (mamba_out) out of lora.targets, "
+                                f"or export with --merge")
             owners = {p[2].adapter for p in pieces}
             if len(owners) > 1:
                 raise MimoError(f"export-hf --adapter: Hugging Face's {theirs} holds rows of {len(owners)} adapters of "
@@ -258,11 +267,14 @@ def read_peft_adapter(directory: str, module: str, sites: list[AdapterSite], can
             by_site.setdefault(site.adapter, []).append((peft_module, t0, n, s0))
     out: dict[str, torch.Tensor] = {}
     used: dict[str, torch.Tensor] = {}  # PEFT module -> rows of it that ours cover
+    rows_of: dict[str, int] = {}  # our adapter -> its rows (over every weight it adapts)
     for site in sites:
-        spec, lo, hi = site.spec, *site.rows
+        rows_of[site.adapter] = max(rows_of.get(site.adapter, 0), site.first + site.rows[1] - site.rows[0])
+    for site in {s.adapter: s for s in sites}.values():
+        spec = site.spec
         A = None
-        B = torch.zeros(hi - lo, spec.rank)
-        m = torch.zeros(hi - lo) if spec.dora else None
+        B = torch.zeros(rows_of[site.adapter], spec.rank)
+        m = torch.zeros(rows_of[site.adapter]) if spec.dora else None
         for peft_module, t0, n, s0 in by_site[site.adapter]:
             theirs = modules[peft_module]
             r = _pattern_value(conf.get("rank_pattern") or {}, peft_module, conf.get("r"))

@@ -34,26 +34,34 @@ from mimo.parallel.init import init_local, param_seed
 from mimo.parallel.placement import ParamPlacement, gather_full, replicated, shard_full, sharded
 
 __all__ = ["TPModule", "ColumnParallelLinear", "FusedColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "vocab_parallel_lookup", "fused_rows", "local_parts", "fused_adapters"]
+           "vocab_parallel_lookup", "fused_rows", "fused_parts", "local_parts", "fused_adapters"]
 
 
 
 # ---------------------------------------------------------------- layers of fused rows (adapters: mimo.parallel.lora)
 
 
-def fused_rows(layer: nn.Module) -> tuple[str, dict[str, int]] | None:
-    """A layer whose weight is several projections' rows fused (each part split over TP by rows,
-    this rank's rows of every part adjacent, in part order): (its weight's name, the parts' full
-    sizes), from its ``lora_rows()``; None for any other layer."""
+def fused_rows(layer: nn.Module) -> dict[str, dict[str, int]] | None:
+    """A layer whose weights hold several projections' rows fused (each part split over TP by
+    rows, this rank's rows of every part of a weight adjacent, in part order): weight name -> its
+    parts' full sizes, in row order (Mamba-2's input rows live in two weights), from its
+    ``lora_rows()``; None for any other layer."""
     rows = getattr(layer, "lora_rows", None)
     return rows() if callable(rows) else None
 
 
+def fused_parts(layer: nn.Module) -> dict[str, int]:
+    """Every part of a fused layer (``fused_rows``) and its full size, weight after weight."""
+    return {part: n for parts in fused_rows(layer).values() for part, n in parts.items()}
+
+
 def local_parts(layer: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
-    """(part names, this rank's rows of the weight per part) of a fused layer."""
-    weight_name, parts = fused_rows(layer)
-    tp = layer.ctx.tp_size
-    return list(parts), list(getattr(layer, weight_name).split([n // tp for n in parts.values()], dim=0))
+    """(part names, this rank's rows of the weights per part) of a fused layer."""
+    tp, names, weights = layer.ctx.tp_size, [], []
+    for weight_name, parts in fused_rows(layer).items():
+        names += list(parts)
+        weights += getattr(layer, weight_name).split([n // tp for n in parts.values()], dim=0)
+    return names, weights
 
 
 def fused_adapters(layer: nn.Module, x_TD: torch.Tensor, ys: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -189,9 +197,9 @@ class FusedColumnParallelLinear(TPModule):
     def placements(self) -> dict[str, ParamPlacement]:
         return self._placements
 
-    def lora_rows(self) -> tuple[str, dict[str, int]]:
-        """The fused weight's name and parts, for adapters per group of parts (``mimo.parallel.lora``)."""
-        return "weight", self.parts
+    def lora_rows(self) -> dict[str, dict[str, int]]:
+        """The fused weight and its parts, for adapters per group of parts (``mimo.parallel.lora``)."""
+        return {"weight": self.parts}
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x_TD = gather_seq(x_TD, self.group) if self.sequence_parallel else copy_to_group(x_TD, self.group)

@@ -24,6 +24,7 @@ with dropout are not layout-independent (verify layouts at 0).
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from mimo.core.errors import ConfigError
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.init import init_local, param_seed
-from mimo.parallel.layers import ColumnParallelLinear, RowParallelLinear, fused_rows, local_parts
+from mimo.parallel.layers import ColumnParallelLinear, RowParallelLinear, fused_parts, fused_rows, local_parts
 from mimo.parallel.lora_config import LoraConfig, LoraSpec
 from mimo.parallel.placement import ParamPlacement, replicated, sharded
 
@@ -231,8 +232,8 @@ def attach(layer: nn.Module, spec: LoraSpec, seed: int | None, groups: list[tupl
         return ["lora.up", "lora.down"]
     rows = fused_rows(layer)
     if rows is not None:
-        weight_name, parts = rows
-        weight = getattr(layer, weight_name)
+        parts = fused_parts(layer)
+        weight = getattr(layer, next(iter(rows)))
         dd = {"device": weight.device, "dtype": weight.dtype}
         names = list(parts)
         groups = groups or [(p,) for p in names]
@@ -307,7 +308,7 @@ def attach_targets(root: nn.Module, spec: LoraSpec, seed: int | None, table: dic
     for path, groups in chosen.items():
         layer = layers[path]
         if fused_rows(layer) is not None:
-            order = list(fused_rows(layer)[1])
+            order = list(fused_parts(layer))
             groups = sorted(groups or [(p,) for p in order], key=lambda g: order.index(g[0]))
         attach(layer, spec, None if seed is None else param_seed(seed, path), groups)
         adapted.append(path)
@@ -324,13 +325,15 @@ def attach_targets(root: nn.Module, spec: LoraSpec, seed: int | None, table: dic
 @dataclass(frozen=True)
 class AdapterSite:
     """Where one adapter sits in its module's full (one-process) state: its tensors are
-    ``<adapter>.lora_A`` ``[r, in]``, ``.lora_B`` ``[hi - lo, r]`` (DoRA: ``.lora_magnitude``
-    ``[hi - lo]``); it adapts rows ``lo:hi`` of the full weight ``weight`` ``[out, in]``."""
+    ``<adapter>.lora_A`` ``[r, in]``, ``.lora_B`` ``[out, r]`` (DoRA: ``.lora_magnitude``
+    ``[out]``); its rows ``first:first + hi - lo`` adapt rows ``lo:hi`` of the full weight
+    ``weight`` ``[out, in]`` (an adapter on the rows of two weights has a site on each)."""
 
     adapter: str
     weight: str
     rows: tuple[int, int]
     spec: LoraSpec
+    first: int = 0  # the adapter's row (of B, of the magnitude) that the weight's row lo takes
 
 
 def adapter_sites(root: nn.Module) -> list[AdapterSite]:
@@ -346,14 +349,16 @@ def adapter_sites(root: nn.Module) -> list[AdapterSite]:
             for key, adapter in lora.items():  # per expert, on every row of the expert's weight
                 sites.append(AdapterSite(f"{prefix}lora.{key}", f"{prefix}{key}_proj", (0, adapter.out_features), adapter.spec))
         elif isinstance(lora, nn.ModuleDict) and fused_rows(module) is not None:
-            weight_name, parts = fused_rows(module)
-            starts, at = {}, 0
-            for part, size in parts.items():
-                starts[part], at = at, at + size
             for key, adapter in lora.items():
-                lo = starts[key.split("_")[0]]
-                sites.append(AdapterSite(f"{prefix}lora.{key}", prefix + weight_name, (lo, lo + adapter.out_features),
-                                         adapter.spec))
+                group, first = key.split("_"), 0
+                for weight_name, parts in fused_rows(module).items():
+                    starts = dict(zip(parts, itertools.accumulate(parts.values(), initial=0)))
+                    mine = [p for p in parts if p in group]
+                    if mine:
+                        lo = starts[mine[0]]
+                        hi = lo + sum(parts[p] for p in mine)
+                        sites.append(AdapterSite(f"{prefix}lora.{key}", prefix + weight_name, (lo, hi), adapter.spec, first))
+                        first += hi - lo
     return sites
 
 
@@ -363,11 +368,12 @@ def merged_rows(site: AdapterSite, state: dict[str, torch.Tensor]) -> torch.Tens
     magnitude), computed in float32 at least and returned in the weight's dtype."""
     weight = state[site.weight]
     lo, hi = site.rows
+    mine = slice(site.first, site.first + hi - lo)  # the adapter's rows on this weight
     wide = torch.promote_types(weight.dtype, torch.float32)
-    A, B = state[f"{site.adapter}.lora_A"].to(wide), state[f"{site.adapter}.lora_B"].to(wide)
+    A, B = state[f"{site.adapter}.lora_A"].to(wide), state[f"{site.adapter}.lora_B"][..., mine, :].to(wide)
     merged_OI = weight[..., lo:hi, :].to(wide) + site.spec.scale * (B @ A)  # (an expert weight: per expert)
     if site.spec.dora:
-        m_O = state[f"{site.adapter}.lora_magnitude"].to(wide)
+        m_O = state[f"{site.adapter}.lora_magnitude"][mine].to(wide)
         merged_OI = m_O[:, None] * merged_OI / merged_OI.norm(dim=1, keepdim=True)
     return merged_OI.to(weight.dtype)
 
