@@ -317,6 +317,25 @@ def test_lora_init_refuses_what_it_cannot_read_whole(exported, tmp_path):
         load_config(exported["config"], [f"modules.language.lora.init={tmp_path}"])
 
 
+def test_preflight_reads_lora_init_whole(exported):
+    """``check_inputs`` (check-config, train's launcher) reads each lora.init directory as the
+    ranks will: the LLaVA adapter named by the LLM alone leaves its tower adapters unread, a
+    problem naming them; named by both modules it reads whole; a mismatch is reported, not raised."""
+    from mimo.compose.config import load_config
+    from mimo.compose.preflight import check_inputs
+
+    adapter = str(exported["root"] / "adapter")
+    init = {m: f"modules.{m}.lora.init={adapter}" for m in ("language", "vision")}
+    report = check_inputs(load_config(exported["config"], [init["language"]]), samples=0, raise_errors=False)
+    assert len(report.problems) == 1 and "which no module of the run reads" in report.problems[0], report.problems
+    assert "vision_tower" in report.problems[0] or "vision_model" in report.problems[0], report.problems[0]
+    report = check_inputs(load_config(exported["config"], list(init.values())), samples=0, raise_errors=False)
+    assert not report.problems and report.lora_init[os.path.realpath(adapter)]["ok"], report.as_dict()
+    report = check_inputs(load_config(exported["config"], [*init.values(), "modules.vision.lora.rank=2"]), samples=0,
+                          raise_errors=False)
+    assert len(report.problems) == 1 and "modules.vision.lora says rank 2" in report.problems[0], report.problems
+
+
 # ---------------------------------------------------------------- the recurrent layers: Gated DeltaNet, Mamba-2
 
 

@@ -39,7 +39,7 @@ import torch
 from mimo.core.errors import MimoError
 from mimo.parallel.lora import AdapterSite
 
-__all__ = ["write_peft_adapter", "read_peft_adapter", "module_row_blocks", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
+__all__ = ["write_peft_adapter", "read_peft_adapter", "read_peft_modules", "peft_modules", "module_row_blocks", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
 
 RowBlocks = Mapping[str, list[tuple[str, int, int, int]]]  # ours -> [(HF name, its first row, our first row, rows)]
 
@@ -250,6 +250,17 @@ def read_peft_adapter(directory: str, module: str, sites: list[AdapterSite], can
                       ) -> dict[str, torch.Tensor]:
     """The full tensors of ``sites`` (one module's adapters, ``module`` its name) from the PEFT
     adapter directory ``directory``, by the names of the module's one-process state."""
+    return read_peft_modules(directory, module, sites, candidates)[0]
+
+
+def peft_modules(directory: str) -> list[str]:
+    """The Hugging Face modules a PEFT adapter directory adapts."""
+    return sorted(_read_dir(directory)[1])
+
+
+def read_peft_modules(directory: str, module: str, sites: list[AdapterSite], candidates: list[RowBlocks]
+                      ) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """``read_peft_adapter``'s tensors, and the PEFT modules they were read from."""
     conf, modules = _read_dir(directory)
     what = f"modules.{module}.lora.init {directory}"
     if conf.get("use_rslora"):
@@ -305,4 +316,4 @@ def read_peft_adapter(directory: str, module: str, sites: list[AdapterSite], can
     for peft_module, rows in used.items():
         if not bool(rows.all()) and bool(modules[peft_module]["lora_B"][~rows].any()):
             raise MimoError(f"{what}: {peft_module}'s adapter changes rows no adapter of modules.{module} covers")
-    return out
+    return out, set(used)

@@ -14,6 +14,8 @@ check by the same code the late path runs:
   where it has ``tokenizer.json`` (``mimo.data.tokenizer.read_tokenizer``); what the config
   asks of it (vocab, special tokens, template markers) is checked when the config loads
   (``config_tokenizer_problems``), a folder without tokenizer files included.
+* ``lora.init`` of every module: the PEFT directory read as the ranks read it, and every
+  adapter in it read by some module of the run (``_check_lora_init``).
 * a config with a native-resolution encoder (``kind: qwen3_vl``) gets no data check: its one
   problem (``MimoConfig.trainable_problems``) is reported instead, after the ``init.hf`` checks.
 * a sample of the shards: the first samples of each shard (up to ``SAMPLES`` in all, spread
@@ -63,11 +65,13 @@ class InputsReport:
     lines: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     init_hf: dict[str, dict[str, Any]] = field(default_factory=dict)
+    lora_init: dict[str, dict[str, Any]] = field(default_factory=dict)  # by directory
     tokenizer: dict[str, Any] | None = None
     shards: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"init_hf": self.init_hf, "tokenizer": self.tokenizer, "shards": self.shards, "problems": list(self.problems)}
+        return {"init_hf": self.init_hf, "lora_init": self.lora_init, "tokenizer": self.tokenizer, "shards": self.shards,
+                "problems": list(self.problems)}
 
     def raise_problems(self) -> None:
         if self.problems:
@@ -103,6 +107,7 @@ def check_inputs(config: MimoConfig, samples: int = SAMPLES, echo: Callable[[str
         line(f"init.hf modules.{name}: ok ({info['summary']})")
         for note in info.get("notes", ()):
             line(f"  note: {note}")
+    _check_lora_init(config, report, line)
     native = config.trainable_problems()
     if native:  # no data path for a native-resolution encoder yet: one line, no data check
         report.problems += native
@@ -159,6 +164,41 @@ def _check_llm_hf(llm: LLMModuleConfig, key: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- tokenizer
+
+
+def _check_lora_init(config: MimoConfig, report: InputsReport, line) -> None:
+    """Each PEFT directory some module's ``lora.init`` names, read by every module naming it as
+    its ranks will read it (``compose.adapters``); an adapter of it that no module reads (the
+    tower's, where only the LLM names the directory) is a problem: nothing is dropped silently."""
+    by_dir: dict[str, list[str]] = {}
+    for name, module in config.modules.items():
+        if module.lora is not None and module.lora.init:
+            by_dir.setdefault(os.path.realpath(module.lora.init), []).append(name)
+    if not by_dir:
+        return
+    from mimo.compose.adapters import adapter_layout
+    from mimo.compose.peft import module_row_blocks, peft_modules, read_peft_modules
+
+    for directory, names in by_dir.items():
+        try:
+            used: set[str] = set()
+            for name in names:
+                cfg, llm = config.modules[name], name == config.llm_name
+                used |= read_peft_modules(directory, name, adapter_layout(cfg, name, llm), module_row_blocks(cfg, llm))[1]
+            unread = [m for m in peft_modules(directory) if m not in used]
+            if unread:
+                raise MimoError(f"lora.init {directory}: adapts {', '.join(unread[:3])}{' ...' if len(unread) > 3 else ''}, "
+                                f"which no module of the run reads ({', '.join(f'modules.{n}' for n in names)} "
+                                f"{'names' if len(names) == 1 else 'name'} it): give the module they belong to the same "
+                                f"lora.init and targets")
+        except Exception as e:  # noqa: BLE001 - a foreign directory: a problem to report, never a traceback
+            message = str(e) if isinstance(e, MimoError) else f"cannot read it ({type(e).__name__}: {e})"
+            report.lora_init[directory] = {"ok": False, "modules": names, "error": message}
+            report.problems.append(message)
+            line(f"lora.init {directory}: FAILED")
+            continue
+        report.lora_init[directory] = {"ok": True, "modules": names, "adapted": len(used)}
+        line(f"lora.init {directory}: ok ({len(used)} adapted modules read by {', '.join(names)})")
 
 
 def _check_tokenizer(config: MimoConfig, report: InputsReport, line) -> TextEncoder | None:
