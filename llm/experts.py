@@ -41,6 +41,7 @@ from mimo.llm.mlp import activate, activate_maybe_recomputed
 from mimo.llm.router import Routing
 from mimo.parallel import gemm
 from mimo.parallel.context import ParallelContext
+from mimo.parallel.layers import fused_adapters
 from mimo.parallel.placement import ParamPlacement, replicated, sharded, sharded_dims
 from mimo.parallel.recompute import maybe
 
@@ -183,14 +184,27 @@ class SharedExpert(nn.Module):
             ctx.gtp_register(getattr(self, name), pl)
         self.has_gate = gate
         self.recipe = gemm.default_recipe()
+        self.lora = None  # low-rank adapters (mimo.parallel.lora): gate, up (rows of up_proj), down
 
     def placements(self) -> dict[str, ParamPlacement]:
         return self._placements
 
+    def lora_rows(self) -> dict[str, dict[str, int]]:
+        """The up projection's parts (gate | up rows), for adapters (``mimo.parallel.lora``)."""
+        return {"up_proj": {"gate": self.ffn, "up": self.ffn} if self.gated else {"up": self.ffn}}
+
+    def lora_cols(self) -> dict[str, str]:
+        """The down projection: split by input columns, its output a partial sum."""
+        return {"down": "down_proj"}
+
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         h_TF = gemm.linear(x_TD, self.up_proj, None, self.recipe)
+        if self.lora:
+            h_TF = torch.cat(fused_adapters(self, x_TD, h_TF.chunk(2, dim=-1) if self.gated else [h_TF]), -1)
         a_TF = activate_maybe_recomputed(self.selective, h_TF.chunk(2, dim=-1) if self.gated else (h_TF,), self.act)
         y_TD = gemm.linear(a_TF, self.down_proj, None, self.recipe)
+        if self.lora and "down" in self.lora:  # linear in the partial sums, as RowParallelLinear's
+            y_TD = self.lora["down"](a_TF, y_TD, self.down_proj)
         if self.has_gate:
             y_TD = y_TD * torch.sigmoid(gemm.linear(x_TD, self.gate, None, self.recipe))
         return y_TD

@@ -399,6 +399,8 @@ LORA_TARGETS = {
     "down": LoraTarget(_LAYER + "down_proj"),
     # the routed experts: an adapter per expert on its up (gate | up) and down projections
     "experts": LoraTarget(_LAYER + "experts", cls="GroupedExperts"),
+    # the shared expert: as a dense MLP, an adapter each on gate, up and down
+    "shared": LoraTarget(_LAYER + "shared", (("gate",), ("up",), ("down",)), cls="SharedExpert"),
     # Gated DeltaNet's fused input projection, one adapter per Qwen3.5 module: in_proj_qkv, _z, _b, _a
     "gdn_in": LoraTarget(_LAYER + "mixer", (("q", "k", "v"), ("z",), ("b",), ("a",)), cls="GatedDeltaNetMixer"),
     "gdn_out": LoraTarget(_LAYER + r"mixer\.out_proj", owner="GatedDeltaNetMixer"),

@@ -3,7 +3,7 @@ attention and MLP projections at tp 2, on the vision tower's q / v at dp 4, the 
 whole) against the one-process reference (``mimo verify-train``'s comparison, fp64 yardstick), in
 LoRA and DoRA, with sequence parallelism, pipeline stages and the distributed optimizer, and DoRA on a
 Gated DeltaNet layer's fused input projection (four adapters: q | k | v, z, b, a) and on a Mamba-2
-layer's input rows (one adapter over two weights), and LoRA on the
+layer's input rows (one adapter over two weights), and LoRA on the shared expert and the
 routed experts (per-expert adapters split over tp, or over ep with their experts); a LoRA
 checkpoint holds the adapters and what else trains, and resumes exactly; the counts that
 metrics.jsonl reports; configuration errors."""
@@ -33,6 +33,9 @@ LAYOUTS = {
         "train.distributed_optimizer=true", "train.recompute=full"],
     "lora on experts, llm tp2 dp2 (experts split over tp)": [*MOE, LANG + "parallel.sequence_parallel=true"],
     "lora on experts, llm tp2 dp2, ep2 etp2": [*MOE, LANG + "parallel={tp: 2, dp: 2, ep: 2, etp: 2, ranks: '0:4'}"],
+    "lora on the gated shared expert and experts, llm tp2 sp dp2": [
+        *MOE, LANG + "arch.moe={experts: 4, topk: 2, ffn: 32, shared_ffn: 24, shared_gate: true}",
+        LANG + "lora.targets=[q, shared, experts]", LANG + "parallel.sequence_parallel=true"],
     "dora on gated deltanet in / out and mlp, llm tp2 dp2": [
         LANG + "arch.pattern=G-*-", LANG + "lora.dora=true", LANG + "lora.targets=[gdn_in, gdn_out, q, v, gate, down]"],
     "dora on mamba-2 in / out and attention, llm tp2 sp dp2": [

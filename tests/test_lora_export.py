@@ -336,14 +336,14 @@ def test_preflight_reads_lora_init_whole(exported):
     assert len(report.problems) == 1 and "modules.vision.lora says rank 2" in report.problems[0], report.problems
 
 
-# ---------------------------------------------------------------- the recurrent layers: Gated DeltaNet, Mamba-2
+# ---------------------------------------------------------------- causal LMs: Gated DeltaNet, shared experts, Mamba-2
 
 
-def _qwen3_5_model():
+def _qwen3_5_model(name: str = "dense"):
     import transformers
     from test_hf_qwen3_5 import _text_config, randomize_
 
-    model = transformers.AutoModelForCausalLM.from_config(_text_config("dense"), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(_text_config(name), dtype=torch.float32)
     randomize_(model, 0)
     return model
 
@@ -357,16 +357,19 @@ def _nemotron_h_model():
 RECURRENT_LMS = {  # case -> (the model, lora.targets, the HF modules its recurrent layers' adapters land in)
     "qwen3.5 gdn_in": (_qwen3_5_model, ["gdn_in", "gdn_out", "q", "k", "v", "o", "gate", "up", "down"],
                        (".linear_attn.", {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"})),
+    "qwen3.5-moe shared": (lambda: _qwen3_5_model("moe"), ["shared", "q", "o"],
+                           (".shared_expert.", {"gate_proj", "up_proj", "down_proj"})),
     "nemotron-h mamba_in": (_nemotron_h_model, ["mamba_in", "q", "o", "up", "down"],
                             (".mixer.", {"in_proj", "q_proj", "o_proj", "up_proj", "down_proj"})),
 }
 
 
 @pytest.mark.parametrize("case", list(RECURRENT_LMS))
-def test_adapters_on_recurrent_projections(pools, tmp_path, capsys, case):
+def test_peft_adapters_of_causal_lms(pools, tmp_path, capsys, case):
     """A Qwen3.5 causal LM with DoRA on the Gated DeltaNet input projection (gdn_in: four adapters
     on our fused weight, one per Hugging Face module in_proj_qkv / _z / _b / _a), its output
-    projection and the attention / MLP ones, and a Nemotron-H with DoRA on the Mamba-2 input rows
+    projection and the attention / MLP ones, a Qwen3.5-MoE with DoRA on its shared experts (gate
+    and up rows of our fused weight, the row-parallel down), and a Nemotron-H with DoRA on the Mamba-2 input rows
     (mamba_in: one adapter on rows of two weights of ours, Hugging Face's one in_proj, whose row
     order z | x | B | C | dt is not ours): ``--llm-only --adapter`` loads into PEFT, its logits
     equal the merged export's (1e-5) and its merge_and_unload the merged weights (1e-6); read

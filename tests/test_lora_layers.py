@@ -296,20 +296,30 @@ def _mamba_mixer():
     return Mamba2Mixer(Mamba2Config(hidden=16, heads=4, head_dim=3, state=5, groups=2, conv_kernel=4, chunk=4))
 
 
-RECURRENT_INPUTS = {  # target -> (mixer, its adapters)
-    "gdn_in": (_gdn_mixer, ["a", "b", "q_k_v", "z"]),
-    "mamba_in": (_mamba_mixer, ["z_x_dt_B_C"]),
+def _shared_expert(act: str):
+    from mimo.llm.experts import SharedExpert
+
+    return lambda: SharedExpert(16, 12, act, gate=True)
+
+
+FUSED_HOSTS = {  # case -> (layer, target, its adapters)
+    "gdn_in": (_gdn_mixer, "gdn_in", ["a", "b", "q_k_v", "z"]),
+    "mamba_in": (_mamba_mixer, "mamba_in", ["z_x_dt_B_C"]),
+    "shared swiglu": (_shared_expert("swiglu"), "shared", ["down", "gate", "up"]),
+    "shared relu2": (_shared_expert("relu2"), "shared", ["down", "up"]),
 }
 
 
 @pytest.mark.parametrize("dora", [False, True])
-@pytest.mark.parametrize("target", list(RECURRENT_INPUTS))
-def test_recurrent_input_adapters_compute_their_merge(target, dora):
+@pytest.mark.parametrize("case", list(FUSED_HOSTS))
+def test_fused_host_adapters_compute_their_merge(case, dora):
     """A Gated DeltaNet mixer with adapters on its fused input projection (``gdn_in``: q | k | v,
-    z, b, a) and a Mamba-2 mixer with one adapter on its input rows in two weights (``mamba_in``:
-    z | x | dt of one, B | C of the other), each B drawn, compute what the mixer without adapters
-    computes on the merged weights (``merge_adapters``: W + s B A per adapter's rows, DoRA
-    rescaled), fp64, 1e-10; and not what the base alone computes."""
+    z, b, a), a Mamba-2 mixer with one adapter on its input rows in two weights (``mamba_in``:
+    z | x | dt of one, B | C of the other), and a shared expert with one on each of gate, up
+    (rows of its fused up weight) and down (a row-parallel weight; a non-gated one has no gate),
+    each B drawn, compute what the layer without adapters computes on the merged weights
+    (``merge_adapters``: W + s B A per adapter's rows, DoRA rescaled), fp64, 1e-10; and not
+    what the base alone computes."""
     import copy
 
     from mimo.llm.context import SeqContext
@@ -317,16 +327,17 @@ def test_recurrent_input_adapters_compute_their_merge(target, dora):
     from mimo.parallel.lora import adapter_sites, attach_targets, merge_adapters
 
     torch.manual_seed(0)
-    make, adapters = RECURRENT_INPUTS[target]
+    make, target, adapters = FUSED_HOSTS[case]
     host = torch.nn.Module()
     host.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
-    host.layers["0"].mixer = make().double()
+    where = "shared" if target == "shared" else "mixer"
+    setattr(host.layers["0"], where, make().double())
     with torch.no_grad():
         for p in host.parameters():
             p.normal_(0, 0.3)
-    base = copy.deepcopy(host.layers["0"].mixer)
-    assert attach_targets(host, LoraSpec(RANK, ALPHA, dora=dora), 3, LORA_TARGETS, [target], "t") == ["layers.0.mixer"]
-    mixer = host.layers["0"].mixer.double()
+    base = copy.deepcopy(getattr(host.layers["0"], where))
+    assert attach_targets(host, LoraSpec(RANK, ALPHA, dora=dora), 3, LORA_TARGETS, [target], "t") == [f"layers.0.{where}"]
+    mixer = getattr(host.layers["0"], where).double()
     init_magnitudes_(mixer)
     with torch.no_grad():
         for name, p in mixer.named_parameters():
@@ -339,10 +350,11 @@ def test_recurrent_input_adapters_compute_their_merge(target, dora):
     merged = copy.deepcopy(base)
     merged.load_state_dict(merge_adapters(state, adapter_sites(mixer)))
     x, seq = torch.randn(11, 16, dtype=torch.float64), SeqContext.from_seqlens([5, 6])
+    call = (lambda m: m(x)) if target == "shared" else (lambda m: m(x, seq))  # noqa: E731
     with torch.no_grad():
-        y, want = mixer(x, seq), merged(x, seq)
+        y, want = call(mixer), call(merged)
         assert rel_err(y, want) <= 1e-10
-        assert rel_err(base(x, seq), want) > 1e-3
+        assert rel_err(call(base), want) > 1e-3
 
 
 def test_expert_adapters_compute_their_merge():

@@ -34,7 +34,7 @@ from mimo.parallel.init import init_local, param_seed
 from mimo.parallel.placement import ParamPlacement, gather_full, replicated, shard_full, sharded
 
 __all__ = ["TPModule", "ColumnParallelLinear", "FusedColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "vocab_parallel_lookup", "fused_rows", "fused_parts", "local_parts", "fused_adapters"]
+           "vocab_parallel_lookup", "fused_rows", "fused_parts", "fused_cols", "local_parts", "fused_adapters"]
 
 
 
@@ -55,21 +55,37 @@ def fused_parts(layer: nn.Module) -> dict[str, int]:
     return {part: n for parts in fused_rows(layer).values() for part, n in parts.items()}
 
 
+def fused_cols(layer: nn.Module) -> dict[str, str]:
+    """A fused layer's weights split over TP by input columns (a row-parallel projection inside
+    it, its output a partial sum), each adapted whole: part name -> weight name, from its
+    ``lora_cols()``; none for most layers."""
+    cols = getattr(layer, "lora_cols", None)
+    return cols() if callable(cols) else {}
+
+
 def local_parts(layer: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
-    """(part names, this rank's rows of the weights per part) of a fused layer."""
+    """(part names, this rank's rows of the weights per part) of a fused layer, then its
+    column-split weights (``fused_cols``), whole."""
     tp, names, weights = layer.ctx.tp_size, [], []
     for weight_name, parts in fused_rows(layer).items():
         names += list(parts)
         weights += getattr(layer, weight_name).split([n // tp for n in parts.values()], dim=0)
+    for part, weight_name in fused_cols(layer).items():
+        names.append(part)
+        weights.append(getattr(layer, weight_name))
     return names, weights
 
 
 def fused_adapters(layer: nn.Module, x_TD: torch.Tensor, ys: list[torch.Tensor]) -> list[torch.Tensor]:
     """A fused layer's per-part outputs ``ys`` (this rank's, bias not added) with its adapters'
-    (``layer.lora``: one per group of consecutive parts, keyed by their names joined by ``_``)."""
+    (``layer.lora``: one per group of consecutive parts, keyed by their names joined by ``_``;
+    a column-split weight's adapter is applied by the layer itself)."""
     names, weights = local_parts(layer)
     ys = list(ys)
+    cols = fused_cols(layer)
     for key, adapter in layer.lora.items():
+        if key in cols:
+            continue
         idx = [names.index(p) for p in key.split("_")]
         y_TP = adapter(x_TD, torch.cat([ys[i] for i in idx], -1), torch.cat([weights[i] for i in idx], 0))
         for i, piece in zip(idx, y_TP.split([ys[i].shape[-1] for i in idx], dim=-1)):

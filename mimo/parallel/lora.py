@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from mimo.core.errors import ConfigError
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.init import init_local, param_seed
-from mimo.parallel.layers import ColumnParallelLinear, RowParallelLinear, fused_parts, fused_rows, local_parts
+from mimo.parallel.layers import ColumnParallelLinear, RowParallelLinear, fused_cols, fused_parts, fused_rows, local_parts
 from mimo.parallel.lora_config import LoraConfig, LoraSpec
 from mimo.parallel.placement import ParamPlacement, replicated, sharded
 
@@ -232,10 +232,10 @@ def attach(layer: nn.Module, spec: LoraSpec, seed: int | None, groups: list[tupl
         return ["lora.up", "lora.down"]
     rows = fused_rows(layer)
     if rows is not None:
-        parts = fused_parts(layer)
+        parts, cols = fused_parts(layer), fused_cols(layer)
         weight = getattr(layer, next(iter(rows)))
         dd = {"device": weight.device, "dtype": weight.dtype}
-        names = list(parts)
+        names = list(parts) + list(cols)
         groups = groups or [(p,) for p in names]
         covered = [p for group in groups for p in group]
         if len(covered) != len(set(covered)):
@@ -243,10 +243,16 @@ def attach(layer: nn.Module, spec: LoraSpec, seed: int | None, groups: list[tupl
         layer.lora = nn.ModuleDict()
         for group in groups:
             idx = [names.index(p) for p in group]
-            if idx != list(range(idx[0], idx[0] + len(idx))) or any("_" in p for p in group):
-                raise ValueError(f"adapter parts {group} must be consecutive parts of {names} without '_'")
-            sizes = tuple(parts[p] for p in group)
-            adapter = LoraAdapter(weight.shape[1], sum(sizes), spec, layer.ctx, "rows", parts=sizes, **dd)
+            if (idx != list(range(idx[0], idx[0] + len(idx))) or any("_" in p for p in group)
+                    or (len(group) > 1 and any(p in cols for p in group))):
+                raise ValueError(f"adapter parts {group} must be consecutive parts of {names} without '_' "
+                                 f"(a column-split one alone)")
+            if group[0] in cols:  # a row-parallel projection inside the layer: adapted as RowParallelLinear's
+                w = getattr(layer, cols[group[0]])
+                adapter = LoraAdapter(w.shape[1] * layer.ctx.tp_size, w.shape[0], spec, layer.ctx, "cols", **dd)
+            else:
+                sizes = tuple(parts[p] for p in group)
+                adapter = LoraAdapter(weight.shape[1], sum(sizes), spec, layer.ctx, "rows", parts=sizes, **dd)
             if seed is not None:
                 adapter.init_weights(param_seed(seed, "_".join(group)))
             layer.lora["_".join(group)] = adapter
@@ -308,8 +314,12 @@ def attach_targets(root: nn.Module, spec: LoraSpec, seed: int | None, table: dic
     for path, groups in chosen.items():
         layer = layers[path]
         if fused_rows(layer) is not None:
-            order = list(fused_parts(layer))
-            groups = sorted(groups or [(p,) for p in order], key=lambda g: order.index(g[0]))
+            order = list(fused_parts(layer)) + list(fused_cols(layer))
+            # (a part the layer lacks has nothing to adapt: a non-gated MLP's gate)
+            groups = [g for g in groups or [(p,) for p in order] if all(p in order for p in g)]
+            if not groups:
+                continue
+            groups = sorted(groups, key=lambda g: order.index(g[0]))
         attach(layer, spec, None if seed is None else param_seed(seed, path), groups)
         adapted.append(path)
     for module in root.modules():
@@ -350,6 +360,10 @@ def adapter_sites(root: nn.Module) -> list[AdapterSite]:
                 sites.append(AdapterSite(f"{prefix}lora.{key}", f"{prefix}{key}_proj", (0, adapter.out_features), adapter.spec))
         elif isinstance(lora, nn.ModuleDict) and fused_rows(module) is not None:
             for key, adapter in lora.items():
+                if key in fused_cols(module):  # a whole row-parallel weight
+                    sites.append(AdapterSite(f"{prefix}lora.{key}", prefix + fused_cols(module)[key],
+                                             (0, adapter.out_features), adapter.spec))
+                    continue
                 group, first = key.split("_"), 0
                 for weight_name, parts in fused_rows(module).items():
                     starts = dict(zip(parts, itertools.accumulate(parts.values(), initial=0)))
