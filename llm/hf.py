@@ -871,9 +871,10 @@ def _state_from_hf(layout: _Layout, state: Mapping[str, torch.Tensor]) -> dict[s
 
 def hf_row_blocks(arch: HybridArch, rename: Rename = _same, model_type: str | None = None
                   ) -> dict[str, list[tuple[str, int, int, int]]]:
-    """Where the rows of each of our 2-D weights go on export: ours -> [(HF name, its first row,
-    our first row, rows)], for each weight whose every part lands whole, as rows (dim 0), in a
-    tensor that is not a copy; a low-rank adapter on such rows is one on those HF tensors."""
+    """Where the rows of each of our 2-D weights (and 3-D expert weights ``[E, out, in]``, rows
+    per expert) go on export: ours -> [(HF name, its first row, our first row, rows)], for each
+    weight whose every part lands whole, as rows, in a tensor that is not a copy; a low-rank
+    adapter on such rows is one on those HF tensors."""
     layout, out = _Layout(arch, rename, model_type), {}
     joined: dict[str, tuple[str, int]] = {}  # a row block "name:label" (export joins them: join_split) -> (name, first row)
     if layout.export_view is not _as_is:
@@ -884,13 +885,14 @@ def hf_row_blocks(arch: HybridArch, rename: Rename = _same, model_type: str | No
                 joined[theirs] = (name, ends.get(name, 0))
                 ends[name] = joined[theirs][1] + t.shape[0]
     for ours, pl in layout.placements.items():
-        if len(pl.full_shape) != 2 or ours not in layout.sources:
+        if len(pl.full_shape) not in (2, 3) or ours not in layout.sources:
             continue
-        sizes = pl.parts or (pl.full_shape[0],)
+        rows = len(pl.full_shape) - 2  # the output rows' dim ([E, out, in]: per expert)
+        sizes = pl.parts or (pl.full_shape[rows],)
         blocks, start = [], 0
         for (theirs, offset), n in zip(layout.parts(ours), sizes):
             t = layout.hf[theirs]
-            if t.dim != 0 or t.unit is not None or t.copy:
+            if (t.dim != rows and len(t.pieces) > 1) or t.unit is not None or t.copy:
                 break
             name, first = joined.get(theirs, (theirs, 0))
             blocks.append((name, first + offset, start, n))

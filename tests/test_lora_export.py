@@ -339,6 +339,27 @@ def test_preflight_reads_lora_init_whole(exported):
 # ---------------------------------------------------------------- causal LMs: Gated DeltaNet, shared experts, Mamba-2
 
 
+def _peft_equals_merged(root) -> tuple[dict, dict]:
+    """The causal LM ``root/base`` with PEFT's ``root/adapter``: its logits equal ``root/merged``'s
+    (1e-5) and not the base's, its merge_and_unload the merged weights (1e-6). Returns the base's
+    and the merged model's states."""
+    import transformers
+
+    cls = transformers.AutoModelForCausalLM
+    tuned = _with_adapter(_load(cls, root / "base"), str(root / "adapter"))
+    merged, plain = _load(cls, root / "merged"), _load(cls, root / "base")
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        want = tuned(input_ids=ids).logits
+        assert rel_err(merged(input_ids=ids).logits, want) <= TOL
+        assert rel_err(plain(input_ids=ids).logits, want) > 1e-3
+    unloaded = tuned.merge_and_unload().state_dict()
+    merged_state = merged.state_dict()
+    for key, t in merged_state.items():
+        assert rel_err(t, unloaded[key]) <= 1e-6, key
+    return plain.state_dict(), merged_state
+
+
 def _qwen3_5_model(name: str = "dense"):
     import transformers
     from test_hf_qwen3_5 import _text_config, randomize_
@@ -395,17 +416,7 @@ def test_peft_adapters_of_causal_lms(pools, tmp_path, capsys, case):
     adapted = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
     assert {t.rpartition(".")[2] for t in adapted if where in t} == hf_modules
 
-    cls = transformers.AutoModelForCausalLM
-    tuned = _with_adapter(_load(cls, tmp_path / "base"), str(tmp_path / "adapter"))
-    merged, plain = _load(cls, tmp_path / "merged"), _load(cls, tmp_path / "base")
-    ids = torch.arange(3, 40)[None]
-    with torch.no_grad():
-        want = tuned(input_ids=ids).logits
-        assert rel_err(merged(input_ids=ids).logits, want) <= TOL
-        assert rel_err(plain(input_ids=ids).logits, want) > 1e-3
-    unloaded = tuned.merge_and_unload().state_dict()
-    for key, t in merged.state_dict().items():
-        assert rel_err(t, unloaded[key]) <= 1e-6, key
+    _peft_equals_merged(tmp_path)
     got = pools(1).run(_adapter_tensors, str(config_path), [f"modules.{name}.lora.init={tmp_path / 'adapter'}"])[0]
     want_adapters = _stored_adapters(ckpt)[name]
     assert want_adapters and set(got[name]) == set(want_adapters)
@@ -423,13 +434,16 @@ def test_peft_adapters_of_causal_lms(pools, tmp_path, capsys, case):
         assert main(["export-hf", ckpt, "--out", str(tmp_path / "merged-out"), "--llm-only", "--merge"]) == 0
 
 
-# ---------------------------------------------------------------- experts: merged only
+# ---------------------------------------------------------------- experts: PEFT's adapters on parameters
 
 
-def test_expert_adapters_export_merged_and_refuse_peft_cleanly(pools, tmp_path):
-    """Adapters on the routed experts (3-D weights PEFT's per-module LoRA cannot hold): ``--merge``
-    writes a model transformers loads whole, whose expert weights moved and nothing else of the
-    base; ``--adapter`` is an error naming ``--merge`` that leaves no directory behind."""
+def test_expert_adapters_export_for_peft_and_merged(pools, tmp_path):
+    """Adapters on the routed experts (an A and B per expert on 3-D weights): ``--adapter`` writes
+    them as PEFT's adapters on parameters (``target_parameters``: gate_up_proj and down_proj of
+    each experts module, nested as PEFT nests them), beside LoRA on q and v; PEFT loads them onto
+    the exported Qwen3-MoE, whose logits equal the merged export's (1e-5) and whose
+    merge_and_unload equals its weights (1e-6); ``--merge`` moves the expert weights and q / v and
+    nothing else of the base; lora.init reads the directory back tensor for tensor."""
     import transformers
 
     raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "examples" / "lora.yaml").read_text())
@@ -438,23 +452,21 @@ def test_expert_adapters_export_merged_and_refuse_peft_cleanly(pools, tmp_path):
         m["parallel"] = {"tp": 1, "dp": 1, "ranks": "0:1"}
     lang = raw["modules"]["language"]
     lang["arch"].update(pattern="*E*E", moe={"experts": 4, "topk": 2, "ffn": 32})
-    lang["lora"]["targets"] = ["experts"]
+    lang["lora"].update(targets=["q", "v", "experts"], dropout=0.1)
     config_path = tmp_path / "moe.yaml"
     config_path.write_text(yaml.safe_dump(raw))
     ckpt = pools(1).run(_drawn_lora_checkpoint, str(config_path), str(tmp_path / "ckpt"))[0]
-    with pytest.raises(MimoError, match="export with --merge"):
-        from mimo.commands.export_hf import export_hf
+    for out, flags in (("base", ["--adapter", str(tmp_path / "adapter")]), ("merged", ["--merge"])):
+        assert main(["export-hf", ckpt, "--out", str(tmp_path / out), "--llm-only", *flags]) == 0
+    conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(p.rpartition(".")[2] for p in conf["target_parameters"]) == ["down_proj"] * 2 + ["gate_up_proj"] * 2
+    assert conf["lora_dropout"] == 0.0 and {t.rpartition(".")[2] for t in conf["target_modules"]} == {"q_proj", "v_proj"}
 
-        export_hf(ckpt, str(tmp_path / "base"), llm_only=True, adapter=str(tmp_path / "adapter"))
-    assert sorted(os.listdir(tmp_path)) == ["ckpt", "moe.yaml"]
-    assert main(["export-hf", ckpt, "--out", str(tmp_path / "merged"), "--llm-only", "--merge"]) == 0
-    merged = _load(transformers.AutoModelForCausalLM, tmp_path / "merged").state_dict()
-    from mimo.compose.config import load_config
-    from mimo.compose.model import adapted_base
-    from mimo.llm.hf import export_hf_state
-
-    config = load_config(str(config_path))
-    base, _ = adapted_base(config, "language")
-    base_hf = export_hf_state(base, config.llm.arch)
-    moved = {k for k, t in merged.items() if not torch.equal(t, base_hf[k])}
-    assert moved and all(".experts." in k for k in moved), sorted(moved)[:4]
+    base_state, merged_state = _peft_equals_merged(tmp_path)
+    moved = {k for k, t in merged_state.items() if not torch.equal(t, base_state[k])}
+    assert {k.rpartition(".")[2] if ".experts." in k else k.split(".")[-2] for k in moved} == {
+        "gate_up_proj", "down_proj", "q_proj", "v_proj"}, sorted(moved)
+    got = pools(1).run(_adapter_tensors, str(config_path), [f"modules.language.lora.init={tmp_path / 'adapter'}"])[0]
+    want_adapters = _stored_adapters(ckpt)["language"]
+    assert any(".experts.lora." in n for n in want_adapters) and set(got["language"]) == set(want_adapters)
+    assert all(torch.equal(got["language"][n], t) for n, t in want_adapters.items())

@@ -14,6 +14,11 @@ rows of our (often fused) weights; the export's own rules say where each of our 
 * a Hugging Face tensor some of whose rows no adapter of ours covers gets B rows of zero and,
   for DoRA, magnitudes equal to those base rows' norms (a rescaling by exactly one).
 
+* an adapter per expert (A ``[E, r, in]``, B ``[E, out, r]`` on our 3-D expert weights) is
+  PEFT's adapter on that parameter of the experts module (``target_parameters``: ``lora_A``
+  ``[E r, in]``, ``lora_B`` ``[out, r E]``; a module's second targeted parameter wraps the
+  first, whose keys gain ``base_layer.``), without dropout, which PEFT refuses there.
+
 What PEFT cannot hold is refused by name: one Hugging Face tensor with rows of two of our
 adapters (two A), adapters whose rows the export does not copy as rows, modules of one run
 that differ in DoRA.
@@ -78,8 +83,10 @@ def write_peft_adapter(directory: str, base: str, modules: Mapping[str, tuple[li
     from safetensors.torch import save_file
 
     weights = {key[: -len(".weight")]: key for key in hf_state if key.endswith(".weight")}
+    weights.update({key: key for key in hf_state if not key.endswith((".weight", ".bias"))})  # (expert parameters)
     tensors: dict[str, torch.Tensor] = {}
-    specs: dict[str, object] = {}  # HF module -> the spec of its adapter
+    specs: dict[str, object] = {}  # HF module (or expert parameter) -> the spec of its adapter
+    params: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # HF module -> its parameter -> (A, B)
     for module, (sites, state, candidates) in modules.items():
         try:
             lost, placed, _ = _place(module, sites, candidates, weights)
@@ -101,17 +108,17 @@ def write_peft_adapter(directory: str, base: str, modules: Mapping[str, tuple[li
                                 f"modules.{module} ({', '.join(sorted(owners))}); PEFT has one adapter per module: adapt "
                                 f"those projections together (one lora target) or export with --merge")
             site = pieces[0][2]
-            A = state[f"{site.adapter}.lora_A"]
+            A = state[f"{site.adapter}.lora_A"]  # [r, in], or [E, r, in] per expert
             shape = tuple(hf_state[theirs].shape)
-            if len(shape) != 2 or shape[1] != A.shape[1]:
-                raise MimoError(f"export-hf --adapter: {theirs} has shape {shape}; the adapter {site.adapter} reads {A.shape[1]} "
-                                f"input features")
+            if len(shape) != A.dim() or shape[-1] != A.shape[-1] or shape[:-2] != tuple(A.shape[:-2]):
+                raise MimoError(f"export-hf --adapter: {theirs} has shape {shape}; the adapter {site.adapter} has A of "
+                                f"shape {tuple(A.shape)}")
             B, m = state[f"{site.adapter}.lora_B"], state.get(f"{site.adapter}.lora_magnitude")
-            B_hf = torch.zeros(shape[0], B.shape[1], dtype=B.dtype)
-            covered = torch.zeros(shape[0], dtype=torch.bool)
+            B_hf = torch.zeros(*shape[:-1], B.shape[-1], dtype=B.dtype)
+            covered = torch.zeros(shape[-2], dtype=torch.bool)
             m_hf = None if m is None else torch.zeros(shape[0], dtype=m.dtype)
             for t0, n, _, s0 in pieces:
-                B_hf[t0:t0 + n] = B[s0:s0 + n]
+                B_hf[..., t0:t0 + n, :] = B[..., s0:s0 + n, :]
                 covered[t0:t0 + n] = True
                 if m is not None:
                     m_hf[t0:t0 + n] = m[s0:s0 + n]
@@ -119,12 +126,24 @@ def write_peft_adapter(directory: str, base: str, modules: Mapping[str, tuple[li
                 rows = torch.as_tensor(hf_state[theirs][(slice(0, shape[0]), slice(0, shape[1]))])
                 norms = rows.to(torch.promote_types(rows.dtype, torch.float32)).norm(dim=1)
                 m_hf[~covered] = norms[~covered].to(m.dtype)
+            specs[hf_module] = site.spec
+            if not theirs.endswith(".weight"):  # an expert parameter: PEFT's target_parameters, written below
+                holder, _, param = hf_module.rpartition(".")
+                params.setdefault(holder, {})[param] = (A.detach(), B_hf)
+                continue
             name = PREFIX + hf_module
             tensors[f"{name}.lora_A.weight"] = A.detach().contiguous().clone()
             tensors[f"{name}.lora_B.weight"] = B_hf
             if m_hf is not None:
                 tensors[f"{name}.lora_magnitude_vector"] = m_hf
-            specs[hf_module] = site.spec
+    for holder, adapted in params.items():
+        order = sorted(adapted, key=_wrapping_order)
+        for k, param in enumerate(order):  # PEFT's wrapper of the first parameter is innermost: base_layer. each
+            A_ErI, B_EoR = adapted[param]
+            E, r, fan_in = A_ErI.shape
+            name = PREFIX + holder + ".base_layer" * (len(order) - 1 - k)
+            tensors[f"{name}.lora_A.weight"] = A_ErI.reshape(E * r, fan_in).contiguous().clone()  # rows e*r + k
+            tensors[f"{name}.lora_B.weight"] = B_EoR.permute(1, 2, 0).reshape(B_EoR.shape[1], r * E).contiguous()  # cols k*E + e
     if not specs:
         raise MimoError("export-hf --adapter: the run has no adapters to write")
     doras = {spec.dora for spec in specs.values()}
@@ -133,21 +152,56 @@ def write_peft_adapter(directory: str, base: str, modules: Mapping[str, tuple[li
                         "adapter: export with --merge")
     # the commonest rank and alpha for all; the rest per module (PEFT's rank_pattern / alpha_pattern)
     rank, alpha = Counter((s.rank, s.alpha) for s in specs.values()).most_common(1)[0][0]
+    targeted = {f"{holder}.{param}" for holder, adapted in params.items() for param in adapted}
     config = {
         "peft_type": "LORA", "task_type": None, "base_model_name_or_path": os.path.abspath(base), "revision": None,
-        "r": rank, "lora_alpha": alpha, "lora_dropout": max(s.dropout for s in specs.values()),
-        "target_modules": sorted(specs), "use_dora": doras.pop(), "use_rslora": False, "bias": "none",
+        # (PEFT's adapters on parameters take no dropout: a training setting, the weights do not depend on it)
+        "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0 if targeted else max(s.dropout for s in specs.values()),
+        "target_modules": sorted(set(specs) - targeted), "use_dora": doras.pop(), "use_rslora": False, "bias": "none",
         "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
         "rank_pattern": {k: s.rank for k, s in specs.items() if s.rank != rank},
         "alpha_pattern": {k: s.alpha for k, s in specs.items() if s.alpha != alpha},
     }
+    if targeted:
+        config["target_parameters"] = sorted(targeted)
     os.makedirs(directory, exist_ok=True)
     save_file(tensors, os.path.join(directory, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(directory, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
     return {"adapter": directory, "adapted_modules": len(specs), "adapter_tensors": len(tensors),
-            "rank": rank, "alpha": alpha, "dora": config["use_dora"]}
+            "rank": rank, "alpha": alpha, "dora": config["use_dora"], "adapted_parameters": len(targeted)}
+
+
+def _wrapping_order(param: str) -> tuple[int, str]:
+    """The order PEFT wraps a module's targeted parameters in (its registration order: a
+    transformers experts module registers its up projection, gate_up_proj or up_proj, before
+    down_proj), the first innermost."""
+    return ("down" in param, param)
+
+
+def _parameter_adapters(modules: dict[str, dict[str, torch.Tensor]], conf: dict, what: str) -> dict[str, dict[str, torch.Tensor]]:
+    """PEFT's adapters on expert parameters (``target_parameters``; ``lora_A`` ``[E r, in]``,
+    ``lora_B`` ``[out, r E]`` under the holding module, ``base_layer.`` once per wrapper outside
+    it) as ``{holder.param: {lora_A [E, r, in], lora_B [E, out, r]}}``; other modules as they are."""
+    targets = [t.rpartition(".") for t in conf.get("target_parameters") or []]
+    out = {}
+    for name, tensors in modules.items():
+        holder, depth = name, 0
+        while holder.endswith(".base_layer"):
+            holder, depth = holder[: -len(".base_layer")], depth + 1
+        mine = sorted({p for m, _, p in targets if not m or holder == m or holder.endswith("." + m)}, key=_wrapping_order)
+        if not mine:
+            out[name] = tensors
+            continue
+        if depth >= len(mine) or "lora_magnitude_vector" in tensors:
+            raise MimoError(f"{what}: {name} is no adapter of a parameter of {holder} ({', '.join(mine)})")
+        param = mine[len(mine) - 1 - depth]
+        r = _pattern_value(conf.get("rank_pattern") or {}, f"{holder}.{param}", conf.get("r"))
+        A, B = tensors["lora_A"], tensors["lora_B"]
+        E = A.shape[0] // r
+        out[f"{holder}.{param}"] = {"lora_A": A.reshape(E, r, A.shape[1]), "lora_B": B.reshape(B.shape[0], r, E).permute(2, 0, 1)}
+    return out
 
 
 # ---------------------------------------------------------------- reading
@@ -205,7 +259,7 @@ def _read_dir(directory: str) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]
             raise MimoError(f"lora.init {directory}: tensor {key!r} is not a LoRA weight (embedding adapters, "
                             f"modules_to_save and bias training are not read)")
         modules.setdefault(m.group(1) or m.group(3), {})[m.group(2) or m.group(4)] = t
-    return conf, modules
+    return conf, _parameter_adapters(modules, conf, f"lora.init {directory}")
 
 
 def _resolve(theirs: str, modules: Mapping[str, dict]) -> str | None:
@@ -284,26 +338,26 @@ def read_peft_modules(directory: str, module: str, sites: list[AdapterSite], can
     for site in {s.adapter: s for s in sites}.values():
         spec = site.spec
         A = None
-        B = torch.zeros(rows_of[site.adapter], spec.rank)
         m = torch.zeros(rows_of[site.adapter]) if spec.dora else None
         for peft_module, t0, n, s0 in by_site[site.adapter]:
             theirs = modules[peft_module]
             r = _pattern_value(conf.get("rank_pattern") or {}, peft_module, conf.get("r"))
             alpha = _pattern_value(conf.get("alpha_pattern") or {}, peft_module, conf.get("lora_alpha"))
-            if theirs["lora_A"].shape[0] != spec.rank or r != spec.rank or abs(alpha / r - spec.scale) > 1e-9 * spec.scale:
-                raise MimoError(f"{what}: {peft_module} has rank {theirs['lora_A'].shape[0]} and alpha {alpha}; "
+            if theirs["lora_A"].shape[-2] != spec.rank or r != spec.rank or abs(alpha / r - spec.scale) > 1e-9 * spec.scale:
+                raise MimoError(f"{what}: {peft_module} has rank {theirs['lora_A'].shape[-2]} and alpha {alpha}; "
                                 f"modules.{module}.lora says rank {spec.rank}, alpha {spec.alpha}")
             if ("lora_magnitude_vector" in theirs) != spec.dora or bool(conf.get("use_dora")) != spec.dora:
                 raise MimoError(f"{what}: use_dora is {bool(conf.get('use_dora'))}; modules.{module}.lora.dora is {spec.dora}")
             if A is None:
                 A = theirs["lora_A"]
+                B = torch.zeros(*A.shape[:-2], rows_of[site.adapter], spec.rank)  # (per expert: [E, out, r])
             elif not torch.equal(A, theirs["lora_A"]):
                 raise MimoError(f"{what}: {peft_module} and another PEFT module hold different A, where mimo's adapter "
                                 f"{site.adapter} has one: adapt those projections separately (lora.targets)")
-            B[s0:s0 + n] = theirs["lora_B"][t0:t0 + n]
+            B[..., s0:s0 + n, :] = theirs["lora_B"][..., t0:t0 + n, :]
             if m is not None:
                 m[s0:s0 + n] = theirs["lora_magnitude_vector"][t0:t0 + n]
-            rows = used.setdefault(peft_module, torch.zeros(theirs["lora_B"].shape[0], dtype=torch.bool))
+            rows = used.setdefault(peft_module, torch.zeros(theirs["lora_B"].shape[-2], dtype=torch.bool))
             rows[t0:t0 + n] = True
         out[f"{site.adapter}.lora_A"] = A.float()
         out[f"{site.adapter}.lora_B"] = B
@@ -314,6 +368,6 @@ def read_peft_modules(directory: str, module: str, sites: list[AdapterSite], can
         raise MimoError(f"{what}: adapts {', '.join(unread[:3])}{' ...' if len(unread) > 3 else ''}, which "
                         f"modules.{module}.lora.targets does not: nothing of the adapter is left out")
     for peft_module, rows in used.items():
-        if not bool(rows.all()) and bool(modules[peft_module]["lora_B"][~rows].any()):
+        if not bool(rows.all()) and bool(modules[peft_module]["lora_B"][..., ~rows, :].any()):
             raise MimoError(f"{what}: {peft_module}'s adapter changes rows no adapter of modules.{module} covers")
     return out, set(used)
