@@ -396,8 +396,6 @@ def test_peft_adapters_of_causal_lms(pools, tmp_path, capsys, case):
     equal the merged export's (1e-5) and its merge_and_unload the merged weights (1e-6); read
     back by lora.init tensor for tensor. PEFT takes no adapter on a Mamba layer's out_proj:
     ``mamba_out`` exports merged, and ``--adapter`` says so."""
-    import transformers
-
     make, targets, (where, hf_modules) = RECURRENT_LMS[case]
     model = make()
     path = str(tmp_path / "hf")
@@ -444,8 +442,6 @@ def test_expert_adapters_export_for_peft_and_merged(pools, tmp_path):
     the exported Qwen3-MoE, whose logits equal the merged export's (1e-5) and whose
     merge_and_unload equals its weights (1e-6); ``--merge`` moves the expert weights and q / v and
     nothing else of the base; lora.init reads the directory back tensor for tensor."""
-    import transformers
-
     raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "examples" / "lora.yaml").read_text())
     raw["world_size"] = 1
     for m in raw["modules"].values():
