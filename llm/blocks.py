@@ -10,7 +10,7 @@ resolved once; the expert view for MoE); ``spec.index`` is the layer's global in
 (layout-independent). The builder builds on CPU in fp32; the stage moves the result to its
 device and dtype. ``register_layer(kind, build)`` installs a builder; kinds listed in
 ``PROVIDERS`` are looked up on first use as ``module.function`` (imported lazily, so
-``mimo.llm.mamba2`` / ``mimo.llm.gdn`` plug in without this file importing them at load).
+``mimo.llm.mamba2`` / ``mimo.llm.gdn`` / ``mimo.llm.mla`` plug in without this file importing them at load).
 
 **Layer contract**
 
@@ -64,6 +64,7 @@ PROVIDERS: dict[str, tuple[str, str]] = {
     "mamba": ("mimo.llm.mamba2", "build_mamba2"),
     "gdn": ("mimo.llm.gdn", "build_gdn"),
     "moe": ("mimo.llm.moe", "build_moe"),
+    "mla": ("mimo.llm.mla", "build_mla"),
 }
 
 _SYMBOL = {kind: symbol for symbol, kind in LAYER_KINDS.items()}

@@ -34,21 +34,40 @@ class RopeScaling:
     """RoPE frequency scaling, as Hugging Face's ``rope_parameters`` / ``rope_scaling``.
 
     ``linear`` divides every frequency by ``factor``; ``llama3`` (Llama 3.1+) scales only the
-    low frequencies and blends the middle band (see ``mimo.llm.rope.inv_freq``).
+    low frequencies and blends the middle band (see ``mimo.llm.rope.inv_freq``); ``yarn``
+    (DeepSeek-V3) blends interpolated and original frequencies over the band the ``beta_*``
+    bounds give, scales cos / sin by ``attention_factor`` (default: from ``mscale`` /
+    ``mscale_all_dim``) and MLA's softmax scale by ``mscale(factor, mscale_all_dim)^2``, as
+    Hugging Face's ``_compute_yarn_parameters`` / ``yarn_apply_mscale`` (``mimo.llm.mla``; built
+    for MLA layers, ``+``, only).
     """
 
-    type: Literal["linear", "llama3"]
+    type: Literal["linear", "llama3", "yarn"]
     factor: float
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int = 8192  # llama3
+    original_max_position_embeddings: int = 8192  # llama3, yarn
+    beta_fast: float = 32.0  # yarn: the ramp's bounds, in rotations over the original context
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn (also MLA's softmax scale)
+    attention_factor: float | None = None  # yarn: cos / sin scale; None: from mscale / mscale_all_dim
+    truncate: bool = True  # yarn: round the ramp's bounds outwards to whole dims
 
     def validate(self, path: str) -> list[str]:
         problems = [f"{join_path(path, n)}: must be > 0, got {getattr(self, n)}"
-                    for n in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                    for n in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                              "beta_fast", "beta_slow")
                     if getattr(self, n) <= 0]
+        problems += [f"{join_path(path, n)}: must be >= 0, got {getattr(self, n)}"
+                     for n in ("mscale", "mscale_all_dim") if getattr(self, n) is not None and getattr(self, n) < 0]
+        if self.attention_factor is not None and self.attention_factor <= 0:
+            problems.append(f"{join_path(path, 'attention_factor')}: must be > 0, got {self.attention_factor}")
         if self.type == "llama3" and not problems and self.high_freq_factor <= self.low_freq_factor:
             problems.append(f"{join_path(path, 'high_freq_factor')}: must exceed low_freq_factor={self.low_freq_factor}")
+        if self.type != "yarn":
+            odd = [n for n in ("mscale", "mscale_all_dim", "attention_factor") if getattr(self, n) is not None]
+            problems += [f"{join_path(path, n)}: a yarn field; rope_scaling type is {self.type!r}" for n in odd]
         return problems
 
 
@@ -255,6 +274,20 @@ class HybridArch:
     rotary_fraction: float = 1.0
     # multi-token prediction heads on the last stage (MTPArch); None: none
     mtp: MTPArch | None = None
+    # multi-head latent attention (+ layers, DeepSeek-V3's MLA, ``mimo.llm.mla``; ``heads`` query
+    # heads): queries from a low-rank latent of mla_q_lora_rank (None: one full projection), keys
+    # and values from a latent of mla_kv_lora_rank plus one rotary key of mla_qk_rope_head_dim
+    # shared by all heads; per head a key / query of qk_nope + qk_rope channels and a value of
+    # mla_v_head_dim. Required (but q_lora_rank) where the pattern has '+'
+    mla_q_lora_rank: int | None = None
+    mla_kv_lora_rank: int | None = None
+    mla_qk_rope_head_dim: int | None = None
+    mla_qk_nope_head_dim: int | None = None
+    mla_v_head_dim: int | None = None
+
+    MLA_REQUIRED = ("mla_kv_lora_rank", "mla_qk_rope_head_dim", "mla_qk_nope_head_dim", "mla_v_head_dim")
+    MLA_DEEPSEEK_V3 = {"mla_q_lora_rank": 1536, "mla_kv_lora_rank": 512, "mla_qk_rope_head_dim": 64,
+                       "mla_qk_nope_head_dim": 128, "mla_v_head_dim": 128}
 
     @property
     def rotary_dim(self) -> int | None:
@@ -353,14 +386,19 @@ class HybridArch:
             return problems + [f"{key('pattern')}: {p}" for p in e.problems]
         if problems:
             return problems
-        if self.head_dim is None:
+        # MLA layers have head sizes of their own: an MLA pattern without attention needs no head_dim
+        # (an MTP block of its own kinds is checked too; its default block has attention)
+        mla_only = "mla" in kinds and "attention" not in kinds and (
+            self.mtp is None or self.mtp.pattern is not None and "*" not in self.mtp.pattern)
+        if self.head_dim is None and not mla_only:
             problems.append(f"{key('hidden')}: {self.hidden} is not divisible by heads={self.heads}; set head_dim explicitly")
         if self.heads % self.kv_heads:
             problems.append(f"{key('kv_heads')}: heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
         if self.qk_norm_full and not self.qk_norm:
             problems.append(f"{key('qk_norm_full')}: needs qk_norm: true")
-        problems += self._rotary_problems(key)
-        problems += self._mrope_problems(key)
+        if self.head_dim is not None:  # (both about attention's heads)
+            problems += self._rotary_problems(key)
+            problems += self._mrope_problems(key)
         layers = len(self.layer_pattern().layers)
         ds = list(self.deepstack_layers)
         if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < layers for i in ds):
@@ -385,6 +423,42 @@ class HybridArch:
                 problems.append(f"{key('gdn_head_dim')}: no default (head_dim is not set); set gdn_head_dim")
             if self.gdn_v_heads % self.gdn_heads:
                 problems.append(f"{key('gdn_v_heads')}: must be a multiple of gdn_heads={self.gdn_heads}, got {self.gdn_v_heads}")
+        problems += self._mla_problems(path, kinds)
+        return problems
+
+    @property
+    def mla_qk_head_dim(self) -> int | None:
+        """Channels of each MLA query / key head: qk_nope + qk_rope."""
+        if self.mla_qk_nope_head_dim is None or self.mla_qk_rope_head_dim is None:
+            return None
+        return self.mla_qk_nope_head_dim + self.mla_qk_rope_head_dim
+
+    def _mla_problems(self, path: str, kinds: set[str]) -> list[str]:
+        """The MLA fields where the pattern (or the MTP block) has '+' layers; yarn RoPE scaling,
+        which only MLA layers build."""
+        key = lambda name: join_path(path, name)  # noqa: E731
+        problems = []
+        s = self.rope_scaling  # (its own fields: RopeScaling.validate, which the config tree runs)
+        if s is not None:
+            if s.type == "yarn" and "attention" in kinds:
+                problems.append(f"{key('rope_scaling')}: type yarn is built for MLA layers ('+') only; this pattern "
+                                f"has attention layers ('*'): use linear / llama3 scaling, or '+' layers")
+        if "mla" not in kinds:
+            return problems
+        where = (f"'+' at position {self.pattern.index('+') + 1}" if "+" in self.pattern else "in arch.mtp's block")
+        missing = [n for n in self.MLA_REQUIRED if getattr(self, n) is None]
+        if missing:
+            example = ", ".join(f"{n}: {self.MLA_DEEPSEEK_V3[n]}" for n in missing)
+            problems.append(f"{key(missing[0])}: the pattern has MLA layers ({where}); set {', '.join(missing)} "
+                            f"(DeepSeek-V3: {example}; mla_q_lora_rank is optional, None: a full q projection)")
+        problems += at_least(self, path, 1, "mla_q_lora_rank", *self.MLA_REQUIRED)
+        rope = self.mla_qk_rope_head_dim
+        if rope is not None and rope >= 1 and rope % 2:
+            problems.append(f"{key('mla_qk_rope_head_dim')}: must be even (rotary pairs), got {rope}")
+        if not self.rope:
+            problems.append(f"{key('rope')}: MLA layers ({where}) rotate their rope channels; set rope: true")
+        if self.mrope_section is not None:
+            problems.append(f"{key('mrope_section')}: M-RoPE is not built for MLA layers ({where})")
         return problems
 
 
@@ -443,6 +517,9 @@ class LLMModuleConfig:
                                     f"(layers {min(first)}..{max(first)}); image rows arrive there only: put them on "
                                     f"it with '|' in arch.pattern")
         kinds = set(pattern.kinds)
+        if "mla" in kinds and par.cp > 1:
+            problems.append(f"{pkey('cp')}: MLA layers ('+' in arch.pattern) are not built for context parallelism "
+                            f"yet; got cp={par.cp} (use cp: 1)")
         if arch.mtp is not None:
             if par.cp > 1:
                 problems.append(f"{pkey('cp')}: arch.mtp runs with cp=1 only (its shifted tokens would cross the "
@@ -476,6 +553,9 @@ class LLMModuleConfig:
         sizes = {"hidden": arch.hidden}
         if "attention" in pattern.kinds:
             sizes.update({"heads*head_dim": arch.heads * arch.head_dim, "kv_heads*head_dim": arch.kv_heads * arch.head_dim})
+        if "mla" in pattern.kinds and arch.mla_qk_head_dim is not None and arch.mla_v_head_dim is not None:
+            sizes.update({"heads*mla_qk_head_dim": arch.heads * arch.mla_qk_head_dim,
+                          "heads*(mla_qk_nope_head_dim+mla_v_head_dim)": arch.heads * (arch.mla_qk_nope_head_dim + arch.mla_v_head_dim)})
         if "mlp" in pattern.kinds:
             sizes["ffn"] = arch.ffn
         if "mamba" in pattern.kinds:

@@ -1,7 +1,8 @@
 """The hybrid LLM's layer pattern: one symbol per layer, optional ``|`` between pipeline stages.
 
     M  Mamba-2            G  Gated DeltaNet     *  attention
-    -  MLP                E  MoE                |  explicit pipeline stage boundary
+    -  MLP                E  MoE                +  multi-head latent attention (MLA)
+    |  explicit pipeline stage boundary
 
 ``"M*-M*-"`` is six layers. With ``|`` the user fixes the stages (their count must equal pp);
 without it the layers are split into pp contiguous stages that minimise the largest stage
@@ -15,13 +16,13 @@ from typing import Mapping
 
 from mimo.core.errors import ConfigError
 
-LAYER_KINDS: dict[str, str] = {"M": "mamba", "G": "gdn", "*": "attention", "-": "mlp", "E": "moe"}
+LAYER_KINDS: dict[str, str] = {"M": "mamba", "G": "gdn", "*": "attention", "-": "mlp", "E": "moe", "+": "mla"}
 STAGE_BOUNDARY = "|"
 
 # Relative cost of one layer of each kind, for the automatic pipeline split. All 1.0 for now:
 # at typical sizes the kinds are within a small factor of each other, and a plain layer count
 # is what users expect from "balanced". Measured costs can replace these later.
-LAYER_COST: dict[str, float] = {"mamba": 1.0, "gdn": 1.0, "attention": 1.0, "mlp": 1.0, "moe": 1.0}
+LAYER_COST: dict[str, float] = {"mamba": 1.0, "gdn": 1.0, "attention": 1.0, "mlp": 1.0, "moe": 1.0, "mla": 1.0}
 
 
 def layer_costs(arch) -> dict[str, float]:
@@ -39,7 +40,8 @@ def layer_costs(arch) -> dict[str, float]:
         return LAYER_COST
     return {**LAYER_COST, "moe": active / mlp}
 
-_SYMBOL_HELP = "M (Mamba-2), G (Gated DeltaNet), * (attention), - (MLP), E (MoE), | (stage boundary)"
+_SYMBOL_HELP = ("M (Mamba-2), G (Gated DeltaNet), * (attention), + (multi-head latent attention), - (MLP), E (MoE), "
+                "| (stage boundary)")
 
 
 @dataclass(frozen=True)
