@@ -3,8 +3,8 @@ and merged (``--merge``).
 
 Per case (Llama + CLIP with LoRA, Qwen2 + SigLIP with DoRA): the LLaVA is imported at tp 2
 (``import-hf-llava``), a run with adapters on the LLM's q k v o gate up down and the tower's q v
-starts from it (``train.init_from``: the base), trains two steps at tp 2, and is exported three
-ways. ``peft.PeftModel`` loads the adapter onto the exported base with nothing missing or
+starts from it (``train.init_from``: the base), trains two steps at tp 2 (equal to its
+one-process run: verify-train's comparison), and is exported three ways. ``peft.PeftModel`` loads the adapter onto the exported base with nothing missing or
 unexpected, and its logits on the step's microbatch equal mimo's forward of the LoRA checkpoint
 (base from init_from, adapters from the checkpoint) at its layout (the fp64 yardstick, tol
 1e-5), and, before the adapters load, the source LLaVA's (B = 0, DoRA's magnitudes taken from the
@@ -162,6 +162,15 @@ def test_peft_adapter_and_merged_export_compute_what_mimo_does(pools, exported):
         assert rel_err(lm(input_ids=ids).logits, merged(input_ids=ids).logits) <= TOL
     conf_llm = json.loads((root / "adapter-llm" / "adapter_config.json").read_text())
     assert len(conf_llm["target_modules"]) == 7 * text_layers
+
+
+def test_lora_run_of_the_hf_llava_equals_the_one_process_run(pools, exported, verify_layout):
+    """The case's run (LoRA or DoRA on the imported Hugging Face LLaVA, both modules at tp 2, the
+    base from train.init_from) against its one-process reference: mimo verify-train's
+    comparison, fp64 yardstick, two steps; the compared gradients are the adapters'."""
+    report = verify_layout(pools, exported["config"], [], 2, world=2)
+    assert report["ok"], report["worst"]
+    assert "lora" in report["worst"]["grads"] or "projector" in report["worst"]["grads"], report["worst"]
 
 
 def test_export_of_a_lora_run_needs_adapter_or_merge(exported, tmp_path):
