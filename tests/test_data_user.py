@@ -269,6 +269,27 @@ def test_inspect_data_shows_a_decoded_sample_and_the_right_padding(tmp_path, sha
     assert f"first sample {sample['shard']}:{sample['key']}" in out and "label tokens: 4 at" in out and "<image> at 7..22" in out
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_inspect_data_reports_each_bridges_bytes_per_microbatch(capsys, sp):
+    """inspect-data's bytes per microbatch of the bridge, from the plans training runs for every
+    rank: non-colocated (tower dp 2 -> LLM tp 2 dp 2, fp32), every image row crosses once each
+    way, and without sequence parallelism the LLM's TP pair's finishing all-gather receives each
+    row once more (the minimum verify-bridge names: rows x width, plus the all-gather)."""
+    from mimo.compose.config import load_config
+
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "examples", "noncolocated.yaml")
+    overrides = [f"modules.language.parallel.sequence_parallel={str(sp).lower()}"]
+    rc, out, err, result = run(capsys, "inspect-data", config, *overrides, "--batches", "1")
+    assert rc == 0, err
+    bridge = result["bridges"]["vision"]
+    width = load_config(config, overrides).bridge_width("vision")
+    values = result["image_rows"] * width
+    assert result["image_rows"] > 0 and bridge["bytes_per_value"] == 4
+    assert bridge["backward_bytes_per_microbatch"] == [4 * values]
+    assert bridge["forward_bytes_per_microbatch"] == [4 * values * (1 if sp else 2)]
+    assert "bridge vision: " in out and " MiB forward" in out
+
+
 def test_prepare_data_names_too_long_samples_and_counts_empty_captions(tmp_path, shards, capsys):
     caption = lambda text, seed: {"png": _png(seed), "txt": text.encode()}  # noqa: E731
     empty_answer = {"json": json.dumps({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": " "}]}).encode()}

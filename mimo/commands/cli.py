@@ -303,6 +303,10 @@ def run_inspect_data(args: argparse.Namespace) -> dict[str, Any]:
         f"max/mean tokens per LLM DP rank {report['max_over_mean_tokens_per_dp_rank']:.3f}; skipped {report['skipped']}, "
         f"failed at read {report['read_failures']}"
     )
+    for name, b in report.get("bridges", {}).items():
+        mib = lambda values: f"{sum(values) / len(values) / 2**20:.3f}"  # noqa: E731
+        print(f"bridge {name}: {mib(b['forward_bytes_per_microbatch'])} MiB forward, {mib(b['backward_bytes_per_microbatch'])} "
+              f"MiB backward per microbatch on average (between its {b['ranks']} ranks)")
     return {"ok": True, "command": "inspect-data", **report}
 
 

@@ -168,11 +168,15 @@ def inspect(config: MimoConfig, batches: int) -> dict:
     failures: Counter = Counter()
     read = computed = real = image_rows = 0
     ratios, example = [], None
-    towers = {f.name: NativeTowerStats(f, config.encoders[f.name]) for f in encoder_feeds(config) if f.native is not None}
+    feeds = encoder_feeds(config)
+    towers = {f.name: NativeTowerStats(f, config.encoders[f.name]) for f in feeds if f.native is not None}
+    bridges = {f.name: BridgeBytes(f, config) for f in feeds if f.bridge_width}
     for k in range(batches):
         samples = plan.microbatch(k)
         for stats in towers.values():
             stats.add(plan.microbatch_arrays(k) if hasattr(plan, "microbatch_arrays") else SampleArrays.of_samples(samples))
+        for stats in bridges.values():
+            stats.add(plan, k, samples)
         per_rank = []
         for got, batch in read_packs(reader, samples, llm, rows, mrope_merge=mrope_merge(config)):
             failures.update(r.failure for r in got if r.failure)
@@ -201,8 +205,45 @@ def inspect(config: MimoConfig, batches: int) -> dict:
         "capacity_per_dp_rank": round(capacity, 2),
         "image_rows": image_rows,
         **({"native_towers": {name: stats.report() for name, stats in towers.items()}} if towers else {}),
+        **({"bridges": {name: stats.report() for name, stats in bridges.items()}} if bridges else {}),
         "sample": example_view(example, index, reader, rows) if example is not None else None,
     }
+
+
+class BridgeBytes:
+    """``inspect``'s bytes of one encoder's bridge per global microbatch, from the plans training
+    runs (``mimo.bridges.plan.image_bridge_plans``, made for every rank of the encoder's and the
+    LLM's grids as the data pipeline makes each rank's): forward, the activation rows that cross
+    between ranks plus what finishing all-gathers receive; backward, the gradient rows going back.
+    Values travel in the run's compute precision (fp32: 4 bytes, else 2)."""
+
+    def __init__(self, feed, config: MimoConfig):
+        self.feed, self.llm_grid = feed, config.llm.parallel.grid(config.world_size)
+        self.sequence_parallel = config.llm.parallel.sequence_parallel
+        self.ranks = sorted(set(feed.grid.ranks) | set(self.llm_grid.ranks))
+        self.item = 4 if config.train.precision == "fp32" else 2
+        self.forward, self.backward = [], []
+
+    def add(self, plan, k: int, samples) -> None:
+        from mimo.bridges.plan import image_bridge_plans
+        from mimo.data.pipeline import encoder_blocks, llm_blocks, plan_arrays
+
+        f, arrays = self.feed, plan_arrays(plan, k, samples)
+        blocks = llm_blocks(arrays, self.llm_grid.shape.get("dp", 1))
+        forward = backward = 0
+        for rank in self.ranks:
+            _, _, (fwd, bwd) = image_bridge_plans(
+                arrays.tokens_N, arrays.images_for(f.placeholder), arrays.image_starts(f.placeholder),
+                arrays.image_rows(f.placeholder, f.rows_per_image), f.bridge_width, f.grid, encoder_blocks(arrays, f),
+                self.llm_grid, blocks, self.sequence_parallel, rank)
+            forward += fwd.sent_numel(rank) + sum(g.rows * g.chunk * (len(g.ranks) - 1) for g in fwd.gathers)
+            backward += bwd.sent_numel(rank)
+        self.forward.append(forward * self.item)
+        self.backward.append(backward * self.item)
+
+    def report(self) -> dict:
+        return {"forward_bytes_per_microbatch": self.forward, "backward_bytes_per_microbatch": self.backward,
+                "bytes_per_value": self.item, "ranks": len(self.ranks)}
 
 
 class NativeTowerStats:
