@@ -3,7 +3,8 @@
 ``configs/examples/moe.yaml``: ``mimo demo --config`` runs end to end on it in test_demo's fast
 mode (2 steps, a few held-out samples; the full run's held-out exact match, >= 0.9, is measured
 by hand: 250 steps take minutes). ``configs/examples/nemotron-h.yaml`` (M, *, -, E; no RoPE;
-tp 2) trains a few steps and exports as ``NemotronHForCausalLM``.
+tp 2) trains a few steps and exports as ``NemotronHForCausalLM``. ``configs/examples/deepseek-v3-moe.yaml``
+(+, -, E; MLA with YaRN, group-limited sigmoid routing; tp 2 SP, ep 2) equals its one-process run.
 """
 
 from __future__ import annotations
@@ -72,3 +73,13 @@ def test_nemotron_h_example_trains_and_exports(tmp_path, capsys):
         bias = model.state_dict()[f"model.layers.{layer}.mixer.gate.e_score_correction_bias"]
         assert torch.equal(bias, full["language"][f"layers.{layer}.router.expert_bias"])
         assert bias.abs().max() > 0  # moved by the once-per-step update (rate 1e-3)
+
+
+def test_deepseek_v3_example_equals_its_one_process_run(pools, verify_layout):
+    """``configs/examples/deepseek-v3-moe.yaml`` (MLA with YaRN, a dense first layer, sigmoid
+    group-limited routing with the expert bias; the LLM tp 2 with SP and ep 2, the tower dp 4):
+    two steps against its one-process run (verify-train's comparison, fp64 yardstick), MLA's and
+    the experts' gradients among those compared."""
+    report = verify_layout(pools, str(EXAMPLES / "deepseek-v3-moe.yaml"), [], 2)
+    assert report["ok"], report["worst"]
+    assert report["yardstick"]["checked"] > 100 and report["yardstick"]["failed"] == 0, report["yardstick"]
