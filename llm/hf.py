@@ -112,12 +112,12 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from mimo.core.errors import MimoError
-from mimo.llm import hf_nemotron_h
+from mimo.llm import hf_deepseek_v3, hf_nemotron_h
 from mimo.llm.blocks import build_layer
 from mimo.llm.config import HybridArch, MoEArch, MTPArch, RopeScaling
 from mimo.llm.lazy import StackedExperts, concat_reader
 from mimo.llm.model import LLMStage
-from mimo.llm.pattern import LayerSpec
+from mimo.llm.pattern import LayerSpec, with_stages
 from mimo.parallel.params import param_table
 from mimo.parallel.placement import ParamPlacement, read_local, replicated
 
@@ -251,17 +251,6 @@ def _moe_from_config(d: Decoder, cfg: Mapping) -> MoEArch:
     )
 
 
-def _staged(blocks: list[str], pattern_stages: Iterable[int] | None) -> str:
-    """The pattern of per-decoder-layer ``blocks``, with ``|`` after each stage's layers."""
-    if pattern_stages is None:
-        return "".join(blocks)
-    sizes = list(pattern_stages)
-    if sum(sizes) != len(blocks):
-        raise MimoError(f"stage sizes {sizes} do not add up to num_hidden_layers={len(blocks)}")
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return "|".join("".join(blocks[s : s + n]) for s, n in zip(starts, sizes))
-
-
 def decoder_arch_from_config(model_type: str, cfg: Mapping, pattern_stages: Iterable[int] | None = None) -> HybridArch:
     """Our ``HybridArch`` of a decoder family's ``config.json`` dict."""
     d = _decoder_of(model_type)
@@ -273,7 +262,7 @@ def decoder_arch_from_config(model_type: str, cfg: Mapping, pattern_stages: Iter
     qkv_bias, o_bias = {"attention_bias": (attention_bias, attention_bias), "none": (False, False),
                         "qkv": (bool(cfg.get("qkv_bias", True)), False)}[d.bias]
     return HybridArch(
-        pattern=_staged(["*" + s for s in symbols], pattern_stages),
+        pattern=with_stages(["*" + s for s in symbols], pattern_stages),
         hidden=int(cfg["hidden_size"]),
         heads=heads,
         vocab=int(cfg["vocab_size"]),
@@ -589,6 +578,7 @@ def _decoder_family(model_type: str) -> HFFamily:
 
 HF_FAMILIES: dict[str, HFFamily] = {t: _decoder_family(t) for t in DECODERS}
 HF_FAMILIES["nemotron_h"] = family_of(hf_nemotron_h)
+HF_FAMILIES["deepseek_v3"] = family_of(hf_deepseek_v3)
 SUPPORTED = {t: f.architecture for t, f in HF_FAMILIES.items()}  # model_type -> architecture (at import time)
 TIED_HEAD = "lm_head.weight"  # in HF's state_dict() of a tied model, the embedding again
 IGNORED = (".rotary_emb.inv_freq",)  # buffers some older checkpoints carry
@@ -1224,7 +1214,7 @@ def qwen3_next_arch_from_config(cfg: Mapping, pattern_stages: Iterable[int] | No
     theta, scaling = _rope_from_hf(cfg)
     bias = bool(cfg["attention_bias"])
     return HybridArch(
-        pattern=_staged([_QWEN3_NEXT_MIXERS[t] + s for t, s in zip(types, symbols)], pattern_stages),
+        pattern=with_stages([_QWEN3_NEXT_MIXERS[t] + s for t, s in zip(types, symbols)], pattern_stages),
         hidden=int(cfg["hidden_size"]), heads=heads, vocab=int(cfg["vocab_size"]),
         kv_heads=int(cfg["num_key_value_heads"]), head_dim=int(cfg["head_dim"]),
         ffn=int(cfg["intermediate_size"]) if fam.dense_mlps else None,  # None: unused (every layer MoE)

@@ -45,6 +45,7 @@ import torch
 
 from mimo.core.errors import MimoError
 from mimo.llm.config import HybridArch, MoEArch
+from mimo.llm.pattern import with_stages
 from mimo.llm.lazy import StackedExperts
 
 MODEL_TYPE = "nemotron_h"
@@ -111,16 +112,6 @@ def hf_pattern(cfg: Mapping) -> str:
     return pattern
 
 
-def _staged(pattern: str, pattern_stages: Iterable[int] | None) -> str:
-    if pattern_stages is None:
-        return pattern
-    sizes = list(pattern_stages)
-    if sum(sizes) != len(pattern):
-        raise MimoError(f"stage sizes {sizes} do not add up to the {len(pattern)} layers of {pattern!r}")
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return "|".join(pattern[s : s + n] for s, n in zip(starts, sizes))
-
-
 def _time_step_limit(cfg: Mapping) -> tuple[float, float]:
     """``time_step_limit`` (or ``mamba_dt_limit``): the (low, high) clamp of Mamba-2's dt."""
     limit = _get(cfg, "time_step_limit")
@@ -171,7 +162,7 @@ def arch_from_hf_config(cfg: Mapping, pattern_stages: Iterable[int] | None = Non
             latent=int(_get(cfg, "moe_latent_size") or 0), norm_eps=ROUTER_NORM_EPS,
         )
     return HybridArch(
-        pattern=_staged(pattern, pattern_stages), hidden=hidden, heads=heads, vocab=int(_get(cfg, "vocab_size")),
+        pattern=with_stages(pattern, pattern_stages), hidden=hidden, heads=heads, vocab=int(_get(cfg, "vocab_size")),
         kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(_get(cfg, "head_dim")), ffn=int(_get(cfg, "intermediate_size")),
         mlp_act=act, mlp_bias=bool(_get(cfg, "mlp_bias")), tie_embeddings=False, rope=False,

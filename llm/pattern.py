@@ -12,9 +12,9 @@ cost (``LAYER_COST``; an MoE layer costs its active FLOPs, see ``layer_costs``),
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Iterable, Mapping, Sequence
 
-from mimo.core.errors import ConfigError
+from mimo.core.errors import ConfigError, MimoError
 
 LAYER_KINDS: dict[str, str] = {"M": "mamba", "G": "gdn", "*": "attention", "-": "mlp", "E": "moe", "+": "mla"}
 STAGE_BOUNDARY = "|"
@@ -158,3 +158,16 @@ def balanced_split(costs: list[float], parts: int) -> list[int]:
         sizes.append(i - j)
         i = j
     return sizes[::-1]
+
+
+def with_stages(blocks: Sequence[str], stages: Iterable[int] | None) -> str:
+    """The pattern of ``blocks`` (the symbols of each Hugging Face decoder layer, or one symbol
+    per layer), with ``|`` after each stage's blocks (``stages``: blocks per stage, as an
+    importer's ``pattern_stages``; None: no boundaries)."""
+    if stages is None:
+        return "".join(blocks)
+    sizes = list(stages)
+    if sum(sizes) != len(blocks):
+        raise MimoError(f"stage sizes {sizes} do not add up to the {len(blocks)} decoder layers")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return "|".join("".join(blocks[s : s + n]) for s, n in zip(starts, sizes))

@@ -1,0 +1,324 @@
+"""Hugging Face DeepSeek-V3 import / export and ``mimo verify-llm`` (a small random
+``DeepseekV3ForCausalLM``: MLA with and without a q low-rank, a dense first layer, then MoE layers
+with sigmoid scores, e_score_correction_bias, group-limited routing, routed_scaling_factor and a
+shared expert; YaRN RoPE in one case)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import pytest
+import torch
+
+from mimo.core.errors import MimoError
+from mimo.core.testing import Yardstick, rel_err
+from mimo.llm import hf_deepseek_v3 as ds
+from mimo.llm.config import MTPArch
+from mimo.llm.hf import (HFCheckpoint, export_hf_state, hf_model_type, load_hf_checkpoint, read_config_json,
+                         save_hf_checkpoint, with_checkpoint_mtp)
+from mimo.llm.model import LLMStage
+from mimo.llm.router import Router
+from mimo.llm.verify import pack_samples, random_samples, randomize_, verify_llm
+
+# 6 heads (3 a rank at tp 2), v_head_dim 12 != qk 24; 6 experts in 2 routing groups of which a
+# token's 2 experts come from the best one; one dense decoder layer, then two MoE ones
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+             first_k_dense_replace=1, num_attention_heads=6, num_key_value_heads=6, q_lora_rank=24, kv_lora_rank=32,
+             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=6, n_shared_experts=1,
+             num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, max_position_embeddings=256)
+# a full q projection, 3 heads (odd), attention biases, no renormalisation of the gates
+NO_Q_LORA = dict(SMALL, q_lora_rank=None, num_attention_heads=3, num_key_value_heads=3, attention_bias=True,
+                 norm_topk_prob=False)
+YARN_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale_all_dim=1.0,
+                 original_max_position_embeddings=64)
+# YaRN (max_position_embeddings = factor x original), no q low-rank, two shared experts, tied head
+YARN = dict(SMALL, q_lora_rank=None, rope_parameters=YARN_ROPE, n_shared_experts=2, tie_word_embeddings=True)
+CONFIGS = {"small": SMALL, "no_q_lora": NO_Q_LORA, "yarn": YARN}
+
+
+def hf_config(**kw):
+    import transformers
+
+    return transformers.DeepseekV3Config(**kw)
+
+
+@torch.no_grad()
+def hf_model(kw: dict, seed: int = 0):
+    """A random DeepSeek-V3 where every path shows: ``randomize_``d weights and a non-zero
+    e_score_correction_bias (it changes many tokens' experts: test_router_matches_transformers).
+    Eager attention and experts, as verify-llm runs it (also in fp64)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(**kw), attn_implementation="eager",
+                                                          experts_implementation="eager").eval()
+    randomize_(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+    return model
+
+
+def worst_err(model, stage, vocab: int, seed: int = 2) -> float:
+    """Largest per-sample relative error of our packed logits against the model's."""
+    toks = random_samples(vocab, 6, 20, torch.Generator().manual_seed(seed))
+    batch = pack_samples(toks)
+    with torch.no_grad():
+        ours = stage.gather_logits(stage.eval()(batch))
+        ref = [model(input_ids=t[None]).logits[0] for t in toks]
+    cu = batch.cu_seqlens.tolist()
+    return max(rel_err(ours[cu[i] : cu[i + 1]], r) for i, r in enumerate(ref))
+
+
+def our_state(stage: LLMStage) -> dict:
+    return {**stage.full_state(), **{n: b for n, b in stage.named_buffers() if n.endswith(ds.BUFFERS)}}
+
+
+# ---------------------------------------------------------------- import / export
+
+
+@pytest.mark.parametrize("name,naming", [("small", "save_pretrained"), ("no_q_lora", "state_dict"),
+                                         ("yarn", "state_dict")])
+def test_import_matches_and_export_reproduces_state_dict(tmp_path, name, naming):
+    """save_pretrained writes per-expert tensors, export the state_dict's fused ones: import
+    reads both; our packed logits match Hugging Face's per sample; export is its state dict
+    tensor for tensor (in its order, the buffer included), and from_pretrained loads what we write."""
+    import transformers
+
+    model = hf_model(CONFIGS[name])
+    if naming == "save_pretrained":
+        model.save_pretrained(tmp_path)
+        assert any(".mlp.experts.0.gate_proj.weight" in k for k in HFCheckpoint(str(tmp_path)).keys())
+    else:
+        save_hf_checkpoint(str(tmp_path), model.state_dict(), model.config.to_dict())
+    arch = ds.arch_from_hf_config(read_config_json(str(tmp_path / "config.json")))
+    assert arch.pattern == "+-+E+E" and hf_model_type(arch) == "deepseek_v3"
+    stage = LLMStage(arch)
+    load_hf_checkpoint(stage, str(tmp_path))
+    err = worst_err(model, stage, arch.vocab)
+    assert err < 1e-5, err
+
+    exported = export_hf_state(our_state(stage), arch)
+    theirs = model.state_dict()
+    assert list(exported) == list(theirs)
+    assert all(torch.equal(exported[k], theirs[k]) for k in theirs)
+
+    save_hf_checkpoint(str(tmp_path / "ours"), exported, ds.hf_config_from_arch(arch))
+    back = transformers.DeepseekV3ForCausalLM.from_pretrained(str(tmp_path / "ours")).state_dict()
+    assert all(torch.equal(back[k], theirs[k]) for k in theirs)
+
+
+def test_mtp_layers_of_a_checkpoint_are_ignored(tmp_path, caplog):
+    """DeepSeek's MTP module is decoder layers after the last (model.layers.61 of DeepSeek-V3,
+    here model.layers.3, per-expert tensors included): transformers does not build it; the
+    import drops them with a warning, and import-hf's arch has no mtp."""
+    model = hf_model(SMALL)
+    state = dict(model.state_dict())
+    extra = {"model.layers.3.eh_proj.weight": torch.randn(64, 128), "model.layers.3.enorm.weight": torch.ones(64),
+             "model.layers.3.mlp.experts.0.gate_proj.weight": torch.randn(32, 64),
+             "model.layers.3.shared_head.head.weight": torch.randn(96, 64)}
+    save_hf_checkpoint(str(tmp_path), {**state, **extra}, dict(model.config.to_dict(), num_nextn_predict_layers=1))
+    arch = ds.arch_from_hf_config(read_config_json(str(tmp_path / "config.json")))
+    assert with_checkpoint_mtp(arch, HFCheckpoint(str(tmp_path)).keys()).mtp is None
+    stage = LLMStage(arch)
+    with caplog.at_level(logging.WARNING):
+        load_hf_checkpoint(stage, str(tmp_path))
+    assert "4 tensors of decoder layers past the 3" in caplog.text
+    assert worst_err(model, stage, arch.vocab) < 1e-5
+
+
+def test_router_matches_transformers():
+    """Our router (imported weight and expert_bias) on transformers' DeepseekV3TopkRouter's own
+    logits: the same experts and gates; the correction bias changes many tokens' experts; at
+    exact ties ours takes the lowest index."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = hf_config(**SMALL)
+    arch = ds.arch_from_hf_config(cfg.to_dict())
+    gate = DeepseekV3TopkRouter(cfg)
+    gen = torch.Generator().manual_seed(5)
+    x_TD = torch.randn(256, arch.hidden, generator=gen)
+    router = Router(arch.hidden, arch.moe)
+    with torch.no_grad():
+        gate.weight.copy_(2 * torch.randn(gate.weight.shape, generator=gen) / arch.hidden ** 0.5)
+        gate.e_score_correction_bias.copy_(0.3 * torch.randn(6, generator=gen))
+        router.weight.copy_(gate.weight)
+        router.expert_bias.copy_(gate.e_score_correction_bias)
+        logits_hf, w_hf, idx_hf = gate(x_TD)
+        torch.testing.assert_close(router.logits(x_TD), logits_hf, rtol=0, atol=0)
+        ours = router.route(logits_hf, None)
+        bias = gate.e_score_correction_bias.clone()
+        gate.e_score_correction_bias.zero_()
+        _, _, idx_unbiased = gate(x_TD)
+        gate.e_score_correction_bias.copy_(bias)
+    same = lambda a, b: (a.sort(-1).values == b.sort(-1).values).all(-1)  # noqa: E731
+    assert (~same(idx_hf, idx_unbiased)).sum() >= 16
+    assert same(ours.idx_TK, idx_hf).all()
+    order_hf, order_ours = idx_hf.argsort(-1), ours.idx_TK.argsort(-1)
+    torch.testing.assert_close(ours.gate_TK.gather(1, order_ours), w_hf.gather(1, order_hf), rtol=1e-6, atol=1e-7)
+    assert float(w_hf.sum(-1).min()) == pytest.approx(2.5, rel=1e-6)  # renormalised, times routed_scaling_factor
+
+    # exact ties (equal logits, no bias): ours keeps the lowest indices of the best group
+    router.expert_bias.zero_()
+    tied = router.route(torch.zeros(2, 6), None)
+    assert tied.idx_TK.tolist() == [[0, 1], [0, 1]]
+
+
+# ---------------------------------------------------------------- verify-llm
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Checkpoint directories (save_pretrained: per-expert names) of the random models."""
+    root = tmp_path_factory.mktemp("deepseek-v3")
+    out = {}
+    for name, kw in CONFIGS.items():
+        hf_model(kw).save_pretrained(root / name)
+        out[name] = str(root / name)
+    return out
+
+
+@pytest.mark.parametrize("name,tp", [("no_q_lora", 1), ("small", 2), ("yarn", 2)])
+def test_verify_llm(pools, checkpoints, name, tp):
+    report = verify_llm(checkpoints[name], pools(2), from_checkpoint=True, tp=tp, samples=5, max_len=20, seed=3)
+    assert report["ok"], report
+    assert report["export_exact"] and report["model_type"] == "deepseek_v3"
+
+
+def ep_worker(path: str, ep: int, packs: list) -> dict | None:
+    """On every rank: the LLM on dp = ep ranks with its experts split over ep (etp 1), imported
+    from ``path`` as ``init: {hf: DIR}`` does; this data-parallel rank's pack; its logits, and
+    the full state (rank 0)."""
+    import torch.distributed as dist
+
+    from mimo.llm.hf import arch_from_hf_config
+    from mimo.llm.model import build_stage
+    from mimo.parallel.context import ParallelContext
+    from mimo.parallel.grid import ParallelGrid
+
+    arch = arch_from_hf_config(read_config_json(os.path.join(path, "config.json")))
+    grid = ParallelGrid({"tp": 1, "cp": 1, "dp": ep, "pp": 1})
+    ctx = ParallelContext(grid, dist.get_rank(), grid.registry, expert=(1, ep))
+    stage = build_stage(arch, ctx)
+    if stage is None:
+        return None
+    load_hf_checkpoint(stage, path)
+    dp = ctx.dense.coord("dp")
+    with torch.no_grad():
+        logits = stage.gather_logits(stage.eval()(packs[dp]))
+    state = our_state(stage)
+    local = dict(stage.param_table())["layers.3.experts.up_proj"].param.shape[0]
+    return {"dp": dp, "logits": logits, "local_experts": local, "state": state if dist.get_rank() == 0 else None}
+
+
+def test_ep2_equals_transformers(pools, checkpoints):
+    """Expert parallelism (ep 2: three experts a rank, tokens dispatched between the two
+    data-parallel ranks, each with its own pack): every sample's logits within verify-llm's
+    yardstick of transformers (fp32 and fp64 runs), and the export of the gathered state exact."""
+    import copy
+
+    path = checkpoints["small"]
+    model = hf_model(SMALL)  # the weights saved in the fixture
+    toks = random_samples(96, 6, 20, torch.Generator().manual_seed(4))
+    dealt = [[0, 2, 4], [1, 3, 5]]
+    packs = [pack_samples([toks[i] for i in idx]) for idx in dealt]
+    results = [r for r in pools(2).run(ep_worker, path, 2, packs) if r is not None]
+    assert sorted(r["dp"] for r in results) == [0, 1] and all(r["local_experts"] == 3 for r in results)
+    model64 = copy.deepcopy(model).double()
+    ys = Yardstick(1e-5)
+    for r in results:
+        cu = packs[r["dp"]].cu_seqlens.tolist()
+        for j, i in enumerate(dealt[r["dp"]]):
+            with torch.no_grad():
+                ref, ref64 = (m(input_ids=toks[i][None]).logits[0] for m in (model, model64))
+            ys.check(f"logits of sample {i}", r["logits"][cu[j] : cu[j + 1]], ref, ref64)
+    assert ys.ok, ys.summary(5)
+    arch = ds.arch_from_hf_config(read_config_json(os.path.join(path, "config.json")))
+    state = next(r["state"] for r in results if r["state"] is not None)
+    exported, theirs = export_hf_state(state, arch), model.state_dict()
+    assert list(exported) == list(theirs) and all(torch.equal(exported[k], theirs[k]) for k in theirs)
+
+
+# ---------------------------------------------------------------- config and errors
+
+
+def test_config_round_trip_and_defaults():
+    """arch -> config.json -> arch is the identity (YaRN included); DeepseekV3Config reads our
+    config; our defaults are DeepseekV3Config's; an older config (rope_scaling with type,
+    top-level rope_theta) reads the same; q_lora_rank null is a full q projection."""
+    import transformers
+
+    for kw in CONFIGS.values():
+        arch = ds.arch_from_hf_config(hf_config(**kw).to_dict())
+        cfg = ds.hf_config_from_arch(arch)
+        assert ds.arch_from_hf_config(cfg) == arch
+        theirs = transformers.DeepseekV3Config(**{k: v for k, v in cfg.items() if k != "model_type"}).to_dict()
+        assert ds.arch_from_hf_config(theirs) == arch
+    yarn = ds.arch_from_hf_config(hf_config(**YARN).to_dict())
+    assert (yarn.rope_scaling.type, yarn.rope_scaling.factor, yarn.rope_scaling.mscale_all_dim) == ("yarn", 4.0, 1.0)
+    assert yarn.mla_q_lora_rank is None and yarn.tie_embeddings and yarn.moe.shared_ffn == 64
+    legacy = {k: v for k, v in ds.hf_config_from_arch(yarn).items() if k != "rope_parameters"}
+    legacy.update(rope_theta=10000.0, rope_scaling={"type": "yarn", **{k: v for k, v in YARN_ROPE.items()
+                                                                        if k not in ("rope_type", "rope_theta")}})
+    assert ds.arch_from_hf_config(legacy) == yarn
+    fields = {f.name: f.default for f in dataclasses.fields(transformers.DeepseekV3Config)}
+    assert {k: fields[k] for k in ds.DEFAULTS} == ds.DEFAULTS
+    small = ds.arch_from_hf_config(hf_config(**SMALL).to_dict())
+    assert (small.moe.expert_bias, small.moe.norm_eps, small.moe.scale, small.moe.groups, small.moe.group_topk,
+            small.qkv_bias, small.mla_q_lora_rank) == (True, 1e-20, 2.5, 2, 1, False, 24)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    (dict(scoring_func="softmax"), "scoring_func 'softmax'"),
+    (dict(topk_method="group_limited_greedy"), "topk_method 'group_limited_greedy'"),
+    (dict(ep_size=2), "ep_size 2"),
+    (dict(moe_layer_freq=2), "moe_layer_freq 2"),
+    (dict(n_group=4), "n_group=4"),
+    (dict(topk_group=3), "topk_group=3"),
+    (dict(n_shared_experts=0), "n_shared_experts"),
+    (dict(num_key_value_heads=2), "num_key_value_heads=2"),
+    (dict(rope_interleave=False), "rope_interleave"),
+    (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}), "rope_type 'llama3'"),
+])
+def test_unsupported_configs_are_clear_errors(change, message):
+    with pytest.raises(MimoError, match=message):
+        ds.arch_from_hf_config(dict(hf_config(**SMALL).to_dict(), **change))
+
+
+def test_export_rejects_what_deepseek_v3_cannot_hold():
+    arch = ds.arch_from_hf_config(hf_config(**SMALL).to_dict())
+    for change, message in ((dict(mtp=MTPArch()), "remove arch.mtp"),
+                            (dict(moe=dataclasses.replace(arch.moe, score="softmax")), "arch.moe.score"),
+                            (dict(moe=dataclasses.replace(arch.moe, shared_ffn=48)), "arch.moe.shared_ffn"),
+                            (dict(pattern="+-+E+-"), "dense layer after an MoE one"),
+                            (dict(pattern="*-+E"), "the pattern '\\*-\\+E' is not")):
+        with pytest.raises(MimoError, match=message):
+            ds.hf_config_from_arch(dataclasses.replace(arch, **change))
+
+
+def test_misfit_checkpoint_names_the_tensor(tmp_path):
+    """A missing latent norm, a wrong q_b_proj, a missing expert and a misfit per-expert tensor:
+    one MimoError naming the checkpoint's tensor."""
+    model = hf_model(SMALL)
+    arch = ds.arch_from_hf_config(model.config.to_dict())
+    good = model.state_dict()
+    cases = {
+        "model.layers.1.self_attn.kv_a_layernorm.weight": lambda s: s.pop("model.layers.1.self_attn.kv_a_layernorm.weight"),
+        "model.layers.2.self_attn.q_b_proj.weight": lambda s: s.update(
+            {"model.layers.2.self_attn.q_b_proj.weight": torch.zeros(72, 24)}),
+        "expert 3": lambda s: [s.pop("model.layers.1.mlp.experts.down_proj")] and s.update(
+            {f"model.layers.1.mlp.experts.{e}.down_proj.weight": torch.zeros(64, 32) for e in (0, 1, 2, 4, 5)}),
+        "model.layers.2.mlp.experts.4.up_proj.weight": lambda s: [s.pop("model.layers.2.mlp.experts.gate_up_proj")] and s.update(
+            {f"model.layers.2.mlp.experts.{e}.{p}.weight": torch.zeros(16 if (e, p) == (4, "up_proj") else 32, 64)
+             for e in range(6) for p in ("gate_proj", "up_proj")}),
+    }
+    for i, (what, edit) in enumerate(cases.items()):
+        state = dict(good)
+        edit(state)
+        save_hf_checkpoint(str(tmp_path / str(i)), state, model.config.to_dict())
+        with pytest.raises(MimoError, match=what.replace(".", r"\.")):
+            load_hf_checkpoint(LLMStage(arch), str(tmp_path / str(i)))
