@@ -4,7 +4,8 @@
 mode (2 steps, a few held-out samples; the full run's held-out exact match, >= 0.9, is measured
 by hand: 250 steps take minutes). ``configs/examples/nemotron-h.yaml`` (M, *, -, E; no RoPE;
 tp 2) trains a few steps and exports as ``NemotronHForCausalLM``. ``configs/examples/deepseek-v3-moe.yaml``
-(+, -, E; MLA with YaRN, group-limited sigmoid routing; tp 2 SP, ep 2) equals its one-process run.
+(+, -, E; MLA with YaRN, group-limited sigmoid routing; tp 2 SP, ep 2) equals its one-process run,
+trains and exports as ``DeepseekV3ForCausalLM``.
 """
 
 from __future__ import annotations
@@ -83,3 +84,29 @@ def test_deepseek_v3_example_equals_its_one_process_run(pools, verify_layout):
     report = verify_layout(pools, str(EXAMPLES / "deepseek-v3-moe.yaml"), [], 2)
     assert report["ok"], report["worst"]
     assert report["yardstick"]["checked"] > 100 and report["yardstick"]["failed"] == 0, report["yardstick"]
+
+
+def test_deepseek_v3_example_trains_and_exports(tmp_path, capsys):
+    """Two steps of the example, then ``export-hf --llm-only``: a ``DeepseekV3ForCausalLM`` that
+    transformers loads with every tensor in place, the example's routing and MLA sizes in its
+    config and the trained expert bias as each MoE layer's ``e_score_correction_bias``."""
+    from transformers import AutoModelForCausalLM
+
+    from mimo.commands.export_hf import gather_checkpoint
+
+    run = tmp_path / "run"
+    assert main(["train", str(EXAMPLES / "deepseek-v3-moe.yaml"), "train.steps=2", f"train.checkpoint.dir={run / 'ckpt'}",
+                 "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["export-hf", str(run), "--out", str(tmp_path / "hf"), "--llm-only"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["architecture"] == "DeepseekV3ForCausalLM"
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    cfg = model.config
+    assert (cfg.first_k_dense_replace, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+            cfg.routed_scaling_factor, cfg.q_lora_rank, cfg.kv_lora_rank) == (1, 8, 2, 4, 1, 2.5, 48, 32)
+    _, full = gather_checkpoint(str(run / "ckpt" / "step-00000002"))
+    for decoder_layer in (1, 2):  # "+-+E+E": our E layers 3 and 5
+        bias = model.state_dict()[f"model.layers.{decoder_layer}.mlp.gate.e_score_correction_bias"]
+        assert torch.equal(bias, full["language"][f"layers.{2 * decoder_layer + 1}.router.expert_bias"])
+        assert bias.abs().max() > 0
