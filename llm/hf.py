@@ -1375,7 +1375,10 @@ def qwen_mtp_pieces(arch: HybridArch, fam: "GatedFamily") -> dict[str, tuple[Pie
 def with_checkpoint_mtp(arch: HybridArch, keys: Iterable[str]) -> HybridArch:
     """``arch`` with Qwen's MTP module where the checkpoint holds ``mtp.*`` tensors (transformers
     saves none: a config's ``mtp_num_hidden_layers`` alone says nothing of the file), else
-    without; for the arch ``import-hf`` writes."""
+    without; for the arch ``import-hf`` writes. DeepSeek-V3 keeps its MTP layers as decoder layers
+    past the last (``hf_deepseek_v3.with_checkpoint_mtp``)."""
+    if "mla" in arch.layer_pattern().kinds:  # (only DeepSeek's family has MLA layers)
+        return hf_deepseek_v3.with_checkpoint_mtp(arch, keys)
     has = any(k.startswith(MTP_PREFIX) for k in keys)
     return replace(arch, mtp=(arch.mtp or MTPArch()) if has else None)
 

@@ -33,12 +33,36 @@ either (``checkpoint_view``: per-expert tensors stacked lazily, ``StackedExperts
 ``mimo.llm.hf.decoder_checkpoint_view``, which a family module may not import: ``mimo.llm.hf``
 imports it); export writes the ``state_dict`` names, which ``from_pretrained`` loads as they are.
 
-**Multi-token prediction.** DeepSeek's checkpoints hold their MTP module as decoder layers after
-the last (``model.layers.61.*`` of DeepSeek-V3, ``num_nextn_predict_layers`` of them);
-transformers' ``DeepseekV3ForCausalLM`` builds none and ignores those tensors on load. So does the
-import: ``checkpoint_view`` drops every ``model.layers.{j}.*`` with ``j`` past the arch's decoder
-layers (with a warning), whatever ``num_nextn_predict_layers`` says, and the arch has no
-``mtp``. Export refuses an arch with ``mtp`` and writes ``num_nextn_predict_layers: 0``.
+**Multi-token prediction** (issue 56; ``mimo.llm.mtp``). DeepSeek's checkpoints hold their MTP
+modules as decoder layers after the last: module ``k`` of ``num_nextn_predict_layers`` at
+``model.layers.{L + k}.`` (``L = num_hidden_layers``; ``model.layers.61.*`` of DeepSeek-V3), the
+names as vLLM's ``deepseek_mtp.py`` loads them (transformers' ``DeepseekV3ForCausalLM`` builds no
+MTP and ignores them):
+
+    enorm.weight                 mtp.{k}.norm_embed.weight    (RMSNorm of the embedding of token t + k + 1)
+    hnorm.weight                 mtp.{k}.norm_hidden.weight   (RMSNorm of the previous depth's hidden state)
+    eh_proj.weight [D, 2D]       mtp.{k}.fc.weight            (on cat(enorm(e), hnorm(h)): embedding first, as ours)
+    input_layernorm, self_attn.*, post_attention_layernorm, mlp.*
+                                 mtp.{k}.layers.{a} (MLA) and .{a + 1} (MoE, or a dense MLP), as a
+                                 main decoder layer (our layer indices after the pattern's)
+    shared_head.norm.weight      mtp.{k}.norm.weight          (the norm before the shared head)
+    embed_tokens.weight          copy of embed.weight         (ours shares the model's embedding)
+    shared_head.head.weight      copy of head.weight          (the model's head; the embedding when tied)
+
+``checkpoint_view`` shows these tensors (per-expert ones stacked as the main layers') under
+``"mtp." + their name`` (``mtp.model.layers.61.enorm.weight``), so that a model without
+``arch.mtp`` loads the checkpoint with ``mimo.llm.hf``'s warning that its ``mtp.*`` tensors are not
+loaded, as for Qwen's; nothing else is dropped. The two copies are never loaded: reading the
+model's embedding (head) also reads the same slice of each MTP copy and raises a ``MimoError``
+naming the copy where they differ (whether or not ``arch.mtp`` is set). Export writes the MTP
+layers back under DeepSeek's names (``join_split`` strips the prefix), the copies included, the
+experts fused as the main layers', and ``num_nextn_predict_layers`` = ``arch.mtp.depth`` (0
+without). As for Qwen's ``mtp.*``, a config alone gives no ``mtp`` (transformers' config says
+``num_nextn_predict_layers: 1`` whether or not the file holds the layers): ``with_checkpoint_mtp``
+sets ``arch.mtp`` (depth = the MTP layers of the checkpoint's keys, block ``+E`` or ``+-`` as their
+``mlp`` is an MoE or not) for what ``import-hf`` writes. The MTP layer's kind is DeepSeek's rule
+for layer ``L + k`` (MoE past ``first_k_dense_replace``): ``+E`` in a model with MoE layers; in an
+all-dense one ``+-`` exports ``first_k_dense_replace = L + depth``.
 
 What the model cannot express is a ``MimoError`` naming the config key: a ``hidden_act`` other
 than silu, ``scoring_func`` other than sigmoid, ``topk_method`` other than noaux_tc, ``ep_size``
@@ -51,12 +75,15 @@ other than default / yarn, and a ``quantization_config`` (DeepSeek's FP8 weights
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from typing import Callable, Iterable, Mapping
 
+import torch
+
 from mimo.core.errors import MimoError
-from mimo.llm.config import HybridArch, MoEArch, RopeScaling
+from mimo.llm.config import HybridArch, MoEArch, MTPArch, RopeScaling
 from mimo.llm.pattern import with_stages
 from mimo.llm.lazy import StackedExperts
 
@@ -209,8 +236,7 @@ def hf_decoder_layers(arch: HybridArch) -> list[str]:
 
 
 def _export_problems(arch: HybridArch, symbols: list[str]) -> list[str]:
-    problems = ["DeepSeek-V3's transformers model has no multi-token prediction weights; remove arch.mtp"] \
-        if arch.mtp is not None else []
+    problems = _mtp_problems(arch, symbols)
     if not arch.rope or arch.mrope_section is not None:
         problems.append("DeepSeek-V3 rotates 1-D RoPE; set arch.rope: true and no mrope_section")
     if arch.rope_scaling is not None and arch.rope_scaling.type != "yarn":
@@ -223,7 +249,8 @@ def _export_problems(arch: HybridArch, symbols: list[str]) -> list[str]:
     problems += [f"arch.{k} is {getattr(arch, k)!r}, DeepSeek-V3 needs {v!r}" for k, v in wrong.items()
                  if getattr(arch, k) != v]
     moe = arch.moe
-    if "E" in symbols and moe is not None:
+    mtp_moe = arch.mtp is not None and arch.mtp.block(arch) == "+E"
+    if ("E" in symbols or mtp_moe) and moe is not None:
         want = {"act": "swiglu", "score": "sigmoid", "expert_bias": True, "shared_gate": False,
                 "quantile_balancing": False, "router_bias": False, "latent": 0, "norm_eps": ROUTER_NORM_EPS}
         problems += [f"arch.moe.{k} is {getattr(moe, k)!r}, DeepSeek-V3 needs {v!r}" for k, v in want.items()
@@ -232,6 +259,20 @@ def _export_problems(arch: HybridArch, symbols: list[str]) -> list[str]:
             problems.append(f"arch.moe.shared_ffn is {moe.shared_ffn}: DeepSeek-V3's shared expert is n_shared_experts "
                             f">= 1 times moe.ffn={moe.ffn}")
     return problems
+
+
+def _mtp_problems(arch: HybridArch, symbols: list[str]) -> list[str]:
+    """Why ``arch.mtp`` is not DeepSeek's MTP layers (module doc); [] if it is (or none)."""
+    if arch.mtp is None:
+        return []
+    block = arch.mtp.block(arch)
+    if block not in MTP_BLOCKS:
+        return [f"DeepSeek-V3's MTP module is one decoder layer, MLA then MoE or a dense MLP ('+E' or '+-'); "
+                f"arch.mtp's block is {block!r} (set arch.mtp.pattern)"]
+    if "E" in symbols and block != "+E":
+        return ["DeepSeek-V3's MTP layers come after first_k_dense_replace: MoE ('+E') in a model with MoE layers; "
+                f"arch.mtp's block is {block!r}"]
+    return []
 
 
 def hf_config_from_arch(arch: HybridArch, model_type: str = MODEL_TYPE) -> dict:
@@ -257,9 +298,12 @@ def hf_config_from_arch(arch: HybridArch, model_type: str = MODEL_TYPE) -> dict:
         "v_head_dim": arch.mla_v_head_dim, "hidden_act": "silu", "attention_bias": bool(arch.o_bias),
         "rope_parameters": rope, "rope_interleave": True, "rms_norm_eps": arch.norm_eps,
         "max_position_embeddings": arch.max_seq_len, "initializer_range": arch.init_std,
-        "tie_word_embeddings": arch.tie_embeddings, "num_nextn_predict_layers": 0,
+        "tie_word_embeddings": arch.tie_embeddings, "num_nextn_predict_layers": 0 if arch.mtp is None else arch.mtp.depth,
     }
-    if "E" in symbols:
+    mtp = mtp_symbols(arch)
+    if mtp and "E" not in symbols and mtp[0] == "-":  # dense MTP layers: DeepSeek's rule needs them below the bound
+        cfg["first_k_dense_replace"] = len(symbols) + len(mtp)
+    if "E" in symbols + mtp:
         m = arch.moe
         cfg.update(n_routed_experts=m.experts, num_experts_per_tok=m.topk, moe_intermediate_size=m.ffn,
                    n_shared_experts=m.shared_ffn // m.ffn, norm_topk_prob=m.norm_topk, routed_scaling_factor=m.scale,
@@ -302,22 +346,98 @@ MOE_PIECES = {
 BUFFERS = ("router.expert_bias",)  # our persistent buffers (inside a layer) that Hugging Face stores
 
 
+def _decoder_layer_pieces(at: str, a: str, m: str, symbol: str, attention) -> dict[str, tuple[Piece, ...]]:
+    """One Hugging Face decoder layer's tensors (prefix ``at``) -> pieces of our MLA layer ``a``
+    and our MLP (``symbol`` '-') or MoE ('E') layer ``m``, each with its pre-norm."""
+    out = {at + theirs: ((a + ours, part),) for theirs, ours, part in attention}
+    for theirs, pieces in (MOE_PIECES if symbol == "E" else MLP_PIECES).items():
+        out[at + theirs] = tuple((m + ours, part) for ours, part in pieces)
+    out[at + "input_layernorm.weight"] = ((a + "norm.weight", 0),)
+    out[at + "post_attention_layernorm.weight"] = ((m + "norm.weight", 0),)
+    return out
+
+
 def hf_tensor_pieces(arch: HybridArch, rename: Rename = _same) -> dict[str, tuple[Piece, ...]]:
     """Every tensor of ``DeepseekV3ForCausalLM``'s ``state_dict`` for ``arch`` -> its pieces, in
     that order (a tied ``lm_head`` the embedding again: a copy)."""
     out: dict[str, tuple[Piece, ...]] = {"model.embed_tokens.weight": (("embed.weight", 0),)}
     attention = _attention_pieces(arch)
     for j, symbol in enumerate(hf_decoder_layers(arch)):
-        a, m, at = f"layers.{2 * j}.", f"layers.{2 * j + 1}.", f"model.layers.{j}."
-        for theirs, ours, part in attention:
-            out[at + theirs] = ((a + ours, part),)
-        for theirs, pieces in (MOE_PIECES if symbol == "E" else MLP_PIECES).items():
-            out[at + theirs] = tuple((m + ours, part) for ours, part in pieces)
-        out[at + "input_layernorm.weight"] = ((a + "norm.weight", 0),)
-        out[at + "post_attention_layernorm.weight"] = ((m + "norm.weight", 0),)
+        out.update(_decoder_layer_pieces(f"model.layers.{j}.", f"layers.{2 * j}.", f"layers.{2 * j + 1}.", symbol, attention))
     out["model.norm.weight"] = (("norm.weight", 0),)
-    out[TIED_HEAD] = (("embed.weight" if arch.tie_embeddings else "head.weight", 0),)
-    return {rename(k): v for k, v in out.items()}
+    head = (("embed.weight" if arch.tie_embeddings else "head.weight", 0),)
+    out[TIED_HEAD] = head
+    main = {rename(k): v for k, v in out.items()}
+    return {**main, **{MTP_PREFIX + rename(k): v for k, v in _mtp_pieces(arch, attention, head).items()}}
+
+
+MTP_PREFIX = "mtp."  # checkpoint_view's names of the MTP layers' tensors (mimo.llm.hf.MTP_PREFIX, which warns on them)
+MTP_BLOCKS = ("+E", "+-")
+
+
+def mtp_symbols(arch: HybridArch) -> list[str]:
+    """'E' or '-' of each MTP depth's layer (``arch.mtp``; [] without); MimoError unless its
+    block is DeepSeek's (``_mtp_problems``)."""
+    if arch.mtp is None:
+        return []
+    problems = _mtp_problems(arch, hf_decoder_layers(arch))
+    if problems:
+        raise MimoError("arch.mtp: " + "; ".join(problems))
+    return [arch.mtp.block(arch)[1]] * arch.mtp.depth
+
+
+def _mtp_pieces(arch: HybridArch, attention, head: tuple[Piece, ...]) -> dict[str, tuple[Piece, ...]]:
+    """DeepSeek's MTP layer tensors (``model.layers.{L + k}.*``, unprefixed) -> our ``mtp.{k}.*``
+    pieces (module doc); the embedding and head copies are copies."""
+    out: dict[str, tuple[Piece, ...]] = {}
+    first = len(hf_decoder_layers(arch))
+    for k, (symbol, specs) in enumerate(zip(mtp_symbols(arch), arch.mtp_layers())):
+        at, d = f"model.layers.{first + k}.", f"mtp.{k}."
+        a, m = (f"{d}layers.{s.index}." for s in specs)
+        out[at + "embed_tokens.weight"] = (("embed.weight", 0),)
+        out[at + "enorm.weight"] = ((d + "norm_embed.weight", 0),)
+        out[at + "hnorm.weight"] = ((d + "norm_hidden.weight", 0),)
+        out[at + "eh_proj.weight"] = ((d + "fc.weight", 0),)
+        out.update(_decoder_layer_pieces(at, a, m, symbol, attention))
+        out[at + "shared_head.norm.weight"] = ((d + "norm.weight", 0),)
+        out[at + "shared_head.head.weight"] = head
+    return out
+
+
+def join_split(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Export: the MTP layers' tensors under DeepSeek's names (``checkpoint_view``'s prefix off)."""
+    return {(k[len(MTP_PREFIX):] if k.startswith(MTP_PREFIX) else k): v for k, v in state.items()}
+
+
+def with_checkpoint_mtp(arch: HybridArch, keys: Iterable[str]) -> HybridArch:
+    """``arch`` with DeepSeek's MTP layers where the checkpoint's keys hold decoder layers past
+    ``arch``'s (``MTPArch``: depth their count, block ``+E`` where their ``mlp`` is an MoE, else
+    ``+-``; ``arch.mtp``'s loss_weight kept), else without (a config's
+    ``num_nextn_predict_layers`` alone says nothing of the file); for the arch ``import-hf``
+    writes. MimoError for MTP layers numbered with gaps, of mixed kinds, or MoE ones in a model
+    without ``moe``."""
+    first = len(hf_decoder_layers(arch))
+    layers: dict[int, set[str]] = {}
+    for key in keys:
+        m = _LAYER.search(key)
+        if m and int(m[1]) >= first:
+            layers.setdefault(int(m[1]), set()).add(key[m.end():])
+    if not layers:
+        return dataclasses.replace(arch, mtp=None)
+    if sorted(layers) != list(range(first, first + len(layers))):
+        raise MimoError(f"{MODEL_TYPE}: the checkpoint's MTP layers are decoder layers {sorted(layers)}; "
+                        f"DeepSeek's are {first}, {first + 1}, ... (num_hidden_layers={first} on)")
+    kinds = {"E" if any(n.startswith("mlp.gate.") or n.startswith("mlp.experts.") for n in names) else "-"
+             for names in layers.values()}
+    if len(kinds) > 1:
+        raise MimoError(f"{MODEL_TYPE}: the checkpoint's MTP layers {sorted(layers)} mix MoE and dense MLPs; "
+                        f"arch.mtp has one block for every depth")
+    (kind,) = kinds
+    if kind == "E" and arch.moe is None:
+        raise MimoError(f"{MODEL_TYPE}: the checkpoint's MTP layers are MoE, but the model (every decoder layer dense) "
+                        f"has no arch.moe")
+    weight = MTPArch().loss_weight if arch.mtp is None else arch.mtp.loss_weight
+    return dataclasses.replace(arch, mtp=MTPArch(depth=len(layers), loss_weight=weight, pattern="+" + kind))
 
 
 # ---------------------------------------------------------------- checkpoint names
@@ -340,23 +460,51 @@ def mtp_keys(arch: HybridArch, keys: Iterable[str]) -> list[str]:
     return out
 
 
+class _CheckedCopies:
+    """The model's embedding (or head) read lazily, each read also reading the same slice of the
+    MTP layers' copies of it: a ``MimoError`` naming the first copy that differs."""
+
+    def __init__(self, name: str, src, copies: list[tuple[str, object]], source: str):
+        self.name, self.src, self.copies, self.source = name, src, copies, source
+
+    def __getitem__(self, index):
+        x = self.src[index]
+        for key, copy in self.copies:
+            if not torch.equal(copy[index], x):
+                raise MimoError(f"{self.source}: tensor {key!r} differs from {self.name!r}: DeepSeek's MTP layer holds "
+                                f"a copy of the model's, and our multi-token prediction shares the model's "
+                                f"(the copy is not loaded)")
+        return x
+
+
+def _copied(keys: list[str], first: int) -> dict[str, list[str]]:
+    """The model's embedding / head key -> the MTP layers' copies of it in ``keys``."""
+    present, out = set(keys), {}
+    for key in keys:
+        m = _LAYER.search(key)
+        if not (m and int(m[1]) >= first and key[m.end():] in ("embed_tokens.weight", "shared_head.head.weight")):
+            continue
+        body = key[: m.start() + (m[0][0] == ".")]  # "model." (or a larger checkpoint's prefix of it)
+        embed = body + "embed_tokens.weight"
+        head = (body[: -len("model.")] if body.endswith("model.") else body) + TIED_HEAD
+        main = embed if key.endswith("embed_tokens.weight") or head not in present else head
+        if main in present:
+            out.setdefault(main, []).append(key)
+    return out
+
+
 def checkpoint_view(arch: HybridArch | None, keys: Iterable[str], shapes: Mapping[str, tuple[int, ...]],
                     get: Callable[[str], object], source: str = "checkpoint"
                     ) -> tuple[dict[str, tuple[int, ...]], Callable[[str], object]]:
-    """(shapes, get) of a DeepSeek-V3 checkpoint under ``hf_tensor_pieces``' names: the decoder
-    layers past the arch's (DeepSeek's MTP layers) dropped, as transformers drops them; per-expert
+    """(shapes, get) of a DeepSeek-V3 checkpoint under ``hf_tensor_pieces``' names: per-expert
     ``mlp.experts.{e}.gate_proj / up_proj / down_proj.weight`` stacked (lazily, ``StackedExperts``,
     as ``mimo.llm.hf.decoder_checkpoint_view`` does for the decoder families) into
-    ``mlp.experts.gate_up_proj`` (gate rows | up rows) / ``down_proj``; everything else as it is.
-    MimoError naming a missing or misfit per-expert tensor."""
+    ``mlp.experts.gate_up_proj`` (gate rows | up rows) / ``down_proj``; the tensors of decoder
+    layers past the arch's (DeepSeek's MTP layers) under ``"mtp." + name`` (module doc; the arch's
+    ``mtp`` does not matter here: ``mimo.llm.hf`` warns on them where it is unset); the model's
+    embedding and head checked against the MTP layers' copies as they are read; everything else as
+    it is. MimoError naming a missing or misfit per-expert tensor."""
     keys = list(keys)
-    if arch is not None:
-        dropped = set(mtp_keys(arch, keys))
-        if dropped:
-            log.warning("%s: its %d tensors of decoder layers past the %d of the model (DeepSeek's multi-token "
-                        "prediction layers) are not loaded, as transformers' DeepseekV3ForCausalLM ignores them",
-                        source, len(dropped), len(arch.layer_pattern().layers) // 2)
-            keys = [k for k in keys if k not in dropped]
     out_shapes: dict[str, tuple[int, ...]] = {}
     sources: dict[str, Callable[[], object]] = {}
     grouped: dict[str, dict[int, dict[int, str]]] = {}  # fused name -> expert -> part -> key
@@ -389,4 +537,12 @@ def checkpoint_view(arch: HybridArch | None, keys: Iterable[str], shapes: Mappin
         sizes = tuple(s[0] for s in first)
         out_shapes[name] = (len(keys_ep), sum(sizes), *first[0][1:])
         sources[name] = lambda keys_ep=keys_ep, sizes=sizes: StackedExperts([[get(k) for k in ks] for ks in keys_ep], sizes)
+    if arch is not None:
+        first = len(arch.layer_pattern().layers) // 2
+        for main, copies in _copied(keys, first).items():
+            sources[main] = lambda main=main, copies=copies: _CheckedCopies(
+                main, get(main), [(k, get(k)) for k in copies], source)
+        mtp = set(mtp_keys(arch, out_shapes))
+        out_shapes = {(MTP_PREFIX + k if k in mtp else k): v for k, v in out_shapes.items()}
+        sources = {(MTP_PREFIX + k if k in mtp else k): v for k, v in sources.items()}
     return out_shapes, lambda name: sources[name]()

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+import yaml
 
 from mimo.core.errors import MimoError
 from mimo.core.testing import Yardstick, rel_err
@@ -110,22 +111,186 @@ def test_import_matches_and_export_reproduces_state_dict(tmp_path, name, naming)
     assert all(torch.equal(back[k], theirs[k]) for k in theirs)
 
 
-def test_mtp_layers_of_a_checkpoint_are_ignored(tmp_path, caplog):
-    """DeepSeek's MTP module is decoder layers after the last (model.layers.61 of DeepSeek-V3,
-    here model.layers.3, per-expert tensors included): transformers does not build it; the
-    import drops them with a warning, and import-hf's arch has no mtp."""
+@torch.no_grad()
+def mtp_module(model, seed: int = 7):
+    """DeepSeek's MTP module (one, at model.layers.{num_hidden_layers}) for ``model``: a random
+    transformers DeepseekV3DecoderLayer of that index (an MoE layer, past first_k_dense_replace),
+    random enorm / hnorm / eh_proj / shared_head.norm, and the copies of the embedding and head.
+    Returns (its checkpoint tensors, in the order export writes them; the layer; the norms and eh_proj)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    cfg = model.config
+    n, d = cfg.num_hidden_layers, cfg.hidden_size
+    layer = DeepseekV3DecoderLayer(cfg, n).eval()
+    randomize_(layer, seed)
+    parts = torch.nn.ModuleDict({"enorm": DeepseekV3RMSNorm(d, cfg.rms_norm_eps),
+                                 "hnorm": DeepseekV3RMSNorm(d, cfg.rms_norm_eps),
+                                 "eh_proj": torch.nn.Linear(2 * d, d, bias=False),
+                                 "shared_head_norm": DeepseekV3RMSNorm(d, cfg.rms_norm_eps)})
+    randomize_(parts, seed + 1)
+    gen = torch.Generator().manual_seed(seed + 2)
+    layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(cfg.n_routed_experts, generator=gen))
+    at = f"model.layers.{n}."
+    out = {at + "embed_tokens.weight": model.model.embed_tokens.weight.clone(),
+           at + "enorm.weight": parts["enorm"].weight.clone(), at + "hnorm.weight": parts["hnorm"].weight.clone(),
+           at + "eh_proj.weight": parts["eh_proj"].weight.clone()}
+    out.update({at + k: v.clone() for k, v in layer.state_dict().items()})
+    out[at + "shared_head.norm.weight"] = parts["shared_head_norm"].weight.clone()
+    out[at + "shared_head.head.weight"] = model.lm_head.weight.clone()
+    return out, layer, parts
+
+
+def per_expert(state: dict) -> dict:
+    """Fused experts split into a published checkpoint's per-expert tensors."""
+    out = {}
+    for k, v in state.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            f = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[k[: -len("gate_up_proj")] + f"{e}.gate_proj.weight"] = v[e, :f].clone()
+                out[k[: -len("gate_up_proj")] + f"{e}.up_proj.weight"] = v[e, f:].clone()
+        elif k.endswith("mlp.experts.down_proj"):
+            for e in range(v.shape[0]):
+                out[k[: -len("down_proj")] + f"{e}.down_proj.weight"] = v[e].clone()
+        else:
+            out[k] = v
+    return out
+
+
+def mtp_stage(path) -> LLMStage:
+    ckpt = HFCheckpoint(str(path))
+    arch = ds.with_checkpoint_mtp(ds.arch_from_hf_config(ckpt.config), ckpt.keys())
+    stage = LLMStage(arch)
+    load_hf_checkpoint(stage, str(path))
+    return stage.eval()
+
+
+@pytest.mark.parametrize("naming", ["state_dict", "per_expert"])
+def test_mtp_layers_import_and_export_under_their_names(tmp_path, naming):
+    """A checkpoint with DeepSeek's MTP layer (model.layers.3: enorm, hnorm, eh_proj, an MoE
+    decoder layer, shared_head, the embedding / head copies; fused or per-expert) gives
+    arch.mtp (depth 1, '+E'), loads, and exports back tensor for tensor under the same names
+    (the copies written, the MTP router's expert bias included), num_nextn_predict_layers 1."""
     model = hf_model(SMALL)
-    state = dict(model.state_dict())
-    extra = {"model.layers.3.eh_proj.weight": torch.randn(64, 128), "model.layers.3.enorm.weight": torch.ones(64),
-             "model.layers.3.mlp.experts.0.gate_proj.weight": torch.randn(32, 64),
-             "model.layers.3.shared_head.head.weight": torch.randn(96, 64)}
-    save_hf_checkpoint(str(tmp_path), {**state, **extra}, dict(model.config.to_dict(), num_nextn_predict_layers=1))
+    mtp, _, _ = mtp_module(model)
+    theirs = {**model.state_dict(), **mtp}
+    save_hf_checkpoint(str(tmp_path), theirs if naming == "state_dict" else per_expert(theirs),
+                       dict(model.config.to_dict(), num_nextn_predict_layers=1))
+    stage = mtp_stage(tmp_path)
+    arch = stage.arch
+    assert arch.mtp == MTPArch(depth=1, pattern="+E")
+    assert with_checkpoint_mtp(arch, theirs).mtp == arch.mtp  # (mimo.llm.hf's, which import-hf writes, takes DeepSeek's)
+    if naming == "state_dict":  # mimo import-hf: the modules section it writes has the MTP block
+        from mimo.commands.import_hf import describe_causal_lm
+
+        describe_causal_lm(str(tmp_path), str(tmp_path / "modules.yaml"))
+        written = yaml.safe_load((tmp_path / "modules.yaml").read_text())["modules"]["language"]["arch"]
+        assert written["mtp"]["depth"] == 1 and written["mtp"]["pattern"] == "+E"
+    assert dict(stage.named_parameters())["mtp.0.fc.weight"].shape == (64, 128)
+    exported = export_hf_state(our_state(stage), arch)
+    assert list(exported) == list(theirs)
+    assert [k for k in theirs if not torch.equal(exported[k], theirs[k])] == []
+    cfg = ds.hf_config_from_arch(arch)
+    assert cfg["num_nextn_predict_layers"] == 1 and cfg["first_k_dense_replace"] == 1
+    assert ds.arch_from_hf_config(cfg) == dataclasses.replace(arch, mtp=None)  # config alone: no mtp, as Qwen's
+
+
+def test_mtp_forward_equals_deepseek_mtp():
+    """Our imported MTP (depth 1) on a pack of samples: its logits at every position and its
+    loss equal DeepSeek's MTP computation written out per sample with transformers' layers
+    (vLLM's deepseek_mtp.py): eh_proj(cat(enorm(embed(token t + 1)), hnorm(h))), the MTP
+    DeepseekV3DecoderLayer, shared_head.norm, shared_head.head; h the main model's final-normed
+    hidden state. fp32 against the fp32 / fp64 references (yardstick)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from mimo.llm.mtp import shift_in_samples
+
+    model = hf_model(SMALL)
+    mtp, layer, parts = mtp_module(model)
+    state = {**model.state_dict(), **mtp}
+    arch = ds.with_checkpoint_mtp(ds.arch_from_hf_config(model.config.to_dict()), state)
+    stage = LLMStage(arch).eval()
+    from mimo.llm.hf import import_hf_state_
+
+    import_hf_state_(stage, *ds.checkpoint_view(arch, state, {k: tuple(v.shape) for k, v in state.items()},
+                                                state.__getitem__)[::-1])
+    toks = random_samples(arch.vocab, 5, 20, torch.Generator().manual_seed(6))
+    batch = pack_samples(toks)
+    with torch.no_grad():
+        seq = stage.context(batch)
+        h_TD = stage.norm(stage._layers(stage._embed(batch, {}), seq))
+        ahead_T = shift_in_samples(batch.tokens, 1, batch.cu_seqlens, 0)
+        ours = stage.logits(stage.mtp.depths[0](stage._mtp_embed(ahead_T), h_TD, seq))
+        (loss,) = stage.mtp_losses(h_TD, batch)
+
+    def reference(dtype):
+        m, blk, p = (copy.deepcopy(x).to(dtype) for x in (model, layer, parts))
+        logits, total = [], 0.0
+        with torch.no_grad():
+            for t in toks:
+                n = t.numel()
+                h = m.model(input_ids=t[None]).last_hidden_state  # final-normed, what the head reads
+                ahead = torch.cat([t[1:], torch.zeros(1, dtype=torch.long)])  # token t + 1 (none past the end)
+                x = p["eh_proj"](torch.cat([p["enorm"](m.model.embed_tokens(ahead[None])), p["hnorm"](h)], -1))
+                pos = torch.arange(n)[None]
+                causal = torch.full((n, n), float("-inf"), dtype=dtype).triu(1)[None, None]
+                x = blk(x, attention_mask=causal, position_ids=pos, position_embeddings=m.model.rotary_emb(x, pos))
+                out = m.lm_head(p["shared_head_norm"](x))[0]  # shared_head.head = lm_head (a copy)
+                logits.append(out)
+                total += float(F.cross_entropy(out[: n - 2].double(), t[2:], reduction="sum")) if n > 2 else 0.0
+        return torch.cat(logits), total
+
+    (ref32, loss32), (ref64, loss64) = reference(torch.float32), reference(torch.float64)
+    ys = Yardstick(1e-5)
+    ys.check("mtp logits", ours, ref32, ref64)
+    f64 = lambda x: torch.tensor(float(x), dtype=torch.float64)  # noqa: E731
+    ys.check("mtp loss", f64(loss), f64(loss32), f64(loss64))
+    assert ys.ok, ys.summary(5)
+    assert loss64 > 0 and rel_err(ours, ref64) > 0  # (a real comparison: not bit-equal by accident)
+
+
+@pytest.mark.parametrize("copy_name", ["shared_head.head.weight", "embed_tokens.weight"])
+def test_mtp_copies_that_differ_are_clear_errors(tmp_path, copy_name):
+    """The MTP layer's copy of the head (or embedding) differs from the model's: a MimoError
+    naming the copy (our MTP shares the model's)."""
+    model = hf_model(SMALL)
+    mtp, _, _ = mtp_module(model)
+    mtp[f"model.layers.3.{copy_name}"] = mtp[f"model.layers.3.{copy_name}"] + 1e-3
+    save_hf_checkpoint(str(tmp_path), {**model.state_dict(), **mtp}, model.config.to_dict())
+    with pytest.raises(MimoError, match=f"tensor 'model.layers.3.{copy_name}' differs from"):
+        mtp_stage(tmp_path)
+
+
+def test_export_maps_mtp_blocks_and_refuses_others():
+    """'+-' MTP after dense-only layers: first_k_dense_replace past the MTP layers (DeepSeek's rule
+    makes layer L + k MoE otherwise); a '+-' MTP after MoE layers, or another block, is refused."""
+    dense = ds.arch_from_hf_config(hf_config(**dict(SMALL, first_k_dense_replace=3)).to_dict())
+    assert dense.pattern == "+-+-+-"
+    cfg = ds.hf_config_from_arch(dataclasses.replace(dense, mtp=MTPArch(depth=2, pattern="+-")))
+    assert (cfg["num_nextn_predict_layers"], cfg["first_k_dense_replace"], cfg["num_hidden_layers"]) == (2, 5, 3)
+    moe = ds.arch_from_hf_config(hf_config(**SMALL).to_dict())
+    for mtp, message in ((MTPArch(pattern="+-"), r"MoE \('\+E'\) in a model with MoE layers"),
+                         (MTPArch(), r"block is '\*E'"), (MTPArch(pattern="+E+E"), "block is")):
+        with pytest.raises(MimoError, match=message):
+            ds.hf_config_from_arch(dataclasses.replace(moe, mtp=mtp))
+
+
+def test_mtp_layers_of_a_checkpoint_without_arch_mtp_are_not_loaded(tmp_path, caplog):
+    """A model without arch.mtp loads a checkpoint with DeepSeek's MTP layer (per-expert
+    tensors included), warning that its mtp.* tensors are not loaded (as Qwen's), and computes
+    the main model's logits."""
+    model = hf_model(SMALL)
+    mtp, _, _ = mtp_module(model)
+    save_hf_checkpoint(str(tmp_path), per_expert({**model.state_dict(), **mtp}),
+                       dict(model.config.to_dict(), num_nextn_predict_layers=1))
     arch = ds.arch_from_hf_config(read_config_json(str(tmp_path / "config.json")))
-    assert with_checkpoint_mtp(arch, HFCheckpoint(str(tmp_path)).keys()).mtp is None
+    assert arch.mtp is None and with_checkpoint_mtp(arch, HFCheckpoint(str(tmp_path)).keys()).mtp is not None
     stage = LLMStage(arch)
     with caplog.at_level(logging.WARNING):
         load_hf_checkpoint(stage, str(tmp_path))
-    assert "4 tensors of decoder layers past the 3" in caplog.text
+    assert "mtp.* tensors (multi-token prediction) are not loaded: arch.mtp is not set" in caplog.text
     assert worst_err(model, stage, arch.vocab) < 1e-5
 
 
@@ -291,7 +456,7 @@ def test_unsupported_configs_are_clear_errors(change, message):
 
 def test_export_rejects_what_deepseek_v3_cannot_hold():
     arch = ds.arch_from_hf_config(hf_config(**SMALL).to_dict())
-    for change, message in ((dict(mtp=MTPArch()), "remove arch.mtp"),
+    for change, message in ((dict(mtp=MTPArch()), "arch.mtp's block is '\\*E'"),
                             (dict(moe=dataclasses.replace(arch.moe, score="softmax")), "arch.moe.score"),
                             (dict(moe=dataclasses.replace(arch.moe, shared_ffn=48)), "arch.moe.shared_ffn"),
                             (dict(pattern="+-+E+-"), "dense layer after an MoE one"),
