@@ -300,12 +300,12 @@ class _CPAttention(torch.autograd.Function):
         k_all, v_all = (all_gather_along(x, 0, cp.group) for x in (k_THD, v_THD))
         rows, cu_k, _ = cp.key_rows
         cu_q, cu_kl, rows = cp.ends_host(), cu_k.tolist(), rows
-        out, lse = torch.empty_like(q_THD), q_THD.new_empty(q_THD.shape[:2])
+        out, lse = q_THD.new_empty(*q_THD.shape[:2], v_THD.shape[-1]), q_THD.new_empty(q_THD.shape[:2])  # (v's head size)
         for i, (qs, qe) in enumerate(zip(cu_q[:-1], cu_q[1:])):
             sel = rows[cu_kl[i]:cu_kl[i + 1]]
             q = q_THD[qs:qe].view(qe - qs, kv, -1, q_THD.shape[-1]).permute(1, 2, 0, 3)  # [h, g, q, d]
             o, l = _run_forward(q, k_all[sel].transpose(0, 1), v_all[sel].transpose(0, 1), scale)
-            out[qs:qe] = o.permute(2, 0, 1, 3).reshape(qe - qs, *q_THD.shape[1:])
+            out[qs:qe] = o.permute(2, 0, 1, 3).reshape(qe - qs, *out.shape[1:])
             lse[qs:qe] = l.permute(2, 0, 1).reshape(qe - qs, -1)
         ctx.save_for_backward(q_THD, k_THD, v_THD, out, lse)
         ctx.cp, ctx.scale = cp, scale

@@ -517,9 +517,6 @@ class LLMModuleConfig:
                                     f"(layers {min(first)}..{max(first)}); image rows arrive there only: put them on "
                                     f"it with '|' in arch.pattern")
         kinds = set(pattern.kinds)
-        if "mla" in kinds and par.cp > 1:
-            problems.append(f"{pkey('cp')}: MLA layers ('+' in arch.pattern) are not built for context parallelism "
-                            f"yet; got cp={par.cp} (use cp: 1)")
         if arch.mtp is not None:
             if par.cp > 1:
                 problems.append(f"{pkey('cp')}: arch.mtp runs with cp=1 only (its shifted tokens would cross the "

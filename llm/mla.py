@@ -44,7 +44,11 @@ Every product goes through the TP layers or ``ReplicatedLinear`` (``mimo.paralle
 with the module's recipe), so FP8 and selective recompute (the attention core, from the
 projections' outputs to the attention output) come as for ``*`` attention.
 
-Not built: context parallelism and generation caches (a ``ConfigError`` names them), LoRA
+**Context parallelism**: the projections and RoPE act per token (each CP rank's chunks at their
+global positions); the attention is ``packed_attention``'s over CP (keys and values gathered, v's
+head size its own).
+
+Not built: generation caches (a ``ConfigError`` names them), LoRA
 adapters on MLA's projections, the absorbed (latent-space) attention of decoding, DSA.
 """
 
@@ -211,9 +215,6 @@ class MLA(nn.Module):
             raise LayoutError(f"MLA: tp={tp} must divide heads={cfg.heads}")
         if cfg.qk_rope_head_dim % 2 or cfg.qk_rope_head_dim < 2:
             raise LayoutError(f"MLA: qk_rope_head_dim={cfg.qk_rope_head_dim} must be even and >= 2")
-        if ctx.dense.size("cp") > 1:
-            raise ConfigError(f"MLA layers ('+') are not built for context parallelism yet (cp={ctx.dense.size('cp')}); "
-                              f"use cp: 1")
         self.cfg, self.impl = cfg, impl
         self.heads_local = cfg.heads // tp
         sp = ctx.sequence_parallel
@@ -260,8 +261,6 @@ class MLA(nn.Module):
         return freqs_TP.cos() * factor, freqs_TP.sin() * factor
 
     def forward(self, h_TD: torch.Tensor, seq: SeqContext) -> torch.Tensor:
-        if seq.cp is not None:
-            raise ConfigError("MLA layers ('+') are not built for context parallelism yet; use cp: 1")
         if seq.cache is not None:
             raise ConfigError("MLA layers ('+') have no generation cache yet: greedy generation with a cache is not "
                               "built for them")

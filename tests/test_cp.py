@@ -1,7 +1,8 @@
 """Context parallelism in the LLM's layers (issue 23): ``mimo.llm.cp`` and the layers over it.
 
 * ``cp_share`` cuts a pack as ``PackLayout`` places positions (the bridges' image slots agree);
-* every sequence-mixing layer (attention with GQA and RoPE, Mamba-2 with groups, Gated DeltaNet
+* every sequence-mixing layer (attention with GQA and RoPE, multi-latent attention with its v head
+  size unlike q / k's, Mamba-2 with groups, Gated DeltaNet
   with more value heads than q/k heads, their short convolutions) on each CP rank's share, over
   gloo at cp 2, 3 and 4, equals the one-process layer on the unsplit samples: outputs at real
   positions, the inputs' gradients, and parameter gradients summed over CP — in fp64 against the
@@ -29,14 +30,15 @@ TOL = 1e-5
 LOSS_NORM = 50.0
 WORLD = 4
 SEQLENS = [37, 8, 3, 1, 13, 6]  # cp 4: 37 > a rank's share; 8 = 2cp (borders); 3, 1 < 2cp (padding-only chunks)
-KINDS = {"*": "attention", "M": "mamba", "G": "gdn", "E": "moe"}
+KINDS = {"*": "attention", "+": "mla", "M": "mamba", "G": "gdn", "E": "moe"}
 
 
 def arch(kind: str, impl: str = "chunked") -> HybridArch:
     moe = MoEArch(experts=6, topk=2, ffn=8, shared_ffn=8, aux_loss=AuxLoss("per_sample", 0.1), z_loss_coeff=0.01)
     return HybridArch(pattern=kind, hidden=24, heads=6, kv_heads=2, vocab=50, ffn=32, moe=moe,
                       mamba_heads=4, mamba_head_dim=6, mamba_state=5, mamba_groups=2, mamba_chunk=8,
-                      gdn_heads=2, gdn_v_heads=4, gdn_head_dim=6, gdn_v_head_dim=5, gdn_chunk=8, conv_kernel=4)
+                      gdn_heads=2, gdn_v_heads=4, gdn_head_dim=6, gdn_v_head_dim=5, gdn_chunk=8, conv_kernel=4,
+                      mla_q_lora_rank=12, mla_kv_lora_rank=10, mla_qk_rope_head_dim=4, mla_qk_nope_head_dim=4, mla_v_head_dim=3)
 
 
 def build(kind: str, impl: str, dtype):
@@ -187,7 +189,8 @@ def test_layer_over_cp_ranks_equals_one_process(pools, kind, cp):
 
 
 @pytest.mark.parametrize("kind,mutation", [("M", "no state scan"), ("G", "no state scan"), ("M", "halo from the wrong chunk"),
-                                           ("G", "halo from the wrong chunk"), ("*", "keys of the wrong rank")])
+                                           ("G", "halo from the wrong chunk"), ("*", "keys of the wrong rank"),
+                                           ("+", "keys of the wrong rank")])
 def test_mutations_fail(pools, kind, mutation):
     ref = flat(one_process(kind, "naive", torch.float64))
     got = collect([r for r in pools(WORLD).run(cp_case, kind, "chunked", 2, torch.float64, mutation) if r], sum(SEQLENS))

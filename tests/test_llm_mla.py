@@ -12,7 +12,7 @@ and against itself at tp 2.
   groups, against the one-process layer (fp32 and fp64 references from the same full weights);
   gradients read after ``reduce_partial_grads`` (training's once-per-step sum of partial ones).
 - Config: the MLA fields are required only with '+', named in the errors; yarn only with MLA;
-  context parallelism and generation caches refused.
+  generation caches refused (context parallelism: tests/test_cp.py).
 """
 
 from __future__ import annotations
@@ -259,23 +259,21 @@ def test_mla_fields_required_only_with_plus():
     assert _validate(**dims, rope_scaling=yarn) == []
     assert any("yarn is built for MLA layers" in p for p in _validate(**dims, pattern="+*-", rope_scaling=yarn))
     assert any("a yarn field" in p for p in RopeScaling("linear", 2.0, mscale=1.0).validate("arch.rope_scaling"))
-    # cp refused, tp must divide heads, gtp sizes named
+    # cp taken (tests/test_cp.py runs MLA over cp 2-4), tp must divide heads
     arch = HybridArch(pattern="+-", hidden=64, heads=6, vocab=32, **dims)
-    cp = LLMModuleConfig("hybrid", arch, parallel=ParallelConfig(cp=2)).validate("llm")
-    assert any("MLA layers" in p and "cp=2" in p for p in cp)
+    assert LLMModuleConfig("hybrid", arch, parallel=ParallelConfig(cp=2)).validate("llm") == []
     tp = LLMModuleConfig("hybrid", arch, parallel=ParallelConfig(tp=4)).validate("llm")
     assert any("arch.heads=6" in p for p in tp)
 
 
-def test_context_parallel_and_cache_refused():
+def test_generation_cache_refused():
     cfg = _hf_config(4, q_lora_rank=None)
     layer = MLA(MLAConfig.from_arch(_arch(cfg)))
     x = torch.randn(sum(SEQLENS), HIDDEN)
-    for field in ("cp", "cache"):
-        seq = SeqContext.from_seqlens(SEQLENS)
-        setattr(seq, field, object())
-        with pytest.raises(ConfigError, match="MLA layers"):
-            layer(x, seq)
+    seq = SeqContext.from_seqlens(SEQLENS)
+    seq.cache = object()
+    with pytest.raises(ConfigError, match="MLA layers"):
+        layer(x, seq)
     with pytest.raises(ConfigError, match="mla_kv_lora_rank"):
         MLAConfig.from_arch(HybridArch(pattern="+", hidden=64, heads=4, vocab=32))
 

@@ -14,6 +14,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from mimo.commands.cli import main
@@ -76,12 +77,16 @@ def test_nemotron_h_example_trains_and_exports(tmp_path, capsys):
         assert bias.abs().max() > 0  # moved by the once-per-step update (rate 1e-3)
 
 
-def test_deepseek_v3_example_equals_its_one_process_run(pools, verify_layout):
+@pytest.mark.parametrize("layout", ["as shipped", "cp2"])
+def test_deepseek_v3_example_equals_its_one_process_run(pools, verify_layout, layout):
     """``configs/examples/deepseek-v3-moe.yaml`` (MLA with YaRN, a dense first layer, sigmoid
-    group-limited routing with the expert bias; the LLM tp 2 with SP and ep 2, the tower dp 4):
-    two steps against its one-process run (verify-train's comparison, fp64 yardstick), MLA's and
-    the experts' gradients among those compared."""
-    report = verify_layout(pools, str(EXAMPLES / "deepseek-v3-moe.yaml"), [], 2)
+    group-limited routing with the expert bias; the LLM tp 2 with SP and ep 2, the tower dp 4),
+    and the LLM at tp 2 x cp 2 (every sample split over the CP ranks): two steps against the
+    one-process run (verify-train's comparison, fp64 yardstick), MLA's and the experts'
+    gradients among those compared."""
+    overrides = {"as shipped": [], "cp2": [
+        "modules.language.parallel={tp: 2, cp: 2, dp: 1, ep: 2, etp: 1, ranks: '0:4', sequence_parallel: true}"]}[layout]
+    report = verify_layout(pools, str(EXAMPLES / "deepseek-v3-moe.yaml"), overrides, 2)
     assert report["ok"], report["worst"]
     assert report["yardstick"]["checked"] > 100 and report["yardstick"]["failed"] == 0, report["yardstick"]
 
