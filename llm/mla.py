@@ -48,8 +48,9 @@ projections' outputs to the attention output) come as for ``*`` attention.
 global positions); the attention is ``packed_attention``'s over CP (keys and values gathered, v's
 head size its own).
 
-Not built: generation caches (a ``ConfigError`` names them), LoRA
-adapters on MLA's projections, the absorbed (latent-space) attention of decoding, DSA.
+**Generation cache**: per-head keys (RoPE applied) and values, as ``*`` attention keeps them (the
+absorbed, latent-space cache of DeepSeek's inference is not built). Not built: LoRA adapters on
+MLA's projections, DSA.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mimo.core.errors import ConfigError, LayoutError
-from mimo.llm.attention import packed_attention
+from mimo.llm.attention import cached_attention, packed_attention
 from mimo.llm.config import HybridArch, RopeScaling
 from mimo.llm.context import SeqContext
 from mimo.llm.norm import RMSNorm
@@ -261,9 +262,6 @@ class MLA(nn.Module):
         return freqs_TP.cos() * factor, freqs_TP.sin() * factor
 
     def forward(self, h_TD: torch.Tensor, seq: SeqContext) -> torch.Tensor:
-        if seq.cache is not None:
-            raise ConfigError("MLA layers ('+') have no generation cache yet: greedy generation with a cache is not "
-                              "built for them")
         x_TD = self.norm(h_TD)  # this rank's rows: the whole pack, or its token block under SP
         if self.q_proj is None:  # down projection on this rank's rows; q_b_proj gathers the latent
             q_TF = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
@@ -294,18 +292,21 @@ class MLA(nn.Module):
         return o_THV.reshape(t, hl * vd)
 
     def _attend(self, q_THE, k_THE, v_THV, seq: SeqContext) -> torch.Tensor:
-        """``packed_attention`` (causal within each sample). Flash attention's varlen kernel (CUDA,
-        bf16 / fp16) takes one head size for q, k and v: there the narrower side is padded with
-        zero channels (which change no score and no output) and the output cut back."""
+        """``packed_attention`` (causal within each sample), or under a generation cache
+        ``cached_attention`` (the prefill keeps every sample's per-head keys, RoPE applied, and
+        values; a decode step attends over them). Flash attention's varlen kernel (CUDA, bf16 /
+        fp16) takes one head size for q, k and v: there the narrower side is padded with zero
+        channels (which change no score and no output) and the output cut back."""
         e, vd = q_THE.shape[-1], v_THV.shape[-1]
         fast = self.impl != "exact" and q_THE.is_cuda and q_THE.dtype in (torch.bfloat16, torch.float16)
-        if not fast or e == vd:
-            return packed_attention(q_THE, k_THE, v_THV, seq, scale=self.softmax_scale, impl=self.impl)
-        if vd < e:
+        if fast and vd < e:
             v_THV = F.pad(v_THV, (0, e - vd))
-        else:
+        elif fast and vd > e:
             q_THE, k_THE = F.pad(q_THE, (0, vd - e)), F.pad(k_THE, (0, vd - e))
-        o = packed_attention(q_THE, k_THE, v_THV, seq, scale=self.softmax_scale, impl=self.impl)
+        if seq.cache is None:
+            o = packed_attention(q_THE, k_THE, v_THV, seq, scale=self.softmax_scale, impl=self.impl)
+        else:
+            o = cached_attention(seq.cache.state(self), q_THE, k_THE, v_THV, seq, self.softmax_scale, self.impl)
         return o[..., :vd]
 
     def extra_repr(self) -> str:

@@ -1,6 +1,6 @@
 """Greedy generation with a cache (``mimo.llm.cache``, ``eval.cache``) against generation without
-one: the one-process stage token by token (logits at 1e-5, tokens equal) for attention, Mamba-2,
-Gated DeltaNet and MoE layers, samples leaving the cache as they finish; ``mimo eval``'s
+one: the one-process stage token by token (logits at 1e-5, tokens equal) for attention,
+multi-latent attention, Mamba-2, Gated DeltaNet and MoE layers, samples leaving the cache as they finish; ``mimo eval``'s
 generation at tp2 dp2 (SP), tp2 pp2 and a non-colocated pp2 layout with cache and without (the
 same tokens, counts and loss); the decode pack; bench/eval_cache.py on the CPU.
 
@@ -38,7 +38,8 @@ def tiny_arch(pattern: str) -> HybridArch:
     return HybridArch(pattern=pattern, hidden=24, heads=6, kv_heads=2, vocab=50, ffn=32, init_std=0.5,
                       moe=MoEArch(experts=6, topk=2, ffn=8, shared_ffn=8),
                       mamba_heads=4, mamba_head_dim=6, mamba_state=5, mamba_groups=2, mamba_chunk=8,
-                      gdn_heads=2, gdn_v_heads=4, gdn_head_dim=6, gdn_v_head_dim=5, gdn_chunk=8, conv_kernel=4)
+                      gdn_heads=2, gdn_v_heads=4, gdn_head_dim=6, gdn_v_head_dim=5, gdn_chunk=8, conv_kernel=4,
+                      mla_q_lora_rank=12, mla_kv_lora_rank=10, mla_qk_rope_head_dim=4, mla_qk_nope_head_dim=4, mla_v_head_dim=3)
 
 
 def greedy(stage: LLMStage, prompts: list[list[int]], steps: int, cached: bool, finish: set) -> tuple[list, dict]:
@@ -65,7 +66,7 @@ def greedy(stage: LLMStage, prompts: list[list[int]], steps: int, cached: bool, 
     return seqs, logits
 
 
-@pytest.mark.parametrize("pattern", ["*-", "MG", "*E", "M*G-E"])
+@pytest.mark.parametrize("pattern", ["*-", "MG", "*E", "M*G-E", "+-+E"])
 def test_cached_greedy_equals_whole_sequence_greedy(pattern):
     stage = LLMStage(tiny_arch(pattern))
     stage.init_weights(3)

@@ -12,7 +12,7 @@ and against itself at tp 2.
   groups, against the one-process layer (fp32 and fp64 references from the same full weights);
   gradients read after ``reduce_partial_grads`` (training's once-per-step sum of partial ones).
 - Config: the MLA fields are required only with '+', named in the errors; yarn only with MLA;
-  generation caches refused (context parallelism: tests/test_cp.py).
+  missing sizes named (context parallelism: tests/test_cp.py; generation caches: tests/test_eval_cache.py).
 """
 
 from __future__ import annotations
@@ -266,14 +266,7 @@ def test_mla_fields_required_only_with_plus():
     assert any("arch.heads=6" in p for p in tp)
 
 
-def test_generation_cache_refused():
-    cfg = _hf_config(4, q_lora_rank=None)
-    layer = MLA(MLAConfig.from_arch(_arch(cfg)))
-    x = torch.randn(sum(SEQLENS), HIDDEN)
-    seq = SeqContext.from_seqlens(SEQLENS)
-    seq.cache = object()
-    with pytest.raises(ConfigError, match="MLA layers"):
-        layer(x, seq)
+def test_missing_sizes_named():
     with pytest.raises(ConfigError, match="mla_kv_lora_rank"):
         MLAConfig.from_arch(HybridArch(pattern="+", hidden=64, heads=4, vocab=32))
 
