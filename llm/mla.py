@@ -68,12 +68,10 @@ from mimo.llm.config import HybridArch, RopeScaling
 from mimo.llm.context import SeqContext
 from mimo.llm.norm import RMSNorm
 from mimo.llm.rope import RopeConfig, inv_freq
-from mimo.parallel import gemm
 from mimo.parallel.collectives import copy_to_group, gather_seq
 from mimo.parallel.context import ParallelContext
-from mimo.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPModule
+from mimo.parallel.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from mimo.parallel.params import init_params_, param_table
-from mimo.parallel.placement import ParamPlacement, replicated
 from mimo.parallel.recompute import maybe
 
 __all__ = ["MLAConfig", "MLA", "ReplicatedLinear", "yarn_get_mscale", "yarn_inv_freq", "mla_softmax_scale",
@@ -175,33 +173,6 @@ def rope_interleaved(x_THR: torch.Tensor, cos_TP: torch.Tensor, sin_TP: torch.Te
 
 
 # ---------------------------------------------------------------- the layer
-class ReplicatedLinear(TPModule):
-    """y = x W^T + b with W (and b) replicated over TP, applied to the rows this rank holds with
-    no collective (MLA's down projections). Under sequence parallelism those rows are this
-    rank's token block, so the weight's gradient is a partial sum over TP and its placement says
-    so; without it every rank holds the whole pack and a complete gradient."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, ctx: ParallelContext | None = None):
-        super().__init__(ctx)
-        self.in_features, self.out_features = in_features, out_features
-        partial = ("tp",) if self.sequence_parallel else ()
-        self._placements = {"weight": replicated((out_features, in_features), partial=partial)}
-        if bias:
-            self._placements["bias"] = replicated((out_features,), partial=partial)
-        self.weight = self._new_param(self._placements["weight"], None, None)
-        self.bias = self._new_param(self._placements["bias"], None, None) if bias else None
-
-    def placements(self) -> dict[str, ParamPlacement]:
-        return self._placements
-
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return gemm.linear(x_TD, self.weight, self.bias, self.recipe)
-
-    def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
-                f"grad_partial_over_tp={self.sequence_parallel}")
-
-
 class MLA(nn.Module):
     """``forward(h_TD, seq) -> h_TD``: ``h + o_proj(mla(norm(h)))`` (see module doc); ``[T/tp, D]``
     blocks under sequence parallelism."""

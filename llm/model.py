@@ -397,6 +397,12 @@ LORA_TARGETS = {
     "gate": LoraTarget(_LAYER + "up_proj", (("gate",),)),
     "up": LoraTarget(_LAYER + "up_proj", (("up",),)),
     "down": LoraTarget(_LAYER + "down_proj"),
+    # multi-latent attention (+): the latents' down projections (replicated over TP) and the heads'
+    # up projections (q_b_proj, or q_proj without a q latent); o is the "o" above
+    "q_a": LoraTarget(_LAYER + r"q_a_proj", owner="MLA"),
+    "q_b": LoraTarget(_LAYER + r"(q_b_proj|q_proj)", owner="MLA"),
+    "kv_a": LoraTarget(_LAYER + r"kv_a_proj_with_mqa", owner="MLA"),
+    "kv_b": LoraTarget(_LAYER + r"kv_b_proj", owner="MLA"),
     # the routed experts: an adapter per expert on its up (gate | up) and down projections
     "experts": LoraTarget(_LAYER + "experts", cls="GroupedExperts"),
     # the shared expert: as a dense MLP, an adapter each on gate, up and down

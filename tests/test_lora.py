@@ -33,6 +33,11 @@ LAYOUTS = {
         "train.distributed_optimizer=true", "train.recompute=full"],
     "lora on experts, llm tp2 dp2 (experts split over tp)": [*MOE, LANG + "parallel.sequence_parallel=true"],
     "lora on experts, llm tp2 dp2, ep2 etp2": [*MOE, LANG + "parallel={tp: 2, dp: 2, ep: 2, etp: 2, ranks: '0:4'}"],
+    "dora on multi-latent attention, llm tp2 sp dp2": [
+        LANG + "arch.pattern=+-+-", *(f"{LANG}arch.mla_{k}={v}" for k, v in (
+            ("q_lora_rank", 24), ("kv_lora_rank", 16), ("qk_rope_head_dim", 8), ("qk_nope_head_dim", 8), ("v_head_dim", 12))),
+        LANG + "parallel.sequence_parallel=true", LANG + "lora.dora=true",
+        LANG + "lora.targets=[q_a, q_b, kv_a, kv_b, o, gate, down]"],
     "lora on the gated shared expert and experts, llm tp2 sp dp2": [
         *MOE, LANG + "arch.moe={experts: 4, topk: 2, ffn: 32, shared_ffn: 24, shared_gate: true}",
         LANG + "lora.targets=[q, shared, experts]", LANG + "parallel.sequence_parallel=true"],

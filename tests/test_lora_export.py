@@ -378,6 +378,12 @@ def _qwen3_5_model(name: str = "dense"):
     return model
 
 
+def _deepseek_v3_model():
+    from test_llm_hf_deepseek_v3 import SMALL, hf_model
+
+    return hf_model(SMALL)
+
+
 def _nemotron_h_model():
     from test_llm_hf_nemotron_h import PLAIN, SMALL, hf_model
 
@@ -389,6 +395,8 @@ RECURRENT_LMS = {  # case -> (the model, lora.targets, the HF modules its recurr
                        (".linear_attn.", {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"})),
     "qwen3.5-moe shared": (lambda: _qwen3_5_model("moe"), ["shared", "q", "o"],
                            (".shared_expert.", {"gate_proj", "up_proj", "down_proj"})),
+    "deepseek-v3 mla": (lambda: _deepseek_v3_model(), ["q_a", "q_b", "kv_a", "kv_b", "o"],
+                        (".self_attn.", {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"})),
     "nemotron-h mamba_in": (_nemotron_h_model, ["mamba_in", "q", "o", "up", "down"],
                             (".mixer.", {"in_proj", "q_proj", "o_proj", "up_proj", "down_proj"})),
 }
@@ -399,7 +407,9 @@ def test_peft_adapters_of_causal_lms(pools, tmp_path, capsys, case):
     """A Qwen3.5 causal LM with DoRA on the Gated DeltaNet input projection (gdn_in: four adapters
     on our fused weight, one per Hugging Face module in_proj_qkv / _z / _b / _a), its output
     projection and the attention / MLP ones, a Qwen3.5-MoE with DoRA on its shared experts (gate
-    and up rows of our fused weight, the row-parallel down), and a Nemotron-H with DoRA on the Mamba-2 input rows
+    and up rows of our fused weight, the row-parallel down), a DeepSeek-V3 with DoRA on its
+    multi-latent attention's five projections (PEFT reads gate / up / down_proj of a DeepSeek-V3 as
+    expert parameters: --adapter refuses them there, by name), and a Nemotron-H with DoRA on the Mamba-2 input rows
     (mamba_in: one adapter on rows of two weights of ours, Hugging Face's one in_proj, whose row
     order z | x | B | C | dt is not ours): ``--llm-only --adapter`` loads into PEFT, its logits
     equal the merged export's (1e-5) and its merge_and_unload the merged weights (1e-6); read
@@ -428,6 +438,16 @@ def test_peft_adapters_of_causal_lms(pools, tmp_path, capsys, case):
     want_adapters = _stored_adapters(ckpt)[name]
     assert want_adapters and set(got[name]) == set(want_adapters)
     assert all(torch.equal(got[name][n], t) for n, t in want_adapters.items())
+    if "kv_a" in targets:
+        llm["lora"]["targets"] = ["q_a", "shared"]
+        config_path.write_text(yaml.safe_dump({"world_size": 1, "modules": modules,
+                                               "data": {"source": "synthetic", "max_sample_tokens": 256}}))
+        ckpt = pools(1).run(_drawn_lora_checkpoint, str(config_path), str(tmp_path / "ckpt-shared"))[0]
+        with pytest.raises(MimoError, match="PEFT reads LoRA on modules named down_proj, gate, gate_proj, up_proj of a "
+                                            "deepseek_v3 model as adapters on its experts"):
+            from mimo.commands.export_hf import export_hf
+
+            export_hf(ckpt, str(tmp_path / "base-shared"), llm_only=True, adapter=str(tmp_path / "adapter-shared"))
     if "mamba_in" in targets:
         llm["lora"]["targets"] = ["mamba_in", "mamba_out"]
         config_path.write_text(yaml.safe_dump({"world_size": 1, "modules": modules,

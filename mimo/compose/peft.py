@@ -97,6 +97,13 @@ def write_peft_adapter(directory: str, base: str, modules: Mapping[str, tuple[li
                             f"land in are not weights of the exported model: export with --merge")
         for hf_module, pieces in placed.items():
             theirs = weights[hf_module]
+            renamed = _peft_moe_renamed(model_type)
+            if theirs.endswith(".weight") and hf_module.rpartition(".")[2] in renamed:
+                raise MimoError(f"export-hf --adapter: PEFT reads LoRA on modules named {', '.join(sorted(renamed))} of a "
+                                f"{model_type} model as adapters on its experts (its transformers v4 -> v5 conversion), so "
+                                f"modules.{module}'s adapter {pieces[0][2].adapter} on {hf_module} would load onto the "
+                                f"experts: leave the dense MLP / shared expert (gate, up, down, shared) out of "
+                                f"lora.targets, or export with --merge")
             if model_type in PEFT_MAMBA_TYPES and hf_module.rpartition(".")[2] in PEFT_NOT_ON_MAMBA:
                 raise MimoError(f"export-hf --adapter: PEFT takes no LoRA on {hf_module.rpartition('.')[2]} of a Mamba-based "
                                 f"model ({model_type}: its fused kernels read that weight directly), where modules.{module}'s "
@@ -171,6 +178,26 @@ def write_peft_adapter(directory: str, base: str, modules: Mapping[str, tuple[li
         f.write("\n")
     return {"adapter": directory, "adapted_modules": len(specs), "adapter_tensors": len(tensors),
             "rank": rank, "alpha": alpha, "dora": config["use_dora"], "adapted_parameters": len(targeted)}
+
+
+# PEFT (0.18+) renames the targets of these MoE model types from transformers v4's per-expert modules to v5's
+# fused expert parameters whatever module the name belongs to (peft.utils.transformers_weight_conversion); this
+# copy serves where peft is not installed
+_PEFT_MOE_RENAMES = {"qwen2_moe": ("gate", "gate_proj", "up_proj", "down_proj"), "mixtral": ("gate", "w1", "w2", "w3")}
+_PEFT_MOE_TYPES = {**{t: "qwen2_moe" for t in ("qwen3_moe", "qwen3_next", "deepseek_v2", "deepseek_v3", "deepseek_v32",
+                                              "olmoe", "glm4_moe", "ernie4_5_moe", "dots1", "hunyuan_v1_moe")},
+                   "mixtral": "mixtral", "minimax": "mixtral"}
+
+
+def _peft_moe_renamed(model_type: str | None) -> set[str]:
+    """Module names whose LoRA PEFT moves onto a model type's experts (none for most)."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+
+        pattern = conversion._MODEL_TO_CONVERSION_PATTERN.get(model_type)
+        return set(conversion._MOE_TARGET_MODULE_MAPPING.get(pattern, {})) if pattern else set()
+    except (ImportError, AttributeError):  # (no peft here, or one without the conversion)
+        return set(_PEFT_MOE_RENAMES.get(_PEFT_MOE_TYPES.get(model_type), ()))
 
 
 def _wrapping_order(param: str) -> tuple[int, str]:

@@ -34,7 +34,7 @@ from mimo.parallel.init import init_local, param_seed
 from mimo.parallel.placement import ParamPlacement, gather_full, replicated, shard_full, sharded
 
 __all__ = ["TPModule", "ColumnParallelLinear", "FusedColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "vocab_parallel_lookup", "fused_rows", "fused_parts", "fused_cols", "local_parts", "fused_adapters"]
+           "vocab_parallel_lookup", "ReplicatedLinear", "fused_rows", "fused_parts", "fused_cols", "local_parts", "fused_adapters"]
 
 
 
@@ -144,6 +144,36 @@ class TPModule(nn.Module):
         """Collective over the TP group: the full, unpadded parameters on every rank."""
         return {name: gather_full(getattr(self, name).detach(), placement, self.ctx.view(placement.axes)).clone()
                 for name, placement in self.placements().items()}
+
+
+class ReplicatedLinear(TPModule):
+    """y = x W^T + b with W (and b) replicated over TP, applied to the rows this rank holds with
+    no collective (``mimo.llm.mla``'s down projections). Under sequence parallelism those rows are this
+    rank's token block, so the weight's gradient is a partial sum over TP and its placement says
+    so; without it every rank holds the whole pack and a complete gradient."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, ctx: ParallelContext | None = None):
+        super().__init__(ctx)
+        self.in_features, self.out_features = in_features, out_features
+        partial = ("tp",) if self.sequence_parallel else ()
+        self._placements = {"weight": replicated((out_features, in_features), partial=partial)}
+        if bias:
+            self._placements["bias"] = replicated((out_features,), partial=partial)
+        self.weight = self._new_param(self._placements["weight"], None, None)
+        self.bias = self._new_param(self._placements["bias"], None, None) if bias else None
+
+    def placements(self) -> dict[str, ParamPlacement]:
+        return self._placements
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        if self.lora is None:
+            return gemm.linear(x_TD, self.weight, self.bias, self.recipe)
+        y_TF = self.lora(x_TD, gemm.linear(x_TD, self.weight, None, self.recipe), self.weight)
+        return y_TF if self.bias is None else y_TF + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
+                f"grad_partial_over_tp={self.sequence_parallel}")
 
 
 class ColumnParallelLinear(TPModule):

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from mimo.core.errors import ConfigError
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.init import init_local, param_seed
-from mimo.parallel.layers import ColumnParallelLinear, RowParallelLinear, fused_cols, fused_parts, fused_rows, local_parts
+from mimo.parallel.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, fused_cols, fused_parts, fused_rows, local_parts
 from mimo.parallel.lora_config import LoraConfig, LoraSpec
 from mimo.parallel.placement import ParamPlacement, replicated, sharded
 
@@ -64,7 +64,7 @@ class LoraAdapter(nn.Module):
     magnitude split likewise; ``out`` is their sum."""
 
     def __init__(self, in_features: int, out_features: int, spec: LoraSpec, ctx: ParallelContext, split: str | None,
-                 *, parts: tuple[int, ...] = (), device=None, dtype=None):
+                 *, parts: tuple[int, ...] = (), partial_grads: bool = False, device=None, dtype=None):
         super().__init__()
         if split not in ("rows", "cols", None):
             raise ValueError(f"split must be rows, cols or None, got {split!r}")
@@ -81,9 +81,10 @@ class LoraAdapter(nn.Module):
         elif self.split == "cols":
             self._placements = {"lora_A": sharded((r, in_features), 1), "lora_B": replicated((out_features, r), partial)}
             magnitude = replicated((out_features,), partial)
-        else:
-            self._placements = {"lora_A": replicated((r, in_features)), "lora_B": replicated((out_features, r))}
-            magnitude = replicated((out_features,))
+        else:  # a replicated weight; ``partial_grads``: its gradient a partial sum over TP (each rank its own rows)
+            partial = partial if partial_grads else ()
+            self._placements = {"lora_A": replicated((r, in_features), partial), "lora_B": replicated((out_features, r), partial)}
+            magnitude = replicated((out_features,), partial)
         if spec.dora:
             self._placements["lora_magnitude"] = magnitude
         for name, placement in self._placements.items():
@@ -264,6 +265,12 @@ def attach(layer: nn.Module, spec: LoraSpec, seed: int | None, groups: list[tupl
         split = "rows"
     elif isinstance(layer, RowParallelLinear):
         split = "cols"
+    elif isinstance(layer, ReplicatedLinear):  # replicated as its weight, partial where its gradient is
+        layer.lora = LoraAdapter(layer.in_features, layer.out_features, spec, layer.ctx, None,
+                                 partial_grads=layer.sequence_parallel, **dd)
+        if seed is not None:
+            layer.lora.init_weights(seed)
+        return ["lora"]
     else:
         raise TypeError(f"LoRA attaches to the tensor-parallel linear layers, not {type(layer).__name__}")
     layer.lora = LoraAdapter(layer.in_features, layer.out_features, spec, layer.ctx, split, **dd)
