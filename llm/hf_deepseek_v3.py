@@ -227,7 +227,7 @@ def hf_decoder_layers(arch: HybridArch) -> list[str]:
     pairs = [kinds[i : i + 2] for i in range(0, len(kinds), 2)]
     if len(kinds) % 2 or any(p not in (["mla", "mlp"], ["mla", "moe"]) for p in pairs):
         raise MimoError(f"DeepSeek-V3 decoder layers are '+-' or '+E' (an MLA layer, then an MLP or MoE layer); "
-                        f"the pattern {arch.pattern!r} is not")
+                        f"{arch.pattern!r} pairs its layers otherwise")
     symbols = ["-" if p[1] == "mlp" else "E" for p in pairs]
     if "E" in symbols and "-" in symbols[symbols.index("E"):]:
         raise MimoError(f"DeepSeek-V3's dense decoder layers are its first ones (first_k_dense_replace), then MoE only; "

@@ -1,10 +1,11 @@
-"""``mimo verify-llm``: our LLM at a TP / PP layout against the Hugging Face original.
+"""``mimo verify-llm``: our LLM at a TP / PP (/ EP) layout against the Hugging Face original.
 
 The main process builds the Hugging Face model (the checkpoint's weights, or random weights
 for ``config.json`` at a scale where every path shows: ``randomize_``), runs it on each random sample alone, and writes the
 weights to a directory unless they are already there. ``tp * pp`` gloo workers then import
 that directory exactly as ``init: {hf: DIR}`` does, run one packed batch of all samples
-through the pipeline and return the logits (full vocab) and their stages' full weights (a
+(``--ep``: ``tp * pp * ep`` workers, ep data-parallel ranks each with its pack, the experts split
+over them) through the pipeline and return the logits (full vocab) and their stages' full weights (a
 LLaVA directory: its language model, the text config and the language-model tensors). We
 report the largest per-sample ``‖ours − hf‖ / ‖hf‖`` of the logits, the loss against the
 Hugging Face per-token loss, and whether exporting our weights gives back the Hugging Face
@@ -83,25 +84,29 @@ def random_samples(vocab: int, count: int, max_len: int, generator: torch.Genera
 # ---------------------------------------------------------------- worker side
 
 
-def verify_llm_worker(path: str, tp: int, pp: int, sequence_parallel: bool, batch: PackedBatch) -> dict | None:
-    """On every rank of the pool: import ``path`` at tp x pp (ranks 0..tp*pp-1), run ``batch``."""
+def verify_llm_worker(path: str, tp: int, pp: int, sequence_parallel: bool, batches: list[PackedBatch], ep: int = 1
+                      ) -> dict | None:
+    """On every rank of the pool: import ``path`` at tp x pp x dp = ep (ranks 0..tp*pp*ep-1; the
+    experts over ep), run this data-parallel rank's pack of ``batches``."""
     import torch.distributed as dist
 
     arch = arch_from_hf_config(language_model_of(HFCheckpoint(path))[0])
-    grid = ParallelGrid({"tp": tp, "cp": 1, "dp": 1, "pp": pp})
-    ctx = ParallelContext(grid, dist.get_rank(), grid.registry, sequence_parallel=sequence_parallel)
+    grid = ParallelGrid({"tp": tp, "cp": 1, "dp": ep, "pp": pp})
+    ctx = ParallelContext(grid, dist.get_rank(), grid.registry, sequence_parallel=sequence_parallel,
+                          **({"expert": (tp, ep)} if ep > 1 else {}))
     stage = build_stage(arch, ctx)
     if stage is None:  # a pool larger than the layout
         return None
     load_hf_checkpoint(stage, path)
-    res = run_pipeline(stage, grid, batch, num_loss_tokens=max(1, count_loss_tokens(batch)))
+    dp = ctx.dense.coord("dp")
+    res = run_pipeline(stage, grid, batches[dp], num_loss_tokens=max(1, sum(count_loss_tokens(b) for b in batches)))
     logits = stage.gather_logits(res.logits) if stage.is_last else None
     buffers = dict(stage.named_buffers())  # persistent ones a family maps (router.expert_bias), replicated over TP
     state = {**stage.full_state(), **{k: v for k, v in stage.state_dict().items() if k in buffers}}
     if stage.tp_rank != 0:
         return None
-    return {"rank": dist.get_rank(), "stage": stage.stage, "logits": logits,
-            "loss": None if res.loss is None else float(res.loss), "state": state}
+    return {"rank": dist.get_rank(), "stage": stage.stage, "dp": dp, "logits": logits,
+            "loss": None if res.loss is None else float(res.loss), "state": state if dp == 0 else {}}
 
 
 # ---------------------------------------------------------------- main side
@@ -165,15 +170,18 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
 
 
 def check_layout(path: str, tp: int, pp: int, sequence_parallel: bool = False,
-                 from_checkpoint: bool = False) -> tuple[str, dict]:
+                 from_checkpoint: bool = False, ep: int = 1) -> tuple[str, dict]:
     """(directory, the causal LM's config: config.json, or a LLaVA config's language model) if
-    ``path`` holds a supported model that fits tp x pp (and, for a checkpoint, whose tensors fit
-    it); else MimoError / ConfigError, before any process starts."""
+    ``path`` holds a supported model that fits tp x pp x ep (and, for a checkpoint, whose tensors
+    fit it); else MimoError / ConfigError, before any process starts."""
     path, cfg = _read_config(path)
     if cfg.get("model_type") == "llava":  # its language model
         cfg = llava_text_config(cfg)
     arch = arch_from_hf_config(cfg)
-    module = LLMModuleConfig(kind="hybrid", arch=arch, parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=sequence_parallel))
+    if ep > 1 and arch.moe is None:
+        raise ConfigError(f"--ep {ep}: {cfg.get('model_type')} here has no MoE layers (expert parallelism splits experts)")
+    par = ParallelConfig(tp=tp, pp=pp, dp=ep, ep=ep, sequence_parallel=sequence_parallel)
+    module = LLMModuleConfig(kind="hybrid", arch=arch, parallel=par)
     problems = arch.validate("arch") + module.validate("")
     if problems:
         raise ConfigError(problems)
@@ -184,23 +192,26 @@ def check_layout(path: str, tp: int, pp: int, sequence_parallel: bool = False,
 
 
 def verify_llm(path: str, pool, *, from_checkpoint: bool, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
-               samples: int = 6, max_len: int = 20, seed: int = 0, tol: float = 1e-5) -> dict[str, Any]:
-    """Compare our logits at tp x pp with Hugging Face's (see module doc). ``pool``: a worker
-    pool (``mimo.training.launch.WorkerPool``) of at least tp*pp ranks; ranks past tp*pp idle."""
-    path, cfg = check_layout(path, tp, pp, sequence_parallel, from_checkpoint)
+               ep: int = 1, samples: int = 6, max_len: int = 20, seed: int = 0, tol: float = 1e-5) -> dict[str, Any]:
+    """Compare our logits at tp x pp with Hugging Face's (see module doc); ``ep`` > 1: on ep
+    data-parallel ranks with the experts split over them, the samples dealt round-robin, each
+    rank its own pack (tokens dispatched between them). ``pool``: a worker pool
+    (``mimo.training.launch.WorkerPool``) of at least tp*pp*ep ranks; ranks past those idle."""
+    path, cfg = check_layout(path, tp, pp, sequence_parallel, from_checkpoint, ep)
     arch = arch_from_hf_config(cfg)
     hf = _hf_model(path, cfg, from_checkpoint, seed)
 
     gen = torch.Generator().manual_seed(seed + 2)
-    toks = random_samples(arch.vocab, samples, min(max_len, arch.max_seq_len), gen)
-    batch = pack_samples(toks, tp if sequence_parallel else 1)
+    toks = random_samples(arch.vocab, max(samples, ep), min(max_len, arch.max_seq_len), gen)
+    dealt = [list(range(d, len(toks), ep)) for d in range(ep)]
+    batches = [pack_samples([toks[i] for i in idx], tp if sequence_parallel else 1) for idx in dealt]
     hf64 = copy.deepcopy(hf).double()
     with torch.no_grad():
         ref, ref64 = ([m(input_ids=t[None]).logits[0] for t in toks] for m in (hf, hf64))
 
     def per_token_loss(logits: list[torch.Tensor]) -> float:
         total = sum(torch.nn.functional.cross_entropy(r[:-1], t[1:], reduction="sum") for r, t in zip(logits, toks) if t.numel() > 1)
-        return float(total) / max(1, count_loss_tokens(batch))
+        return float(total) / max(1, sum(count_loss_tokens(b) for b in batches))
 
     ref_loss, ref64_loss = per_token_loss(ref), per_token_loss(ref64)
 
@@ -209,17 +220,20 @@ def verify_llm(path: str, pool, *, from_checkpoint: bool, tp: int = 1, pp: int =
         if not from_checkpoint:
             hf.save_pretrained(tmp)
             weights = tmp
-        results = pool.run(verify_llm_worker, weights, tp, pp, sequence_parallel, batch)
+        results = pool.run(verify_llm_worker, weights, tp, pp, sequence_parallel, batches, ep)
 
     results = [r for r in results if r is not None]
-    logits = next(r["logits"] for r in results if r["logits"] is not None)
-    loss = next(r["loss"] for r in results if r["loss"] is not None)
-    cu = batch.cu_seqlens.tolist()
-    errs = [rel_err(logits[cu[i] : cu[i + 1]], ref[i]) for i in range(len(toks))]
+    ours: dict[int, torch.Tensor] = {}  # sample -> our logits
+    for r in results:
+        if r["logits"] is not None:
+            cu = batches[r["dp"]].cu_seqlens.tolist()
+            ours.update({i: r["logits"][cu[j] : cu[j + 1]] for j, i in enumerate(dealt[r["dp"]])})
+    loss = sum(r["loss"] for r in results if r["loss"] is not None)  # (each rank's share of the global sum)
+    errs = [rel_err(ours[i], ref[i]) for i in range(len(toks))]
     worst = max(range(len(errs)), key=errs.__getitem__)
     ys = Yardstick(tol)
     for i in range(len(toks)):
-        ys.check(f"logits of sample {i}", logits[cu[i] : cu[i + 1]], ref[i], ref64[i])
+        ys.check(f"logits of sample {i}", ours[i], ref[i], ref64[i])
 
     state = {}
     for r in results:
@@ -235,9 +249,9 @@ def verify_llm(path: str, pool, *, from_checkpoint: bool, tp: int = 1, pp: int =
     return {
         "command": "verify-llm",
         "model_type": cfg.get("model_type"),
-        "tp": tp, "pp": pp, "sequence_parallel": sequence_parallel,
+        "tp": tp, "pp": pp, "ep": ep, "sequence_parallel": sequence_parallel,
         "samples": [int(t.numel()) for t in toks],
-        "pack_tokens": batch.num_tokens,
+        "pack_tokens": sum(b.num_tokens for b in batches),
         "worst_sample": worst,
         "loss": loss, "hf_loss": ref_loss, "loss_rel_err": loss_err,
         "export_exact": not mismatched,

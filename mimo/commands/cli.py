@@ -160,6 +160,8 @@ def verify_llm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1); tp x pp local processes")
     parser.add_argument("--sequence-parallel", action="store_true", help="sequence parallel (with tp > 1)")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE): ep data-parallel ranks, the experts "
+                        "split over them (default 1); tp x pp x ep local processes")
     parser.add_argument("--samples", type=int, default=6, help="random samples in the pack")
     parser.add_argument("--max-len", type=int, default=20, help="longest sample (lengths are random in 1..max)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs and weights (default 0)")
@@ -171,15 +173,16 @@ def run_verify_llm(args: argparse.Namespace) -> dict[str, Any]:
     from mimo.training.launch import WorkerPool
     from mimo.llm.verify import check_layout, verify_llm
 
-    if args.tp < 1 or args.pp < 1 or args.samples < 1 or args.max_len < 1:
-        raise UsageError("--tp, --pp, --samples and --max-len must be >= 1")
+    if args.tp < 1 or args.pp < 1 or args.ep < 1 or args.samples < 1 or args.max_len < 1:
+        raise UsageError("--tp, --pp, --ep, --samples and --max-len must be >= 1")
     path = args.hf_checkpoint or args.hf_config
-    check_layout(path, args.tp, args.pp, args.sequence_parallel, args.hf_checkpoint is not None)  # before any process starts
-    with WorkerPool(args.tp * args.pp, timeout_s=args.timeout) as pool:
+    # before any process starts
+    check_layout(path, args.tp, args.pp, args.sequence_parallel, args.hf_checkpoint is not None, args.ep)
+    with WorkerPool(args.tp * args.pp * args.ep, timeout_s=args.timeout) as pool:
         report = verify_llm(path, pool, from_checkpoint=args.hf_checkpoint is not None, tp=args.tp, pp=args.pp,
-                            sequence_parallel=args.sequence_parallel, samples=args.samples, max_len=args.max_len,
-                            seed=args.seed, tol=args.tol)
-    print(f"verify-llm {report['model_type']} tp={args.tp} pp={args.pp}: max_rel_err={report['max_rel_err']:.2e} "
+                            sequence_parallel=args.sequence_parallel, ep=args.ep, samples=args.samples,
+                            max_len=args.max_len, seed=args.seed, tol=args.tol)
+    print(f"verify-llm {report['model_type']} tp={args.tp} pp={args.pp} ep={args.ep}: max_rel_err={report['max_rel_err']:.2e} "
           f"loss_rel_err={report['loss_rel_err']:.2e} (vs fp64 {report['max_rel_err_vs_fp64']:.2e}, HF fp32 vs fp64 "
           f"{report['hf_fp32_rel_err_vs_fp64']:.2e}) export_exact={report['export_exact']} -> "
           + ("ok" if report["ok"] else "MISMATCH"))
