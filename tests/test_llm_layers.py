@@ -170,6 +170,23 @@ def test_bf16_model_on_the_fast_path_matches_fp32_exact():
     assert rel_err(got, want) < 2e-2
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen fast path needs CUDA")
+@pytest.mark.parametrize("v_head_dim", [64, 128])
+def test_bf16_mla_model_on_the_fast_path_matches_fp32_exact(v_head_dim):
+    """MLA layers (+) in bf16 on the GPU's varlen kernel, whose one head size makes MLA pad the
+    narrower of v (64 against q / k's 96) or q / k (against 128) with zero channels, against the
+    fp32 model on the exact path on the CPU."""
+    arch = small_arch(pattern="+-+-", hidden=256, heads=8, ffn=512, vocab=1000, mla_q_lora_rank=96, mla_kv_lora_rank=64,
+                      mla_qk_rope_head_dim=32, mla_qk_nope_head_dim=64, mla_v_head_dim=v_head_dim)
+    ref = model(arch, seed=22)
+    fast = LLMStage(arch).cuda().bfloat16()
+    fast.load_full_(ref.full_state())
+    batch = pack_samples(samples(torch.Generator().manual_seed(23), arch.vocab, [300, 1, 77, 512]))
+    want = ref(batch)
+    got = fast(batch.to("cuda")).float().cpu()
+    assert rel_err(got, want) < 2e-2
+
+
 def test_attention_is_causal_through_the_model():
     arch = small_arch()
     m = model(arch, seed=9)
