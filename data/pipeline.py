@@ -162,6 +162,17 @@ def llm_blocks(samples: list[PlannedSample] | SampleArrays, dp: int) -> list[ran
     return dp_blocks(SampleArrays.of(samples).tokens_N, dp)
 
 
+def feed_bridge_plans(arrays: SampleArrays, feed: EncoderFeed, src_blocks: list[range], llm_grid: ParallelGrid,
+                      dst_blocks: list[range], sequence_parallel: bool, rank: int):
+    """``image_bridge_plans`` of an encoder's bridge for a microbatch (``arrays``; the encoder's
+    DP blocks ``src_blocks``, the LLM's ``dst_blocks``) on ``rank``: its placements both sides
+    and the rank's transfer plans both ways."""
+    p = feed.placeholder
+    return image_bridge_plans(arrays.tokens_N, arrays.images_for(p), arrays.image_starts(p),
+                              arrays.image_rows(p, feed.rows_per_image), feed.bridge_width, feed.grid, src_blocks,
+                              llm_grid, dst_blocks, sequence_parallel, rank)
+
+
 def plan_arrays(plan, k: int, samples: list[PlannedSample]) -> SampleArrays:
     """Microbatch ``k``'s ``SampleArrays`` from the plan (a plan without them: from its samples)."""
     return plan.microbatch_arrays(k) if hasattr(plan, "microbatch_arrays") else SampleArrays.of_samples(samples)
@@ -358,10 +369,8 @@ class DataPipeline:
         mb = Microbatch(samples, blocks, {f.name: encoder_blocks(arrays, f) for f in self.feeds}, arrays=arrays)
         for f in self.feeds:
             if f.bridge_width and (self.rank in f.grid or self.rank in self.llm_grid):
-                mb.bridge_plans[f.name] = image_bridge_plans(
-                    arrays.tokens_N, arrays.images_for(f.placeholder), arrays.image_starts(f.placeholder),
-                    arrays.image_rows(f.placeholder, f.rows_per_image), f.bridge_width, f.grid, mb.encoder_blocks[f.name],
-                    self.llm_grid, blocks, self.sequence_parallel, self.rank)
+                mb.bridge_plans[f.name] = feed_bridge_plans(arrays, f, mb.encoder_blocks[f.name], self.llm_grid, blocks,
+                                                            self.sequence_parallel, self.rank)
         read = self._read_block(k) if self.is_reader else []
         # kept: the microbatches requested ahead of this one, not yet prepared
         self._plans = {j: got for j, got in self._plans.items() if k < j <= k + self.prefetch}

@@ -81,6 +81,9 @@ stacked lazily, ``StackedExperts``); export writes ``model.state_dict()``'s name
   regrouping needs its head counts). Default: as is.
 * ``unit_dim(hf_name) -> int | None`` [``unit_dim``, optional]: a dim of size 1 Hugging Face
   has and we do not (Mamba's ``conv1d.weight [C, 1, K]``), unless the view drops it.
+* ``checkpoint_mtp(arch, keys) -> arch`` [``with_checkpoint_mtp``, optional]: the arch with the
+  MTP module a checkpoint's tensor names hold (DeepSeek-V3's: decoder layers past the last).
+  Default: Qwen's ``mtp.*`` (``with_checkpoint_mtp``).
 * A piece may name one of our persistent buffers (``router.expert_bias``) instead of a
   parameter: it is imported whole and exported from the state given to ``export_hf_state``
   (which must then hold it).
@@ -115,7 +118,7 @@ from mimo.core.errors import MimoError
 from mimo.llm import hf_deepseek_v3, hf_nemotron_h
 from mimo.llm.blocks import build_layer
 from mimo.llm.config import HybridArch, MoEArch, MTPArch, RopeScaling
-from mimo.llm.lazy import StackedExperts, concat_reader
+from mimo.llm.lazy import concat_reader, stacked_experts
 from mimo.llm.model import LLMStage
 from mimo.llm.pattern import LayerSpec, with_stages
 from mimo.parallel.params import param_table
@@ -155,6 +158,7 @@ class HFFamily:
     checkpoint_view: Callable = _identity_view
     unit_dim: Callable[[str], int | None] = _no_unit_dim
     export_view: Callable[[dict, HybridArch], dict] = _as_is
+    checkpoint_mtp: Callable[[HybridArch, Iterable[str]], HybridArch] | None = None
 
 
 def family_of(module) -> HFFamily:
@@ -163,7 +167,7 @@ def family_of(module) -> HFFamily:
     join = getattr(module, "join_split", None)
     return HFFamily(module.ARCHITECTURE, module.arch_from_hf_config, module.hf_config_from_arch, pieces,
                     getattr(module, "checkpoint_view", _identity_view), getattr(module, "unit_dim", _no_unit_dim),
-                    _as_is if join is None else lambda state, arch: join(state))
+                    _as_is if join is None else lambda state, arch: join(state), getattr(module, "with_checkpoint_mtp", None))
 
 
 # ---------------------------------------------------------------- decoder families
@@ -504,17 +508,7 @@ def decoder_checkpoint_view(arch: HybridArch | None, keys: Iterable[str], shapes
         sources[name] = lambda key=key: get(key)
     for (layer, fused), by_expert in grouped.items():
         name = f"{layer}.mlp.experts.{fused}"
-        keys_ep = _per_expert_keys(name, by_expert)
-        first = [tuple(shapes[k]) for k in keys_ep[0]]
-        for e, ks in enumerate(keys_ep):
-            for k, want in zip(ks, first):
-                if tuple(shapes[k]) != want:
-                    raise MimoError(f"tensor {k!r} has shape {tuple(shapes[k])}, unlike expert 0's {want} ({keys_ep[0][0]!r})")
-        if len({s[1:] for s in first}) != 1:
-            raise MimoError(f"tensors {keys_ep[0]} of {name!r} differ in shape beyond dim 0: {first}")
-        sizes = tuple(s[0] for s in first)
-        out_shapes[name] = (len(keys_ep), sum(sizes), *first[0][1:])
-        sources[name] = lambda keys_ep=keys_ep, sizes=sizes: StackedExperts([[get(k) for k in ks] for ks in keys_ep], sizes)
+        out_shapes[name], sources[name] = stacked_experts(name, _per_expert_keys(name, by_expert), shapes, get)
     return out_shapes, lambda name: sources[name]()
 
 
@@ -1375,10 +1369,11 @@ def qwen_mtp_pieces(arch: HybridArch, fam: "GatedFamily") -> dict[str, tuple[Pie
 def with_checkpoint_mtp(arch: HybridArch, keys: Iterable[str]) -> HybridArch:
     """``arch`` with Qwen's MTP module where the checkpoint holds ``mtp.*`` tensors (transformers
     saves none: a config's ``mtp_num_hidden_layers`` alone says nothing of the file), else
-    without; for the arch ``import-hf`` writes. DeepSeek-V3 keeps its MTP layers as decoder layers
-    past the last (``hf_deepseek_v3.with_checkpoint_mtp``)."""
-    if "mla" in arch.layer_pattern().kinds:  # (only DeepSeek's family has MLA layers)
-        return hf_deepseek_v3.with_checkpoint_mtp(arch, keys)
+    without; for the arch ``import-hf`` writes. A family may keep its MTP module otherwise (its
+    ``checkpoint_mtp``: DeepSeek-V3's decoder layers past the last)."""
+    own = family(hf_model_type(replace(arch, mtp=None))).checkpoint_mtp
+    if own is not None:
+        return own(arch, keys)
     has = any(k.startswith(MTP_PREFIX) for k in keys)
     return replace(arch, mtp=(arch.mtp or MTPArch()) if has else None)
 

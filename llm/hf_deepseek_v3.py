@@ -29,9 +29,8 @@ which also scales MLA's softmax by mscale(factor, mscale_all_dim)^2.
 
 Names: transformers' ``state_dict`` holds fused experts; published checkpoints (and
 ``save_pretrained``'s) hold ``mlp.experts.{e}.gate_proj / up_proj / down_proj.weight``. Import reads
-either (``checkpoint_view``: per-expert tensors stacked lazily, ``StackedExperts``, by the rule of
-``mimo.llm.hf.decoder_checkpoint_view``, which a family module may not import: ``mimo.llm.hf``
-imports it); export writes the ``state_dict`` names, which ``from_pretrained`` loads as they are.
+either (``checkpoint_view``: per-expert tensors stacked lazily by ``mimo.llm.lazy.stacked_experts``,
+as ``mimo.llm.hf.decoder_checkpoint_view`` stacks them); export writes the ``state_dict`` names, which ``from_pretrained`` loads as they are.
 
 **Multi-token prediction** (issue 56; ``mimo.llm.mtp``). DeepSeek's checkpoints hold their MTP
 modules as decoder layers after the last: module ``k`` of ``num_nextn_predict_layers`` at
@@ -85,7 +84,7 @@ import torch
 from mimo.core.errors import MimoError
 from mimo.llm.config import HybridArch, MoEArch, MTPArch, RopeScaling
 from mimo.llm.pattern import with_stages
-from mimo.llm.lazy import StackedExperts
+from mimo.llm.lazy import stacked_experts
 
 log = logging.getLogger(__name__)
 
@@ -497,7 +496,7 @@ def checkpoint_view(arch: HybridArch | None, keys: Iterable[str], shapes: Mappin
                     get: Callable[[str], object], source: str = "checkpoint"
                     ) -> tuple[dict[str, tuple[int, ...]], Callable[[str], object]]:
     """(shapes, get) of a DeepSeek-V3 checkpoint under ``hf_tensor_pieces``' names: per-expert
-    ``mlp.experts.{e}.gate_proj / up_proj / down_proj.weight`` stacked (lazily, ``StackedExperts``,
+    ``mlp.experts.{e}.gate_proj / up_proj / down_proj.weight`` stacked (lazily, ``stacked_experts``,
     as ``mimo.llm.hf.decoder_checkpoint_view`` does for the decoder families) into
     ``mlp.experts.gate_up_proj`` (gate rows | up rows) / ``down_proj``; the tensors of decoder
     layers past the arch's (DeepSeek's MTP layers) under ``"mtp." + name`` (module doc; the arch's
@@ -526,17 +525,7 @@ def checkpoint_view(arch: HybridArch | None, keys: Iterable[str], shapes: Mappin
                                 f"{name!r}, stacked from per-expert tensors; the checkpoint has experts up to "
                                 f"{max(by_expert)})")
             keys_ep.append([parts[i] for i in range(len(projs))])
-        first = [tuple(shapes[k]) for k in keys_ep[0]]
-        for ks in keys_ep:
-            for k, want in zip(ks, first):
-                if tuple(shapes[k]) != want:
-                    raise MimoError(f"{source}: tensor {k!r} has shape {tuple(shapes[k])}, unlike expert 0's {want} "
-                                    f"({keys_ep[0][ks.index(k)]!r})")
-        if len({s[1:] for s in first}) != 1:
-            raise MimoError(f"{source}: tensors {keys_ep[0]} of {name!r} differ in shape beyond dim 0: {first}")
-        sizes = tuple(s[0] for s in first)
-        out_shapes[name] = (len(keys_ep), sum(sizes), *first[0][1:])
-        sources[name] = lambda keys_ep=keys_ep, sizes=sizes: StackedExperts([[get(k) for k in ks] for ks in keys_ep], sizes)
+        out_shapes[name], sources[name] = stacked_experts(name, keys_ep, shapes, get, f"{source}: ")
     if arch is not None:
         first = len(arch.layer_pattern().layers) // 2
         for main, copies in _copied(keys, first).items():

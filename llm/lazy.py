@@ -4,9 +4,11 @@ slice of a tensor that a checkpoint stores concatenated, split or per expert."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
+
+from mimo.core.errors import MimoError
 
 
 def concat_reader(sources: list, sizes: tuple[int, ...], dim: int = 0) -> Callable[[tuple[slice, ...]], torch.Tensor]:
@@ -39,3 +41,19 @@ class StackedExperts:
     def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
         chosen, rest = index[0], tuple(index[1:])
         return torch.stack([self.readers[e](rest) for e in range(*chosen.indices(len(self.readers)))])
+
+
+def stacked_experts(name: str, keys_ep: list[list[str]], shapes: Mapping[str, tuple[int, ...]], get: Callable[[str], object],
+                    where: str = "") -> tuple[tuple[int, ...], Callable[[], StackedExperts]]:
+    """(shape, loader) of per-expert tensors (``keys_ep``: expert -> its parts' keys, gate | up)
+    stacked as ``name`` ``[E, rows, ...]`` (``StackedExperts``, read lazily); MimoError (after
+    ``where``) naming a tensor unlike expert 0's, or parts that differ beyond dim 0."""
+    first = [tuple(shapes[k]) for k in keys_ep[0]]
+    for ks in keys_ep:
+        for k, want, k0 in zip(ks, first, keys_ep[0]):
+            if tuple(shapes[k]) != want:
+                raise MimoError(f"{where}tensor {k!r} has shape {tuple(shapes[k])}, unlike expert 0's {want} ({k0!r})")
+    if len({s[1:] for s in first}) != 1:
+        raise MimoError(f"{where}tensors {keys_ep[0]} of {name!r} differ in shape beyond dim 0: {first}")
+    sizes = tuple(s[0] for s in first)
+    return (len(keys_ep), sum(sizes), *first[0][1:]), lambda: StackedExperts([[get(k) for k in ks] for ks in keys_ep], sizes)

@@ -18,7 +18,7 @@ from mimo.core.batch import PackedBatch
 from mimo.compose.config import MimoConfig
 from mimo.data.images import CLIP_MEAN, CLIP_STD, ImageSpec
 from mimo.data.index import Index, TextSpec, index_path, prepare
-from mimo.data.pipeline import EncoderFeed
+from mimo.data.pipeline import EncoderFeed, plan_arrays
 from mimo.data.plan import DataPlan, SampleArrays
 from mimo.data.synthetic import SyntheticEncoder, SyntheticPlan, SyntheticReader, SyntheticStream
 from mimo.compose.data_spec import mrope_merge, native_spec, rows_per_image, text_spec
@@ -173,10 +173,11 @@ def inspect(config: MimoConfig, batches: int) -> dict:
     bridges = {f.name: BridgeBytes(f, config) for f in feeds if f.bridge_width}
     for k in range(batches):
         samples = plan.microbatch(k)
+        arrays = plan_arrays(plan, k, samples)
         for stats in towers.values():
-            stats.add(plan.microbatch_arrays(k) if hasattr(plan, "microbatch_arrays") else SampleArrays.of_samples(samples))
+            stats.add(arrays)
         for stats in bridges.values():
-            stats.add(plan, k, samples)
+            stats.add(arrays)
         per_rank = []
         for got, batch in read_packs(reader, samples, llm, rows, mrope_merge=mrope_merge(config)):
             failures.update(r.failure for r in got if r.failure)
@@ -224,18 +225,14 @@ class BridgeBytes:
         self.item = 4 if config.train.precision == "fp32" else 2
         self.forward, self.backward = [], []
 
-    def add(self, plan, k: int, samples) -> None:
-        from mimo.bridges.plan import image_bridge_plans
-        from mimo.data.pipeline import encoder_blocks, llm_blocks, plan_arrays
+    def add(self, arrays: SampleArrays) -> None:
+        from mimo.data.pipeline import encoder_blocks, feed_bridge_plans, llm_blocks
 
-        f, arrays = self.feed, plan_arrays(plan, k, samples)
         blocks = llm_blocks(arrays, self.llm_grid.shape.get("dp", 1))
+        src_blocks = encoder_blocks(arrays, self.feed)
         forward = backward = 0
         for rank in self.ranks:
-            _, _, (fwd, bwd) = image_bridge_plans(
-                arrays.tokens_N, arrays.images_for(f.placeholder), arrays.image_starts(f.placeholder),
-                arrays.image_rows(f.placeholder, f.rows_per_image), f.bridge_width, f.grid, encoder_blocks(arrays, f),
-                self.llm_grid, blocks, self.sequence_parallel, rank)
+            _, _, (fwd, bwd) = feed_bridge_plans(arrays, self.feed, src_blocks, self.llm_grid, blocks, self.sequence_parallel, rank)
             forward += fwd.sent_numel(rank) + sum(g.rows * g.chunk * (len(g.ranks) - 1) for g in fwd.gathers)
             backward += bwd.sent_numel(rank)
         self.forward.append(forward * self.item)

@@ -87,6 +87,7 @@ def write_peft_adapter(directory: str, base: str, modules: Mapping[str, tuple[li
     tensors: dict[str, torch.Tensor] = {}
     specs: dict[str, object] = {}  # HF module (or expert parameter) -> the spec of its adapter
     params: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # HF module -> its parameter -> (A, B)
+    renamed = _peft_moe_renamed(model_type)
     for module, (sites, state, candidates) in modules.items():
         try:
             lost, placed, _ = _place(module, sites, candidates, weights)
@@ -97,7 +98,6 @@ def write_peft_adapter(directory: str, base: str, modules: Mapping[str, tuple[li
                             f"land in are not weights of the exported model: export with --merge")
         for hf_module, pieces in placed.items():
             theirs = weights[hf_module]
-            renamed = _peft_moe_renamed(model_type)
             if theirs.endswith(".weight") and hf_module.rpartition(".")[2] in renamed:
                 raise MimoError(f"export-hf --adapter: PEFT reads LoRA on modules named {', '.join(sorted(renamed))} of a "
                                 f"{model_type} model as adapters on its experts (its transformers v4 -> v5 conversion), so "

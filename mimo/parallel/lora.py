@@ -259,6 +259,7 @@ def attach(layer: nn.Module, spec: LoraSpec, seed: int | None, groups: list[tupl
             layer.lora["_".join(group)] = adapter
         return [f"lora.{key}" for key in layer.lora]
     dd = {"device": layer.weight.device, "dtype": layer.weight.dtype}
+    partial_grads = False
     if isinstance(layer, ColumnParallelLinear):
         if layer.padded_out_features != layer.out_features:
             raise ConfigError("lora: a layer with padded output rows (a vocab-split head) takes no adapter")
@@ -266,14 +267,10 @@ def attach(layer: nn.Module, spec: LoraSpec, seed: int | None, groups: list[tupl
     elif isinstance(layer, RowParallelLinear):
         split = "cols"
     elif isinstance(layer, ReplicatedLinear):  # replicated as its weight, partial where its gradient is
-        layer.lora = LoraAdapter(layer.in_features, layer.out_features, spec, layer.ctx, None,
-                                 partial_grads=layer.sequence_parallel, **dd)
-        if seed is not None:
-            layer.lora.init_weights(seed)
-        return ["lora"]
+        split, partial_grads = None, layer.sequence_parallel
     else:
         raise TypeError(f"LoRA attaches to the tensor-parallel linear layers, not {type(layer).__name__}")
-    layer.lora = LoraAdapter(layer.in_features, layer.out_features, spec, layer.ctx, split, **dd)
+    layer.lora = LoraAdapter(layer.in_features, layer.out_features, spec, layer.ctx, split, partial_grads=partial_grads, **dd)
     if seed is not None:
         layer.lora.init_weights(seed)
     return ["lora"]
