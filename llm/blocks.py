@@ -65,6 +65,7 @@ PROVIDERS: dict[str, tuple[str, str]] = {
     "gdn": ("mimo.llm.gdn", "build_gdn"),
     "moe": ("mimo.llm.moe", "build_moe"),
     "mla": ("mimo.llm.mla", "build_mla"),
+    "dsa": ("mimo.llm.dsa", "build_dsa"),
 }
 
 _SYMBOL = {kind: symbol for symbol, kind in LAYER_KINDS.items()}

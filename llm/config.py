@@ -284,6 +284,12 @@ class HybridArch:
     mla_qk_rope_head_dim: int | None = None
     mla_qk_nope_head_dim: int | None = None
     mla_v_head_dim: int | None = None
+    # DeepSeek sparse attention (D layers, DeepSeek-V3.2's DSA, ``mimo.llm.dsa``): MLA (the mla_*
+    # fields, mla_q_lora_rank required) whose queries each attend to the dsa_index_topk keys a
+    # lightning indexer of dsa_index_heads heads of dsa_index_head_dim channels scores highest
+    dsa_index_topk: int | None = None
+    dsa_index_heads: int | None = None
+    dsa_index_head_dim: int | None = None
 
     MLA_REQUIRED = ("mla_kv_lora_rank", "mla_qk_rope_head_dim", "mla_qk_nope_head_dim", "mla_v_head_dim")
     MLA_DEEPSEEK_V3 = {"mla_q_lora_rank": 1536, "mla_kv_lora_rank": 512, "mla_qk_rope_head_dim": 64,
@@ -388,7 +394,7 @@ class HybridArch:
             return problems
         # MLA layers have head sizes of their own: an MLA pattern without attention needs no head_dim
         # (an MTP block of its own kinds is checked too; its default block has attention)
-        mla_only = "mla" in kinds and "attention" not in kinds and (
+        mla_only = kinds & {"mla", "dsa"} and "attention" not in kinds and (
             self.mtp is None or self.mtp.pattern is not None and "*" not in self.mtp.pattern)
         if self.head_dim is None and not mla_only:
             problems.append(f"{key('hidden')}: {self.hidden} is not divisible by heads={self.heads}; set head_dim explicitly")
@@ -443,9 +449,11 @@ class HybridArch:
             if s.type == "yarn" and "attention" in kinds:
                 problems.append(f"{key('rope_scaling')}: type yarn is built for MLA layers ('+') only; this pattern "
                                 f"has attention layers ('*'): use linear / llama3 scaling, or '+' layers")
-        if "mla" not in kinds:
+        if not kinds & {"mla", "dsa"}:
             return problems
-        where = (f"'+' at position {self.pattern.index('+') + 1}" if "+" in self.pattern else "in arch.mtp's block")
+        symbol = "+" if "mla" in kinds else "D"
+        where = (f"'{symbol}' at position {self.pattern.index(symbol) + 1}" if symbol in self.pattern
+                 else "in arch.mtp's block")
         missing = [n for n in self.MLA_REQUIRED if getattr(self, n) is None]
         if missing:
             example = ", ".join(f"{n}: {self.MLA_DEEPSEEK_V3[n]}" for n in missing)
@@ -459,6 +467,24 @@ class HybridArch:
             problems.append(f"{key('rope')}: MLA layers ({where}) rotate their rope channels; set rope: true")
         if self.mrope_section is not None:
             problems.append(f"{key('mrope_section')}: M-RoPE is not built for MLA layers ({where})")
+        if "dsa" in kinds:
+            problems += self._dsa_problems(path)
+        return problems
+
+    def _dsa_problems(self, path: str) -> list[str]:
+        """The DSA fields where the pattern (or the MTP block) has 'D' layers."""
+        key = lambda name: join_path(path, name)  # noqa: E731
+        need = ("mla_q_lora_rank", "dsa_index_topk", "dsa_index_heads", "dsa_index_head_dim")
+        missing = [n for n in need if getattr(self, n) is None]
+        if missing:
+            return [f"{key(missing[0])}: the pattern has DeepSeek sparse attention layers ('D'); set "
+                    f"{', '.join(missing)} (DeepSeek-V3.2: mla_q_lora_rank: 1536, dsa_index_topk: 2048, "
+                    f"dsa_index_heads: 64, dsa_index_head_dim: 128; the indexer reads the query latent)"]
+        problems = at_least(self, path, 1, *need[1:])
+        rope, dim = self.mla_qk_rope_head_dim, self.dsa_index_head_dim
+        if rope is not None and dim >= 1 and dim < rope:
+            problems.append(f"{key('dsa_index_head_dim')}: the indexer rotates mla_qk_rope_head_dim={rope} channels of "
+                            f"each head; needs at least that many, got {dim}")
         return problems
 
 
@@ -470,6 +496,21 @@ class HybridInit:
         if self.hf is not None and not os.path.isdir(self.hf):
             return [f"{join_path(path, 'hf')}: no directory {self.hf!r}"]
         return []
+
+
+@dataclass
+class DSATrainConfig:
+    """How DeepSeek sparse attention layers ('D') train (``mimo.llm.dsa``; DeepSeek-V3.2's report):
+    ``warmup: true`` is the dense warm-up stage (every D layer attends to all its causal keys, only
+    the lightning indexers train, on their KL loss; the rest of the LLM is frozen), false the
+    sparse stage (top-k attention; the indexers on their KL over the selected keys, the rest on the
+    LM loss). Run the warm-up, then the sparse stage from its checkpoint (``train.init_from``)."""
+
+    warmup: bool = False
+    kl_weight: float = 1.0  # the indexers' KL loss enters the objective times this, per loss token
+
+    def validate(self, path: str) -> list[str]:
+        return [] if self.kl_weight >= 0 else [f"{join_path(path, 'kl_weight')}: must be >= 0, got {self.kl_weight}"]
 
 
 @dataclass
@@ -485,6 +526,7 @@ class LLMModuleConfig:
     recompute: Literal["none", "selective", "full"] | None = None
     recompute_layers: int | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dsa: DSATrainConfig = field(default_factory=DSATrainConfig)  # D layers' training stage
 
     def stages(self) -> list[tuple[LayerSpec, ...]]:
         """Layers of each pipeline stage."""
@@ -499,6 +541,12 @@ class LLMModuleConfig:
         except ConfigError:
             return problems  # reported by HybridArch.validate
         problems += self._expert_layout_problems(pattern, pkey)
+        if self.dsa.warmup and "dsa" not in pattern.kinds:
+            problems.append(f"{join_path(path, 'dsa', 'warmup')}: the dense warm-up trains the indexers of DeepSeek sparse "
+                            f"attention layers ('D'); the pattern {arch.pattern!r} has none")
+        if self.dsa.warmup and (self.freeze or self.lora is not None):
+            problems.append(f"{join_path(path, 'dsa', 'warmup')}: the warm-up trains the indexers only (the rest frozen); "
+                            f"drop freeze / lora")
         if self.lora is not None:
             if self.freeze:
                 problems.append(f"{join_path(path, 'lora')}: a frozen LLM (freeze: true) trains no adapters; drop one")
@@ -550,7 +598,7 @@ class LLMModuleConfig:
         sizes = {"hidden": arch.hidden}
         if "attention" in pattern.kinds:
             sizes.update({"heads*head_dim": arch.heads * arch.head_dim, "kv_heads*head_dim": arch.kv_heads * arch.head_dim})
-        if "mla" in pattern.kinds and arch.mla_qk_head_dim is not None and arch.mla_v_head_dim is not None:
+        if pattern.kinds & {"mla", "dsa"} and arch.mla_qk_head_dim is not None and arch.mla_v_head_dim is not None:
             sizes.update({"heads*mla_qk_head_dim": arch.heads * arch.mla_qk_head_dim,
                           "heads*(mla_qk_nope_head_dim+mla_v_head_dim)": arch.heads * (arch.mla_qk_nope_head_dim + arch.mla_v_head_dim)})
         if "mlp" in pattern.kinds:

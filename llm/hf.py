@@ -573,6 +573,8 @@ def _decoder_family(model_type: str) -> HFFamily:
 HF_FAMILIES: dict[str, HFFamily] = {t: _decoder_family(t) for t in DECODERS}
 HF_FAMILIES["nemotron_h"] = family_of(hf_nemotron_h)
 HF_FAMILIES["deepseek_v3"] = family_of(hf_deepseek_v3)
+# DeepSeek-V3.2: the same module (its DSA layers and indexer tensors where the config or arch has them)
+HF_FAMILIES["deepseek_v32"] = replace(HF_FAMILIES["deepseek_v3"], architecture=hf_deepseek_v3.V32_ARCHITECTURE)
 SUPPORTED = {t: f.architecture for t, f in HF_FAMILIES.items()}  # model_type -> architecture (at import time)
 TIED_HEAD = "lm_head.weight"  # in HF's state_dict() of a tied model, the embedding again
 IGNORED = (".rotary_emb.inv_freq",)  # buffers some older checkpoints carry

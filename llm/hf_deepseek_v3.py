@@ -90,6 +90,13 @@ log = logging.getLogger(__name__)
 
 MODEL_TYPE = "deepseek_v3"
 ARCHITECTURE = "DeepseekV3ForCausalLM"
+# DeepSeek-V3.2: the same decoder, every attention layer DeepSeek sparse attention (D, mimo.llm.dsa)
+V32_MODEL_TYPE = "deepseek_v32"
+V32_ARCHITECTURE = "DeepseekV32ForCausalLM"
+ATTENTION = {MODEL_TYPE: "+", V32_MODEL_TYPE: "D"}  # model_type -> our attention layer's symbol
+ARCHITECTURES = {MODEL_TYPE: ARCHITECTURE, V32_MODEL_TYPE: V32_ARCHITECTURE}
+V32_DEFAULTS = {"max_position_embeddings": 163840, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64}
+INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")  # V3.2's, both sides
 ROUTER_NORM_EPS = 1e-20  # DeepseekV3TopkRouter's renormalisation epsilon
 TIED_HEAD = "lm_head.weight"
 # DeepseekV3Config's defaults of the keys read here (a test checks them against transformers)
@@ -120,16 +127,22 @@ def _same(name: str) -> str:
 # ---------------------------------------------------------------- config
 
 
+def _name(cfg: Mapping) -> str:
+    """The config's model_type (for messages)."""
+    return cfg.get("model_type") or MODEL_TYPE
+
+
 def _get(cfg: Mapping, key: str):
-    """``cfg[key]``, else DeepseekV3Config's default (``q_lora_rank``: an explicit null stays
-    null, a full q projection); MimoError if it has none."""
+    """``cfg[key]``, else the default of DeepseekV3Config (DeepseekV32Config's for a V3.2 config;
+    ``q_lora_rank``: an explicit null stays null, a full q projection); MimoError if it has none."""
     if key == "q_lora_rank" and key in cfg:
         return cfg[key]
     if cfg.get(key) is not None:
         return cfg[key]
-    if key not in DEFAULTS:
-        raise MimoError(f"{MODEL_TYPE}: config.json has no {key!r}")
-    return DEFAULTS[key]
+    defaults = {**DEFAULTS, **V32_DEFAULTS} if cfg.get("model_type") == V32_MODEL_TYPE else DEFAULTS
+    if key not in defaults:
+        raise MimoError(f"{_name(cfg)}: config.json has no {key!r}")
+    return defaults[key]
 
 
 def _rope_from_config(cfg: Mapping) -> tuple[float, RopeScaling | None]:
@@ -140,9 +153,9 @@ def _rope_from_config(cfg: Mapping) -> tuple[float, RopeScaling | None]:
     if rope_type == "default":
         return theta, None
     if rope_type != "yarn":
-        raise MimoError(f"{MODEL_TYPE}: rope_parameters rope_type {rope_type!r} is not supported (default or yarn)")
+        raise MimoError(f"{_name(cfg)}: rope_parameters rope_type {rope_type!r} is not supported (default or yarn)")
     if params.get("original_max_position_embeddings") is None:
-        raise MimoError(f"{MODEL_TYPE}: yarn rope_parameters need original_max_position_embeddings")
+        raise MimoError(f"{_name(cfg)}: yarn rope_parameters need original_max_position_embeddings")
     orig = int(params["original_max_position_embeddings"])
     # (transformers: a missing factor is max_position_embeddings / original_max_position_embeddings)
     factor = params.get("factor") or int(_get(cfg, "max_position_embeddings")) / orig
@@ -156,9 +169,21 @@ def _rope_from_config(cfg: Mapping) -> tuple[float, RopeScaling | None]:
 
 
 def hf_decoder_symbols(cfg: Mapping) -> list[str]:
-    """'-' (dense MLP) or 'E' (MoE) of each Hugging Face decoder layer of a config."""
+    """'-' (dense MLP) or 'E' (MoE) of each Hugging Face decoder layer of a config (V3.2's
+    ``mlp_layer_types`` where it has them: DeepseekV32Config writes them from
+    first_k_dense_replace, and its layers follow them)."""
     layers, dense = int(_get(cfg, "num_hidden_layers")), int(_get(cfg, "first_k_dense_replace"))
-    return ["-" if j < dense else "E" for j in range(layers)]
+    types = cfg.get("mlp_layer_types") if cfg.get("model_type") == V32_MODEL_TYPE else None
+    if types is None:
+        return ["-" if j < dense else "E" for j in range(layers)]
+    if len(types) != layers or any(t not in ("dense", "sparse") for t in types):
+        raise MimoError(f"{_name(cfg)}: mlp_layer_types {types!r} must be 'dense' or 'sparse' for each of the "
+                        f"num_hidden_layers={layers} layers")
+    symbols = ["-" if t == "dense" else "E" for t in types]
+    if "E" in symbols and "-" in symbols[symbols.index("E"):]:
+        raise MimoError(f"{_name(cfg)}: mlp_layer_types {types!r} put a dense layer after a sparse one: not supported "
+                        f"(DeepSeek's dense layers are the first ones)")
+    return symbols
 
 
 def _reject(cfg: Mapping, moe: bool) -> None:
@@ -183,14 +208,18 @@ def _reject(cfg: Mapping, moe: bool) -> None:
         ]
     for bad, what in checks:
         if bad:
-            raise MimoError(f"{MODEL_TYPE}: {what} is not supported")
+            raise MimoError(f"{_name(cfg)}: {what} is not supported")
 
 
 def arch_from_hf_config(cfg: Mapping, pattern_stages: Iterable[int] | None = None) -> HybridArch:
     """Our ``HybridArch`` of a DeepSeek-V3 ``config.json`` (a dict); ``pattern_stages``: Hugging
-    Face decoder layers per explicit pipeline stage (``|`` in the pattern), by default none."""
-    if cfg.get("model_type") != MODEL_TYPE:
-        raise MimoError(f"model_type {cfg.get('model_type')!r} is not {MODEL_TYPE!r}")
+    Face decoder layers per explicit pipeline stage (``|`` in the pattern), by default none. A
+    DeepSeek-V3.2 config (``deepseek_v32``) gives DSA layers ``D`` with its indexer's sizes."""
+    if cfg.get("model_type") not in ATTENTION:
+        raise MimoError(f"model_type {cfg.get('model_type')!r} is not one of {', '.join(map(repr, ATTENTION))}")
+    attention, v32 = ATTENTION[cfg["model_type"]], cfg["model_type"] == V32_MODEL_TYPE
+    if v32 and cfg.get("q_lora_rank", 0) is None:
+        raise MimoError(f"{V32_MODEL_TYPE}: q_lora_rank null is not supported (the indexer reads the query latent)")
     symbols = hf_decoder_symbols(cfg)
     _reject(cfg, "E" in symbols)
     theta, scaling = _rope_from_config(cfg)
@@ -207,7 +236,7 @@ def arch_from_hf_config(cfg: Mapping, pattern_stages: Iterable[int] | None = Non
     heads, bias = int(_get(cfg, "num_attention_heads")), bool(_get(cfg, "attention_bias"))
     q_lora = _get(cfg, "q_lora_rank")
     return HybridArch(
-        pattern=with_stages(["+" + s for s in symbols], pattern_stages), hidden=int(_get(cfg, "hidden_size")),
+        pattern=with_stages([attention + s for s in symbols], pattern_stages), hidden=int(_get(cfg, "hidden_size")),
         heads=heads, kv_heads=heads, vocab=int(_get(cfg, "vocab_size")), ffn=int(_get(cfg, "intermediate_size")),
         mlp_act="swiglu", attention_bias=bias, qkv_bias=bias, o_bias=bias,
         tie_embeddings=bool(_get(cfg, "tie_word_embeddings")), rope_theta=theta, rope_scaling=scaling,
@@ -216,17 +245,31 @@ def arch_from_hf_config(cfg: Mapping, pattern_stages: Iterable[int] | None = Non
         mla_q_lora_rank=None if q_lora is None else int(q_lora), mla_kv_lora_rank=int(_get(cfg, "kv_lora_rank")),
         mla_qk_rope_head_dim=int(_get(cfg, "qk_rope_head_dim")),
         mla_qk_nope_head_dim=int(_get(cfg, "qk_nope_head_dim")), mla_v_head_dim=int(_get(cfg, "v_head_dim")),
+        **({"dsa_index_topk": int(_get(cfg, "index_topk")), "dsa_index_heads": int(_get(cfg, "index_n_heads")),
+            "dsa_index_head_dim": int(_get(cfg, "index_head_dim"))} if v32 else {}),
     )
+
+
+def attention_symbol(arch: HybridArch) -> str:
+    """'+' (DeepSeek-V3's MLA) or 'D' (V3.2's DSA): the attention layers of ``arch``'s pattern
+    (MLA where it has neither; ``hf_decoder_layers`` says what is wrong)."""
+    return "D" if "dsa" in arch.layer_pattern().kinds else "+"
+
+
+def model_type_of(arch: HybridArch) -> str:
+    """deepseek_v3, or deepseek_v32 for an arch of DSA layers."""
+    return V32_MODEL_TYPE if attention_symbol(arch) == "D" else MODEL_TYPE
 
 
 def hf_decoder_layers(arch: HybridArch) -> list[str]:
     """Our MLP-layer symbol ('-' or 'E') of each Hugging Face decoder layer of ``arch``;
-    MimoError unless the pattern is ``+-`` pairs, then ``+E`` pairs."""
+    MimoError unless the pattern is ``+-`` pairs, then ``+E`` pairs (V3.2: ``D-``, then ``DE``)."""
     kinds = [layer.kind for layer in arch.layer_pattern().layers]
     pairs = [kinds[i : i + 2] for i in range(0, len(kinds), 2)]
-    if len(kinds) % 2 or any(p not in (["mla", "mlp"], ["mla", "moe"]) for p in pairs):
-        raise MimoError(f"DeepSeek-V3 decoder layers are '+-' or '+E' (an MLA layer, then an MLP or MoE layer); "
-                        f"{arch.pattern!r} pairs its layers otherwise")
+    a = "dsa" if "dsa" in kinds else "mla"
+    if len(kinds) % 2 or any(p not in ([a, "mlp"], [a, "moe"]) for p in pairs):
+        raise MimoError(f"DeepSeek-V3 decoder layers are '+-' or '+E' (an MLA layer, then an MLP or MoE layer; "
+                        f"V3.2's 'D-' or 'DE', every attention layer DSA); {arch.pattern!r} pairs its layers otherwise")
     symbols = ["-" if p[1] == "mlp" else "E" for p in pairs]
     if "E" in symbols and "-" in symbols[symbols.index("E"):]:
         raise MimoError(f"DeepSeek-V3's dense decoder layers are its first ones (first_k_dense_replace), then MoE only; "
@@ -236,6 +279,8 @@ def hf_decoder_layers(arch: HybridArch) -> list[str]:
 
 def _export_problems(arch: HybridArch, symbols: list[str]) -> list[str]:
     problems = _mtp_problems(arch, symbols)
+    if attention_symbol(arch) == "D" and arch.mla_q_lora_rank is None:
+        problems.append("DeepSeek-V3.2's DSA reads the query latent: arch.mla_q_lora_rank must be set")
     if not arch.rope or arch.mrope_section is not None:
         problems.append("DeepSeek-V3 rotates 1-D RoPE; set arch.rope: true and no mrope_section")
     if arch.rope_scaling is not None and arch.rope_scaling.type != "yarn":
@@ -264,22 +309,27 @@ def _mtp_problems(arch: HybridArch, symbols: list[str]) -> list[str]:
     """Why ``arch.mtp`` is not DeepSeek's MTP layers (module doc); [] if it is (or none)."""
     if arch.mtp is None:
         return []
-    block = arch.mtp.block(arch)
-    if block not in MTP_BLOCKS:
-        return [f"DeepSeek-V3's MTP module is one decoder layer, MLA then MoE or a dense MLP ('+E' or '+-'); "
-                f"arch.mtp's block is {block!r} (set arch.mtp.pattern)"]
-    if "E" in symbols and block != "+E":
-        return ["DeepSeek-V3's MTP layers come after first_k_dense_replace: MoE ('+E') in a model with MoE layers; "
+    block, a = arch.mtp.block(arch), attention_symbol(arch)
+    if block not in (a + "E", a + "-"):
+        return [f"DeepSeek-V3's MTP module is one decoder layer, its attention then MoE or a dense MLP ('{a}E' or "
+                f"'{a}-'); arch.mtp's block is {block!r} (set arch.mtp.pattern)"]
+    if "E" in symbols and block != a + "E":
+        return [f"DeepSeek-V3's MTP layers come after first_k_dense_replace: MoE ('{a}E') in a model with MoE layers; "
                 f"arch.mtp's block is {block!r}"]
     return []
 
 
-def hf_config_from_arch(arch: HybridArch, model_type: str = MODEL_TYPE) -> dict:
-    """A DeepSeek-V3 ``config.json`` dict for ``arch`` (export); MimoError listing what does not fit."""
+def hf_config_from_arch(arch: HybridArch, model_type: str | None = None) -> dict:
+    """A DeepSeek-V3 ``config.json`` dict for ``arch`` (export; V3.2's for an arch of DSA layers);
+    MimoError listing what does not fit (also where ``model_type`` names the other one)."""
     symbols = hf_decoder_layers(arch)
+    ours = model_type_of(arch)
+    if model_type is not None and model_type != ours:
+        raise MimoError(f"{model_type} export: the arch's attention layers are "
+                        f"{'DSA (D)' if ours == V32_MODEL_TYPE else 'MLA (+)'}, a {ours} model")
     problems = _export_problems(arch, symbols)
     if problems:
-        raise MimoError(f"{MODEL_TYPE} export: " + "; ".join(problems))
+        raise MimoError(f"{ours} export: " + "; ".join(problems))
     rope: dict = {"rope_theta": arch.rope_theta, "rope_type": "default"}
     s = arch.rope_scaling
     if s is not None:
@@ -289,7 +339,7 @@ def hf_config_from_arch(arch: HybridArch, model_type: str = MODEL_TYPE) -> dict:
         if not s.truncate:
             rope["truncate"] = False
     cfg = {
-        "model_type": MODEL_TYPE, "architectures": [ARCHITECTURE], "vocab_size": arch.vocab, "hidden_size": arch.hidden,
+        "model_type": ours, "architectures": [ARCHITECTURES[ours]], "vocab_size": arch.vocab, "hidden_size": arch.hidden,
         "intermediate_size": arch.ffn, "num_hidden_layers": len(symbols), "first_k_dense_replace": symbols.count("-"),
         "num_attention_heads": arch.heads, "num_key_value_heads": arch.heads,
         "q_lora_rank": arch.mla_q_lora_rank, "kv_lora_rank": arch.mla_kv_lora_rank,
@@ -307,6 +357,11 @@ def hf_config_from_arch(arch: HybridArch, model_type: str = MODEL_TYPE) -> dict:
         cfg.update(n_routed_experts=m.experts, num_experts_per_tok=m.topk, moe_intermediate_size=m.ffn,
                    n_shared_experts=m.shared_ffn // m.ffn, norm_topk_prob=m.norm_topk, routed_scaling_factor=m.scale,
                    n_group=m.groups, topk_group=m.group_topk, scoring_func="sigmoid", topk_method="noaux_tc")
+    if ours == V32_MODEL_TYPE:
+        cfg.update(index_topk=arch.dsa_index_topk, index_n_heads=arch.dsa_index_heads,
+                   index_head_dim=arch.dsa_index_head_dim,
+                   mlp_layer_types=["dense" if s == "-" else "sparse" for s in symbols])
+        del cfg["rope_interleave"]  # (V3.2 always interleaves; its config has no such key)
     return cfg
 
 
@@ -328,6 +383,8 @@ def _attention_pieces(arch: HybridArch) -> list[tuple[str, str, int]]:
             ("self_attn.kv_b_proj.weight", "kv_b_proj.weight", 0), ("self_attn.o_proj.weight", "o_proj.weight", 0)]
     if arch.o_bias:
         out.append(("self_attn.o_proj.bias", "o_proj.bias", 0))
+    if attention_symbol(arch) == "D":
+        out += [(f"self_attn.indexer.{k}", f"indexer.{k}", 0) for k in INDEXER]
     return out
 
 
@@ -371,9 +428,6 @@ def hf_tensor_pieces(arch: HybridArch, rename: Rename = _same) -> dict[str, tupl
 
 
 MTP_PREFIX = "mtp."  # checkpoint_view's names of the MTP layers' tensors (mimo.llm.hf.MTP_PREFIX, which warns on them)
-MTP_BLOCKS = ("+E", "+-")
-
-
 def mtp_symbols(arch: HybridArch) -> list[str]:
     """'E' or '-' of each MTP depth's layer (``arch.mtp``; [] without); MimoError unless its
     block is DeepSeek's (``_mtp_problems``)."""
@@ -424,19 +478,20 @@ def with_checkpoint_mtp(arch: HybridArch, keys: Iterable[str]) -> HybridArch:
     if not layers:
         return dataclasses.replace(arch, mtp=None)
     if sorted(layers) != list(range(first, first + len(layers))):
-        raise MimoError(f"{MODEL_TYPE}: the checkpoint's MTP layers are decoder layers {sorted(layers)}; "
+        raise MimoError(f"{model_type_of(arch)}: the checkpoint's MTP layers are decoder layers {sorted(layers)}; "
                         f"DeepSeek's are {first}, {first + 1}, ... (num_hidden_layers={first} on)")
     kinds = {"E" if any(n.startswith("mlp.gate.") or n.startswith("mlp.experts.") for n in names) else "-"
              for names in layers.values()}
     if len(kinds) > 1:
-        raise MimoError(f"{MODEL_TYPE}: the checkpoint's MTP layers {sorted(layers)} mix MoE and dense MLPs; "
+        raise MimoError(f"{model_type_of(arch)}: the checkpoint's MTP layers {sorted(layers)} mix MoE and dense MLPs; "
                         f"arch.mtp has one block for every depth")
     (kind,) = kinds
     if kind == "E" and arch.moe is None:
-        raise MimoError(f"{MODEL_TYPE}: the checkpoint's MTP layers are MoE, but the model (every decoder layer dense) "
+        raise MimoError(f"{model_type_of(arch)}: the checkpoint's MTP layers are MoE, but the model (every decoder layer dense) "
                         f"has no arch.moe")
     weight = MTPArch().loss_weight if arch.mtp is None else arch.mtp.loss_weight
-    return dataclasses.replace(arch, mtp=MTPArch(depth=len(layers), loss_weight=weight, pattern="+" + kind))
+    return dataclasses.replace(arch, mtp=MTPArch(depth=len(layers), loss_weight=weight,
+                                                 pattern=attention_symbol(arch) + kind))
 
 
 # ---------------------------------------------------------------- checkpoint names

@@ -233,23 +233,31 @@ class MLA(nn.Module):
         return freqs_TP.cos() * factor, freqs_TP.sin() * factor
 
     def forward(self, h_TD: torch.Tensor, seq: SeqContext) -> torch.Tensor:
+        _, _, q_TF, kv_TF, kr_TR = self.projections(h_TD)
+        o_TF = maybe(self.selective, lambda q, kv, kr: self._core(q, kv, kr, seq), q_TF, kv_TF, kr_TR)
+        return h_TD + self.o_proj(o_TF)
+
+    def projections(self, h_TD: torch.Tensor):
+        """(normed input on this rank's rows, the query latent on them (None without q_lora_rank),
+        this rank's heads' queries ``[T, heads_local * qk]`` and keys | values ``[T, heads_local *
+        (nope + v)]``, the shared rotary key ``[T, qk_rope]``) on the full local sequence."""
         x_TD = self.norm(h_TD)  # this rank's rows: the whole pack, or its token block under SP
         if self.q_proj is None:  # down projection on this rank's rows; q_b_proj gathers the latent
-            q_TF = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
+            ql_TQ = self.q_a_layernorm(self.q_a_proj(x_TD))
+            q_TF = self.q_b_proj(ql_TQ)
         else:
-            q_TF = self.q_proj(x_TD)
+            ql_TQ, q_TF = None, self.q_proj(x_TD)
         c_TC, kr_TR = self.kv_a_proj_with_mqa(x_TD).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
         kv_TF = self.kv_b_proj(self.kv_a_layernorm(c_TC))  # gathered to the full local sequence under SP
         # the shared rotary key: gathered under SP; its gradient from this rank's heads is partial, summed over
         # TP by the gather's reduce-scatter (copy_to_group's all-reduce without SP)
         group = self.o_proj.group
         kr_TR = gather_seq(kr_TR.contiguous(), group) if self.ctx.sequence_parallel else copy_to_group(kr_TR, group)
-        o_TF = maybe(self.selective, lambda q, kv, kr: self._core(q, kv, kr, seq), q_TF, kv_TF, kr_TR)
-        return h_TD + self.o_proj(o_TF)
+        return x_TD, ql_TQ, q_TF, kv_TF, kr_TR
 
-    def _core(self, q_TF: torch.Tensor, kv_TF: torch.Tensor, kr_TR: torch.Tensor, seq: SeqContext) -> torch.Tensor:
-        """From the up projections' outputs (this rank's heads) and the shared rotary key to the
-        attention output ``[T, heads_local * v_head_dim]``: RoPE on the rope channels, attention."""
+    def heads(self, q_TF: torch.Tensor, kv_TF: torch.Tensor, kr_TR: torch.Tensor, seq: SeqContext):
+        """Per-head queries and keys ``[T, heads_local, qk]`` (RoPE on the rope channels) and
+        values ``[T, heads_local, v]`` from the up projections' outputs and the shared rotary key."""
         cfg, t, hl = self.cfg, q_TF.shape[0], self.heads_local
         nope, rope, vd = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         qn_THN, qr_THR = q_TF.view(t, hl, nope + rope).split([nope, rope], dim=-1)
@@ -259,8 +267,13 @@ class MLA(nn.Module):
         kr_T1R = rope_interleaved(kr_TR[:, None, :], cos_TP, sin_TP)
         q_THE = torch.cat([qn_THN, qr_THR], dim=-1)
         k_THE = torch.cat([kn_THN, kr_T1R.expand(t, hl, rope)], dim=-1)
-        o_THV = self._attend(q_THE, k_THE, v_THV, seq)
-        return o_THV.reshape(t, hl * vd)
+        return q_THE, k_THE, v_THV
+
+    def _core(self, q_TF: torch.Tensor, kv_TF: torch.Tensor, kr_TR: torch.Tensor, seq: SeqContext) -> torch.Tensor:
+        """From the up projections' outputs (this rank's heads) and the shared rotary key to the
+        attention output ``[T, heads_local * v_head_dim]``."""
+        q_THE, k_THE, v_THV = self.heads(q_TF, kv_TF, kr_TR, seq)
+        return self._attend(q_THE, k_THE, v_THV, seq).reshape(q_TF.shape[0], -1)
 
     def _attend(self, q_THE, k_THE, v_THV, seq: SeqContext) -> torch.Tensor:
         """``packed_attention`` (causal within each sample), or under a generation cache

@@ -2,6 +2,7 @@
 
     M  Mamba-2            G  Gated DeltaNet     *  attention
     -  MLP                E  MoE                +  multi-head latent attention (MLA)
+    D  DeepSeek sparse attention (DSA: MLA over the keys a lightning indexer picks)
     |  explicit pipeline stage boundary
 
 ``"M*-M*-"`` is six layers. With ``|`` the user fixes the stages (their count must equal pp);
@@ -16,13 +17,13 @@ from typing import Iterable, Mapping, Sequence
 
 from mimo.core.errors import ConfigError, MimoError
 
-LAYER_KINDS: dict[str, str] = {"M": "mamba", "G": "gdn", "*": "attention", "-": "mlp", "E": "moe", "+": "mla"}
+LAYER_KINDS: dict[str, str] = {"M": "mamba", "G": "gdn", "*": "attention", "-": "mlp", "E": "moe", "+": "mla", "D": "dsa"}
 STAGE_BOUNDARY = "|"
 
 # Relative cost of one layer of each kind, for the automatic pipeline split. All 1.0 for now:
 # at typical sizes the kinds are within a small factor of each other, and a plain layer count
 # is what users expect from "balanced". Measured costs can replace these later.
-LAYER_COST: dict[str, float] = {"mamba": 1.0, "gdn": 1.0, "attention": 1.0, "mlp": 1.0, "moe": 1.0, "mla": 1.0}
+LAYER_COST: dict[str, float] = {"mamba": 1.0, "gdn": 1.0, "attention": 1.0, "mlp": 1.0, "moe": 1.0, "mla": 1.0, "dsa": 1.0}
 
 
 def layer_costs(arch) -> dict[str, float]:

@@ -30,7 +30,7 @@ TOL = 1e-5
 LOSS_NORM = 50.0
 WORLD = 4
 SEQLENS = [37, 8, 3, 1, 13, 6]  # cp 4: 37 > a rank's share; 8 = 2cp (borders); 3, 1 < 2cp (padding-only chunks)
-KINDS = {"*": "attention", "+": "mla", "M": "mamba", "G": "gdn", "E": "moe"}
+KINDS = {"*": "attention", "+": "mla", "D": "dsa", "M": "mamba", "G": "gdn", "E": "moe"}
 
 
 def arch(kind: str, impl: str = "chunked") -> HybridArch:
@@ -38,7 +38,8 @@ def arch(kind: str, impl: str = "chunked") -> HybridArch:
     return HybridArch(pattern=kind, hidden=24, heads=6, kv_heads=2, vocab=50, ffn=32, moe=moe,
                       mamba_heads=4, mamba_head_dim=6, mamba_state=5, mamba_groups=2, mamba_chunk=8,
                       gdn_heads=2, gdn_v_heads=4, gdn_head_dim=6, gdn_v_head_dim=5, gdn_chunk=8, conv_kernel=4,
-                      mla_q_lora_rank=12, mla_kv_lora_rank=10, mla_qk_rope_head_dim=4, mla_qk_nope_head_dim=4, mla_v_head_dim=3)
+                      mla_q_lora_rank=12, mla_kv_lora_rank=10, mla_qk_rope_head_dim=4, mla_qk_nope_head_dim=4, mla_v_head_dim=3,
+                      dsa_index_topk=5, dsa_index_heads=8, dsa_index_head_dim=6)
 
 
 def build(kind: str, impl: str, dtype):
@@ -190,7 +191,7 @@ def test_layer_over_cp_ranks_equals_one_process(pools, kind, cp):
 
 @pytest.mark.parametrize("kind,mutation", [("M", "no state scan"), ("G", "no state scan"), ("M", "halo from the wrong chunk"),
                                            ("G", "halo from the wrong chunk"), ("*", "keys of the wrong rank"),
-                                           ("+", "keys of the wrong rank")])
+                                           ("+", "keys of the wrong rank"), ("D", "keys of the wrong rank")])
 def test_mutations_fail(pools, kind, mutation):
     ref = flat(one_process(kind, "naive", torch.float64))
     got = collect([r for r in pools(WORLD).run(cp_case, kind, "chunked", 2, torch.float64, mutation) if r], sum(SEQLENS))

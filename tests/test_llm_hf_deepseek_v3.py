@@ -35,13 +35,17 @@ YARN_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, m
                  original_max_position_embeddings=64)
 # YaRN (max_position_embeddings = factor x original), no q low-rank, two shared experts, tied head
 YARN = dict(SMALL, q_lora_rank=None, rope_parameters=YARN_ROPE, n_shared_experts=2, tie_word_embeddings=True)
-CONFIGS = {"small": SMALL, "no_q_lora": NO_Q_LORA, "yarn": YARN}
+# DeepSeek-V3.2 (DeepseekV32Config): every attention layer DSA, an index_topk below the longer
+# samples' lengths (the selection prunes), 16 index heads (no score ties at the top-k edge)
+V32 = dict(SMALL, v32=True, index_topk=5, index_n_heads=16, index_head_dim=16)
+CONFIGS = {"small": SMALL, "no_q_lora": NO_Q_LORA, "yarn": YARN, "v32": V32}
+PATTERNS = {"small": "+-+E+E", "no_q_lora": "+-+E+E", "yarn": "+-+E+E", "v32": "D-DEDE"}
 
 
-def hf_config(**kw):
+def hf_config(v32: bool = False, **kw):
     import transformers
 
-    return transformers.DeepseekV3Config(**kw)
+    return (transformers.DeepseekV32Config if v32 else transformers.DeepseekV3Config)(**kw)
 
 
 @torch.no_grad()
@@ -80,6 +84,7 @@ def our_state(stage: LLMStage) -> dict:
 
 
 @pytest.mark.parametrize("name,naming", [("small", "save_pretrained"), ("no_q_lora", "state_dict"),
+                                         ("v32", "save_pretrained"),
                                          ("yarn", "state_dict")])
 def test_import_matches_and_export_reproduces_state_dict(tmp_path, name, naming):
     """save_pretrained writes per-expert tensors, export the state_dict's fused ones: import
@@ -94,7 +99,7 @@ def test_import_matches_and_export_reproduces_state_dict(tmp_path, name, naming)
     else:
         save_hf_checkpoint(str(tmp_path), model.state_dict(), model.config.to_dict())
     arch = ds.arch_from_hf_config(read_config_json(str(tmp_path / "config.json")))
-    assert arch.pattern == "+-+E+E" and hf_model_type(arch) == "deepseek_v3"
+    assert arch.pattern == PATTERNS[name] and hf_model_type(arch) == model.config.model_type
     stage = LLMStage(arch)
     load_hf_checkpoint(stage, str(tmp_path))
     err = worst_err(model, stage, arch.vocab)
@@ -106,7 +111,7 @@ def test_import_matches_and_export_reproduces_state_dict(tmp_path, name, naming)
     assert all(torch.equal(exported[k], theirs[k]) for k in theirs)
 
     save_hf_checkpoint(str(tmp_path / "ours"), exported, ds.hf_config_from_arch(arch))
-    back = transformers.DeepseekV3ForCausalLM.from_pretrained(str(tmp_path / "ours")).state_dict()
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours")).state_dict()
     assert all(torch.equal(back[k], theirs[k]) for k in theirs)
 
 
@@ -344,20 +349,20 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name,tp", [("no_q_lora", 1), ("small", 2), ("yarn", 2)])
+@pytest.mark.parametrize("name,tp", [("no_q_lora", 1), ("small", 2), ("yarn", 2), ("v32", 1), ("v32", 2)])
 def test_verify_llm(pools, checkpoints, name, tp):
     report = verify_llm(checkpoints[name], pools(2), from_checkpoint=True, tp=tp, samples=5, max_len=20, seed=3)
     assert report["ok"], report
-    assert report["export_exact"] and report["model_type"] == "deepseek_v3"
+    assert report["export_exact"] and report["model_type"] == ("deepseek_v32" if name == "v32" else "deepseek_v3")
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_verify_llm_at_ep2(pools, checkpoints, tp):
+@pytest.mark.parametrize("name,tp", [("small", 1), ("small", 2), ("v32", 2)])
+def test_verify_llm_at_ep2(pools, checkpoints, name, tp):
     """Expert parallelism (verify-llm --ep 2: two data-parallel ranks each with its own pack,
     three experts a rank, tokens dispatched between them; at tp 2 the experts' inner size split
     too): every sample's logits and the loss within the yardstick of transformers, and the
     export of the gathered state exact."""
-    report = verify_llm(checkpoints["small"], pools(2 * tp), from_checkpoint=True, tp=tp, ep=2, samples=6, max_len=20, seed=4)
+    report = verify_llm(checkpoints[name], pools(2 * tp), from_checkpoint=True, tp=tp, ep=2, samples=6, max_len=20, seed=4)
     assert report["ok"], report
     assert report["export_exact"] and report["ep"] == 2
 
@@ -375,7 +380,7 @@ def test_config_round_trip_and_defaults():
         arch = ds.arch_from_hf_config(hf_config(**kw).to_dict())
         cfg = ds.hf_config_from_arch(arch)
         assert ds.arch_from_hf_config(cfg) == arch
-        theirs = transformers.DeepseekV3Config(**{k: v for k, v in cfg.items() if k != "model_type"}).to_dict()
+        theirs = hf_config(v32=kw.get("v32", False), **{k: v for k, v in cfg.items() if k != "model_type"}).to_dict()
         assert ds.arch_from_hf_config(theirs) == arch
     yarn = ds.arch_from_hf_config(hf_config(**YARN).to_dict())
     assert (yarn.rope_scaling.type, yarn.rope_scaling.factor, yarn.rope_scaling.mscale_all_dim) == ("yarn", 4.0, 1.0)

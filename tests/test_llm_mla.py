@@ -75,14 +75,15 @@ def _arch(cfg) -> HybridArch:
     )
 
 
-def _full_weights(cfg, seed: int) -> dict[str, torch.Tensor]:
+def _full_weights(cfg, seed: int, attention=None) -> dict[str, torch.Tensor]:
     """Random full tensors by our names (= Hugging Face's attention names, plus the pre-norm's):
-    projections ~ N(0, 1/in), norms 1 + N(0, 0.3^2), biases N(0, 0.1^2)."""
-    attn = hf_ds.DeepseekV3Attention(cfg, 0)
+    projections ~ N(0, 1/in), norms 1 + N(0, 0.3^2), biases N(0, 0.1^2). ``attention``: the
+    transformers attention module of the config (DeepSeek-V3's)."""
+    attn = (attention or hf_ds.DeepseekV3Attention)(cfg, 0)
     g = seeded(seed, "weights")
     out = {"norm.weight": 1 + 0.3 * torch.randn(HIDDEN, generator=g)}
     for name, p in attn.named_parameters():
-        if name.endswith("layernorm.weight"):
+        if name.endswith(("layernorm.weight", "k_norm.weight")):
             out[name] = 1 + 0.3 * torch.randn(p.shape, generator=g)
         elif name.endswith("bias"):
             out[name] = 0.1 * torch.randn(p.shape, generator=g)

@@ -77,15 +77,22 @@ def test_nemotron_h_example_trains_and_exports(tmp_path, capsys):
         assert bias.abs().max() > 0  # moved by the once-per-step update (rate 1e-3)
 
 
-@pytest.mark.parametrize("layout", ["as shipped", "cp2"])
+CP2 = "modules.language.parallel={tp: 2, cp: 2, dp: 1, ep: 2, etp: 1, ranks: '0:4', sequence_parallel: true}"
+# DeepSeek-V3.2: the same model with DSA layers (an index_topk well below the samples' lengths)
+DSA = ["modules.language.arch.pattern=D-DEDE", "modules.language.arch.dsa_index_topk=16",
+       "modules.language.arch.dsa_index_heads=4", "modules.language.arch.dsa_index_head_dim=12"]
+
+
+@pytest.mark.parametrize("layout", ["as shipped", "cp2", "dsa", "dsa warm-up cp2"])
 def test_deepseek_v3_example_equals_its_one_process_run(pools, verify_layout, layout):
     """``configs/examples/deepseek-v3-moe.yaml`` (MLA with YaRN, a dense first layer, sigmoid
     group-limited routing with the expert bias; the LLM tp 2 with SP and ep 2, the tower dp 4),
     and the LLM at tp 2 x cp 2 (every sample split over the CP ranks): two steps against the
     one-process run (verify-train's comparison, fp64 yardstick), MLA's and the experts'
-    gradients among those compared."""
-    overrides = {"as shipped": [], "cp2": [
-        "modules.language.parallel={tp: 2, cp: 2, dp: 1, ep: 2, etp: 1, ranks: '0:4', sequence_parallel: true}"]}[layout]
+    gradients among those compared. With DSA layers (V3.2): the sparse stage (the indexers on
+    their KL loss) as shipped, and the dense warm-up (only the indexers train) at cp 2."""
+    overrides = {"as shipped": [], "cp2": [CP2], "dsa": DSA,
+                 "dsa warm-up cp2": [*DSA, CP2, "modules.language.dsa.warmup=true"]}[layout]
     report = verify_layout(pools, str(EXAMPLES / "deepseek-v3-moe.yaml"), overrides, 2)
     assert report["ok"], report["worst"]
     assert report["yardstick"]["checked"] > 100 and report["yardstick"]["failed"] == 0, report["yardstick"]

@@ -28,6 +28,7 @@ from mimo.compose.config import Fp8Config, MimoConfig, one_process_module
 from mimo.core.errors import MimoError
 from mimo.encoders.model import build_encoder
 from mimo.llm.balance import Balancer, find_routers
+from mimo.llm.dsa import set_dsa_training
 from mimo.llm.model import LLMStage, build_stage, embedding_group, sync_tied_grads
 from mimo.llm.moe import set_dispatchers
 from mimo.parallel import gemm, param_seed
@@ -172,6 +173,8 @@ class MimoModel:
         init_llm_(stage, config)
         if llm_cfg.freeze:
             stage.requires_grad_(False)
+        if "dsa" in llm_cfg.arch.layer_pattern().kinds:  # DSA layers' stage: the warm-up trains their indexers only
+            set_dsa_training(stage, llm_cfg.dsa.warmup, llm_cfg.dsa.kl_weight)
         adapt_llm(stage, llm_cfg, config.llm_name, config.train.seed)  # (its lora section: after the base weights load)
         if config.train.moe_dispatcher == "deepep" and ctx.expert is not None and self.device.type != "cuda":
             raise MimoError("train.moe_dispatcher: deepep runs DeepEP's GPU kernels; this run is on the CPU "

@@ -1,0 +1,284 @@
+"""DeepSeek sparse attention (``D``, ``mimo.llm.dsa``) against transformers' DeepSeek-V3.2 attention,
+against an independent reference of the indexer's KL loss, and against itself at tp 2.
+
+- One process: our layer with the weights of a random ``DeepseekV32Attention`` (indexer included)
+  and a random pre-norm, on a THD pack of three ragged samples, equals ``h + attention(norm(h))``
+  run by transformers on each sample alone (its causal mask, its own positions): outputs, input
+  gradients and every weight gradient of the attention (transformers' indexer computes no
+  gradient), with an ``index_topk`` below the longest sample (the selection prunes) and with
+  YaRN scaling. fp64 yardstick (docs/design.md §9.7).
+- The indexer's KL loss (a training forward): its value and the indexer weights' gradients equal
+  a reference written from the V3.2 report's formula over transformers' own modules (eager
+  attention's probabilities, the indexer's projections), fp64; in the dense warm-up the layer is
+  MLA exactly and the KL spans every causal key.
+- Tensor parallel: tp 2 with and without sequence parallelism (3 heads a rank, the indexer
+  replicated), KL on, against the one-process layer; the indexer's gradients complete (not
+  partial) on every rank.
+- Context parallelism: tests/test_cp.py (kind 'D'); Hugging Face import / export / verify-llm:
+  tests/test_llm_hf_deepseek_v3.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import transformers
+from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
+
+from mimo.core.testing import Yardstick, fp64_kept
+from mimo.llm.blocks import build_layer
+from mimo.llm.config import HybridArch, LLMModuleConfig
+from mimo.llm.context import SeqContext
+from mimo.llm.dsa import DSA, IndexerConfig, select_keys, set_dsa_training
+from mimo.llm.mla import MLA, MLAConfig
+from mimo.llm.pattern import LayerSpec
+from mimo.parallel.context import ParallelContext
+from mimo.parallel.params import full_tensors, load_full_, param_table, reduce_partial_grads
+
+from test_llm_mla import HIDDEN, SEQLENS, _arch as mla_arch, _data, _full_weights as mla_full_weights  # noqa: E402
+from tp_cases import tp_group  # noqa: E402 (tests/ is on sys.path)
+
+TOPK = 4  # below 7 and 12: the selection prunes
+DIMS = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, q_lora_rank=24)
+INDEX = dict(index_topk=TOPK, index_n_heads=16, index_head_dim=12)  # 16 heads: no score ties at the top-k edge
+YARN = dict(rope_type="yarn", factor=4.0, mscale=1.0, mscale_all_dim=0.5, original_max_position_embeddings=64)
+LOSS_NORM = 10.0
+
+
+def _hf_config(heads: int, rope: dict | None = None):
+    rope = {"rope_type": "default", **(rope or {}), "rope_theta": 10000.0}
+    cfg = transformers.DeepseekV32Config(
+        hidden_size=HIDDEN, num_attention_heads=heads, num_key_value_heads=heads, rope_parameters=rope,
+        max_position_embeddings=256, rms_norm_eps=1e-6, vocab_size=32, num_hidden_layers=1, **DIMS, **INDEX)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _arch(cfg) -> HybridArch:
+    return dataclasses.replace(mla_arch(cfg), pattern="D", mla_q_lora_rank=cfg.q_lora_rank, dsa_index_topk=cfg.index_topk,
+                               dsa_index_heads=cfg.index_n_heads, dsa_index_head_dim=cfg.index_head_dim)
+
+
+def _full_weights(cfg, seed: int) -> dict[str, torch.Tensor]:
+    return mla_full_weights(cfg, seed, hf_v32.DeepseekV32Attention)
+
+
+def _hf_modules(cfg, weights: dict, dtype):
+    attn = hf_v32.DeepseekV32Attention(cfg, 0)
+    norm = hf_v32.DeepseekV32RMSNorm(HIDDEN, eps=cfg.rms_norm_eps)
+    rotary = hf_v32.DeepseekV32RotaryEmbedding(cfg)
+    with torch.no_grad():
+        norm.weight.copy_(weights["norm.weight"])
+        for name, p in attn.named_parameters():
+            p.copy_(weights[name])
+    return attn.to(dtype), norm.to(dtype), rotary.to(dtype)
+
+
+def _causal(n: int, dtype) -> torch.Tensor:
+    return torch.full((n, n), float("-inf"), dtype=dtype).triu(1)[None, None]
+
+
+def _hf_run(cfg, weights: dict, x0: torch.Tensor, dy: torch.Tensor, dtype) -> dict[str, torch.Tensor]:
+    """transformers, each sample alone: ``h + attn(norm(h))``; outputs, input and weight gradients
+    (the indexer's: none, transformers computes it without gradients)."""
+    attn, norm, rotary = _hf_modules(cfg, weights, dtype)
+    ys, dxs = [], []
+    cu = SeqContext.from_seqlens(SEQLENS).cu_seqlens.tolist()
+    with fp64_kept() if dtype == torch.float64 else torch.enable_grad():
+        for s, e in zip(cu[:-1], cu[1:]):
+            h = x0[s:e].to(dtype)[None].requires_grad_(True)
+            pos = torch.arange(e - s)[None]
+            y = h + attn(norm(h), rotary(h, pos), attention_mask=_causal(e - s, dtype), position_ids=pos)[0]
+            y.backward(dy[s:e].to(dtype)[None])
+            ys.append(y[0].detach())
+            dxs.append(h.grad[0])
+    out = {"y": torch.cat(ys), "dx": torch.cat(dxs), "grad:norm.weight": norm.weight.grad}
+    out.update({f"grad:{n}": p.grad for n, p in attn.named_parameters() if not n.startswith("indexer.")})
+    return out
+
+
+def _ours(layer: DSA, x0, dy, sp_rank=None, loss_norm=None, indexer_grads: bool = False) -> dict:
+    seq = SeqContext.from_seqlens(SEQLENS)
+    seq.loss_norm = loss_norm
+    part = (lambda v: v.chunk(sp_rank[0])[sp_rank[1]]) if sp_rank else (lambda v: v)
+    table = param_table(layer)
+    layer.zero_grad()
+    x = part(x0).clone().requires_grad_(True)
+    y = layer(x, seq)
+    y.backward(part(dy))
+    reduce_partial_grads(table)
+    out = {"y": y.detach(), "dx": x.grad}
+    out.update({f"grad:{n}": g for n, g in full_tensors(table, grads=True).items()
+                if indexer_grads or not n.startswith("indexer.")})
+    return out
+
+
+# --------------------------------------------------------------------------- one process vs transformers
+@pytest.mark.parametrize("rope", [None, YARN], ids=["default", "yarn"])
+def test_dsa_equals_transformers_per_sample(rope):
+    cfg = _hf_config(4, rope)
+    weights = _full_weights(cfg, seed=1)
+    x0, dy = _data(2)
+    ref32 = _hf_run(cfg, weights, x0, dy, torch.float32)
+    ref64 = _hf_run(cfg, weights, x0, dy, torch.float64)
+    layer = build_layer(_arch(cfg), LayerSpec(0, "dsa"))
+    assert isinstance(layer, DSA)
+    load_full_(param_table(layer), weights)
+    got = _ours(layer, x0, dy)
+    assert set(got) == set(ref64), sorted(set(got) ^ set(ref64))
+    ys = Yardstick(1e-5)
+    ys.check_all(got, ref32, ref64)
+    ys.assert_ok("DSA")
+    # the selection prunes here: the same weights attending to every causal key give another output
+    dense = build_layer(_arch(cfg), LayerSpec(0, "dsa"))
+    load_full_(param_table(dense), weights)
+    set_dsa_training(dense, warmup=True, kl_weight=1.0)
+    assert (_ours(dense, x0, dy)["y"] - got["y"]).abs().max() > 1e-2
+
+
+def test_selection_keeps_topk_of_the_prefix_ties_to_the_earlier_key():
+    scores = torch.tensor([[5.0, 1, 1, 1, 0], [0, 2, 2, 9, 2]])
+    allowed = torch.tensor([[True, True, True, False, False], [True] * 5])
+    assert select_keys(scores, allowed, 2).tolist() == [[True, True, False, False, False],
+                                                        [False, True, False, True, False]]
+    assert select_keys(scores, allowed, 9).tolist() == allowed.tolist()  # fewer keys than topk: all of them
+
+
+# --------------------------------------------------------------------------- the indexer's KL loss
+def _reference_kl(cfg, weights: dict, x0: torch.Tensor, warmup: bool):
+    """The V3.2 report's loss over transformers' own modules, fp64: per sample, eager attention's
+    probabilities (with the sparse mask, or causal only in the warm-up) summed over heads and
+    L1-normalised; the index scores from the indexer's projections (its inputs detached); KL over
+    the attended keys, summed over queries. (loss, gradients of the indexer's weights)."""
+    attn, norm, rotary = _hf_modules(cfg, weights, torch.float64)
+    ix = attn.indexer
+    total = torch.zeros((), dtype=torch.float64)
+    cu = SeqContext.from_seqlens(SEQLENS).cu_seqlens.tolist()
+    with fp64_kept():
+        for s, e in zip(cu[:-1], cu[1:]):
+            n = e - s
+            h = x0[s:e].to(torch.float64)[None]
+            pos = torch.arange(n)[None]
+            cos, sin = rotary(h, pos)
+            x = norm(h).detach()
+            if warmup:  # transformers with an index_topk that keeps everything
+                ix.index_topk = 10 ** 6
+            _, probs = attn(x, (cos, sin), attention_mask=_causal(n, torch.float64), position_ids=pos)
+            ix.index_topk = cfg.index_topk
+            ql = attn.q_a_layernorm(attn.q_a_proj(x)).detach()
+            r = cfg.qk_rope_head_dim
+            q = ix.wq_b(ql).view(1, n, ix.n_heads, ix.head_dim)
+            k = ix.k_norm(ix.wk(x))[:, :, None]
+            q_rot, k_rot = hf_v32.apply_rotary_pos_emb(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=2)
+            q, k = torch.cat([q_rot, q[..., r:]], -1), torch.cat([k_rot, k[..., r:]], -1)[:, :, 0]
+            scores = torch.relu(torch.einsum("bshd,btd->bsht", q, k) * ix.softmax_scale)
+            index = torch.einsum("bsh,bsht->bst", ix.weights_proj(x) * ix.n_heads ** -0.5, scores)[0]
+            p = probs[0].detach().sum(0)
+            p = p / p.sum(-1, keepdim=True)
+            kept = p > 0
+            logq = torch.log_softmax(index.masked_fill(~kept, float("-inf")), -1)
+            total = total + torch.where(kept, p * (torch.log(p.clamp_min(1e-300)) - logq), 0.0).sum()
+    total.backward()
+    return total.detach(), {f"indexer.{n}": p.grad for n, p in ix.named_parameters()}
+
+
+@pytest.mark.parametrize("warmup", [False, True], ids=["sparse", "warmup"])
+def test_indexer_kl_equals_the_reports_formula(warmup):
+    cfg = _hf_config(4, YARN)
+    weights = _full_weights(cfg, seed=3)
+    x0, _ = _data(4, torch.float64)
+    want, want_grads = _reference_kl(cfg, weights, x0, warmup)
+    layer = build_layer(_arch(cfg), LayerSpec(0, "dsa")).to(torch.float64)
+    load_full_(param_table(layer), {k: v.double() for k, v in weights.items()})
+    set_dsa_training(layer, warmup=warmup, kl_weight=0.5)
+    seq = SeqContext.from_seqlens(SEQLENS)
+    seq.loss_norm = LOSS_NORM
+    y = layer(x0, seq)
+    (0 * y).sum().backward()  # only the attached KL reaches the indexer
+    # (eager attention's softmax runs in fp32 even in the fp64 model: the reference's probabilities
+    # carry fp32 rounding, ~1e-8 relative)
+    assert abs(float(layer.kl_sum / want) - 1) < 1e-6, (float(layer.kl_sum), float(want))
+    for name, g in want_grads.items():
+        ours = dict(layer.named_parameters())[name].grad
+        err = float((ours - g * 0.5 / LOSS_NORM).norm() / (g * 0.5 / LOSS_NORM).norm())
+        assert err < 1e-5, (name, err)
+    # the indexer's inputs are detached: its loss sends no gradient into the model
+    assert all(p.grad is None or not p.grad.any() for n, p in layer.named_parameters() if not n.startswith("indexer."))
+    if warmup:  # the warm-up trains the indexer only, and attends as MLA does
+        assert {n for n, p in layer.named_parameters() if p.requires_grad} == set(want_grads)
+        mla = MLA(MLAConfig.from_arch(_arch(cfg))).to(torch.float64)
+        load_full_(param_table(mla), {k: v.double() for k, v in weights.items() if not k.startswith("indexer.")})
+        mla.impl = "exact"
+        assert torch.allclose(mla(x0, SeqContext.from_seqlens(SEQLENS)), y, rtol=1e-12, atol=1e-12)
+
+
+def test_no_kl_outside_a_training_forward():
+    cfg = _hf_config(4)
+    layer = build_layer(_arch(cfg), LayerSpec(0, "dsa"))
+    load_full_(param_table(layer), _full_weights(cfg, 5))
+    x0, dy = _data(6)
+    got = _ours(layer, x0, dy, indexer_grads=True)  # loss_norm None: an eval / verification forward
+    assert all(got[f"grad:indexer.{n}"] is None or not got[f"grad:indexer.{n}"].any()
+               for n, _ in layer.indexer.named_parameters())
+
+
+# --------------------------------------------------------------------------- tensor parallel
+TP, TP_HEADS = 2, 6  # 3 heads a rank
+
+
+def _tp_case(seed: int) -> dict:
+    group, rank = tp_group(TP)
+    cfg = _hf_config(TP_HEADS, YARN)
+    arch, weights = _arch(cfg), _full_weights(cfg, seed)
+    x0, dy = _data(seed)
+    refs = {}
+    for dtype in (torch.float32, torch.float64):
+        one = DSA(MLAConfig.from_arch(arch), IndexerConfig.from_arch(arch)).to(dtype)
+        load_full_(param_table(one), {k: v.to(dtype) for k, v in weights.items()})
+        refs[dtype] = _ours(one, x0.to(dtype), dy.to(dtype), loss_norm=LOSS_NORM, indexer_grads=True)
+    measures, partial = [], {}
+    for sp in (False, True):
+        layer = DSA(MLAConfig.from_arch(arch), IndexerConfig.from_arch(arch), ParallelContext.for_tp(group, sequence_parallel=sp))
+        table = param_table(layer)
+        partial[sp] = sorted(n for n, info in table.items() if info.placement.partial and n.startswith("indexer."))
+        load_full_(table, weights)
+        got = _ours(layer, x0, dy, (TP, rank) if sp else None, loss_norm=LOSS_NORM, indexer_grads=True)
+        part = (lambda v: v.chunk(TP)[rank]) if sp else (lambda v: v)
+        ys = Yardstick(1e-5)
+        for k in refs[torch.float64]:
+            want32, want64 = refs[torch.float32][k], refs[torch.float64][k]
+            if k in ("y", "dx"):
+                want32, want64 = part(want32), part(want64)
+            ys.check(f"sp={sp}/{k}", got[k], want32, want64)
+        measures += [m.as_dict() for m in ys.measures]
+    return {"measures": measures, "partial": partial}
+
+
+def test_tp2_with_and_without_sequence_parallel_equals_one_process(pools):
+    results = pools(TP).run(_tp_case, 7)
+    ys = Yardstick(1e-5)
+    for rank, res in enumerate(results):
+        ys.extend(res["measures"], prefix=f"rank{rank}:")
+        assert res["partial"] == {False: [], True: []}  # every rank computes the indexer whole
+    ys.assert_ok("DSA at tp 2")
+    names = {m.name.partition(":")[2] for m in ys.measures}
+    assert {f"sp={sp}/grad:indexer.{n}" for sp in (False, True) for n in ("wq_b.weight", "wk.weight", "k_norm.bias")} <= names
+
+
+# --------------------------------------------------------------------------- config
+def test_dsa_fields_required_with_D_and_warmup_only_with_D():
+    base = dict(pattern="D-", hidden=64, heads=4, vocab=32, **{f"mla_{k}": v for k, v in DIMS.items()})
+    problems = HybridArch(**base).validate("arch")
+    assert any("dsa_index_topk" in p and "'D'" in p for p in problems), problems
+    ok = HybridArch(**base, dsa_index_topk=4, dsa_index_heads=2, dsa_index_head_dim=8)
+    assert ok.validate("arch") == []
+    narrow = HybridArch(**base, dsa_index_topk=4, dsa_index_heads=2, dsa_index_head_dim=4)
+    assert any("dsa_index_head_dim" in p and "at least" in p for p in narrow.validate("arch"))
+    no_q = HybridArch(**{**base, "mla_q_lora_rank": None}, dsa_index_topk=4, dsa_index_heads=2, dsa_index_head_dim=8)
+    assert any("mla_q_lora_rank" in p for p in no_q.validate("arch"))
+    mla = HybridArch(**{**base, "pattern": "+-"})
+    cfg = LLMModuleConfig(kind="hybrid", arch=mla)
+    cfg.dsa.warmup = True
+    assert any("dsa.warmup" in p and "'D'" in p for p in cfg.validate("modules.language"))
