@@ -1,0 +1,251 @@
+"""Multi-head latent attention at DeepSeek-V3's head sizes: mimo's ``+`` layer against
+transformers' ``DeepseekV3Attention`` (issue 56).
+
+One layer (pre-norm + attention + residual), forward + backward on one THD pack of ragged samples
+(bench/gdn_hf.py's seeded lengths), bf16 on CUDA, fp32 on the CPU, the same weights and samples:
+
+* ``mimo``: our MLA layer as the model builds it (``build_layer``), on its fastest path
+  (``attention``: the varlen flash kernel of ``torch.nn.attention.varlen`` on CUDA in bf16, v
+  zero-padded to q / k's head size; else the per-sample SDPA of the exact path);
+  ``mimo_exact`` the exact path.
+* the anchor, transformers' ``DeepseekV3RMSNorm`` + ``DeepseekV3Attention`` + residual, in each
+  configuration that runs here: ``hf_<impl>_per_sample`` runs each sample as a batch of one
+  (causal, no mask: SDPA takes its causal kernels), ``hf_<impl>_padded`` one right-padded batch
+  ``[B, Lmax]`` with a causal + padding mask, for ``impl`` in eager, sdpa, flex_attention and
+  flash_attention_2 (where its package is installed; packed with position ids, transformers'
+  padding-free path). ``best`` names the fastest; ``ratio`` = its median / mimo's (above 1: mimo
+  is faster); ``ratios`` every configuration's.
+
+``rel_err`` / ``rel_err_dx`` / ``rel_err_grad`` compare ``mimo`` with the sdpa per-sample run
+(outputs less the residual, input gradients, the worst weight gradient). Times: median of
+``--iters`` steps after ``--warmup``, the variants in turn within each iteration; ``peak_gib``
+(CUDA): what one step adds to memory. One JSON line.
+
+    python bench/mla_hf.py [--small] [--tokens N] [--iters 10] [--device cuda|cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gdn_hf import device_name, median_ms, padded, peak_gib, seqlens  # noqa: E402
+
+from mimo.core.testing import rel_err  # noqa: E402
+from mimo.llm.blocks import build_layer  # noqa: E402
+from mimo.llm.config import HybridArch  # noqa: E402
+from mimo.llm.context import SeqContext  # noqa: E402
+from mimo.llm.pattern import LayerSpec  # noqa: E402
+from mimo.parallel.params import load_full_, param_table  # noqa: E402
+
+# DeepSeek-V3's head sizes (q_lora 1536, kv_lora 512, rope 64, nope 128, v 128) at 16 heads
+PRESETS = {
+    "deepseek": dict(hidden=2048, heads=16, q_lora_rank=1536, kv_lora_rank=512, rope=64, nope=128, v=128, tokens=8192),
+    "small": dict(hidden=128, heads=4, q_lora_rank=48, kv_lora_rank=32, rope=8, nope=16, v=12, tokens=256),
+}
+EPS = 1e-6
+IMPLS = ("eager", "sdpa", "flex_attention", "flash_attention_2")
+
+
+class HFBlock(nn.Module):
+    """transformers' pre-norm + MLA + residual on ``[B, L, D]`` (positions restart per row)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+
+        self.norm = m.DeepseekV3RMSNorm(cfg.hidden_size, eps=EPS)
+        self.attn = m.DeepseekV3Attention(cfg, 0)
+        self.rotary = m.DeepseekV3RotaryEmbedding(cfg)
+
+    def forward(self, h_BLD, position_ids, attention_mask=None, **kw):
+        y, _ = self.attn(self.norm(h_BLD), self.rotary(h_BLD, position_ids), attention_mask=attention_mask,
+                         position_ids=position_ids, **kw)
+        return h_BLD + y
+
+
+def hf_config(sizes: dict, impl: str):
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=sizes["hidden"], num_attention_heads=sizes["heads"], num_key_value_heads=sizes["heads"],
+        q_lora_rank=sizes["q_lora_rank"], kv_lora_rank=sizes["kv_lora_rank"], qk_rope_head_dim=sizes["rope"],
+        qk_nope_head_dim=sizes["nope"], v_head_dim=sizes["v"], rms_norm_eps=EPS, rope_interleave=True,
+        max_position_embeddings=max(4096, sizes["tokens"]), vocab_size=32, num_hidden_layers=1)
+    cfg._attn_implementation = impl
+    return cfg
+
+
+def mimo_arch(sizes: dict) -> HybridArch:
+    return HybridArch(pattern="+", hidden=sizes["hidden"], heads=sizes["heads"], vocab=32, norm_eps=EPS,
+                      mla_q_lora_rank=sizes["q_lora_rank"], mla_kv_lora_rank=sizes["kv_lora_rank"],
+                      mla_qk_rope_head_dim=sizes["rope"], mla_qk_nope_head_dim=sizes["nope"], mla_v_head_dim=sizes["v"])
+
+
+def hf_state_to_ours(block: HFBlock) -> dict:
+    state = {k[len("attn."):]: v for k, v in block.state_dict().items() if k.startswith("attn.")}
+    return {**state, "norm.weight": block.norm.weight.detach()}
+
+
+def available(impl: str) -> str | None:
+    """Why ``impl`` cannot run here (None: it can)."""
+    if impl == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        return "flash_attn is not installed"
+    return None
+
+
+# ---------------------------------------------------------------- steps
+def mimo_step(layer, x_TD, dy_TD, seq):
+    def step():
+        layer.zero_grad(set_to_none=True)
+        h_TD = x_TD.detach().requires_grad_(True)
+        y_TD = layer(h_TD, seq)
+        y_TD.backward(dy_TD)
+        return h_TD, y_TD
+    return step
+
+
+def hf_per_sample_step(block, x_TD, dy_TD, cu: list[int]):
+    def step():
+        block.zero_grad(set_to_none=True)
+        out = []
+        for s, e in zip(cu[:-1], cu[1:]):
+            h_1LD = x_TD[s:e].detach()[None].requires_grad_(True)
+            y_1LD = block(h_1LD, torch.arange(e - s, device=x_TD.device)[None])
+            y_1LD.backward(dy_TD[s:e][None])
+            out.append((h_1LD, y_1LD))
+        return out
+    return step
+
+
+def hf_padded_step(block, x_BLD, dy_BLD, mask_BL):
+    b, n = mask_BL.shape
+    causal = torch.ones(n, n, dtype=torch.bool, device=x_BLD.device).tril()
+    mask_B1LL = (causal[None] & mask_BL.bool()[:, None, :])[:, None]  # True: attend
+    pos_BL = torch.arange(n, device=x_BLD.device)[None].expand(b, n)
+
+    def step():
+        block.zero_grad(set_to_none=True)
+        h_BLD = x_BLD.detach().requires_grad_(True)
+        y_BLD = block(h_BLD, pos_BL, attention_mask=mask_B1LL)
+        y_BLD.backward(dy_BLD)
+        return h_BLD, y_BLD
+    return step
+
+
+def hf_packed_step(block, x_TD, dy_TD, lens: list[int]):
+    """transformers' padding-free path (flash_attention_2): one row, positions restarting per sample."""
+    pos_1T = torch.cat([torch.arange(n, device=x_TD.device) for n in lens])[None]
+
+    def step():
+        block.zero_grad(set_to_none=True)
+        h_1TD = x_TD.detach()[None].requires_grad_(True)
+        y_1TD = block(h_1TD, pos_1T)
+        y_1TD.backward(dy_TD[None])
+        return h_1TD, y_1TD
+    return step
+
+
+def check(mimo_run, per_sample_run, layer, block) -> dict:
+    h_TD, y_TD = mimo_run
+    hf_y = torch.cat([(y - h)[0] for h, y in per_sample_run]).detach()
+    hf_dx = torch.cat([h.grad[0] for h, _ in per_sample_run])
+    theirs = {k[len("attn."):] if k.startswith("attn.") else "norm.weight": p.grad
+              for k, p in block.named_parameters()}
+    ours = {n: p.grad for n, p in layer.named_parameters()}
+    worst = max((rel_err(ours[n], g), n) for n, g in theirs.items())
+    return {"rel_err": rel_err((y_TD - h_TD).detach(), hf_y), "rel_err_dx": rel_err(h_TD.grad, hf_dx),
+            "rel_err_grad": worst[0], "rel_err_grad_worst": worst[1]}
+
+
+# ---------------------------------------------------------------- the bench
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="a CPU-sized layer: " + str(PRESETS["small"]))
+    for key in PRESETS["deepseek"]:
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help="overrides the preset")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    preset = PRESETS["small" if args.small else "deepseek"]
+    sizes = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in preset.items()}
+    lens = seqlens(sizes["tokens"], args.seed)
+    seq = SeqContext.from_seqlens(lens, device=device)
+    cu = seq.cu_seqlens.tolist()
+
+    torch.manual_seed(args.seed)
+    blocks = {}
+    for impl in IMPLS:
+        if available(impl) is None:
+            blocks[impl] = HFBlock(hf_config(sizes, impl))
+    weights = hf_state_to_ours(blocks["sdpa"])
+    for block in blocks.values():
+        block.load_state_dict(blocks["sdpa"].state_dict())
+    layer = build_layer(mimo_arch(sizes), LayerSpec(0, "mla"))
+    load_full_(param_table(layer), weights)
+    exact = build_layer(mimo_arch(sizes), LayerSpec(0, "mla"))
+    load_full_(param_table(exact), weights)
+    exact.impl = "exact"
+    layer, exact = layer.to(device=device, dtype=dtype), exact.to(device=device, dtype=dtype)
+    blocks = {k: b.to(device=device, dtype=dtype) for k, b in blocks.items()}
+
+    g = torch.Generator().manual_seed(args.seed + 1)
+    x_TD, dy_TD = (torch.randn(sizes["tokens"], sizes["hidden"], generator=g).to(device, dtype) for _ in range(2))
+    x_BLD, mask_BL = padded(x_TD, lens)
+    dy_BLD, _ = padded(dy_TD, lens)
+    fast = device.type == "cuda" and dtype == torch.bfloat16
+    from mimo.llm.attention import _varlen_attn
+
+    result = {"bench": "mla_hf", "device": device_name(device), "torch": torch.__version__,
+              "transformers": transformers.__version__, "dtype": dtype_name, **sizes, "samples": len(lens),
+              "max_len": max(lens), "iters": args.iters,
+              "mimo_kernel": "varlen flash (torch.nn.attention.varlen)" if fast and _varlen_attn() is not None
+              else "per-sample SDPA (exact path)",
+              "hf_unavailable": {impl: why for impl in IMPLS if (why := available(impl)) is not None}}
+    steps = {"mimo": (mimo_step(layer, x_TD, dy_TD, seq), layer),
+             "mimo_exact": (mimo_step(exact, x_TD, dy_TD, seq), exact)}
+    for impl, block in blocks.items():
+        if impl == "flash_attention_2":
+            steps["hf_flash_attention_2_packed"] = (hf_packed_step(block, x_TD, dy_TD, lens), block)
+            continue
+        steps[f"hf_{impl}_per_sample"] = (hf_per_sample_step(block, x_TD, dy_TD, cu), block)
+        steps[f"hf_{impl}_padded"] = (hf_padded_step(block, x_BLD, dy_BLD, mask_BL), block)
+    failed = {}
+    for name in list(steps):
+        try:
+            steps[name][0]()
+        except Exception as e:  # a configuration that does not run here is reported, not fatal
+            failed[name] = f"{type(e).__name__}: {str(e)[:200]}"
+            del steps[name]
+    result["hf_failed"] = failed
+    times = median_ms({name: step for name, (step, _) in steps.items()}, args.iters, args.warmup, device)
+    for name, (step, module) in steps.items():
+        result[name] = {"ms": times[name], **peak_gib(step, module, device)}
+    anchors = {n: t for n, t in times.items() if n.startswith("hf_")}
+    result["ratios"] = {n: round(t / times["mimo"], 3) for n, t in anchors.items()}
+    result["best"] = min(anchors, key=anchors.get)
+    result["ratio"] = result["ratios"][result["best"]]
+    result.update(check(steps["mimo"][0](), steps["hf_sdpa_per_sample"][0](), layer, blocks["sdpa"]))
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
