@@ -17,7 +17,9 @@ One layer (pre-norm + attention + residual), forward + backward on one THD pack 
   is faster); ``ratios`` every configuration's.
 
 ``rel_err`` / ``rel_err_dx`` / ``rel_err_grad`` compare ``mimo`` with the sdpa per-sample run
-(outputs less the residual, input gradients, the worst weight gradient). Times: median of
+(outputs less the residual, input gradients, the worst weight gradient); in bf16,
+``mimo_vs_fp32_*`` and ``hf_vs_fp32_*`` compare each with that run in fp32 (the weights and
+inputs rounded to bf16 alike), so that bf16's own error is seen beside the difference. Times: median of
 ``--iters`` steps after ``--warmup``, the variants in turn within each iteration; ``peak_gib``
 (CUDA): what one step adds to memory. One JSON line.
 
@@ -152,16 +154,39 @@ def hf_packed_step(block, x_TD, dy_TD, lens: list[int]):
     return step
 
 
-def check(mimo_run, per_sample_run, layer, block) -> dict:
-    h_TD, y_TD = mimo_run
-    hf_y = torch.cat([(y - h)[0] for h, y in per_sample_run]).detach()
-    hf_dx = torch.cat([h.grad[0] for h, _ in per_sample_run])
-    theirs = {k[len("attn."):] if k.startswith("attn.") else "norm.weight": p.grad
-              for k, p in block.named_parameters()}
-    ours = {n: p.grad for n, p in layer.named_parameters()}
-    worst = max((rel_err(ours[n], g), n) for n, g in theirs.items())
-    return {"rel_err": rel_err((y_TD - h_TD).detach(), hf_y), "rel_err_dx": rel_err(h_TD.grad, hf_dx),
-            "rel_err_grad": worst[0], "rel_err_grad_worst": worst[1]}
+def per_sample_result(run, block) -> dict:
+    """(outputs less the residual, input gradients, weight gradients by our names) of a per-sample run."""
+    grads = {k[len("attn."):] if k.startswith("attn.") else "norm.weight": p.grad for k, p in block.named_parameters()}
+    return {"y": torch.cat([(y - h)[0] for h, y in run]).detach(), "dx": torch.cat([h.grad[0] for h, _ in run]),
+            "grads": grads}
+
+
+def mimo_result(run, layer) -> dict:
+    h_TD, y_TD = run
+    return {"y": (y_TD - h_TD).detach(), "dx": h_TD.grad, "grads": {n: p.grad for n, p in layer.named_parameters()}}
+
+
+def errors(got: dict, want: dict, prefix: str = "") -> dict:
+    """Relative errors of outputs, input gradients and the worst weight gradient."""
+    worst = max((rel_err(got["grads"][n], g.to(got["grads"][n].dtype)), n) for n, g in want["grads"].items())
+    return {f"{prefix}rel_err": rel_err(got["y"], want["y"].to(got["y"].dtype)),
+            f"{prefix}rel_err_dx": rel_err(got["dx"], want["dx"].to(got["dx"].dtype)),
+            f"{prefix}rel_err_grad": worst[0], f"{prefix}rel_err_grad_worst": worst[1]}
+
+
+def check(mimo_run, per_sample_run, layer, block, fp32_run=None, fp32_block=None) -> dict:
+    """mimo against transformers' sdpa per-sample run; in bf16 also each of them against the same
+    per-sample run in fp32 (``mimo_vs_fp32_*``, ``hf_vs_fp32_*``): the errors bf16 itself makes."""
+    ours, theirs = mimo_result(mimo_run, layer), per_sample_result(per_sample_run, block)
+    out = errors(ours, theirs)
+    if fp32_run is not None:
+        ref = per_sample_result(fp32_run, fp32_block)
+        ref = {"y": ref["y"], "dx": ref["dx"], "grads": ref["grads"]}
+        out.update(errors({k: (v.float() if k != "grads" else {n: g.float() for n, g in v.items()})
+                           for k, v in ours.items()}, ref, "mimo_vs_fp32_"))
+        out.update(errors({k: (v.float() if k != "grads" else {n: g.float() for n, g in v.items()})
+                           for k, v in theirs.items()}, ref, "hf_vs_fp32_"))
+    return out
 
 
 # ---------------------------------------------------------------- the bench
@@ -242,7 +267,12 @@ def main(argv=None) -> dict:
     result["ratios"] = {n: round(t / times["mimo"], 3) for n, t in anchors.items()}
     result["best"] = min(anchors, key=anchors.get)
     result["ratio"] = result["ratios"][result["best"]]
-    result.update(check(steps["mimo"][0](), steps["hf_sdpa_per_sample"][0](), layer, blocks["sdpa"]))
+    fp32_run = fp32_block = None
+    if dtype != torch.float32:  # the same per-sample run in fp32: what bf16 costs each side
+        fp32_block = HFBlock(hf_config(sizes, "sdpa")).to(device)
+        fp32_block.load_state_dict({k: v.float() for k, v in blocks["sdpa"].state_dict().items()})
+        fp32_run = hf_per_sample_step(fp32_block, x_TD.float(), dy_TD.float(), cu)()
+    result.update(check(steps["mimo"][0](), steps["hf_sdpa_per_sample"][0](), layer, blocks["sdpa"], fp32_run, fp32_block))
     print(json.dumps(result))
     return result
 
