@@ -25,7 +25,8 @@ warm-up (``warmup``: every causal key attended, nothing selected; the rest of th
 ``mimo.compose.model``) all of the prefix, in the sparse stage the selected keys. Summed over real
 queries, times ``kl_weight``, divided by the step's loss-token count as the MoE aux losses are, it
 joins the objective through ``attach_loss`` (a training forward only); ``kl_sum`` keeps the
-layer's last unscaled sum for reporting.
+layer's last unscaled sum, and ``kl_acc`` the step's (a training forward's, not its recompute's),
+which training reports as ``dsa/indexer_kl`` in metrics.jsonl (``step_kl``).
 
 Layout. The indexer is replicated over TP and computed whole on every TP rank (under SP on the
 gathered rows: its inputs are detached, so the gathers carry no gradient): each rank selects the
@@ -53,8 +54,10 @@ from mimo.llm.mla import MLA, MLAConfig
 from mimo.llm.router import attach_loss
 from mimo.parallel.collectives import gather_seq
 from mimo.parallel.context import ParallelContext
+from mimo.parallel.recompute import replaying
 
-__all__ = ["IndexerConfig", "Indexer", "DSA", "build_dsa", "rope_half", "select_keys", "set_dsa_training"]
+__all__ = ["IndexerConfig", "Indexer", "DSA", "build_dsa", "rope_half", "select_keys", "set_dsa_training", "dsa_layers",
+           "step_kl"]
 
 INDEX_NORM_EPS = 1e-6  # the indexer's k_norm (Hugging Face builds nn.LayerNorm(head_dim, eps=1e-6))
 
@@ -152,6 +155,7 @@ class DSA(MLA):
         self.warmup = False  # the dense warm-up (set_dsa_training)
         self.kl_weight = 1.0
         self.kl_sum: torch.Tensor | None = None
+        self.kl_acc = torch.zeros((), dtype=torch.float32)  # the step's KL sum (fp32 whatever the model's dtype)
 
     def forward(self, h_TD: torch.Tensor, seq: SeqContext) -> torch.Tensor:
         if seq.cache is not None:
@@ -169,6 +173,8 @@ class DSA(MLA):
         o_TF = o_THV.reshape(o_THV.shape[0], -1)
         if kl is not None:
             self.kl_sum = kl.detach()
+            if torch.is_grad_enabled() and not replaying():
+                self.kl_acc = self.kl_acc.to(kl.device) + self.kl_sum.float()
             if self.kl_weight:
                 o_TF = attach_loss(o_TF, kl * (self.kl_weight / seq.loss_norm))
         return h_TD + self.o_proj(o_TF)
@@ -242,3 +248,17 @@ def set_dsa_training(module: nn.Module, warmup: bool, kl_weight: float) -> list[
         for name, p in module.named_parameters():
             p.requires_grad_(".indexer." in f".{name}")
     return layers
+
+
+def dsa_layers(module: nn.Module | None) -> list[DSA]:
+    return [] if module is None else [m for m in module.modules() if isinstance(m, DSA)]
+
+
+def step_kl(layers: list[DSA], reset: bool = False) -> torch.Tensor:
+    """The summed KL of the step's training forwards over ``layers`` (fp64 on the CPU, a device
+    sync); ``reset``: zero the layers' accumulators instead (at a step's start) and return 0."""
+    if reset:
+        for layer in layers:
+            layer.kl_acc = torch.zeros((), dtype=torch.float32)
+        return torch.zeros((), dtype=torch.float64)
+    return sum((layer.kl_acc.to("cpu", torch.float64) for layer in layers), torch.zeros((), dtype=torch.float64))

@@ -104,7 +104,8 @@ def train_case(config_path: str, overrides: list[str], steps: int, reference: bo
     for step in range(1, steps + 1):
         record["steps"].append({})
         result = train_step(model, pipeline, step, optimizers, run.policy, on_grads=grab)
-        record["steps"][-1].update(loss=result.loss, loss_tokens=result.loss_tokens, mtp=dict(result.mtp))
+        record["steps"][-1].update(loss=result.loss, loss_tokens=result.loss_tokens, mtp=dict(result.mtp),
+                                   dsa=dict(result.dsa))
     finish_updates(optimizers)  # weights a sharded optimizer is still gathering
     full = model.full_params()
     record["params"] = _to_cpu({
@@ -180,8 +181,9 @@ def compare(layout: list[dict], reference: list[dict], tol: float, per_module: b
     for i, want in enumerate(ref["steps"]):
         got, want64, label = layout[0]["steps"][i], ref64["steps"][i], f"step {i + 1}"
         scalar("loss", got["loss"], want["loss"], want64["loss"], label)
-        for key, value in want.get("mtp", {}).items():  # arch.mtp's losses, reported apart
-            scalar("loss", got["mtp"][key], value, want64["mtp"][key], f"{label} {key}")
+        for part in ("mtp", "dsa"):  # arch.mtp's losses and the DSA indexers' KL, reported apart
+            for key, value in want.get(part, {}).items():
+                scalar("loss", got[part][key], value, want64[part][key], f"{label} {key}")
         scalar("grad_norm", got["grad_norm"], want["grad_norm"], want64["grad_norm"], label)
         tensors("grads", _merge(layout, lambda r: r["steps"][i].get("grads", {})), want["grads"], want64["grads"], f"{label} ")
     tensors("params", _merge(layout, lambda r: r["params"]), ref["params"], ref64["params"], "")

@@ -239,6 +239,7 @@ class Reporter:
             "skipped_step": result.skipped, "skipped_steps": self.skipped_steps,
             "wall_time": time.time(),
             **getattr(result, "mtp", {}),  # mtp/loss (and mtp/loss_depth<k>): LLMs with arch.mtp
+            **getattr(result, "dsa", {}),  # dsa/indexer_kl (DeepSeek sparse attention layers)
             **getattr(result, "moe", {}),  # moe/max_load, moe/dead_experts, moe/aux_loss, moe/layer<i>/... (MoE LLMs)
         }
         self._write(rec)

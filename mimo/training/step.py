@@ -32,6 +32,7 @@ import torch.distributed as dist
 from mimo.compose.model import MimoModel
 from mimo.data.pipeline import DataPipeline
 from mimo.llm.balance import STATS, Balancer, stats_metrics
+from mimo.llm.dsa import dsa_layers, step_kl
 from mimo.llm.mtp import mtp_metrics
 from mimo.training.bucket_optim import BucketAdamW, bucket_grad_norm
 from mimo.training.optim import GradSync, PrecisionPolicy, bucket_numel, clip_grads_, clip_scale, global_grad_norm, lr_for
@@ -58,6 +59,9 @@ class StepResult:
     # MTP losses for metrics.jsonl (``mimo.llm.mtp.mtp_metrics`` keys; {} without arch.mtp);
     # handed over as (each depth's loss [depth],) and read on first access
     mtp: dict | tuple = field(default_factory=dict)  # train.on_nonfinite skip_step: the gradient norm was not finite, no update
+    # the DSA indexers' KL for metrics.jsonl (``dsa/indexer_kl``: the D layers' mean per loss
+    # token; {} without D layers)
+    dsa: dict = field(default_factory=dict)
 
     def __getattribute__(self, name):
         value = object.__getattribute__(self, name)
@@ -141,6 +145,8 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     mtp = getattr(llm.module, "mtp", None)
     if mtp is not None:
         mtp.reset()
+    dsa = dsa_layers(llm.module)
+    step_kl(dsa, reset=True)
     grad_sync = grad_sync_for(model, policy)
     params = grad_sync.params  # the run's table, built once with the buffers (not per step: host time at the step boundary)
     grad_sync.zero_grad()
@@ -193,17 +199,36 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     depth = cfg.llm.arch.mtp.depth if cfg.llm.arch.mtp is not None else 0
     # riding along: the MoE stats, the MTP losses and the loss-token count (which ranks outside
     # the LLM's grid do not know), each held so that its sum over the world counts it once
+    n_dsa = _dsa_count(cfg.llm.arch)
     extras = ([_moe_table(model, layers, stats).reshape(-1)] if layers else []) + [
-        _mtp_losses(model, depth, num_loss_tokens), _held_by_first_llm_rank(model, num_loss_tokens)]
+        _dsa_kl(model, dsa, n_dsa, num_loss_tokens), _mtp_losses(model, depth, num_loss_tokens),
+        _held_by_first_llm_rank(model, num_loss_tokens)]
     loss, extra_sum = _world_loss(model, loss_local, torch.cat(extras))
     moe = (layers, stats.table_L3) if stats is not None else {}
-    mtp_K = extras[-2]
+    kl, mtp_K = extras[-3], extras[-2]
     if extra_sum is not None:
-        moe_sum, mtp_K, count = extra_sum.split([len(layers) * len(STATS), depth, 1])
+        moe_sum, kl, mtp_K, count = extra_sum.split([len(layers) * len(STATS), 1, depth, 1])
         moe = (layers, moe_sum.view(len(layers), len(STATS))) if layers else {}
         num_loss_tokens = float(count)
     mtp_result = (mtp_K,) if depth else {}
-    return StepResult(loss, norm_t, int(num_loss_tokens), lrs, _read_failures(mbs), events, moe, mtp=mtp_result)
+    dsa_result = {"dsa/indexer_kl": float(kl)} if n_dsa else {}
+    return StepResult(loss, norm_t, int(num_loss_tokens), lrs, _read_failures(mbs), events, moe, mtp=mtp_result,
+                      dsa=dsa_result)
+
+
+def _dsa_count(arch) -> int:
+    """The LLM's DSA layers (the pattern's and the MTP blocks'), the same on every rank."""
+    specs = [*arch.layer_pattern().layers, *(s for depth in arch.mtp_layers() for s in depth)]
+    return sum(s.kind == "dsa" for s in specs)
+
+
+def _dsa_kl(model: MimoModel, layers: list, count: int, num_loss_tokens: float) -> torch.Tensor:
+    """``[1]``: this rank's DSA layers' step KL over the loss-token count and the layer count where
+    it is of TP coordinate 0 (every TP rank computes the whole indexer), zeros elsewhere: the
+    world's sum counts each stage's, each DP rank's and each CP rank's share once."""
+    if not count or not layers or model.llm.grid.coords(model.rank)["tp"] != 0:
+        return torch.zeros(1, dtype=torch.float64)
+    return (step_kl(layers) / max(num_loss_tokens, 1.0) / count).reshape(1)
 
 
 def _mtp_losses(model: MimoModel, depth: int, num_loss_tokens: float) -> torch.Tensor:
