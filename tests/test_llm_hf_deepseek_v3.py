@@ -122,10 +122,13 @@ def mtp_module(model, seed: int = 7):
     random enorm / hnorm / eh_proj / shared_head.norm, and the copies of the embedding and head.
     Returns (its checkpoint tensors, in the order export writes them; the layer; the norms and eh_proj)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32DecoderLayer
 
     cfg = model.config
     n, d = cfg.num_hidden_layers, cfg.hidden_size
-    layer = DeepseekV3DecoderLayer(cfg, n).eval()
+    if cfg.model_type == "deepseek_v32":  # its layer n (past mlp_layer_types: an MoE one, as DeepSeek's MTP)
+        cfg = type(cfg)(**{**cfg.to_dict(), "num_hidden_layers": n + 1, "mlp_layer_types": None, "layer_types": None})
+    layer = (DeepseekV32DecoderLayer if cfg.model_type == "deepseek_v32" else DeepseekV3DecoderLayer)(cfg, n).eval()
     randomize_(layer, seed)
     parts = torch.nn.ModuleDict({"enorm": DeepseekV3RMSNorm(d, cfg.rms_norm_eps),
                                  "hnorm": DeepseekV3RMSNorm(d, cfg.rms_norm_eps),
@@ -169,27 +172,29 @@ def mtp_stage(path) -> LLMStage:
     return stage.eval()
 
 
-@pytest.mark.parametrize("naming", ["state_dict", "per_expert"])
-def test_mtp_layers_import_and_export_under_their_names(tmp_path, naming):
+@pytest.mark.parametrize("name,naming", [("small", "state_dict"), ("small", "per_expert"), ("v32", "state_dict")])
+def test_mtp_layers_import_and_export_under_their_names(tmp_path, name, naming):
     """A checkpoint with DeepSeek's MTP layer (model.layers.3: enorm, hnorm, eh_proj, an MoE
     decoder layer, shared_head, the embedding / head copies; fused or per-expert) gives
     arch.mtp (depth 1, '+E'), loads, and exports back tensor for tensor under the same names
-    (the copies written, the MTP router's expert bias included), num_nextn_predict_layers 1."""
-    model = hf_model(SMALL)
+    (the copies written, the MTP router's expert bias included), num_nextn_predict_layers 1.
+    DeepSeek-V3.2's: its MTP layer's attention DSA, the indexer's tensors included ('DE')."""
+    model = hf_model(CONFIGS[name])
+    block = "DE" if name == "v32" else "+E"
     mtp, _, _ = mtp_module(model)
     theirs = {**model.state_dict(), **mtp}
     save_hf_checkpoint(str(tmp_path), theirs if naming == "state_dict" else per_expert(theirs),
                        dict(model.config.to_dict(), num_nextn_predict_layers=1))
     stage = mtp_stage(tmp_path)
     arch = stage.arch
-    assert arch.mtp == MTPArch(depth=1, pattern="+E")
+    assert arch.mtp == MTPArch(depth=1, pattern=block)
     assert with_checkpoint_mtp(arch, theirs).mtp == arch.mtp  # (mimo.llm.hf's, which import-hf writes, takes DeepSeek's)
     if naming == "state_dict":  # mimo import-hf: the modules section it writes has the MTP block
         from mimo.commands.import_hf import describe_causal_lm
 
         describe_causal_lm(str(tmp_path), str(tmp_path / "modules.yaml"))
         written = yaml.safe_load((tmp_path / "modules.yaml").read_text())["modules"]["language"]["arch"]
-        assert written["mtp"]["depth"] == 1 and written["mtp"]["pattern"] == "+E"
+        assert written["mtp"]["depth"] == 1 and written["mtp"]["pattern"] == block
     assert dict(stage.named_parameters())["mtp.0.fc.weight"].shape == (64, 128)
     exported = export_hf_state(our_state(stage), arch)
     assert list(exported) == list(theirs)
