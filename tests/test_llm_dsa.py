@@ -282,3 +282,17 @@ def test_dsa_fields_required_with_D_and_warmup_only_with_D():
     cfg = LLMModuleConfig(kind="hybrid", arch=mla)
     cfg.dsa.warmup = True
     assert any("dsa.warmup" in p and "'D'" in p for p in cfg.validate("modules.language"))
+
+
+def test_mla_lora_targets_adapt_dsa_layers():
+    """q_a / q_b / kv_a / kv_b (MLA's projections) adapt a D layer's: a DSA layer is an MLA layer;
+    the indexer takes none (it trains on its KL loss alone)."""
+    from mimo.llm.model import LLMStage, LORA_TARGETS
+    from mimo.parallel.lora import attach_targets
+    from mimo.parallel.lora_config import LoraSpec
+
+    arch = dataclasses.replace(_arch(_hf_config(4)), pattern="D-D-", ffn=32)
+    stage = LLMStage(arch)
+    paths = attach_targets(stage, LoraSpec(4, 8.0), 0, LORA_TARGETS, ["q_a", "q_b", "kv_a", "kv_b"], "modules.language.lora")
+    assert sorted(paths) == sorted(f"layers.{i}.{p}" for i in (0, 2)
+                                   for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")), paths

@@ -38,6 +38,11 @@ LAYOUTS = {
             ("q_lora_rank", 24), ("kv_lora_rank", 16), ("qk_rope_head_dim", 8), ("qk_nope_head_dim", 8), ("v_head_dim", 12))),
         LANG + "parallel.sequence_parallel=true", LANG + "lora.dora=true",
         LANG + "lora.targets=[q_a, q_b, kv_a, kv_b, o, gate, down]"],
+    "lora on deepseek sparse attention's projections, llm tp2 dp2": [
+        LANG + "arch.pattern=D-D-", *(f"{LANG}arch.mla_{k}={v}" for k, v in (
+            ("q_lora_rank", 24), ("kv_lora_rank", 16), ("qk_rope_head_dim", 8), ("qk_nope_head_dim", 8), ("v_head_dim", 12))),
+        *(f"{LANG}arch.dsa_{k}={v}" for k, v in (("index_topk", 8), ("index_heads", 4), ("index_head_dim", 8))),
+        LANG + "lora.targets=[q_a, q_b, kv_a, kv_b, o]"],
     "lora on the gated shared expert and experts, llm tp2 sp dp2": [
         *MOE, LANG + "arch.moe={experts: 4, topk: 2, ffn: 32, shared_ffn: 24, shared_gate: true}",
         LANG + "lora.targets=[q, shared, experts]", LANG + "parallel.sequence_parallel=true"],

@@ -306,7 +306,7 @@ def attach_targets(root: nn.Module, spec: LoraSpec, seed: int | None, table: dic
     for name in targets:
         target = table[name]
         hits = [path for path in layers if re.fullmatch(target.pattern, path)
-                and (target.owner is None or type(layers[path.rpartition(".")[0]]).__name__ == target.owner)
+                and (target.owner is None or _is_a(layers[path.rpartition(".")[0]], target.owner))
                 and (target.cls is None or type(layers[path]).__name__ == target.cls)]
         for path in hits:
             if target.groups is None:
@@ -408,3 +408,8 @@ def merge_adapters(state: dict[str, torch.Tensor], sites: list[AdapterSite]) -> 
 
 def is_adapter_tensor(name: str) -> bool:
     return name.rpartition(".")[2] in ("lora_A", "lora_B", "lora_magnitude")
+
+
+def _is_a(module, class_name: str) -> bool:
+    """Whether ``module`` is of the class named (or a subclass of it: DSA layers are MLA layers)."""
+    return any(c.__name__ == class_name for c in type(module).__mro__)
