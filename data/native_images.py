@@ -17,6 +17,13 @@ settings (the processor Qwen3-VL loads), so a checkpoint trained there sees the 
   ``merge x merge`` patches the bridge later fuses into one LLM token sit next to each other),
   each row ``C x temporal_patch x patch x patch`` with the single frame repeated in time.
 
+Kimi-K2.5's processor (``resize: navit``, ``Kimi_K25ImageProcessor``) cuts otherwise: an image of
+more than ``max_patches`` patches (``floor(side / patch)`` per side), or more than ``max_side``
+patches on a side, is scaled down by one factor to fit (never up; each side truncated to whole
+pixels), resized as above, then padded with black (zero bytes, before normalising) on the right
+and at the bottom to multiples of ``patch * merge`` (``navit_sizes``); its rows are laid out as
+above (the processor lists them in raster order: the tower takes this order, ``mimo.encoders.moonvit``).
+
 The row count and the token count depend only on the image size, which an image file's header
 gives without decoding the pixels (``grid_from_bytes``): planners can lay out packs before any
 decode. Images that cannot be honoured raise ``DataError`` (a pipeline may count them as skips):
@@ -56,6 +63,11 @@ class NativeImageSpec:
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     channels: int = 3
+    # the resize rule: "smart" (Qwen3-VL's processor: min_pixels / max_pixels) or "navit" (Kimi-K2.5's:
+    # scaled down to max_patches / max_side patches, then padded to whole merge blocks)
+    resize: str = "smart"
+    max_patches: int = 16384  # navit: the patch budget of an image
+    max_side: int = 512  # navit: patches per side
 
     @property
     def factor(self) -> int:
@@ -110,10 +122,34 @@ def smart_size(height: int, width: int, spec: NativeImageSpec = NativeImageSpec(
     return h, w
 
 
+def navit_sizes(height: int, width: int, spec: NativeImageSpec) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(resized, padded) ``(height, width)`` of an image under Kimi-K2.5's rule (module doc; the
+    processor's ``navit_resize``, the same float operations), or ``DataError`` for an empty one."""
+    if height < 1 or width < 1:
+        raise DataError(f"image too small: {height}x{width} (height x width) is empty, nothing to cut into patches")
+    p = spec.patch
+    patches = max(1.0, height // p) * max(1.0, width // p)
+    scale = min(1.0, math.sqrt(spec.max_patches / patches), spec.max_side * p / height, spec.max_side * p / width)
+    h = min(max(1, int(height * scale)), spec.max_side * p)
+    w = min(max(1, int(width * scale)), spec.max_side * p)
+    f = spec.factor
+    return (h, w), (h + (f - h % f) % f, w + (f - w % f) % f)
+
+
+def target_sizes(height: int, width: int, spec: NativeImageSpec = NativeImageSpec()) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(resized, padded) ``(height, width)`` of an image under ``spec``'s rule (``smart``: no padding)."""
+    if spec.resize == "navit":
+        return navit_sizes(height, width, spec)
+    if spec.resize != "smart":
+        raise DataError(f"unknown resize rule {spec.resize!r} (smart, navit)")
+    size = smart_size(height, width, spec)
+    return size, size
+
+
 def image_grid(height: int, width: int, spec: NativeImageSpec = NativeImageSpec()) -> tuple[int, int, int]:
     """``(t, gh, gw)`` patches of one image (the processor's ``image_grid_thw``): a still image is
     one temporal patch (its frame repeated), so ``t`` is 1."""
-    h, w = smart_size(height, width, spec)
+    _, (h, w) = target_sizes(height, width, spec)
     return 1, h // spec.patch, w // spec.patch
 
 
@@ -181,10 +217,15 @@ def resize_uint8(x_NCHW, size: tuple[int, int]):
 
 
 def _resized(img, spec: NativeImageSpec):
-    """uint8 ``[C, h, w]`` of an image at its ``smart_size``."""
+    """uint8 ``[C, h, w]`` of an image at its ``target_sizes`` (resized, then padded with zeros on
+    the right and at the bottom where the rule pads)."""
+    import torch.nn.functional as F
+
     x_CHW = _rgb_uint8_CHW(img)
     _, H, W = x_CHW.shape
-    return resize_uint8(x_CHW[None], smart_size(H, W, spec))[0]
+    (h, w), (ph, pw) = target_sizes(H, W, spec)
+    x_CHW = resize_uint8(x_CHW[None], (h, w))[0]
+    return F.pad(x_CHW, (0, pw - w, 0, ph - h)) if (ph, pw) != (h, w) else x_CHW
 
 
 def _blocks(x_CHW, spec: NativeImageSpec):

@@ -6,6 +6,12 @@
   (``Qwen3VisionArch``, built by ``mimo.encoders.qwen3_vl``; its mergers are its projector): an
   image gives as many rows as its grid holds merge blocks, each ``out_hidden * (1 + deepstack
   levels)`` wide (docs/design.md §10). Its weights import from a Hugging Face Qwen3-VL directory.
+* ``kind: kimi_k25`` (``KimiEncoderModuleConfig``, the same fields): Kimi-K2.5's MoonViT tower and
+  its projector (``MoonViTArch``, built by ``mimo.encoders.moonvit``), images cut as Kimi's processor
+  cuts them (``KimiImageConfig``); weights from a Hugging Face Kimi-K2.5 directory.
+
+``NATIVE_TOWERS`` is the registry of the native-resolution kinds: each kind's config class, tower
+class, Hugging Face weight module and the Hugging Face model types whose tower it is.
 
 Torch-free (``mimo check-config`` reads it without importing torch).
 """
@@ -78,8 +84,46 @@ _HF_FIELDS = {
 }
 
 
+class _NativeArch:
+    """What every native-resolution tower's arch derives alike from its fields (``hidden``,
+    ``heads``, ``spatial_merge``, ``channels``, ``temporal_patch``, ``patch``, ``out_hidden``,
+    ``deepstack_layers``)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def merge_width(self) -> int:
+        """M: the width of a fused merge block (merge^2 * D), the mergers' inner width."""
+        return self.spatial_merge**2 * self.hidden
+
+    @property
+    def row_numel(self) -> int:
+        """J: values in one patch row (C * temporal_patch * patch * patch)."""
+        return self.channels * self.temporal_patch * self.patch * self.patch
+
+    @property
+    def levels(self) -> int:
+        """Feature levels of an output row: the main merger's, then one per deepstack layer."""
+        return 1 + len(self.deepstack_layers)
+
+    @property
+    def out_width(self) -> int:
+        """X: the width of an output row, out_hidden per level."""
+        return self.out_hidden * self.levels
+
+    def _head_problems(self, path: str) -> list[str]:
+        if self.hidden % self.heads:
+            return [f"{join_path(path, 'hidden')}: {self.hidden} is not divisible by heads={self.heads}"]
+        if self.head_dim % 4:
+            return [f"{join_path(path, 'hidden')}: the head size {self.head_dim} (hidden / heads) must be a multiple of 4 "
+                    f"for the 2-D rotary embedding (a quarter of it per axis and half)"]
+        return []
+
+
 @dataclass
-class Qwen3VisionArch:
+class Qwen3VisionArch(_NativeArch):
     """The architecture of a Qwen3-VL vision tower (Hugging Face's ``Qwen3VLVisionConfig``), or of
     Qwen3.5's (``Qwen3_5VisionConfig``: the same tower without deepstack)."""
 
@@ -104,33 +148,9 @@ class Qwen3VisionArch:
     rope_theta: float = 10000.0  # rope_parameters.rope_theta (axial 2-D rotary)
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def merge_width(self) -> int:
-        """M: the width of a fused merge block (merge^2 * D), the mergers' inner width."""
-        return self.spatial_merge**2 * self.hidden
-
-    @property
     def grid_side(self) -> int:
         """Side of the square learned position table."""
         return math.isqrt(self.num_position_embeddings)
-
-    @property
-    def row_numel(self) -> int:
-        """J: values in one patch row (C * temporal_patch * patch * patch)."""
-        return self.channels * self.temporal_patch * self.patch * self.patch
-
-    @property
-    def levels(self) -> int:
-        """Feature levels of an output row: the main merger's, then one per deepstack layer."""
-        return 1 + len(self.deepstack_layers)
-
-    @property
-    def out_width(self) -> int:
-        """X: the width of an output row, out_hidden per level."""
-        return self.out_hidden * self.levels
 
     def validate(self, path: str) -> list[str]:
         problems = at_least(self, path, 1, "depth", "hidden", "heads", "mlp", "out_hidden", "num_position_embeddings",
@@ -150,11 +170,7 @@ class Qwen3VisionArch:
                             f"in 0..{self.depth - 1} (depth={self.depth})")
         if problems:
             return problems
-        if self.hidden % self.heads:
-            problems.append(f"{join_path(path, 'hidden')}: {self.hidden} is not divisible by heads={self.heads}")
-        elif self.head_dim % 4:
-            problems.append(f"{join_path(path, 'hidden')}: the head size {self.head_dim} (hidden / heads) must be a "
-                            f"multiple of 4 for the 2-D rotary embedding (a quarter of it per axis and half)")
+        problems += self._head_problems(path)
         side = self.grid_side
         if side * side != self.num_position_embeddings:
             problems.append(f"{join_path(path, 'num_position_embeddings')}: {self.num_position_embeddings} is not a "
@@ -211,6 +227,125 @@ class Qwen3VisionArch:
                                 f"{list(self.deepstack_layers)}")
         out["rope_parameters"] = {"rope_type": "axial", "rope_theta": self.rope_theta}
         return out
+
+    def to_hf_kwargs(self, model_type: str) -> dict:
+        """The whole model's config keyword arguments of this tower (``model_type``: Qwen3.5's take
+        no deepstack)."""
+        return {"vision_config": self.to_hf_config(deepstack=model_type not in self.NO_DEEPSTACK)}
+
+
+# Kimi_K25VisionConfig field -> MoonViTArch field, and the config's defaults (transformers 5)
+_KIMI_FIELDS = {
+    "num_hidden_layers": ("depth", 27),
+    "hidden_size": ("hidden", 1152),
+    "num_attention_heads": ("heads", 16),
+    "intermediate_size": ("mlp", 4304),
+    "patch_size": ("patch", 14),
+    "pos_emb_height": ("pos_emb_side", 64),
+    "pos_emb_time": ("pos_emb_time", 4),
+    "hidden_act": ("act", "gelu_pytorch_tanh"),
+}
+KIMI_TEXT_HIDDEN = 7168  # DeepseekV3Config's hidden_size: the projector's output where a config has no text_config
+
+
+@dataclass
+class MoonViTArch(_NativeArch):
+    """The architecture of Kimi-K2.5's MoonViT tower and its projector (Hugging Face's
+    ``Kimi_K25VisionConfig`` and the ``mm_projector`` of ``Kimi_K25Config``; ``mimo.encoders.moonvit``).
+
+    What transformers fixes is not a field: 3 channels (its Conv2d), LayerNorm epsilon 1e-5 in the
+    blocks and the final norm, one frame per patch row (a Conv2d; videos are not taken here)."""
+
+    depth: int  # blocks (num_hidden_layers)
+    hidden: int  # D (hidden_size; also the projector's projection_hidden_size)
+    heads: int  # num_attention_heads
+    mlp: int  # the blocks' MLP hidden units (intermediate_size)
+    out_hidden: int  # O: the projector's output width (text_config.hidden_size: the LLM's hidden)
+    pos_emb_side: int = 64  # pos_emb_height = pos_emb_width: the learned position table is side x side
+    pos_emb_time: int = 4  # pos_emb_time: the temporal table's rows (videos only; kept for export)
+    patch: int = 14  # patch_size, pixels
+    spatial_merge: int = 2  # merge_kernel_size (square): merge x merge patches fuse into one output row
+    act: str = "gelu_pytorch_tanh"  # hidden_act (Hugging Face's name)
+    rope_theta: float = 10000.0  # rope_parameters.rope_theta (axial 2-D rotary)
+    projector_eps: float = 1e-5  # projection_layer_norm_eps: the projector's LayerNorm
+
+    channels: ClassVar[int] = 3
+    temporal_patch: ClassVar[int] = 1  # one frame per patch row
+    norm_eps: ClassVar[float] = 1e-5  # the blocks' and the final LayerNorm's (transformers fixes it)
+
+    @property
+    def deepstack_layers(self) -> list[int]:
+        """MoonViT has no deepstack: one feature level per row."""
+        return []
+
+    @property
+    def grid_side(self) -> int:
+        return self.pos_emb_side
+
+    @property
+    def num_position_embeddings(self) -> int:
+        return self.pos_emb_side**2
+
+    def validate(self, path: str) -> list[str]:
+        problems = at_least(self, path, 1, "depth", "hidden", "heads", "mlp", "out_hidden", "pos_emb_side", "pos_emb_time",
+                            "patch", "spatial_merge")
+        for key in ("rope_theta", "projector_eps"):
+            if getattr(self, key) <= 0:
+                problems.append(f"{join_path(path, key)}: must be > 0, got {getattr(self, key)}")
+        if self.act not in HF_ACTS:
+            problems.append(f"{join_path(path, 'act')}: {self.act!r} is not supported (one of {', '.join(HF_ACTS)})")
+        return problems or self._head_problems(path)
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping) -> "MoonViTArch":
+        """From a whole Kimi-K2.5 ``config.json`` dict (its ``vision_config``, the projector's keys and
+        the text model's hidden size); keys it lacks take transformers' defaults. MimoError naming
+        what the tower cannot express (a non-square merge kernel or position table, a projector
+        norm over another width than the tower's, a rope type other than axial)."""
+        vision = config.get("vision_config") if isinstance(config, Mapping) else None
+        vision = {} if vision is None else vision
+        if not isinstance(vision, Mapping):
+            raise MimoError(f"a Kimi-K2.5 vision_config must be a dict, got {type(vision).__name__}")
+        kwargs = {ours: vision.get(theirs, default) for theirs, (ours, default) in _KIMI_FIELDS.items()}
+        problems = []
+        width = vision.get("pos_emb_width", kwargs["pos_emb_side"])
+        if width != kwargs["pos_emb_side"]:
+            problems.append(f"vision_config.pos_emb_width={width} with pos_emb_height={kwargs['pos_emb_side']}: transformers "
+                            f"indexes the position table as a square (height = width)")
+        kernel = list(vision.get("merge_kernel_size", (2, 2)))
+        if len(kernel) != 2 or kernel[0] != kernel[1]:
+            problems.append(f"vision_config.merge_kernel_size={kernel}: only square merge kernels are supported")
+        kwargs["spatial_merge"] = int(kernel[0]) if kernel else 0
+        head_dim = vision.get("head_dim")
+        if head_dim is not None and head_dim * kwargs["heads"] != kwargs["hidden"]:
+            problems.append(f"vision_config.head_dim={head_dim}: the tower's heads are hidden_size / num_attention_heads")
+        rope = vision.get("rope_parameters") or vision.get("rope_scaling") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            problems.append(f"vision_config.rope_parameters.rope_type {rope.get('rope_type')!r}: MoonViT has axial rope only")
+        kwargs["rope_theta"] = float(rope.get("rope_theta", vision.get("rope_theta", 10000.0)))
+        projection = config.get("projection_hidden_size", 1152)
+        if projection != kwargs["hidden"]:
+            problems.append(f"projection_hidden_size={projection}: the projector's LayerNorm runs over each patch's "
+                            f"vision_config.hidden_size={kwargs['hidden']} features; they must be equal")
+        if config.get("quantization_config") is not None:
+            problems.append("quantization_config (quantized weights, e.g. Kimi-K2.5's INT4 experts): dequantize first")
+        if problems:
+            raise MimoError("Kimi-K2.5 config: " + "; ".join(problems) + " (not supported)")
+        kwargs["projector_eps"] = float(config.get("projection_layer_norm_eps", 1e-5))
+        kwargs["out_hidden"] = int((config.get("text_config") or {}).get("hidden_size", KIMI_TEXT_HIDDEN))
+        arch = cls(**kwargs)
+        problems = arch.validate("vision_config")
+        if problems:
+            raise ConfigError(problems)
+        return arch
+
+    def to_hf_kwargs(self, model_type: str = "kimi_k25") -> dict:
+        """The ``Kimi_K25Config`` keyword arguments of the tower and its projector (the text
+        config's hidden size is the LLM's, ``out_hidden``)."""
+        vision = {theirs: getattr(self, ours) for theirs, (ours, _) in _KIMI_FIELDS.items()}
+        vision.update(pos_emb_width=self.pos_emb_side, merge_kernel_size=[self.spatial_merge, self.spatial_merge],
+                      rope_parameters={"rope_type": "axial", "rope_theta": self.rope_theta})
+        return {"vision_config": vision, "projection_hidden_size": self.hidden, "projection_layer_norm_eps": self.projector_eps}
 
 
 @dataclass
@@ -332,7 +467,9 @@ NATIVE_VIDEO_PLACEHOLDER = "<|video_pad|>"  # and its video token
 class NativeInit:
     """Where the tower's weights come from (None: random initialisation)."""
 
-    hf: str | None = None  # a Hugging Face Qwen3-VL checkpoint directory (its ``model.visual.`` tensors)
+    # a Hugging Face checkpoint directory of the kind's model (``NATIVE_TOWERS``: Qwen3-VL / Qwen3.5's
+    # ``model.visual.`` tensors, Kimi-K2.5's tower and projector)
+    hf: str | None = None
 
     def validate(self, path: str) -> list[str]:
         if self.hf is not None and not os.path.isdir(self.hf):
@@ -357,12 +494,64 @@ class NativeImageConfig:
         if not 0 < self.min_pixels <= self.max_pixels:
             problems.append(f"{join_path(path, 'min_pixels')}: need 0 < min_pixels <= max_pixels, got "
                             f"{self.min_pixels} and {self.max_pixels}")
-        for key in ("mean", "std"):
-            values = getattr(self, key)
-            if len(values) != 3 or (key == "std" and min(values) <= 0):
-                problems.append(f"{join_path(path, key)}: three {'positive ' if key == 'std' else ''}numbers, one per "
-                                f"channel, got {values}")
-        return problems
+        return problems + _mean_std_problems(self, path)
+
+    def spec_fields(self) -> dict:
+        """The ``mimo.data.native_images.NativeImageSpec`` fields of this section (the resize rule's)."""
+        return {"resize": "smart", "min_pixels": self.min_pixels, "max_pixels": self.max_pixels, "mean": tuple(self.mean),
+                "std": tuple(self.std)}
+
+    @staticmethod
+    def from_processor(pre: Mapping) -> dict:
+        """This section's keys from a Qwen3-VL ``preprocessor_config.json`` dict ({} where it has none)."""
+        size = pre.get("size") or {}
+        out = {"min_pixels": pre.get("min_pixels", size.get("shortest_edge")),
+               "max_pixels": pre.get("max_pixels", size.get("longest_edge")),
+               "mean": pre.get("image_mean"), "std": pre.get("image_std")}
+        return {k: (list(v) if isinstance(v, (list, tuple)) else int(v)) for k, v in out.items() if v is not None}
+
+
+def _mean_std_problems(section, path: str) -> list[str]:
+    problems = []
+    for key in ("mean", "std"):
+        values = getattr(section, key)
+        if len(values) != 3 or (key == "std" and min(values) <= 0):
+            problems.append(f"{join_path(path, key)}: three {'positive ' if key == 'std' else ''}numbers, one per "
+                            f"channel, got {values}")
+    return problems
+
+
+@dataclass
+class KimiImageConfig:
+    """How images are cut for the MoonViT tower (transformers' ``Kimi_K25ImageProcessor``, its
+    defaults): an image of more than ``max_patches`` patches, or more than ``max_side`` patches on a
+    side, is scaled down to fit (never up; bicubic), then padded with black on the right and at the
+    bottom to multiples of ``arch.patch * arch.spatial_merge`` (``mimo.data.native_images``), and
+    normalised by ``mean`` / ``std``."""
+
+    max_patches: int = 16384
+    max_side: int = 512  # size.max_height (= size.max_width): patches per side
+    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+
+    def validate(self, path: str) -> list[str]:
+        return at_least(self, path, 1, "max_patches", "max_side") + _mean_std_problems(self, path)
+
+    def spec_fields(self) -> dict:
+        return {"resize": "navit", "max_patches": self.max_patches, "max_side": self.max_side, "mean": tuple(self.mean),
+                "std": tuple(self.std)}
+
+    @staticmethod
+    def from_processor(pre: Mapping) -> dict:
+        """This section's keys from a Kimi-K2.5 ``preprocessor_config.json`` dict ({} where it has
+        none); MimoError for a size that is not square (the processor refuses one too)."""
+        size = pre.get("size") or {}
+        if size.get("max_height") != size.get("max_width"):
+            raise MimoError(f"preprocessor_config.json: size {dict(size)} must have equal max_height and max_width "
+                            f"(as Kimi_K25ImageProcessor requires)")
+        out = {"max_patches": pre.get("max_patches"), "max_side": size.get("max_height"), "mean": pre.get("image_mean"),
+               "std": pre.get("image_std")}
+        return {k: (list(v) if isinstance(v, (list, tuple)) else int(v)) for k, v in out.items() if v is not None}
 
 
 @dataclass
@@ -454,3 +643,79 @@ class NativeEncoderModuleConfig:
                 problems.append(f"{join_path(path, 'video_placeholder')}: must be a text of its own (not empty, not the "
                                 f"image placeholder {self.placeholder!r})")
         return problems + _freeze_problems(self.freeze, path, self.lora, self.parallel.gtp)
+
+
+# ---------------------------------------------------------------- kind: kimi_k25
+
+
+@dataclass
+class KimiEncoderModuleConfig(NativeEncoderModuleConfig):
+    """``kind: kimi_k25``: Kimi-K2.5's MoonViT tower and its projector (``mimo.encoders.moonvit``;
+    one feature level per row, ``arch.out_hidden`` wide: the LLM's hidden), the fields of
+    ``kind: qwen3_vl`` with Kimi's defaults: its image token ``<|media_pad|>`` between
+    ``<|media_begin|>image<|media_content|>`` and ``<|media_end|>`` (as Kimi-K2.5's chat template
+    writes an image), images cut as ``Kimi_K25ImageProcessor`` cuts them. Still images only:
+    a ``video`` section is refused."""
+
+    kind: Literal["kimi_k25"]
+    arch: MoonViTArch
+    placeholder: str = "<|media_pad|>"
+    image: KimiImageConfig = field(default_factory=KimiImageConfig)
+    video_placeholder: str = "<|kimi_k25_video_placeholder|>"
+    vision_start: str = "<|media_begin|>image<|media_content|>"
+    vision_end: str = "<|media_end|>"
+
+    def validate(self, path: str) -> list[str]:
+        problems = super().validate(path)
+        if self.video is not None:
+            problems.append(f"{join_path(path, 'video')}: the Kimi-K2.5 tower (kind kimi_k25) takes still images only; "
+                            f"videos are not supported (remove the video section)")
+        return problems
+
+
+@dataclass(frozen=True)
+class NativeTower:
+    """A native-resolution tower kind: its module config, and where its tower and its Hugging
+    Face weight mapping live (imported when asked: this module stays torch-free)."""
+
+    kind: str
+    title: str  # for messages
+    config: type  # its module config class (``kind: <kind>``)
+    arch: type  # its arch class (``from_hf_config`` of a whole config.json, ``to_hf_kwargs``)
+    image: type  # its ``image`` section's class (``from_processor`` of a preprocessor_config.json)
+    tower: str  # "module:Class" of the tower (``forward(pixels_PJ, grids_N3) -> rows_RX``)
+    hf: str  # the module of its Hugging Face weights (``hf_rules``, ``import_hf``, ``import_hf_state``, ``tower_state_to_hf``)
+    model_types: tuple[str, ...]  # the Hugging Face model types (config.json) whose vision tower it is
+    videos: bool  # whether it takes videos
+
+    def tower_module(self):
+        """The module of its tower (``LORA_TARGETS``: the paths ``lora.targets`` names)."""
+        import importlib
+
+        return importlib.import_module(self.tower.split(":")[0])
+
+    def tower_class(self):
+        return getattr(self.tower_module(), self.tower.split(":")[1])
+
+    def hf_module(self):
+        import importlib
+
+        return importlib.import_module(self.hf)
+
+
+NATIVE_TOWERS = {
+    "qwen3_vl": NativeTower("qwen3_vl", "Qwen3-VL", NativeEncoderModuleConfig, Qwen3VisionArch, NativeImageConfig,
+                            "mimo.encoders.qwen3_vl:Qwen3VisionTower", "mimo.encoders.hf_qwen3_vl",
+                            ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"), True),
+    "kimi_k25": NativeTower("kimi_k25", "Kimi-K2.5 (MoonViT)", KimiEncoderModuleConfig, MoonViTArch, KimiImageConfig,
+                            "mimo.encoders.moonvit:MoonViTTower", "mimo.encoders.hf_kimi_k25", ("kimi_k25",), False),
+}
+
+
+def native_tower_of(model_type: str | None) -> NativeTower:
+    """The native tower kind of a Hugging Face model type (MimoError naming the supported ones)."""
+    for tower in NATIVE_TOWERS.values():
+        if model_type in tower.model_types:
+            return tower
+    known = ", ".join(t for tower in NATIVE_TOWERS.values() for t in tower.model_types)
+    raise MimoError(f"model_type {model_type!r} has no native-resolution tower mimo builds ({known})")

@@ -24,7 +24,8 @@ Mapping (HF, under the prefix -> mimo):
 Tensors outside the prefix (the language model, ``lm_head``) are left alone; a tensor under the
 prefix that no rule claims (a block beyond ``depth``, a deepstack merger too many) is an error.
 
-``import_hf(DIR, arch)``: a checkpoint directory (``config.json`` of a ``MODEL_TYPES`` model,
+``import_hf(DIR, arch)``: a checkpoint directory (``config.json`` of a Qwen3-VL / Qwen3.5 model type,
+``NATIVE_TOWERS['qwen3_vl'].model_types``,
 ``model.safetensors`` or its shards), its vision config checked against ``arch`` and its tower
 tensors left in their files (each rank reads its own slices when the tower loads them): what
 ``modules.<name>.init.hf`` of a ``kind: qwen3_vl`` encoder loads; ``shapes_only``: the same
@@ -33,21 +34,19 @@ checks on the safetensors headers (``mimo check-config``).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Mapping
 
 import torch
 
 from mimo.core.errors import MimoError
 from mimo.encoders.qwen3_vl import Qwen3VisionArch
-from mimo.encoders.weights import ImportedWeights, Rule, map_state, materialize
+from mimo.encoders.weights import ImportedWeights, Rule, check_arch_fields, map_state, materialize, state_to_theirs
 
-__all__ = ["DEFAULT_PREFIX", "MODEL_TYPES", "hf_rules", "import_hf_state", "import_hf", "check_arch", "tower_state_from_hf",
-           "tower_state_to_hf"]
+__all__ = ["DEFAULT_PREFIX", "TOWER_PREFIXES", "hf_rules", "import_hf_state", "import_hf", "import_native_hf", "check_arch",
+           "tower_state_from_hf", "tower_state_to_hf"]
 
 DEFAULT_PREFIX = "model.visual."  # Qwen3VLForConditionalGeneration's (and its checkpoints') tower prefix
-# the config.json model types whose vision_config this tower is
-MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+TOWER_PREFIXES = (DEFAULT_PREFIX,)  # where a whole model's checkpoint keeps the tower's tensors
 
 
 def hf_rules(arch: Qwen3VisionArch, prefix: str = DEFAULT_PREFIX) -> list[Rule]:
@@ -122,51 +121,40 @@ def tower_state_to_hf(state: Mapping[str, torch.Tensor], arch: Qwen3VisionArch,
                       prefix: str = DEFAULT_PREFIX) -> dict[str, torch.Tensor]:
     """{Hugging Face name: tensor} of a full mimo tower state (``full_state()``, or full
     gradients): the inverse of ``tower_state_from_hf``, exact."""
-    rules = hf_rules(arch, prefix)
-    known = {r.ours for r in rules}
-    problems = [f"tensor {name!r} is not a Qwen3-VL tower tensor" for name in state if name not in known]
-    out: dict[str, torch.Tensor] = {}
-    for rule in rules:
-        if rule.ours not in state:
-            problems.append(f"missing tensor {rule.ours!r} (expected shape {rule.our_shape})")
-            continue
-        t = state[rule.ours]
-        if tuple(t.shape) != rule.our_shape:
-            problems.append(f"tensor {rule.ours!r} has shape {tuple(t.shape)}, the arch expects {rule.our_shape}")
-            continue
-        for key, part in zip(rule.theirs, rule.to_theirs(t.detach())):
-            out[key] = part
-    if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise MimoError("the mimo state does not fit the Qwen3-VL tower: " + "; ".join(problems[:3]) + more)
-    return out
+    return state_to_theirs(state, hf_rules(arch, prefix), "Qwen3-VL tower")
 
 
 def check_arch(configured: Qwen3VisionArch, source: Qwen3VisionArch, where: str) -> None:
     """MimoError naming every field where the configured tower differs from the checkpoint's
     vision config (heads, activation, rope and deepstack indices do not show as shapes)."""
-    problems = [f"arch.{f.name} is {getattr(configured, f.name)!r} in the config but {getattr(source, f.name)!r} in {where}"
-                for f in dataclasses.fields(Qwen3VisionArch) if getattr(configured, f.name) != getattr(source, f.name)]
-    if problems:
-        raise MimoError("; ".join(problems))
+    check_arch_fields(configured, source, where)
+
+
+def import_native_hf(path: str, kind: str, arch=None, shapes_only: bool = False) -> ImportedWeights:
+    """The tower of the Hugging Face checkpoint directory ``path`` of a native kind's model
+    (``NATIVE_TOWERS[kind]``: its model types, arch class and ``import_hf_state``), mapped onto
+    ``arch`` (default: the checkpoint's own; MimoError naming each field where they differ), left in
+    its safetensors files (``LazyTensor``: read region by region when loaded); ``shapes_only``: meta
+    tensors from the headers, nothing read. ``meta`` holds the whole ``config.json`` (``config``)."""
+    from mimo.encoders.config import NATIVE_TOWERS
+    from mimo.encoders.hf_import import load_hf_state, read_config_json
+
+    tower = NATIVE_TOWERS[kind]
+    config = read_config_json(path)
+    where = f"checkpoint {path!r}"
+    if config.get("model_type") not in tower.model_types:
+        raise MimoError(f"{where}: model_type {config.get('model_type')!r} is not a {tower.title} model "
+                        f"({', '.join(tower.model_types)}); a kind: {kind} encoder loads the vision tower of one")
+    source = tower.arch.from_hf_config(config)
+    arch = source if arch is None else arch
+    check_arch_fields(arch, source, where)
+    state = load_hf_state(path, shapes_only=shapes_only, lazy=not shapes_only)
+    weights = tower.hf_module().import_hf_state(state, arch, where=where)
+    weights.meta["config"] = config
+    return weights
 
 
 def import_hf(path: str, arch: Qwen3VisionArch | None = None, shapes_only: bool = False) -> ImportedWeights:
-    """The tower of the Hugging Face Qwen3-VL / Qwen3.5 checkpoint directory ``path``, mapped onto
-    ``arch`` (default: the checkpoint's own), left in its safetensors files (``LazyTensor``: read region by
-    region when loaded); ``shapes_only``: meta tensors from the headers, nothing read (module doc).
-    ``meta`` holds the whole ``config.json`` (``config``)."""
-    from mimo.encoders.hf_import import load_hf_state, read_config_json
-
-    config = read_config_json(path)
-    where = f"checkpoint {path!r}"
-    if config.get("model_type") not in MODEL_TYPES:
-        raise MimoError(f"{where}: model_type {config.get('model_type')!r} is not a Qwen3-VL / Qwen3.5 model "
-                        f"({', '.join(MODEL_TYPES)}); a kind: qwen3_vl encoder loads the vision tower of one")
-    source = Qwen3VisionArch.from_hf_config(config)
-    arch = source if arch is None else arch
-    check_arch(arch, source, where)
-    state = load_hf_state(path, shapes_only=shapes_only, lazy=not shapes_only)
-    weights = import_hf_state(state, arch, where=where)
-    weights.meta["config"] = config
-    return weights
+    """The tower of the Hugging Face Qwen3-VL / Qwen3.5 checkpoint directory ``path``
+    (``import_native_hf``, module doc)."""
+    return import_native_hf(path, "qwen3_vl", arch, shapes_only)

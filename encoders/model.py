@@ -6,11 +6,13 @@ module's ``ParallelContext``: TP group, sequence parallel, the gradient group). 
 docs/design.md §2: a frozen part has ``requires_grad=False``; a frozen tower (nothing trainable
 upstream of it: its input is pixels) runs without autograd state.
 
-``NativeVisionEncoder(cfg, ctx)`` (``kind: qwen3_vl``): the Qwen3-VL tower
-(``mimo.encoders.qwen3_vl.Qwen3VisionTower``), ``forward(pixels_PJ, grids_N3) -> rows_RX`` (its
-mergers give the LLM's width per level: no projector); ``init.hf`` loads a Qwen3-VL directory's
-``model.visual.`` tensors, each rank reading its own slices. Its parameters are ``tower.*``, as
-the ViT encoder's, so checkpoints hold it like any module.
+``NativeVisionEncoder(cfg, ctx)`` (``kind: qwen3_vl``, ``kind: kimi_k25``: the kinds of
+``mimo.encoders.config.NATIVE_TOWERS``): the kind's tower (the Qwen3-VL tower
+``mimo.encoders.qwen3_vl.Qwen3VisionTower``, Kimi-K2.5's MoonViT with its projector
+``mimo.encoders.moonvit.MoonViTTower``), ``forward(pixels_PJ, grids_N3) -> rows_RX`` (its
+mergers give the LLM's width per level: no projector of ours); ``init.hf`` loads the tower's
+tensors of a Hugging Face directory of the kind's model, each rank reading its own slices. Its
+parameters are ``tower.*``, as the ViT encoder's, so checkpoints hold it like any module.
 """
 
 from __future__ import annotations
@@ -20,9 +22,8 @@ import torch.nn as nn
 
 from mimo.core.batch import PatchBatch
 from mimo.core.errors import LayoutError
-from mimo.encoders.config import EncoderModuleConfig, NativeEncoderModuleConfig, VitInit
+from mimo.encoders.config import NATIVE_TOWERS, EncoderModuleConfig, NativeEncoderModuleConfig, VitInit
 from mimo.encoders.projector import build_projector
-from mimo.encoders.qwen3_vl import Qwen3VisionTower
 from mimo.encoders.vit import VisionTransformer
 from mimo.encoders.weights import ImportedWeights
 from mimo.parallel.context import ParallelContext
@@ -94,7 +95,7 @@ class VisionEncoder(nn.Module):
 
 
 class NativeVisionEncoder(nn.Module):
-    """``kind: qwen3_vl`` (module doc)."""
+    """A native-resolution tower of any ``NATIVE_TOWERS`` kind (module doc)."""
 
     def __init__(self, cfg: NativeEncoderModuleConfig, ctx: ParallelContext | None = None, *, device=None, dtype=None):
         super().__init__()
@@ -102,7 +103,8 @@ class NativeVisionEncoder(nn.Module):
         if ctx.tp_size != cfg.parallel.tp:
             raise LayoutError(f"the encoder's config says tp={cfg.parallel.tp}, but its parallel context has tp={ctx.tp_size}")
         self.cfg = cfg
-        self.tower = Qwen3VisionTower(cfg.arch, ctx, device=device, dtype=dtype)
+        self.tower_kind = NATIVE_TOWERS[cfg.kind]
+        self.tower = self.tower_kind.tower_class()(cfg.arch, ctx, device=device, dtype=dtype)
         self.tower_frozen = "tower" in cfg.freeze
         if self.tower_frozen:
             self.tower.requires_grad_(False)
@@ -115,16 +117,12 @@ class NativeVisionEncoder(nn.Module):
         """Random TP-invariant init (transformers' scheme), then ``init.hf`` if set."""
         self.tower.init_weights(param_seed(seed, "tower"))
         if self.cfg.init.hf is not None:
-            from mimo.encoders.hf_qwen3_vl import import_hf
-
-            self.imported = import_hf(self.cfg.init.hf, self.cfg.arch)
+            self.imported = self.tower_kind.hf_module().import_hf(self.cfg.init.hf, self.cfg.arch)
             self.tower.load_weights_(self.imported)
 
     def export_tower(self) -> dict[str, torch.Tensor]:
-        """Collective: the tower by Hugging Face name (``model.visual.*``)."""
-        from mimo.encoders.hf_qwen3_vl import tower_state_to_hf
-
-        return tower_state_to_hf(self.tower.full_state(), self.cfg.arch)
+        """Collective: the tower by Hugging Face name (Qwen3-VL's ``model.visual.*``, ...)."""
+        return self.tower_kind.hf_module().tower_state_to_hf(self.tower.full_state(), self.cfg.arch)
 
     def forward(self, pixels_PJ: torch.Tensor | PatchBatch, grids_N3: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``[R, out_hidden * (1 + levels)]`` of the images of ``pixels_PJ`` (patch rows,

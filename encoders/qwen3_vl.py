@@ -39,6 +39,10 @@ Parameter names are mimo's own (``blocks.3.mlp.fc1.weight``, ``merger.fc2.weight
 ``deepstack_mergers.1.norm.weight``); ``encoders.hf_qwen3_vl`` maps them to and from the
 Hugging Face names.
 
+The pack's plan, the position taps (bilinear or bicubic), the rotary angles (either channel
+layout), the blocks, the merger and the forward over a pack (``NativeTower``) serve every
+native-resolution tower: Kimi-K2.5's MoonViT (``mimo.encoders.moonvit``) is a ``NativeTower`` too.
+
 Shape suffixes (this family's legend): P patch rows, J pixels of a patch (C*tp*p*p), N images
 (or videos), T rows of the residual stream (P, padded under SP), D hidden, H this rank's heads,
 K head size, I the attention output projection's input (this rank's H*K), R merged rows
@@ -65,7 +69,7 @@ from mimo.parallel.lora import LoraTarget
 from mimo.parallel.params import ParamInfo
 from mimo.parallel.recompute import checkpoint, maybe, set_block_recompute
 
-__all__ = ["Qwen3VisionArch", "Qwen3VisionTower", "PackPlan", "plan_pack"]
+__all__ = ["Qwen3VisionArch", "NativeTower", "Qwen3VisionTower", "PackPlan", "plan_pack"]
 
 def _context(ctx: ParallelContext | None) -> ParallelContext:
     return ParallelContext.for_tp() if ctx is None else ctx
@@ -131,37 +135,63 @@ def plan_pack(grids_N3: torch.Tensor, merge: int, rows_multiple: int = 1, *, dev
     return PackPlan(real, rows, runs, rowcol_P2.to(device), torch.stack([h_P, w_P], 1).to(device))
 
 
-def _axis_taps(index_P: torch.Tensor, size_P: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bilinear, ``align_corners=True``: the two source positions of each target position on an
-    axis of ``size`` points over ``side`` table points, and their weights (float32, the same
-    operations as transformers' ``_interpolation_axis_taps_weights``, so the same bits)."""
-    src_P = index_P.to(torch.float32) * (side - 1) / torch.clamp(size_P - 1, min=1)
+def _axis_taps(index_P: torch.Tensor, size_P: torch.Tensor, side: int, mode: str = "bilinear",
+               align_corners: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The source positions of each target position on an axis of ``size`` points over ``side``
+    table points, and their weights: ``bilinear`` (two taps) or ``bicubic`` (four, Keys' kernel
+    with a = -0.75), border-clamped, as ``F.interpolate`` resamples with ``align_corners``
+    (float32, the same operations as transformers' ``_interpolation_axis_taps_weights``, so the
+    same bits)."""
+    index_P = index_P.to(torch.float32)
+    if align_corners:
+        src_P = index_P * (side - 1) / torch.clamp(size_P - 1, min=1)
+    else:
+        src_P = (index_P + 0.5) * side / size_P - 0.5  # half-pixel centres
     floor_P = torch.floor(src_P)
-    offsets_2 = torch.arange(0, 2, device=index_P.device)
-    taps_P2 = (floor_P.long()[:, None] + offsets_2).clamp(0, side - 1)
-    distance_P2 = (src_P[:, None] - floor_P[:, None] - offsets_2).abs()
-    return taps_P2, (1 - distance_P2).clamp(min=0)
+    if mode == "bilinear":
+        offsets = torch.arange(0, 2, device=index_P.device)
+    elif mode == "bicubic":
+        offsets = torch.arange(-1, 3, device=index_P.device)
+    else:
+        raise ValueError(f"interpolation mode {mode!r}: bilinear or bicubic")
+    taps_PN = (floor_P.long()[:, None] + offsets).clamp(0, side - 1)
+    distance_PN = (src_P[:, None] - floor_P[:, None] - offsets).abs()
+    if mode == "bilinear":
+        return taps_PN, (1 - distance_PN).clamp(min=0)
+    a = -0.75
+    near = ((a + 2) * distance_PN - (a + 3)) * distance_PN * distance_PN + 1
+    far = ((a * distance_PN - 5 * a) * distance_PN + 8 * a) * distance_PN - 4 * a
+    return taps_PN, torch.where(distance_PN <= 1, near, far)
 
 
-def position_taps(plan: PackPlan, side: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(table rows ``[P, 4]``, float32 weights ``[P, 4]``): each row's position embedding is the
-    weighted sum of four rows of the ``side x side`` table (bilinear, align_corners=True)."""
-    h_taps, h_w = _axis_taps(plan.rowcol_P2[:, 0], plan.hw_P2[:, 0], side)
-    w_taps, w_w = _axis_taps(plan.rowcol_P2[:, 1], plan.hw_P2[:, 1], side)
-    idx_P4 = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
-    weight_P4 = (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
-    return idx_P4, weight_P4
+def position_taps(plan: PackPlan, side: int, mode: str = "bilinear", align_corners: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table rows ``[P, n]``, float32 weights ``[P, n]``): each row's position embedding is the
+    weighted sum of n rows of the ``side x side`` table (row-major): bilinear (n = 4) or bicubic
+    (n = 16), with ``align_corners`` (Qwen3-VL: bilinear, True; MoonViT: bicubic, False)."""
+    h_taps, h_w = _axis_taps(plan.rowcol_P2[:, 0], plan.hw_P2[:, 0], side, mode, align_corners)
+    w_taps, w_w = _axis_taps(plan.rowcol_P2[:, 1], plan.hw_P2[:, 1], side, mode, align_corners)
+    n = h_taps.shape[1] ** 2
+    idx_PN = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, n)
+    weight_PN = (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, n)
+    return idx_PN, weight_PN
 
 
-def rotary_angles(plan: PackPlan, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_angles(plan: PackPlan, head_dim: int, theta: float, dtype: torch.dtype, interleaved: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) ``[P, K]`` of the axial 2-D rotary embedding, in ``dtype`` (float32 or wider):
-    K/4 frequencies by row, K/4 by column, the pair repeated for ``rotate_half``."""
+    K/4 frequencies by row and the same K/4 by column, the half repeated for ``rotate_half``.
+    The half is laid out [row freqs | column freqs] (Qwen3-VL), or ``interleaved`` as
+    (column, row) pairs per frequency (MoonViT's ``recomposition_frequencies``)."""
     half = head_dim // 2
     inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=dtype, device=plan.rowcol_P2.device) / half))
     freqs_P2F = plan.rowcol_P2[..., None].to(dtype) * inv_freq
     out = []
     for f in (freqs_P2F.cos(), freqs_P2F.sin()):
-        hw_PF = torch.cat([f[:, 0], f[:, 1]], dim=-1)
+        if interleaved:
+            hw_PF = f.transpose(1, 2).flip(-1).flatten(1)  # [P, F, (col, row)]
+        else:
+            hw_PF = torch.cat([f[:, 0], f[:, 1]], dim=-1)
         out.append(torch.cat([hw_PF, hw_PF], dim=-1))
     return out[0], out[1]
 
@@ -176,12 +206,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class PatchEmbed3d(nn.Module):
     """Patch rows -> D: HF's Conv3d (kernel = stride = (tp, p, p)) as one GEMM with the
-    weight's ``[D, C*tp*p*p]`` view (stored ``[D, C, tp, p, p]``, replicated over TP)."""
+    weight's ``[D, C*tp*p*p]`` view (stored ``[D, C, tp, p, p]``, replicated over TP);
+    ``kernel``: another stored kernel shape (MoonViT's Conv2d: ``(C, p, p)``)."""
 
-    def __init__(self, arch: Qwen3VisionArch, *, device=None, dtype=None):
+    def __init__(self, arch: Qwen3VisionArch, *, kernel: tuple[int, ...] | None = None, device=None, dtype=None):
         super().__init__()
         D, C, tp, p = arch.hidden, arch.channels, arch.temporal_patch, arch.patch
-        self.weight = nn.Parameter(torch.empty(D, C, tp, p, p, device=device, dtype=dtype))
+        kernel = (C, tp, p, p) if kernel is None else tuple(kernel)
+        self.weight = nn.Parameter(torch.empty(D, *kernel, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(D, device=device, dtype=dtype))
         self.recipe = gemm.default_recipe()
 
@@ -246,13 +278,13 @@ class PatchMerger(nn.Module):
     parallel), exact GELU, fc2 (M -> O, row parallel). ``postshuffle``: the norm runs over the
     fused M-wide row (the deepstack mergers), else over each D-wide row before fusing (the main)."""
 
-    def __init__(self, arch: Qwen3VisionArch, postshuffle: bool, ctx: ParallelContext | None = None, *, device=None,
-                 dtype=None):
+    def __init__(self, arch: Qwen3VisionArch, postshuffle: bool, ctx: ParallelContext | None = None, *,
+                 eps: float | None = None, device=None, dtype=None):
         super().__init__()
         dd = {"device": device, "dtype": dtype}
         M = self.width = arch.merge_width
         self.postshuffle = postshuffle
-        self.norm = LayerNorm(M if postshuffle else arch.hidden, arch.norm_eps, ctx, **dd)
+        self.norm = LayerNorm(M if postshuffle else arch.hidden, arch.norm_eps if eps is None else eps, ctx, **dd)
         self.fc1 = ColumnParallelLinear(M, M, True, ctx, **dd)
         self.fc2 = RowParallelLinear(M, arch.out_hidden, True, ctx, input_is_parallel=True, **dd)
 
@@ -269,13 +301,22 @@ class PatchMerger(nn.Module):
         return f"postshuffle={self.postshuffle}"
 
 
-class Qwen3VisionTower(nn.Module):
-    """The Qwen3-VL vision tower: ``forward(pixels_PJ, grids_N3) -> rows_RX`` (module doc).
+class NativeTower(nn.Module):
+    """What the native-resolution towers share (Qwen3-VL's here, MoonViT's in ``mimo.encoders.moonvit``):
+    ``forward(pixels_PJ, grids_N3) -> rows_RX`` over one pack (``plan_pack``), the blocks (``Block``)
+    under TP / SP, the merger's fused merge blocks, deepstack levels where the arch has them.
+    A subclass builds ``patch_embed``, ``pos_embed``, ``merger`` (and its own modules) after
+    ``super().__init__`` and gives ``embed`` (patch rows -> the residual stream) and
+    ``rotary`` (the rotary angles of each row); ``head`` (the last block's rows -> output rows)
+    defaults to the merger with the deepstack levels after it.
 
     ``ctx``: the tower's parallel context (its TP group and whether SP is on); None: one process.
     """
 
-    def __init__(self, arch: Qwen3VisionArch, ctx: ParallelContext | None = None, *, device=None, dtype=None):
+    title = "native-resolution"  # names the tower in messages
+    videos = True  # takes grids of several temporal patches (videos)
+
+    def __init__(self, arch, ctx: ParallelContext | None = None, *, device=None, dtype=None):
         super().__init__()
         problems = arch.validate("arch")
         if problems:
@@ -285,15 +326,12 @@ class Qwen3VisionTower(nn.Module):
         sizes = {"heads": arch.heads, "mlp": arch.mlp, "merge width (spatial_merge^2 * hidden)": arch.merge_width}
         bad = [f"{name} ({size})" for name, size in sizes.items() if size % tp]
         if bad:
-            raise LayoutError(f"tp={tp} does not divide the Qwen3-VL tower's {', '.join(bad)}")
+            raise LayoutError(f"tp={tp} does not divide the {self.title} tower's {', '.join(bad)}")
         self.arch = arch
         self.group, self.tp_size, self.sequence_parallel = ctx.tp, tp, ctx.sequence_parallel
         self.deepstack_layers = list(arch.deepstack_layers)
         dd = {"device": device, "dtype": dtype}
-        self.patch_embed = PatchEmbed3d(arch, **dd)
-        self.pos_embed = nn.Parameter(torch.empty(arch.num_position_embeddings, arch.hidden, **dd))
         self.blocks = nn.ModuleList(Block(arch, ctx, **dd) for _ in range(arch.depth))
-        self.merger = PatchMerger(arch, False, ctx, **dd)
         self.deepstack_mergers = nn.ModuleList(PatchMerger(arch, True, ctx, **dd) for _ in arch.deepstack_layers)
 
     def set_recompute(self, mode: str, layers: int | None = None) -> None:
@@ -306,11 +344,11 @@ class Qwen3VisionTower(nn.Module):
         """TP-invariant: every parameter's local shard of the full tensor ``param_seed(seed, name)`` draws."""
         init_tp_invariant(self, seed, _qwen3_init_fn)
 
-    def load_full_(self, state, what: str = "Qwen3-VL tower weights") -> None:
-        load_full_(self, state, what)
+    def load_full_(self, state, what: str | None = None) -> None:
+        load_full_(self, state, what or f"{self.title} tower weights")
 
     def load_weights_(self, weights) -> None:
-        """Load this rank's slices from ``ImportedWeights`` (``encoders.hf_qwen3_vl.import_hf_state``)."""
+        """Load this rank's slices from ``ImportedWeights`` (its Hugging Face module's ``import_hf_state``)."""
         if weights.arch != self.arch:
             raise MimoError(f"{weights.where}: imported for {weights.arch}, but the tower is {self.arch}")
         load_full_(self, weights.tower, weights.where)
@@ -319,12 +357,23 @@ class Qwen3VisionTower(nn.Module):
         """Collective over the TP group: full tensors by mimo name."""
         return full_state(self)
 
+    @staticmethod
+    def hf_pixels(arch, pixels_PJ: torch.Tensor, grids_N3: torch.Tensor) -> torch.Tensor:
+        """The Hugging Face model's ``pixel_values`` of these rows (Qwen3-VL's: the rows as they are)."""
+        return pixels_PJ
+
     # ---- forward ----
     def plan(self, pixels_PJ: torch.Tensor, grids_N3: torch.Tensor) -> PackPlan:
         """The pack's plan, checking the pixels against the grids (``DataError``)."""
         a = self.arch
         m = a.spatial_merge
         plan = plan_pack(grids_N3, m, self.tp_size * m * m if self.sequence_parallel else 1, device=pixels_PJ.device)
+        if not self.videos:
+            frames = [(n, g) for n, g in enumerate(grids_N3.tolist()) if g[0] != 1]
+            if frames:
+                n, g = frames[0]
+                raise DataError(f"image {n}: grid (t, h, w) = {tuple(g)}: the {self.title} tower takes still images only "
+                                f"(t = 1); videos are not supported")
         if pixels_PJ.dim() != 2 or pixels_PJ.shape[1] != a.row_numel:
             raise DataError(f"the tower takes pixel rows [P, {a.row_numel}] (channels {a.channels} x temporal patch "
                             f"{a.temporal_patch} x {a.patch} x {a.patch}), got {tuple(pixels_PJ.shape)}")
@@ -334,19 +383,20 @@ class Qwen3VisionTower(nn.Module):
         return plan
 
     def embed(self, pixels_PJ: torch.Tensor, plan: PackPlan) -> torch.Tensor:
-        """[P, D]: patch embedding plus the interpolated learned positions."""
-        x_PD = self.patch_embed(pixels_PJ.to(self.patch_embed.weight.dtype))
-        idx_P4, weight_P4 = position_taps(plan, self.arch.grid_side)
-        wide = torch.promote_types(x_PD.dtype, torch.float32)
-        pos_PD = (F.embedding(idx_P4, self.pos_embed).to(wide) * weight_P4[:, :, None].to(wide)).sum(1)
-        return x_PD + pos_PD.to(x_PD.dtype)
+        raise NotImplementedError
+
+    def rotary(self, plan: PackPlan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def head(self, x_TD: torch.Tensor, levels: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's output rows of the last block's rows: the merger's, then each deepstack level's."""
+        return torch.cat([self.merger(x_TD), *levels], dim=-1)
 
     def forward(self, pixels_PJ: torch.Tensor, grids_N3: torch.Tensor) -> torch.Tensor:
         plan = self.plan(pixels_PJ, grids_N3)
         P, T, m2 = plan.real, plan.rows, self.arch.spatial_merge**2
         x_TD = self.embed(pixels_PJ, plan)
-        wide = torch.promote_types(x_TD.dtype, torch.float32)
-        cos_PK, sin_PK = rotary_angles(plan, self.arch.head_dim, self.arch.rope_theta, wide)
+        cos_PK, sin_PK = self.rotary(plan, torch.promote_types(x_TD.dtype, torch.float32))
         if self.sequence_parallel:
             # each rank keeps a contiguous block of whole merge blocks (T: a multiple of tp * merge^2,
             # at least one block per rank, so an empty pack still runs every collective)
@@ -359,7 +409,7 @@ class Qwen3VisionTower(nn.Module):
                 x_TD = block(x_TD, plan, cos_PK, sin_PK)
             if i in self.deepstack_layers:
                 levels.append(self.deepstack_mergers[self.deepstack_layers.index(i)](x_TD))
-        rows_RX = torch.cat([self.merger(x_TD), *levels], dim=-1)
+        rows_RX = self.head(x_TD, levels)
         if self.sequence_parallel:
             rows_RX = gather_along(rows_RX, 0, self.group)[: P // m2]
         return rows_RX
@@ -367,6 +417,30 @@ class Qwen3VisionTower(nn.Module):
     def extra_repr(self) -> str:
         return (f"depth={self.arch.depth}, deepstack_layers={self.deepstack_layers}, out_width={self.arch.out_width}, "
                 f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}")
+
+
+class Qwen3VisionTower(NativeTower):
+    """The Qwen3-VL vision tower: ``forward(pixels_PJ, grids_N3) -> rows_RX`` (module doc)."""
+
+    title = "Qwen3-VL"
+
+    def __init__(self, arch: Qwen3VisionArch, ctx: ParallelContext | None = None, *, device=None, dtype=None):
+        super().__init__(arch, ctx, device=device, dtype=dtype)
+        dd = {"device": device, "dtype": dtype}
+        self.patch_embed = PatchEmbed3d(arch, **dd)
+        self.pos_embed = nn.Parameter(torch.empty(arch.num_position_embeddings, arch.hidden, **dd))
+        self.merger = PatchMerger(arch, False, self.ctx, **dd)
+
+    def embed(self, pixels_PJ: torch.Tensor, plan: PackPlan) -> torch.Tensor:
+        """[P, D]: patch embedding plus the interpolated learned positions."""
+        x_PD = self.patch_embed(pixels_PJ.to(self.patch_embed.weight.dtype))
+        idx_P4, weight_P4 = position_taps(plan, self.arch.grid_side)
+        wide = torch.promote_types(x_PD.dtype, torch.float32)
+        pos_PD = (F.embedding(idx_P4, self.pos_embed).to(wide) * weight_P4[:, :, None].to(wide)).sum(1)
+        return x_PD + pos_PD.to(x_PD.dtype)
+
+    def rotary(self, plan: PackPlan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_angles(plan, self.arch.head_dim, self.arch.rope_theta, dtype)
 
 
 def _qwen3_init_fn(name: str, info: ParamInfo):

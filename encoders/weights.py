@@ -27,8 +27,8 @@ import torch
 from mimo.encoders.config import VitArch
 from mimo.core.errors import MimoError
 
-__all__ = ["Rule", "ImportedWeights", "LazyTensor", "MappedTensor", "lazy_safetensors", "materialize", "map_state",
-           "load_state_file", "check_arch", "replace_named", "rule_row_blocks"]
+__all__ = ["Rule", "RowsRule", "ImportedWeights", "LazyTensor", "MappedTensor", "lazy_safetensors", "materialize", "map_state",
+           "load_state_file", "check_arch", "check_arch_fields", "replace_named", "rule_row_blocks", "state_to_theirs"]
 
 Index = tuple[slice, ...]  # explicit start / stop on every dim
 
@@ -110,6 +110,65 @@ class Rule:
             region = src[(slice(0, 1),) * lead + tuple(index)]
             return region.reshape(region.shape[lead:])
         return self.to_ours([materialize(src)])[tuple(index)]
+
+
+@dataclass(frozen=True)
+class RowsRule(Rule):
+    """One source tensor whose rows (dim 0) ours holds in another order: ``ours[i] =
+    theirs[rows[i]]`` (a permutation; e.g. rotary channels stored interleaved in the source)."""
+
+    rows: tuple[int, ...] = ()
+
+    def to_ours(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        return tensors[0][torch.tensor(self.rows, dtype=torch.long)]
+
+    def to_theirs(self, t: torch.Tensor) -> list[torch.Tensor]:
+        inverse = torch.empty(len(self.rows), dtype=torch.long)
+        inverse[torch.tensor(self.rows, dtype=torch.long)] = torch.arange(len(self.rows))
+        return [t[inverse].clone()]
+
+    def read(self, sources: list, index: Index) -> torch.Tensor:
+        """Only the source rows behind ``index`` (their covering range: a permutation within
+        heads reads a head-aligned slice's own heads)."""
+        (src,) = sources
+        rows = self.rows[index[0].start:index[0].stop]
+        if not rows:
+            return src[(slice(0, 0), *index[1:])]
+        lo = min(rows)
+        block = src[(slice(lo, max(rows) + 1), *index[1:])]
+        return block[torch.tensor(rows, dtype=torch.long) - lo]
+
+
+def state_to_theirs(state: Mapping[str, torch.Tensor], rules: list[Rule], what: str) -> dict[str, torch.Tensor]:
+    """{source name: tensor} of a full state by our names (``full_state()``, or full gradients):
+    each rule inverted, exact; MimoError naming the first problems (a tensor no rule knows, a
+    missing one, a wrong shape) as not fitting ``what``."""
+    known = {r.ours for r in rules}
+    problems = [f"tensor {name!r} is not a {what} tensor" for name in state if name not in known]
+    out: dict[str, torch.Tensor] = {}
+    for rule in rules:
+        if rule.ours not in state:
+            problems.append(f"missing tensor {rule.ours!r} (expected shape {rule.our_shape})")
+            continue
+        t = state[rule.ours]
+        if tuple(t.shape) != rule.our_shape:
+            problems.append(f"tensor {rule.ours!r} has shape {tuple(t.shape)}, the arch expects {rule.our_shape}")
+            continue
+        for key, part in zip(rule.theirs, rule.to_theirs(t.detach())):
+            out[key] = part
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise MimoError(f"the mimo state does not fit the {what}: " + "; ".join(problems[:3]) + more)
+    return out
+
+
+def check_arch_fields(configured, source, where: str) -> None:
+    """MimoError naming every dataclass field where the configured arch differs from the
+    checkpoint's config (what does not show as tensor shapes: heads, activation, rope, ...)."""
+    problems = [f"arch.{f.name} is {getattr(configured, f.name)!r} in the config but {getattr(source, f.name)!r} in {where}"
+                for f in dataclasses.fields(configured) if getattr(configured, f.name) != getattr(source, f.name)]
+    if problems:
+        raise MimoError("; ".join(problems))
 
 
 def rule_row_blocks(rules) -> dict[str, list[tuple[str, int, int, int]]]:

@@ -1504,10 +1504,17 @@ def llava_text_config(config: Mapping) -> dict:
 
 # ---------------------------------------------------------------- Qwen3-VL's (and Qwen3.5's) language model
 
-# a Qwen3-VL / Qwen3.5 config's model_type -> (its transformers config class, the family of its text model)
+# a Qwen3-VL / Qwen3.5 config's model_type -> (its transformers config class, the family of its text model);
+# Kimi-K2.5's (a DeepSeek-V3 language model beside the MoonViT tower) is laid out alike
 QWEN3_VL = {"qwen3_vl": ("Qwen3VLConfig", "qwen3_vl_text"), "qwen3_vl_moe": ("Qwen3VLMoeConfig", "qwen3_vl_moe_text"),
-            "qwen3_5": ("Qwen3_5Config", "qwen3_5_text"), "qwen3_5_moe": ("Qwen3_5MoeConfig", "qwen3_5_moe_text")}
+            "qwen3_5": ("Qwen3_5Config", "qwen3_5_text"), "qwen3_5_moe": ("Qwen3_5MoeConfig", "qwen3_5_moe_text"),
+            "kimi_k25": ("Kimi_K25Config", "deepseek_v3")}
 QWEN3_VL_LM = ("model.language_model.", "lm_head.weight")  # where the causal LM's "model." and head sit
+# other namings of such a language model in checkpoints, (body, head, decoder layers' name): Kimi-K2.5's
+# published checkpoints, and transformers' save_pretrained of Kimi-K2.5 (the reverse of its renaming of
+# MoonViT's "blocks" also names the decoder layers "blocks")
+VLM_LM_NAMINGS = {"kimi_k25": (("language_model.model.", "language_model.lm_head.weight", "layers."),
+                               ("language_model.model.", "language_model.lm_head.weight", "blocks."))}
 
 
 def is_qwen3_vl_lm_key(name: str) -> bool:
@@ -1584,13 +1591,29 @@ def qwen3_vl_text_to_hf(full_state: Mapping[str, torch.Tensor], arch: HybridArch
     return export_hf_state(full_state, arch, qwen3_vl_lm_key, model_type)
 
 
+def vlm_lm_naming(model_type: str, keys: Iterable[str]) -> tuple[Rename, list[str]]:
+    """(causal-LM name -> checkpoint name, the checkpoint's language-model keys) of the language
+    model in a checkpoint of a ``QWEN3_VL`` model type: under ``VLM_LM_NAMINGS``' naming whose
+    decoder layers the keys hold, else transformers' ``state_dict`` names (``qwen3_vl_lm_key``)."""
+    keys = list(keys)
+    for body, head, layers in VLM_LM_NAMINGS.get(model_type, ()):
+        if any(k.startswith(body + layers) for k in keys):
+            def rename(name: str, body=body, head=head, layers=layers) -> str:
+                key = llava_lm_key(name, body, head)
+                return body + layers + key[len(body) + len("layers."):] if key.startswith(body + "layers.") else key
+
+            return rename, [k for k in keys if k.startswith(body) or k == head]
+    return qwen3_vl_lm_key, [k for k in keys if is_qwen3_vl_lm_key(k)]
+
+
 def language_model_of(ckpt: HFCheckpoint) -> tuple[dict, Rename, list[str]]:
     """(causal-LM config, causal-LM name -> checkpoint name, the checkpoint's language-model
     keys) of a causal-LM checkpoint, or of the language model inside a LLaVA one (either naming)
-    or a Qwen3-VL / Qwen3.5 one (its text config, ``qwen3_vl_text_config``)."""
+    or a Qwen3-VL / Qwen3.5 / Kimi-K2.5 one (its text config, ``qwen3_vl_text_config``; its naming,
+    ``vlm_lm_naming``)."""
     config, keys = ckpt.config, ckpt.keys()
     if config.get("model_type") in QWEN3_VL:
-        return qwen3_vl_text_config(config), qwen3_vl_lm_key, [k for k in keys if is_qwen3_vl_lm_key(k)]
+        return (qwen3_vl_text_config(config), *vlm_lm_naming(config["model_type"], keys))
     if config.get("model_type") != "llava":
         return config, _same, keys
     config = llava_text_config(config)

@@ -1,7 +1,8 @@
 """Shared fixtures: ``pools(N)`` gives an N-rank gloo worker pool, started once per test module,
 or once per session for the common sizes (``SHARED_SIZES``; ``session_pools(N)``: once per
 session at every size, for the modules that share all theirs);
-``write_demo_config`` writes the demo config over fresh demo shards, ``write_moe_configs``
+``write_demo_config`` writes the demo config over fresh demo shards (``write_native_example`` a
+native-resolution example config over their native split), ``write_moe_configs``
 tests/configs/moe_{tp,pp}.yaml over them; ``with indexes_here():`` builds their data indexes in
 this process; ``mimo_here(*argv)`` runs a ``mimo`` command line in this process, and
 ``with lend_pools(pools):`` has the commands in it run their ranks on the test's worker pools
@@ -143,6 +144,36 @@ def _indexes_here():
 def indexes_here():
     """``with indexes_here(): ...``: ``_indexes_here`` (e.g. around ``write_demo_config``)."""
     return _indexes_here
+
+
+def _write_native_example(example, root, seed: int, native_samples: int, shards: int = 1, **data) -> str:
+    """The config ``example`` over fresh demo data under ``root`` (its native split:
+    ``native_samples`` samples in ``shards`` shards of 80), ``data``'s keys set (e.g.
+    ``tokens_per_microbatch``), checkpoints under ``root``, its index built here. Returns the path."""
+    from pathlib import Path
+
+    from mimo.compose.config import load_config
+    from mimo.compose.inputs import ensure_index
+    from mimo.data.demo import make_demo_data
+
+    make_demo_data(str(root / "data"), train_samples=4, heldout_samples=1, shard_size=80, seed=seed,
+                   native_samples=native_samples)
+    cfg = yaml.safe_load(Path(example).read_text())
+    cfg["data"].update(shards=str(root / "data" / f"native-{{000000..{shards - 1:06d}}}.tar"),
+                       tokenizer=str(root / "data" / "tokenizer"), **data)
+    cfg["train"]["checkpoint"]["dir"] = str(root / "ckpt")
+    path = root / Path(example).name
+    path.write_text(yaml.safe_dump(cfg))
+    with _indexes_here():
+        ensure_index(load_config(str(path)))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def write_native_example():
+    """``write(example, root, seed, native_samples, shards=1, **data) -> config path``
+    (``_write_native_example``: a native-resolution example config over fresh demo data)."""
+    return _write_native_example
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 import transformers
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 
-from mimo.core.testing import Yardstick, fp64_kept
+from mimo.core.testing import Yardstick, fp64_kept, rel_err
 from mimo.llm.blocks import build_layer
 from mimo.llm.config import HybridArch, LLMModuleConfig
 from mimo.llm.context import SeqContext
@@ -296,3 +296,29 @@ def test_mla_lora_targets_adapt_dsa_layers():
     paths = attach_targets(stage, LoraSpec(4, 8.0), 0, LORA_TARGETS, ["q_a", "q_b", "kv_a", "kv_b"], "modules.language.lora")
     assert sorted(paths) == sorted(f"layers.{i}.{p}" for i in (0, 2)
                                    for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")), paths
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU machine runs it)")
+def test_dsa_on_the_gpu_equals_the_cpu():
+    """The layer on CUDA (fp32, no TF32) gives the CPU's outputs and gradients, the KL included;
+    in bf16 it runs (finite) and keeps min(index_topk, prefix) keys per query, as on the CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = _hf_config(4, YARN)
+    weights = _full_weights(cfg, seed=8)
+    x0, dy = _data(9)
+    layers = {}
+    for device in ("cpu", "cuda"):
+        layer = build_layer(_arch(cfg), LayerSpec(0, "dsa")).to(device)
+        load_full_(param_table(layer), weights)
+        layers[device] = layer
+    got = {d: _ours(layers[d], x0.to(d), dy.to(d), loss_norm=LOSS_NORM, indexer_grads=True) for d in layers}
+    for k, want in got["cpu"].items():
+        assert rel_err(got["cuda"][k].cpu(), want) < 1e-5, k
+    assert rel_err(layers["cuda"].kl_sum.cpu(), layers["cpu"].kl_sum) < 1e-5
+    bf16 = layers["cuda"].to(torch.bfloat16)
+    out = _ours(bf16, x0.cuda().bfloat16(), dy.cuda().bfloat16(), loss_norm=LOSS_NORM, indexer_grads=True)
+    assert all(v is None or torch.isfinite(v).all() for v in out.values())
+    scores = torch.randn(12, 12, device="cuda")
+    allowed = torch.ones(12, 12, dtype=torch.bool, device="cuda").tril()
+    kept = select_keys(scores, allowed, TOPK)
+    assert kept.sum(-1).tolist() == [min(TOPK, i + 1) for i in range(12)]

@@ -35,23 +35,9 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory, indexes_here) -> str:
+def native(tmp_path_factory, write_native_example) -> str:
     """The example config over fresh demo data (its native split: 160 samples in two shards)."""
-    from mimo.compose.inputs import ensure_index
-    from mimo.data.demo import make_demo_data
-
-    root = tmp_path_factory.mktemp("native")
-    data = root / "data"
-    make_demo_data(str(data), train_samples=4, heldout_samples=1, shard_size=80, seed=5, native_samples=160)
-    cfg = yaml.safe_load(EXAMPLE.read_text())
-    cfg["data"].update(shards=str(data / "native-{000000..000001}.tar"), tokenizer=str(data / "tokenizer"),
-                       tokens_per_microbatch=768)
-    cfg["train"]["checkpoint"]["dir"] = str(root / "ckpt")
-    path = root / "qwen3-vl-moe.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    with indexes_here():
-        ensure_index(load_config(str(path)))
-    return str(path)
+    return write_native_example(EXAMPLE, tmp_path_factory.mktemp("native"), 5, 160, shards=2, tokens_per_microbatch=768)
 
 
 def _index(config_path: str):

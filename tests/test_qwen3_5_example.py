@@ -16,7 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
 
 from mimo.compose.config import load_config
 
@@ -26,24 +25,11 @@ STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory, indexes_here) -> str:
+def native(tmp_path_factory, write_native_example) -> str:
     """The example config over fresh demo data (its native split: 24 samples in one shard), its
     microbatches small (a few samples each)."""
-    from mimo.compose.inputs import ensure_index
-    from mimo.data.demo import make_demo_data
-
-    root = tmp_path_factory.mktemp("qwen3_5")
-    data = root / "data"
-    make_demo_data(str(data), train_samples=4, heldout_samples=1, shard_size=80, seed=7, native_samples=24)
-    cfg = yaml.safe_load(EXAMPLE.read_text())
-    cfg["data"].update(shards=str(data / "native-{000000..000000}.tar"), tokenizer=str(data / "tokenizer"),
-                       tokens_per_microbatch=384, max_sample_tokens=384)
-    cfg["train"]["checkpoint"]["dir"] = str(root / "ckpt")
-    path = root / "qwen3.5-moe.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    with indexes_here():
-        ensure_index(load_config(str(path)))
-    return str(path)
+    return write_native_example(EXAMPLE, tmp_path_factory.mktemp("qwen3_5"), 7, 24, tokens_per_microbatch=384,
+                                max_sample_tokens=384)
 
 
 def test_the_example_is_qwen3_5_shaped(native):

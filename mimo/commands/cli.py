@@ -193,7 +193,7 @@ def run_verify_llm(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def verify_hf_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", metavar="DIR", help="a Hugging Face Qwen3-VL(-MoE) / Qwen3.5(-MoE) directory: config.json, and "
+    parser.add_argument("dir", metavar="DIR", help="a Hugging Face Qwen3-VL(-MoE) / Qwen3.5(-MoE) / Kimi-K2.5 directory: config.json, and "
                         "safetensors weights (random weights without them)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the LLM and the tower (default 1)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE; the ep ranks are data parallel for "
@@ -471,7 +471,7 @@ def import_hf_llava_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def import_hf_arguments(parser: argparse.ArgumentParser) -> None:
-    _import_arguments(parser, "LLaVA, Qwen3-VL(-MoE), Qwen3.5(-MoE) or a Qwen3-Next / Qwen3.5 causal LM")
+    _import_arguments(parser, "LLaVA, Qwen3-VL(-MoE), Qwen3.5(-MoE), Kimi-K2.5 or a Qwen3-Next / Qwen3.5 causal LM")
 
 
 def _run_import(args: argparse.Namespace, command: str, describe, convert) -> dict[str, Any]:
@@ -600,13 +600,13 @@ COMMANDS: tuple[Command, ...] = (
     Command("verify-bridge", "check a bridge between two layouts against the one-process reference", verify_bridge_arguments, run_verify_bridge),
     Command("verify-encoder", "check an imported timm / Hugging Face vision tower against the original", verify_encoder_arguments, run_verify_encoder),
     Command("verify-llm", "check the LLM at a TP/PP layout against the Hugging Face model", verify_llm_arguments, run_verify_llm),
-    Command("verify-hf", "check a whole Qwen3-VL(-MoE) or Qwen3.5(-MoE) at a TP/EP layout against the Hugging Face model", verify_hf_arguments,
+    Command("verify-hf", "check a whole Qwen3-VL(-MoE), Qwen3.5(-MoE) or Kimi-K2.5 at a TP/EP layout against the Hugging Face model", verify_hf_arguments,
             run_verify_hf),
-    Command("import-hf", "check a Hugging Face LLaVA / Qwen3-VL / Qwen3.5 / Qwen3-Next checkpoint; give the mimo modules that load it, or convert it",
+    Command("import-hf", "check a Hugging Face LLaVA / Qwen3-VL / Qwen3.5 / Kimi-K2.5 / Qwen3-Next checkpoint; give the mimo modules that load it, or convert it",
             import_hf_arguments, run_import_hf),
     Command("import-hf-llava", "check a Hugging Face LLaVA checkpoint and give the mimo modules that load it", import_hf_llava_arguments,
             run_import_hf_llava),
-    Command("export-hf", "write a checkpoint as a Hugging Face LLaVA / Qwen3-VL / Qwen3.5 (or, --llm-only, causal LM) directory", export_hf_arguments,
+    Command("export-hf", "write a checkpoint as a Hugging Face LLaVA / Qwen3-VL / Qwen3.5 / Kimi-K2.5 (or, --llm-only, causal LM) directory", export_hf_arguments,
             run_export_hf),
     Command("convert-checkpoint", "rewrite a checkpoint at another config's layout (offline resharding)",
             convert_checkpoint_arguments, run_convert_checkpoint),

@@ -24,7 +24,8 @@ A run whose encoder is ``kind: qwen3_vl`` is written as Hugging Face's Qwen3-VL
 (``Qwen3VLForConditionalGeneration`` / ``Qwen3VLMoeForConditionalGeneration``) or, when its LLM is
 Qwen3.5's (Gated DeltaNet, no deepstack), Qwen3.5 (``Qwen3_5ForConditionalGeneration`` /
 ``Qwen3_5MoeForConditionalGeneration``) by ``mimo.commands.hf_qwen3_vl.export_qwen3_vl``: its token
-ids and tokenizer / processor files from the directory the run imported from.
+ids and tokenizer / processor files from the directory the run imported from. A ``kind: kimi_k25``
+encoder beside a DeepSeek-V3 LLM is written as Kimi-K2.5 (``Kimi_K25ForConditionalGeneration``) alike.
 
 ``--llm-only``: the language model alone as its ``*ForCausalLM`` (``mimo.llm.hf``) and the tokenizer
 (Qwen3.5's: ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``; Qwen3-VL's has none).
@@ -387,7 +388,7 @@ def export_hf(checkpoint: str, out: str, llm_only: bool = False, max_shard_bytes
                 tokenizer.save_pretrained(tmp)
             architecture, filled_from, extra = hf_config["architectures"][0], None, {}
             adapters = {m: a for m, a in adapters.items() if m == llm}  # the language model alone: its adapters alone
-        elif any(enc.native for enc in config.encoders.values()):  # a kind: qwen3_vl tower: Hugging Face's Qwen3-VL
+        elif any(enc.native for enc in config.encoders.values()):  # a native tower: Hugging Face's Qwen3-VL, Kimi-K2.5, ...
             from mimo.commands.hf_qwen3_vl import export_qwen3_vl
 
             architecture, extra = export_qwen3_vl(tmp, path, meta, config, full, tokenizer, max_shard_bytes)

@@ -8,6 +8,8 @@ The architecture comes from ``DIR/config.json`` (``architectures``, else ``model
     Qwen3VLMoeForConditionalGeneration     and the LLM; Qwen3.5's tower has no deepstack, its LLM
     Qwen3_5ForConditionalGeneration        is Gated DeltaNet / gated attention with M-RoPE)
     Qwen3_5MoeForConditionalGeneration
+    Kimi_K25ForConditionalGeneration       mimo.commands.hf_qwen3_vl (a ``kind: kimi_k25`` encoder: MoonViT
+                                           and its projector; the LLM: DeepSeek-V3's, 1-D RoPE)
     LlamaForCausalLM, Qwen2ForCausalLM,  a text-only LLM: every family of ``mimo.llm.hf`` (Llama,
     Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2 / Qwen3 (MoE), Mixtral, OLMoE, Nemotron-H, Qwen3-Next,
     NemotronHForCausalLM, ...               Qwen3.5 (MoE) text; here: ``describe_causal_lm``,
@@ -31,7 +33,7 @@ __all__ = ["MULTIMODAL", "causal_lms", "supported", "detect_architecture", "desc
 # architecture -> config.json model_type: the multimodal models
 MULTIMODAL = {"LlavaForConditionalGeneration": "llava", "Qwen3VLForConditionalGeneration": "qwen3_vl",
               "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe", "Qwen3_5ForConditionalGeneration": "qwen3_5",
-              "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe"}
+              "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe", "Kimi_K25ForConditionalGeneration": "kimi_k25"}
 
 
 def causal_lms() -> dict[str, str]:

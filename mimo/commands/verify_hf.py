@@ -2,10 +2,12 @@
 language model and its head) at a TP / EP layout against transformers'
 ``Qwen3VLForConditionalGeneration`` / ``Qwen3VLMoeForConditionalGeneration``; or a whole Qwen3.5 /
 Qwen3.5-MoE (the same without deepstack, its language model Gated DeltaNet and gated attention)
-against ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``.
+against ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``; or a whole
+Kimi-K2.5 (MoonViT and its projector, a DeepSeek-V3 language model: MLA, routed and shared
+experts; 1-D RoPE) against ``Kimi_K25ForConditionalGeneration``.
 
-DIR holds ``config.json`` (``model_type`` ``qwen3_vl``, ``qwen3_vl_moe``, ``qwen3_5`` or
-``qwen3_5_moe``) and, optionally,
+DIR holds ``config.json`` (``model_type`` ``qwen3_vl``, ``qwen3_vl_moe``, ``qwen3_5``,
+``qwen3_5_moe`` or ``kimi_k25``) and, optionally,
 safetensors weights as ``save_pretrained`` writes them. Without weights the Hugging Face model
 gets random weights at which every path shows (``llm.verify.randomize_``, the tower's patch
 embedding by its true fan-in) and is saved to a temporary directory, so that the workers import
@@ -15,7 +17,10 @@ Samples (main process, from ``--seed``; ``mimo.compose.native_vlm.random_samples
 RGB images of different sizes (sides not multiples of 32) between text, a four-frame video
 (two temporal patches; each frame block after its own vision-start token, a two-token timestamp
 before it) between text, a text-only sample; more samples cycle through the three kinds where
-the layout has more data-parallel ranks than three.
+the layout has more data-parallel ranks than three. A tower that takes no videos (Kimi-K2.5's)
+gets one large image in the video's place (Kimi's processor scales it down; the others it pads to
+whole merge blocks), its rows given to transformers in the processor's raster order
+(``hf_pixels`` of the tower's class).
 
 Hugging Face runs the samples as one batch (a row per sample, right-padded, ``attention_mask``,
 ``mm_token_type_ids``, ``pixel_values`` / ``image_grid_thw``, ``pixel_values_videos`` /
@@ -65,14 +70,15 @@ from mimo.compose.native_vlm import (
     VisionTokenIds,
     VLMPack,
     VLMSample,
-    build_qwen3_vl,
-    load_qwen3_vl_,
+    build_vlm,
+    load_vlm_,
     pack_samples,
-    qwen3_vl_archs,
     random_samples,
     text_ids,
+    vlm_archs,
 )
 from mimo.core.errors import ConfigError, MimoError
+from mimo.encoders.config import native_tower_of
 from mimo.core.testing import Yardstick, fp64_kept, rel_err
 from mimo.llm.config import LLMModuleConfig
 from mimo.llm.hf import QWEN3_VL, hf_model_type, normalised_qwen3_vl_config, read_config_json
@@ -92,13 +98,14 @@ def read_model_dir(path: str) -> tuple[str, dict, bool]:
         path = os.path.dirname(path) or "."
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
-        raise MimoError(f"{path!r}: no config.json (verify-hf takes a Hugging Face Qwen3-VL model directory)")
+        raise MimoError(f"{path!r}: no config.json (verify-hf takes a Hugging Face Qwen3-VL, Qwen3.5 or Kimi-K2.5 model "
+                        f"directory)")
     config = read_config_json(config_file)
     if not isinstance(config, dict):
         raise MimoError(f"{config_file}: not a JSON object")
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise MimoError(f"{config_file}: model_type {model_type!r} is not supported by verify-hf (Qwen3-VL, Qwen3.5: "
+        raise MimoError(f"{config_file}: model_type {model_type!r} is not supported by verify-hf (Qwen3-VL, Qwen3.5, Kimi-K2.5: "
                         f"{', '.join(map(repr, ARCHITECTURES))}); for a causal LM use verify-llm")
     archs = config.get("architectures") or [ARCHITECTURES[model_type]]
     if archs != [ARCHITECTURES[model_type]]:
@@ -112,35 +119,35 @@ def check_layout(path: str, tp: int, ep: int) -> dict[str, Any]:
     """What ``verify_hf`` runs, checked before any process starts: MimoError for an unsupported
     config, a layout that does not fit (tp against the tower's heads / MLP / merger and the
     LLM's heads, ep against its experts) or weights that do not fit the config."""
-    from mimo.encoders.qwen3_vl import Qwen3VisionTower
     from mimo.parallel.context import ParallelContext
     from mimo.parallel.grid import ParallelGrid
 
     if tp < 1 or ep < 1:
         raise MimoError(f"--tp and --ep must be >= 1, got tp={tp}, ep={ep}")
     path, config, weights = read_model_dir(path)
-    tower_arch, arch = qwen3_vl_archs(config)
+    tower_arch, arch = vlm_archs(config)
+    tower = native_tower_of(config["model_type"])
     ids = VisionTokenIds.from_hf_config(normalised_qwen3_vl_config(config))  # the model type's defaults
     bad = [f"{name}={i}" for name, i in zip(("image_token_id", "video_token_id", "vision_start_token_id",
                                              "vision_end_token_id"), ids.all()) if not 0 <= i < arch.vocab]
     if bad:
         raise MimoError(f"{path}: {', '.join(bad)} outside the vocabulary ({arch.vocab} tokens)")
     if ep > 1 and arch.moe is None:
-        raise MimoError(f"--ep {ep}: {config['model_type']} has no experts (Qwen3-VL-MoE and Qwen3.5-MoE have)")
+        raise MimoError(f"--ep {ep}: {config['model_type']} has no experts (Qwen3-VL-MoE, Qwen3.5-MoE and Kimi-K2.5 have)")
     parallel = ParallelConfig(tp=tp, dp=ep, ep=ep)
     problems = arch.validate("arch") + LLMModuleConfig(kind="hybrid", arch=arch, parallel=parallel).validate("llm")
     if problems:
         raise ConfigError(problems)
     grid = ParallelGrid({"tp": tp, "cp": 1, "dp": ep, "pp": 1})
-    Qwen3VisionTower(tower_arch, ParallelContext.plan(grid), device="meta")  # LayoutError where tp does not divide it
+    tower.tower_class()(tower_arch, ParallelContext.plan(grid), device="meta")  # LayoutError where tp does not divide it
     if weights:  # every tensor's name and shape, from the headers
         from mimo.encoders.hf_import import load_hf_state
-        from mimo.encoders.hf_qwen3_vl import import_hf_state
         from mimo.llm.hf import check_hf_checkpoint
 
-        import_hf_state(load_hf_state(path, shapes_only=True), tower_arch, where=f"checkpoint {path!r}")
+        tower.hf_module().import_hf_state(load_hf_state(path, shapes_only=True), tower_arch, where=f"checkpoint {path!r}")
         check_hf_checkpoint(arch, path)
-    return {"path": path, "config": config, "weights": weights, "tower_arch": tower_arch, "arch": arch, "ids": ids}
+    return {"path": path, "config": config, "weights": weights, "tower_arch": tower_arch, "arch": arch, "ids": ids,
+            "tower": tower}
 
 
 # ---------------------------------------------------------------- Hugging Face's side
@@ -149,16 +156,16 @@ def check_layout(path: str, tp: int, ep: int) -> dict[str, Any]:
 @torch.no_grad()
 def randomize_vlm_(model: torch.nn.Module, seed: int) -> None:
     """``llm.verify.randomize_`` over the whole model, then the tower's patch embedding (a
-    Conv3d) by its true fan-in (C * tp * p * p) and its position table at scale 0.5, so that
-    positions show beside the pixels."""
+    Conv3d, MoonViT's Conv2d) by its true fan-in (C * tp * p * p) and its position table at scale
+    0.5, so that positions show beside the pixels."""
     from mimo.llm.verify import randomize_
 
     randomize_(model, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     for name, p in model.named_parameters():
-        if name.endswith("visual.patch_embed.proj.weight"):
+        if name.endswith(("visual.patch_embed.proj.weight", "vision_tower.patch_embed.proj.weight")):
             p.copy_(torch.randn(p.shape, generator=gen) / p[0].numel() ** 0.5)
-        elif name.endswith("visual.pos_embed.weight"):
+        elif name.endswith(("visual.pos_embed.weight", "vision_tower.patch_embed.pos_emb.position_embeddings")):
             p.copy_(0.5 * torch.randn(p.shape, generator=gen))
 
 
@@ -202,8 +209,11 @@ def hf_model(path: str, config: dict, weights: bool, seed: int, moe: bool):
     return model.eval()
 
 
-def hf_inputs(samples: list[VLMSample], ids: VisionTokenIds, pad_id: int) -> dict[str, torch.Tensor]:
-    """The samples as transformers' processor would hand them over: one right-padded row each."""
+def hf_inputs(samples: list[VLMSample], ids: VisionTokenIds, pad_id: int, tower=None, tower_arch=None
+              ) -> dict[str, torch.Tensor]:
+    """The samples as transformers' processor would hand them over: one right-padded row each
+    (``tower``: the ``NATIVE_TOWERS`` kind whose ``hf_pixels`` lays the rows out as its processor
+    does; default as they are)."""
     n = max(len(s.tokens) for s in samples)
     input_ids = torch.full((len(samples), n), pad_id, dtype=torch.long)
     attention = torch.zeros(len(samples), n, dtype=torch.long)
@@ -219,8 +229,10 @@ def hf_inputs(samples: list[VLMSample], ids: VisionTokenIds, pad_id: int) -> dic
     for kind, pixels, grids in (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw")):
         visuals = [v for s in samples for v in s.visuals if v.kind == kind]
         if visuals:
-            out[pixels] = torch.cat([v.pixels_PJ for v in visuals])
-            out[grids] = torch.tensor([v.grid for v in visuals], dtype=torch.long)
+            grids_N3 = torch.tensor([v.grid for v in visuals], dtype=torch.long)
+            rows = torch.cat([v.pixels_PJ for v in visuals])
+            out[pixels] = rows if tower is None else tower.tower_class().hf_pixels(tower_arch, rows, grids_N3)
+            out[grids] = grids_N3
     return out
 
 
@@ -274,7 +286,6 @@ def verify_hf_worker(path: str, config: dict, tp: int, ep: int, packs: list[VLMP
     (tests), applied after loading."""
     import torch.distributed as dist
 
-    from mimo.encoders.hf_qwen3_vl import tower_state_to_hf
     from mimo.encoders.tp_state import full_grads
     from mimo.llm.hf import qwen3_vl_text_to_hf
     from mimo.parallel.context import ParallelContext
@@ -289,8 +300,8 @@ def verify_hf_worker(path: str, config: dict, tp: int, ep: int, packs: list[VLMP
     tower_ctx = ParallelContext(grid, rank, grid.registry)  # the same ranks and groups: colocated, dp = ep
     if not llm_ctx.member:
         return None
-    vlm = build_qwen3_vl(config, llm_ctx, tower_ctx)
-    load_qwen3_vl_(vlm, path)
+    vlm = build_vlm(config, llm_ctx, tower_ctx)
+    load_vlm_(vlm, path)
     if mutate is not None:
         mutate(vlm)
     dp_rank = llm_ctx.dense.coord("dp")
@@ -301,6 +312,10 @@ def verify_hf_worker(path: str, config: dict, tp: int, ep: int, packs: list[VLMP
     _sum_grads_(param_table(vlm.tower))
     _sum_grads_(vlm.stage.param_table())
     tower_grads, llm_grads = full_grads(vlm.tower), vlm.stage.full_grads()
+    # persistent buffers a family maps (DeepSeek-V3's router.expert_bias: transformers' buffer
+    # e_score_correction_bias), without gradients: zeros, so that the mapping finds every tensor
+    buffers = dict(vlm.stage.named_buffers())
+    llm_grads.update({k: torch.zeros_like(v) for k, v in vlm.stage.state_dict().items() if k in buffers})
     total = loss.detach().clone()
     if llm_ctx.dp is not None:
         dist.all_reduce(total, group=llm_ctx.dp)
@@ -309,7 +324,8 @@ def verify_hf_worker(path: str, config: dict, tp: int, ep: int, packs: list[VLMP
         return None
     out = {"dp_rank": dp_rank, "logits": full_logits}
     if rank == 0:
-        grads = {**tower_state_to_hf(tower_grads, vlm.tower.arch), **qwen3_vl_text_to_hf(llm_grads, vlm.stage.arch)}
+        tower_to_hf = native_tower_of(config["model_type"]).hf_module().tower_state_to_hf
+        grads = {**tower_to_hf(tower_grads, vlm.tower.arch), **qwen3_vl_text_to_hf(llm_grads, vlm.stage.arch)}
         out.update(loss=float(total), grads=grads)
     return out
 
@@ -338,14 +354,16 @@ def verify_hf(path: str, pool, *, tp: int = 1, ep: int = 1, seed: int = 0, tol: 
     text_cfg = hf.config.text_config
     other = [getattr(text_cfg, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")]
     other = [i for v in other for i in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(i, int)]
-    samples = random_samples(tower_arch, arch.vocab, ids, seed + 2, count=max(3, ep), other_special=other)
+    tower = plan["tower"]
+    samples = random_samples(tower_arch, arch.vocab, ids, seed + 2, count=max(3, ep), other_special=other,
+                             videos=tower.videos, resize=tower.image().spec_fields()["resize"])
     pad_id = int(text_ids(arch.vocab, ids, other)[0])  # a text token: never an image / video pad
     merge = tower_arch.spatial_merge
     dealt = deal(len(samples), ep)
     packs = [pack_samples([samples[i] for i in idx], ids, merge, pad_id=pad_id, sample_ids=idx) for idx in dealt]
     num_loss_tokens = sum(p.batch.num_loss_tokens for p in packs)
 
-    inputs = hf_inputs(samples, ids, pad_id)
+    inputs = hf_inputs(samples, ids, pad_id, tower, tower_arch)
     lengths = [len(s.tokens) for s in samples]
     ref = hf_run(hf, inputs, lengths, moe)
     with fp64_kept():  # its "fp32" norms, rotary and router softmax fp64 too: the yardstick's fp64 run

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from mimo.compose.config import one_process_module
-from mimo.encoders import qwen3_vl, vit
+from mimo.encoders import vit
+from mimo.encoders.config import NATIVE_TOWERS
 from mimo.llm import model as llm_model
 from mimo.parallel.init import param_seed
 from mimo.parallel.lora import AdapterSite, adapter_sites, attach_targets, init_magnitudes_
@@ -38,7 +39,7 @@ def adapt_encoder(encoder: torch.nn.Module, cfg, name: str, seed: int | None) ->
     """Adapters on an encoder's tower as ``cfg.lora`` says (as ``adapt_llm``)."""
     if cfg.lora is None:
         return []
-    table = qwen3_vl.LORA_TARGETS if cfg.native else vit.LORA_TARGETS
+    table = NATIVE_TOWERS[cfg.kind].tower_module().LORA_TARGETS if cfg.native else vit.LORA_TARGETS
     adapted = attach_targets(encoder.tower, cfg.lora.spec(), None if seed is None else param_seed(seed, f"{name}.lora"),
                              table, cfg.lora.targets, f"modules.{name}.lora")
     if seed is not None:

@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
 from mimo.data.config import DataConfig
-from mimo.encoders.config import EncoderModuleConfig, NativeEncoderModuleConfig
+from mimo.encoders.config import EncoderModuleConfig, KimiEncoderModuleConfig, NativeEncoderModuleConfig
 from mimo.core.errors import ConfigError, LayoutError
 from mimo.llm.config import LLMModuleConfig
 from mimo.core.schema import apply_overrides, at_least, closest, convert, join_path, load_yaml, validate_tree
 
-EncoderConfig = EncoderModuleConfig | NativeEncoderModuleConfig  # kind: vit, kind: qwen3_vl
-ModuleConfig = EncoderModuleConfig | NativeEncoderModuleConfig | LLMModuleConfig
+# kind: vit; the native-resolution kinds (mimo.encoders.config.NATIVE_TOWERS): qwen3_vl, kimi_k25
+EncoderConfig = EncoderModuleConfig | NativeEncoderModuleConfig | KimiEncoderModuleConfig
+ModuleConfig = EncoderModuleConfig | NativeEncoderModuleConfig | KimiEncoderModuleConfig | LLMModuleConfig
 
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 
@@ -250,7 +251,7 @@ class MimoConfig:
 
     @property
     def encoders(self) -> dict[str, EncoderConfig]:
-        """Every encoder module, of either kind (``native``: a ``kind: qwen3_vl`` one)."""
+        """Every encoder module, of any kind (``native``: a native-resolution one, ``kind: qwen3_vl`` or ``kimi_k25``)."""
         return {name: m for name, m in self.modules.items() if isinstance(m, (EncoderModuleConfig, NativeEncoderModuleConfig))}
 
     def bridge_width(self, name: str) -> int:
@@ -262,7 +263,7 @@ class MimoConfig:
     def trainable_problems(self) -> list[str]:
         """What keeps the commands that run the data path (``train``, ``verify-train``, ``eval``,
         ``generate``, ``inspect-data``, ``prepare-data``, ``check-config``'s data checks) from
-        running this config: a native-resolution encoder (``kind: qwen3_vl``) fed by synthetic
+        running this config: a native-resolution encoder (``kind: qwen3_vl``, ``kimi_k25``) fed by synthetic
         data, which draws fixed-size images only."""
         if self.data.source != "synthetic":
             return []

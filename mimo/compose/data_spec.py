@@ -19,9 +19,9 @@ def rows_per_image(config: MimoConfig) -> dict[str, int]:
 
 def native_spec(enc: NativeEncoderModuleConfig) -> NativePlaceholder:
     """How the data path cuts a native tower's images and writes them into the text."""
-    a, im = enc.arch, enc.image
-    image = NativeImageSpec(a.patch, a.temporal_patch, a.spatial_merge, im.min_pixels, im.max_pixels, tuple(im.mean),
-                            tuple(im.std), a.channels)
+    a = enc.arch
+    image = NativeImageSpec(patch=a.patch, temporal_patch=a.temporal_patch, merge=a.spatial_merge, channels=a.channels,
+                            **enc.image.spec_fields())
     video = None if enc.video is None else NativeVideoSpec(**asdict(enc.video))  # the same fields
     return NativePlaceholder(enc.placeholder, image, enc.vision_start, enc.vision_end, video, enc.video_placeholder)
 

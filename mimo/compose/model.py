@@ -5,7 +5,7 @@ the run's ``GroupRegistry`` (one communicator per distinct rank set) and builds,
 order, each module's ``ParallelContext`` (the LLM's first, then each encoder's), the
 tied-embedding groups and one group per encoder→LLM bridge over the union of their ranks;
 then the modules this rank runs: the encoders it belongs to (tower + projector; a ``kind:
-qwen3_vl`` encoder: the Qwen3-VL tower, ``mimo.encoders.model.NativeVisionEncoder``) and its LLM
+qwen3_vl`` / ``kimi_k25`` encoder: its native tower, ``mimo.encoders.model.NativeVisionEncoder``) and its LLM
 pipeline stage, each handed its context. Each module is a ``ModulePart`` of ``model.parts``
 (the LLM first, then the encoders in config order) on every rank, holding its module only
 where this rank is on its grid, and what it runs once per step (its finalisers), decided here.

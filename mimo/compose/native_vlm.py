@@ -1,5 +1,6 @@
-"""A native-resolution VLM (Qwen3-VL, Qwen3-VL-MoE) on one rank: samples with images and videos,
-their pack, and the composition tower rows -> LLM image rows -> logits (docs/design.md §10).
+"""A native-resolution VLM (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Kimi-K2.5) on one rank: samples with
+images and videos, their pack, and the composition tower rows -> LLM image rows -> logits
+(docs/design.md §10).
 
 Samples. A ``VLMSample`` is token ids plus its ``Visual`` s (images and videos) in order of
 appearance, laid out as transformers' Qwen3-VL processor lays them out:
@@ -28,12 +29,17 @@ so its rows (main features, then each deepstack level: ``Qwen3VisionTower``) lan
 on those slots, and the LLM adds each deepstack level at the same positions: Hugging Face's
 ``visual_pos_masks`` over images and videos together.
 
+Kimi-K2.5 lays an image out alike (its ``<|media_begin|>`` / ``<|media_end|>`` ids as vision start /
+end), takes no videos (``random_samples(videos=False)``) and rotates its LLM by 1-D positions (the
+pack's 3-D ones go unused).
+
 ``NativeVLM`` holds the tower and the LLM stage of one rank (tower colocated with the LLM's
 first stage; its own context, e.g. the LLM's dense grid: TP inside, data parallel across),
-``forward(pack)`` -> this rank's vocab-parallel logits. ``build_qwen3_vl`` / ``load_qwen3_vl_``
-build it from a ``config.json`` and load a Hugging Face checkpoint directory through the
-mappings (``encoders.hf_qwen3_vl``, ``llm.hf``). ``random_samples`` draws the samples
-``mimo verify-hf`` uses.
+``forward(pack)`` -> this rank's vocab-parallel logits. ``build_vlm`` / ``load_vlm_``
+build it from a ``config.json`` (the tower of its model type's kind,
+``mimo.encoders.config.NATIVE_TOWERS``) and load a Hugging Face checkpoint directory through the
+mappings (the kind's, e.g. ``encoders.hf_qwen3_vl``; ``llm.hf``). ``random_samples`` draws the
+samples ``mimo verify-hf`` uses.
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ from mimo.core.batch import PackedBatch
 from mimo.core.errors import DataError, MimoError
 from mimo.data.native_images import NativeImageSpec, preprocess
 from mimo.data.pack import PackItem, pack
-from mimo.encoders.qwen3_vl import Qwen3VisionArch, Qwen3VisionTower
+from mimo.encoders.config import native_tower_of
+from mimo.encoders.qwen3_vl import NativeTower, Qwen3VisionArch
 from mimo.llm.config import HybridArch
 from mimo.llm.model import LLMStage
 from mimo.data.positions import packed_positions_3d
@@ -57,7 +64,7 @@ from mimo.parallel.context import ParallelContext
 
 __all__ = ["KEY", "VisionTokenIds", "Visual", "VLMSample", "VLMPack", "NativeVLM", "image_spec", "video_patches",
            "image_block", "video_blocks", "text_ids", "random_samples", "pack_samples", "stage_image_rows",
-           "qwen3_vl_archs", "build_qwen3_vl", "load_qwen3_vl_"]
+           "vlm_archs", "build_vlm", "load_vlm_"]
 
 KEY = "<image>"  # the one placeholder key of a native VLM: image and video rows share it, in token order
 
@@ -114,14 +121,16 @@ class VLMSample:
 
 
 def image_spec(arch: Qwen3VisionArch, max_blocks: int = 16, min_blocks: int = 1,
-               mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)) -> NativeImageSpec:
+               mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), resize: str = "smart") -> NativeImageSpec:
     """The preprocessing of ``arch``'s tower (patch, temporal patch, merge, channels) with a
     pixel budget of ``min_blocks .. max_blocks`` merge blocks (LLM tokens) per image: small
-    budgets for verification; Qwen3-VL's released mean / std by default."""
+    budgets for verification; Qwen3-VL's released mean / std by default. ``resize: navit``
+    (Kimi-K2.5's rule): images over ``max_blocks`` blocks' patches scaled down, none up."""
     f = arch.patch * arch.spatial_merge
+    budget = ({"min_pixels": f * f * min_blocks, "max_pixels": f * f * max_blocks} if resize == "smart"
+              else {"max_patches": arch.spatial_merge**2 * max_blocks})
     return NativeImageSpec(patch=arch.patch, temporal_patch=arch.temporal_patch, merge=arch.spatial_merge,
-                           min_pixels=f * f * min_blocks, max_pixels=f * f * max_blocks, mean=tuple(mean),
-                           std=tuple(std), channels=arch.channels)
+                           mean=tuple(mean), std=tuple(std), channels=arch.channels, resize=resize, **budget)
 
 
 def video_patches(frames: Sequence, spec: NativeImageSpec) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -186,17 +195,19 @@ def _side(rng: np.random.Generator, factor: int, blocks: int) -> int:
 
 
 def random_samples(arch: Qwen3VisionArch, vocab: int, ids: VisionTokenIds, seed: int, count: int = 3,
-                   other_special: Sequence[int] = (), frames: int = 4) -> list[VLMSample]:
+                   other_special: Sequence[int] = (), frames: int = 4, videos: bool = True,
+                   resize: str = "smart") -> list[VLMSample]:
     """``count`` (at least 3) random samples cycling through three kinds: a video of ``frames``
     frames between text (timestamps of two text tokens); two images of different sizes (one
     wide, one tall) between text; text only. The video comes first, so that the pack's token
-    order, which its rows follow, is not Hugging Face's images-then-videos order. Random RGB
-    PIL images (and frames) whose sides are not multiples of 32 (nor of patch * merge),
-    through ``image_spec(arch)``'s preprocessing; text from ``text_ids``. Deterministic in
-    ``seed``."""
+    order, which its rows follow, is not Hugging Face's images-then-videos order. Without
+    ``videos`` (a tower that takes none) a large image (over the budget: scaled down under
+    ``resize: navit``) stands in its place. Random RGB PIL images (and frames) whose sides are
+    not multiples of 32 (nor of patch * merge), through ``image_spec(arch, resize=resize)``'s
+    preprocessing; text from ``text_ids``. Deterministic in ``seed``."""
     from PIL import Image
 
-    spec = image_spec(arch)
+    spec = image_spec(arch, resize=resize)
     f, m = spec.factor, arch.spatial_merge
     rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(seed)
@@ -217,6 +228,9 @@ def random_samples(arch: Qwen3VisionArch, vocab: int, ids: VisionTokenIds, seed:
                        Visual("image", *preprocess(picture(_side(rng, f, 3), _side(rng, f, 1)), spec))]
             tokens = (text(2, 5) + image_block(visuals[0].grid, m, ids) + text(1, 4)
                       + image_block(visuals[1].grid, m, ids) + text(2, 5))
+        elif kind == 0 and not videos:  # one large image
+            visuals = [Visual("image", *preprocess(picture(_side(rng, f, 6), _side(rng, f, 5)), spec))]
+            tokens = text(2, 5) + image_block(visuals[0].grid, m, ids) + text(2, 5)
         elif kind == 0:  # a video (first: in token order a video comes before images)
             h, w = _side(rng, f, 2), _side(rng, f, 2)
             pixels, grid = video_patches([picture(h, w) for _ in range(frames)], spec)
@@ -302,7 +316,7 @@ class NativeVLM(nn.Module):
     """The tower and the LLM stage of one rank (the first and only stage: the tower's rows and
     their deepstack levels go to it); ``forward(pack)`` -> vocab-parallel logits ``[T, V/tp]``."""
 
-    def __init__(self, tower: Qwen3VisionTower, stage: LLMStage):
+    def __init__(self, tower: NativeTower, stage: LLMStage):
         super().__init__()
         if not (stage.is_first and stage.is_last):
             raise MimoError("NativeVLM runs one pipeline stage (pp = 1)")
@@ -326,31 +340,34 @@ class NativeVLM(nn.Module):
         return self.stage.loss(logits, pack.batch, num_loss_tokens)
 
 
-def qwen3_vl_archs(config: Mapping) -> tuple[Qwen3VisionArch, HybridArch]:
-    """(tower arch, LLM arch) of a ``qwen3_vl`` / ``qwen3_vl_moe`` ``config.json`` dict."""
+def vlm_archs(config: Mapping) -> tuple[Qwen3VisionArch, HybridArch]:
+    """(tower arch, LLM arch) of a native VLM's ``config.json`` dict (``mimo.llm.hf.QWEN3_VL``'s
+    model types; the tower's arch class that of its kind)."""
     from mimo.llm.hf import normalised_qwen3_vl_config, qwen3_vl_arch
 
     whole = normalised_qwen3_vl_config(config)
-    return Qwen3VisionArch.from_hf_config(whole), qwen3_vl_arch(config)
+    return native_tower_of(config.get("model_type")).arch.from_hf_config(whole), qwen3_vl_arch(config)
 
 
-def build_qwen3_vl(config: Mapping, llm_ctx: ParallelContext, tower_ctx: ParallelContext | None = None) -> NativeVLM:
-    """The rank's ``NativeVLM`` of a Qwen3-VL ``config.json`` dict, weights uninitialised
-    (``load_qwen3_vl_``); ``tower_ctx`` default: the LLM's dense layout."""
-    tower_arch, arch = qwen3_vl_archs(config)
-    tower = Qwen3VisionTower(tower_arch, llm_ctx if tower_ctx is None else tower_ctx)
+def build_vlm(config: Mapping, llm_ctx: ParallelContext, tower_ctx: ParallelContext | None = None) -> NativeVLM:
+    """The rank's ``NativeVLM`` of a native VLM's ``config.json`` dict, weights uninitialised
+    (``load_vlm_``); ``tower_ctx`` default: the LLM's dense layout."""
+    tower_arch, arch = vlm_archs(config)
+    tower_cls = native_tower_of(config.get("model_type")).tower_class()
+    tower = tower_cls(tower_arch, llm_ctx if tower_ctx is None else tower_ctx)
     return NativeVLM(tower, LLMStage(arch, llm_ctx))
 
 
-def load_qwen3_vl_(vlm: NativeVLM, path: str) -> None:
-    """Load a Hugging Face Qwen3-VL checkpoint directory (``save_pretrained``'s safetensors,
-    one file or shards) into this rank's slices: the tower through ``encoders.hf_qwen3_vl``
-    (``model.visual.*``), the language model through ``llm.hf`` (``model.language_model.*``,
+def load_vlm_(vlm: NativeVLM, path: str) -> None:
+    """Load a Hugging Face native-VLM checkpoint directory (``save_pretrained``'s safetensors,
+    one file or shards; Kimi-K2.5's published naming too) into this rank's slices: the tower
+    through its kind's mapping (``encoders.hf_qwen3_vl``: ``model.visual.*``;
+    ``encoders.hf_kimi_k25``), the language model through ``llm.hf`` (``model.language_model.*``,
     ``lm_head``); every tensor checked by name and shape."""
-    from mimo.encoders.hf_import import load_hf_state
-    from mimo.encoders.hf_qwen3_vl import import_hf_state
+    from mimo.encoders.hf_import import load_hf_state, read_config_json
     from mimo.llm.hf import load_hf_checkpoint
 
+    tower = native_tower_of(read_config_json(path).get("model_type"))
     state = load_hf_state(path, lazy=True)
-    vlm.tower.load_weights_(import_hf_state(state, vlm.tower.arch, where=f"checkpoint {path!r}"))
+    vlm.tower.load_weights_(tower.hf_module().import_hf_state(state, vlm.tower.arch, where=f"checkpoint {path!r}"))
     load_hf_checkpoint(vlm.stage, path)

@@ -237,7 +237,7 @@ def _parameter_adapters(modules: dict[str, dict[str, torch.Tensor]], conf: dict,
 def module_row_blocks(cfg, llm: bool) -> list[RowBlocks]:
     """Candidate row rules of a module (its config ``cfg``; ``llm``: the language model) under the names a PEFT adapter of a Hugging Face
     model of it may use, first match wins: the language model as a causal LM, inside a LLaVA
-    (either naming) or inside a Qwen3-VL; a tower's rules without their prefix (found by
+    (either naming) or inside a Qwen3-VL (or Kimi-K2.5); a tower's rules without their prefix (found by
     suffix: ``encoder.layers.0.self_attn.q_proj`` under any LLaVA or CLIP prefix)."""
     from mimo.encoders.weights import rule_row_blocks
     from mimo.llm.hf import LLAVA_LM, _same, hf_row_blocks, llava_lm_key, qwen3_vl_lm_key
@@ -252,7 +252,9 @@ def module_row_blocks(cfg, llm: bool) -> list[RowBlocks]:
                 continue
         return out
     if cfg.native:
-        from mimo.encoders.hf_qwen3_vl import hf_rules
+        from mimo.encoders.config import NATIVE_TOWERS
+
+        hf_rules = NATIVE_TOWERS[cfg.kind].hf_module().hf_rules
     else:
         from mimo.encoders.hf_import import hf_rules
     return [{f"tower.{ours}": blocks for ours, blocks in rule_row_blocks(hf_rules(cfg.arch, "")).items()}]

@@ -137,12 +137,12 @@ def _layers(n: int) -> str:
 
 def _check_encoder_hf(enc: EncoderModuleConfig | NativeEncoderModuleConfig, key: str) -> dict[str, Any]:
     if enc.native:
-        from mimo.encoders.hf_qwen3_vl import import_hf
+        from mimo.encoders.config import NATIVE_TOWERS
 
-        weights = import_hf(enc.init.hf, enc.arch, shapes_only=True)
+        weights = NATIVE_TOWERS[enc.kind].hf_module().import_hf(enc.init.hf, enc.arch, shapes_only=True)
         whole = weights.meta["config"].get("model_type")
         return {"summary": f"{whole}'s vision tower, {enc.arch.depth} blocks, {len(enc.arch.deepstack_layers)} deepstack "
-                           f"levels", "family": "qwen3_vl", "model_type": whole, "layers": enc.arch.depth, "notes": []}
+                           f"levels", "family": enc.kind, "model_type": whole, "layers": enc.arch.depth, "notes": []}
     from mimo.encoders.hf_import import check_hf
 
     weights = check_hf(enc.init.hf, enc.arch)

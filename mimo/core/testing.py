@@ -190,12 +190,13 @@ def yardstick_check(got: Mapping, ref32: Mapping, ref64: Mapping, tol: float = 1
 @contextlib.contextmanager
 def fp64_kept():
     """While it is open, a cast of an fp64 tensor to fp32 (``.to``, ``.float()``, softmax's
-    ``dtype``) keeps it fp64: an fp64 reference run of Hugging Face code whose norms, rotary and
-    router softmax upcast "to fp32" stays fp64 throughout (else those casts put fp32 rounding into
-    the yardstick's fp64 run)."""
+    ``dtype``, and ``new_zeros(..., dtype=float32)`` of one: Kimi-K2.5's ``temporal_merge``) keeps
+    it fp64: an fp64 reference run of Hugging Face code whose norms, rotary and router softmax
+    upcast "to fp32" stays fp64 throughout (else those casts put fp32 rounding into the yardstick's
+    fp64 run)."""
     import torch.nn.functional as F
 
-    to, flt, softmax = torch.Tensor.to, torch.Tensor.float, F.softmax
+    to, flt, softmax, new_zeros = torch.Tensor.to, torch.Tensor.float, F.softmax, torch.Tensor.new_zeros
 
     def keep(dtype, t):
         return torch.float64 if dtype is torch.float32 and t.dtype is torch.float64 else dtype
@@ -212,8 +213,13 @@ def fp64_kept():
     def softmax_(x, *args, dtype=None, **kw):
         return softmax(x, *args, dtype=keep(dtype, x), **kw)
 
-    torch.Tensor.to, torch.Tensor.float, F.softmax = to_, float_, softmax_
+    def new_zeros_(self, *args, **kw):
+        if isinstance(kw.get("dtype"), torch.dtype):
+            kw["dtype"] = keep(kw["dtype"], self)
+        return new_zeros(self, *args, **kw)
+
+    torch.Tensor.to, torch.Tensor.float, F.softmax, torch.Tensor.new_zeros = to_, float_, softmax_, new_zeros_
     try:
         yield
     finally:
-        torch.Tensor.to, torch.Tensor.float, F.softmax = to, flt, softmax
+        torch.Tensor.to, torch.Tensor.float, F.softmax, torch.Tensor.new_zeros = to, flt, softmax, new_zeros

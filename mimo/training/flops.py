@@ -52,7 +52,7 @@ def param_counts(config) -> dict[str, int]:
     what runs per patch under the encoder's name, its mergers (which run per merged row) under
     ``"<name>.mergers"``. Built on the meta device: no memory, no weights."""
     from mimo.encoders.projector import build_projector
-    from mimo.encoders.qwen3_vl import Qwen3VisionTower
+    from mimo.encoders.config import NATIVE_TOWERS
     from mimo.encoders.vit import VisionTransformer
     from mimo.llm.model import LLMStage
 
@@ -62,7 +62,7 @@ def param_counts(config) -> dict[str, int]:
         out = {config.llm_name: count(llm) - inactive_expert_params(llm)}
         for name, enc in config.encoders.items():
             if enc.native:
-                tower = Qwen3VisionTower(enc.arch)
+                tower = NATIVE_TOWERS[enc.kind].tower_class()(enc.arch)
                 mergers = count(tower.merger) + count(tower.deepstack_mergers)
                 out[name], out[f"{name}.mergers"] = count(tower) - tower.pos_embed.numel() - mergers, mergers
                 continue
