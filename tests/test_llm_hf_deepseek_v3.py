@@ -453,3 +453,16 @@ def test_misfit_checkpoint_names_the_tensor(tmp_path):
         save_hf_checkpoint(str(tmp_path / str(i)), state, model.config.to_dict())
         with pytest.raises(MimoError, match=what.replace(".", r"\.")):
             load_hf_checkpoint(LLMStage(arch), str(tmp_path / str(i)))
+
+
+def test_verify_hf_takes_a_deepseek_directory(checkpoints, capsys):
+    """``mimo verify-hf DIR`` on a causal LM (here DeepSeek-V3.2 at ep 2) runs verify-llm's check
+    on the directory's weights and answers as verify-hf."""
+    import json
+
+    from mimo.commands.cli import main
+
+    assert main(["verify-hf", checkpoints["v32"], "--ep", "2", "--seed", "5"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["command"] == "verify-hf" and report["ok"] and report["export_exact"]
+    assert (report["model_type"], report["ep"]) == ("deepseek_v32", 2)

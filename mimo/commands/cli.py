@@ -194,7 +194,8 @@ def run_verify_llm(args: argparse.Namespace) -> dict[str, Any]:
 
 def verify_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", metavar="DIR", help="a Hugging Face Qwen3-VL(-MoE) / Qwen3.5(-MoE) / Kimi-K2.5 directory: config.json, and "
-                        "safetensors weights (random weights without them)")
+                        "safetensors weights (random weights without them); or a causal LM's (DeepSeek-V3 / V3.2, ...: "
+                        "verify-llm's check, its default samples)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the LLM and the tower (default 1)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE; the ep ranks are data parallel for "
                         "the dense layers and the tower); tp x ep local processes")
@@ -203,10 +204,31 @@ def verify_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung rank fails the run")
 
 
+def _causal_lm_weights(path: str) -> bool | None:
+    """Whether the causal LM at ``path`` (a family ``mimo.llm.hf`` maps: verify-llm's kind) has
+    safetensors weights; None where ``path`` holds no such model (verify-hf's own check names
+    what it holds)."""
+    from mimo.llm.hf import HF_FAMILIES, read_config_json
+
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        return None
+    config = read_config_json(config_file)
+    if not isinstance(config, dict) or config.get("model_type") not in HF_FAMILIES:
+        return None
+    return any(n.endswith(".safetensors") for n in os.listdir(path))
+
+
 def run_verify_hf(args: argparse.Namespace) -> dict[str, Any]:
     from mimo.commands.verify_hf import check_layout, verify_hf
     from mimo.training.launch import WorkerPool
 
+    weights = _causal_lm_weights(args.dir)
+    if weights is not None:  # a causal LM: verify-llm's check at tp x ep (its weights where the directory has them)
+        llm_args = argparse.Namespace(hf_checkpoint=args.dir if weights else None, hf_config=None if weights else args.dir,
+                                      tp=args.tp, pp=1, sequence_parallel=False, ep=args.ep, samples=6, max_len=20,
+                                      seed=args.seed, tol=args.tol, timeout=args.timeout)
+        return {**run_verify_llm(llm_args), "command": "verify-hf"}
     check_layout(args.dir, args.tp, args.ep)  # before any process starts
     with WorkerPool(args.tp * args.ep, timeout_s=args.timeout) as pool:
         report = verify_hf(args.dir, pool, tp=args.tp, ep=args.ep, seed=args.seed, tol=args.tol)

@@ -106,7 +106,7 @@ def read_model_dir(path: str) -> tuple[str, dict, bool]:
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
         raise MimoError(f"{config_file}: model_type {model_type!r} is not supported by verify-hf (Qwen3-VL, Qwen3.5, Kimi-K2.5: "
-                        f"{', '.join(map(repr, ARCHITECTURES))}); for a causal LM use verify-llm")
+                        f"{', '.join(map(repr, ARCHITECTURES))}; and the causal LMs verify-llm checks)")
     archs = config.get("architectures") or [ARCHITECTURES[model_type]]
     if archs != [ARCHITECTURES[model_type]]:
         raise MimoError(f"{config_file}: architectures {archs} — verify-hf runs {ARCHITECTURES[model_type]} "
