@@ -179,8 +179,8 @@ def test_video_rows_are_the_video_processors():
 
 
 def test_not_qwen3_vl_is_a_clear_error(tmp_path, capsys, dirs):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
-    cases = [([str(tmp_path)], "model_type 'llama' is not supported by verify-hf"),
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    cases = [([str(tmp_path)], "model_type 'gpt2' is not supported by verify-hf"),
              ([dirs["moe"], "--tp", "2"], "tp=2 does not divide the Qwen3-VL tower's heads (3)"),
              ([dirs["dense"], "--ep", "2"], "qwen3_vl has no experts")]
     for argv, message in cases:
