@@ -449,3 +449,31 @@ def test_bad_input_and_config_are_clear_errors(tmp_path, capsys):
     problems = "\n".join(e.value.problems)
     assert "modules.vision.video: the Kimi-K2.5 tower (kind kimi_k25) takes still images only" in problems
     assert "modules.vision.image.max_side: must be >= 1, got 0" in problems
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU machine runs it)")
+def test_tower_on_the_gpu_equals_the_cpu():
+    """MoonViT on CUDA: in fp32 (no TF32) the CPU's rows and d/dpixels; in bf16 (the attention's
+    fast path) within bf16's error of them."""
+    from mimo.core.testing import rel_err
+    from mimo.data.native_images import preprocess
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    arch = tower_arch()
+    state = tower_state_from_hf(hf_tower_state(*random_hf_tower()), arch)
+    px = torch.cat([preprocess(img, image_spec(arch))[0] for img in pictures()])
+    grids = hf_processed(arch)[1]
+    dY = torch.randn(px.shape[0] // 4, arch.out_hidden, generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for device, dtype in (("cpu", torch.float32), ("cuda", torch.float32), ("cuda", torch.bfloat16)):
+        tower = MoonViTTower(arch)
+        tower.load_full_(state)
+        tower = tower.to(device=device, dtype=dtype)
+        x = px.detach().to(device=device, dtype=dtype).clone().requires_grad_(True)
+        rows = tower(x, grids)
+        (rows * dY.to(device=device, dtype=dtype)).sum().backward()
+        runs[(device, dtype)] = (rows.detach().float().cpu(), x.grad.float().cpu())
+    cpu = runs[("cpu", torch.float32)]
+    for (device, dtype), (rows, grad) in runs.items():
+        bound = 1e-5 if dtype == torch.float32 else 3e-2
+        assert rel_err(rows, cpu[0]) < bound and rel_err(grad, cpu[1]) < bound, (device, dtype)
