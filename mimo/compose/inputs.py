@@ -17,11 +17,11 @@ import torch
 from mimo.core.batch import PackedBatch
 from mimo.compose.config import MimoConfig
 from mimo.data.images import CLIP_MEAN, CLIP_STD, ImageSpec
-from mimo.data.index import Index, TextSpec, index_path, prepare
+from mimo.data.index import Index, index_path, prepare
 from mimo.data.pipeline import EncoderFeed, plan_arrays
 from mimo.data.plan import DataPlan, SampleArrays
 from mimo.data.synthetic import SyntheticEncoder, SyntheticPlan, SyntheticReader, SyntheticStream
-from mimo.compose.data_spec import mrope_merge, native_spec, rows_per_image, text_spec
+from mimo.compose.data_spec import mrope_merge, native_spec, text_spec
 from mimo.encoders.config import EncoderModuleConfig
 from mimo.core.errors import DataError
 from mimo.parallel.grid import ParallelGrid

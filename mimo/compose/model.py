@@ -268,7 +268,7 @@ class MimoModel:
         return self._full(grads=False)
 
     def _full(self, grads: bool) -> dict[str, dict[str, torch.Tensor]]:
-        from mimo.parallel.params import full_tensors, persistent_buffers
+        from mimo.parallel.params import full_tensors
 
         return {part.name: full_tensors(part.param_table(), grads=grads) for part in self._in_param_order()}
 
