@@ -325,7 +325,7 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
                         "(the default reads them after the timed steps, as the baseline does)")
     parser.add_argument("--variants", default="eager", help="comma-separated, run in turn on one model: eager, compile "
                         "(a repeated name measures again); NAME:MODE also sets activation recompute (none, selective, full); "
-                        "NAME[:MODE]@RECIPE FP8 GEMMs (tensorwise, rowwise, delayed; @none: the run's dtype; no @: "
+                        "NAME[:MODE]@RECIPE FP8 GEMMs (tensorwise, rowwise, delayed, blockwise; @none: the run's dtype; no @: "
                         "train.fp8 as configured)")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:

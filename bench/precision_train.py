@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="runs/precision", help="where the two run directories go")
     p.add_argument("--together", action="store_true", help="run fp32 and bf16 at the same time (wall times then overlap)")
     p.add_argument("--fp32-seed", type=int, metavar="N", help="also an fp32 run with train.seed=N (fp32's own spread)")
-    p.add_argument("--fp8", metavar="RECIPE", choices=("tensorwise", "rowwise", "delayed"),
+    p.add_argument("--fp8", metavar="RECIPE", choices=("tensorwise", "rowwise", "delayed", "blockwise"),
                    help="also a bf16 run with FP8 GEMMs of this recipe")
     p.add_argument("--seeds", type=int, default=1, metavar="N",
                    help="each run for train.seed 0..N-1 (the spread over seeds: see fp8_within_bf16_spread)")

@@ -107,7 +107,7 @@ def _graph_nodes(t: torch.Tensor) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("kind", ["tensorwise", "rowwise", "delayed"])
+@pytest.mark.parametrize("kind", ["tensorwise", "rowwise", "delayed", "blockwise"])
 def test_scales_stay_out_of_autograd(kind):
     """The amaxes and scales take no gradient: no autograd node may compute them (it would hold
     |x| until backward, and put a TP group's all-reduce of an amax into the graph)."""
@@ -119,7 +119,8 @@ def test_scales_stay_out_of_autograd(kind):
     site = FP8Site(kind, None, (), owner if kind == "delayed" else None, [w])
     nodes = _graph_nodes(gemm.linear(x * 2, w, None, site))
     experts = torch.nn.Parameter(torch.randn(3, 48, 64))
-    nodes |= _graph_nodes(gemm.grouped_linear(x * 2, experts, torch.tensor([10, 20, 32]), FP8Site("rowwise", None, (), None, [experts])))
+    grouped_kind = "blockwise" if kind == "blockwise" else "rowwise"
+    nodes |= _graph_nodes(gemm.grouped_linear(x * 2, experts, torch.tensor([10, 20, 32]), FP8Site(grouped_kind, None, (), None, [experts])))
     assert not {n for n in nodes if n.startswith(("Abs", "Amax", "Reciprocal", "Clamp", "Div"))}, nodes
 
 
@@ -205,6 +206,8 @@ def _mlp_case(tp: int, kind: str, sp: bool):
         return None
     g_ = torch.Generator().manual_seed(11)
     D, Fh, T = 32, 96, 30  # F / tp: 48, 32 (multiples of 16: FP8 takes them); T: a multiple of tp (SP)
+    if kind == "blockwise":  # F / tp 128: shards of whole 128-blocks (D, T: partial tiles, on every rank alike)
+        D, Fh = 48, 256
     X, W1, W2, dY = (torch.randn(T, D, generator=g_), torch.randn(Fh, D, generator=g_) * 0.2,
                      torch.randn(D, Fh, generator=g_) * 0.2, torch.randn(T, D, generator=g_))
 
@@ -249,8 +252,8 @@ def _expert_problem(seed: int, E: int, Fh: int, T: int, D: int = 32, K: int = 2)
     return up, down, X, dY, idx, gate
 
 
-def _run_fp8_experts(ctx, up, down, X, dY, idx, gate) -> dict:
-    """Row-wise FP8 ``GroupedExperts`` on ``ctx`` (its expert view where it has one) holding its
+def _run_fp8_experts(ctx, up, down, X, dY, idx, gate, kind: str = "rowwise") -> dict:
+    """FP8 ``GroupedExperts`` (``kind``: rowwise, or blockwise) on ``ctx`` (its expert view where it has one) holding its
     shard of ``up`` / ``down``: forward and backward on these tokens; the outputs, the input
     gradient and the gathered full weight gradients."""
     E, D, Fh = up.shape[0], up.shape[2], down.shape[2]
@@ -261,7 +264,7 @@ def _run_fp8_experts(ctx, up, down, X, dY, idx, gate) -> dict:
     with torch.no_grad():
         ex.up_proj.copy_(shard_full(up, pls["up_proj"], sizes, coords))
         ex.down_proj.copy_(shard_full(down, pls["down_proj"], sizes, coords))
-    assert apply_fp8(ex, "rowwise", ctx) == 1
+    assert apply_fp8(ex, kind, ctx) == 1
     x = X.clone().requires_grad_(True)
     y = ex(x, Routing(idx, gate))
     y.backward(dY)
@@ -269,14 +272,15 @@ def _run_fp8_experts(ctx, up, down, X, dY, idx, gate) -> dict:
             "ddown": gather_full(ex.down_proj.grad, pls["down_proj"], view)}
 
 
-def _experts_case(tp: int):
-    """Grouped FP8 experts (dense view: F split over TP) vs one process, summed over TP."""
+def _experts_case(tp: int, kind: str = "rowwise"):
+    """Grouped FP8 experts (dense view: F split over TP) vs one process, summed over TP
+    (blockwise: F / tp 128, whole 128-blocks on each rank)."""
     group, r = _group(tp)
     if r is None:
         return None
-    problem = _expert_problem(3, E=4, Fh=96, T=40)
-    one = _run_fp8_experts(ParallelContext.for_tp(None), *problem)
-    got = _run_fp8_experts(ParallelContext.for_tp(group), *problem)
+    problem = _expert_problem(3, E=4, Fh=128 * tp if kind == "blockwise" else 96, T=40)
+    one = _run_fp8_experts(ParallelContext.for_tp(None), *problem, kind)
+    got = _run_fp8_experts(ParallelContext.for_tp(group), *problem, kind)
     for k in ("y", "dx"):  # partial sums over TP
         got[k] = got[k].clone()
         dist.all_reduce(got[k], group=group)
@@ -286,7 +290,7 @@ def _experts_case(tp: int):
 _EP_CTX = {}
 
 
-def _ep_experts_case(tokens: tuple[int, ...]):
+def _ep_experts_case(tokens: tuple[int, ...], kind: str = "rowwise"):
     """FP8 experts on the expert view (ep = world, all-to-all dispatch: the grouped products pad
     their rows themselves) vs one process over every rank's tokens: each rank's outputs and
     input gradients, the gathered weight gradients."""
@@ -299,8 +303,8 @@ def _ep_experts_case(tokens: tuple[int, ...]):
         _EP_CTX[world] = ParallelContext(grid, r, registry, expert=(1, world))
     up, down, X, dY, idx, gate = _expert_problem(11, E=2 * world, Fh=16, T=sum(tokens))
     mine = slice(sum(tokens[:r]), sum(tokens[:r + 1]))
-    one = _run_fp8_experts(ParallelContext.for_tp(None), up, down, X, dY, idx, gate)
-    got = _run_fp8_experts(_EP_CTX[world], up, down, X[mine], dY[mine], idx[mine], gate[mine])
+    one = _run_fp8_experts(ParallelContext.for_tp(None), up, down, X, dY, idx, gate, kind)
+    got = _run_fp8_experts(_EP_CTX[world], up, down, X[mine], dY[mine], idx[mine], gate[mine], kind)
     return {k: rel_err(v, one[k][mine] if k in ("y", "dx") else one[k]) for k, v in got.items() if v.numel()}
 
 
@@ -311,22 +315,26 @@ def _check(results, tp):
     assert worst[0] <= TOL, f"{worst[1]}: rel err {worst[0]:.3e} > {TOL:.0e}"
 
 
-@pytest.mark.parametrize("tp", [2, 3])
-@pytest.mark.parametrize("kind,sp", [("tensorwise", False), ("tensorwise", True), ("rowwise", False), ("rowwise", True),
-                                     ("delayed", True)])
+@pytest.mark.parametrize("tp,kind,sp", [(tp, kind, sp) for tp in (2, 3) for kind, sp in (
+    ("tensorwise", False), ("tensorwise", True), ("rowwise", False), ("rowwise", True), ("delayed", True))]
+    + [(2, "blockwise", False), (2, "blockwise", True)])
 def test_tp_mlp_quantizes_as_one_process(pools, tp, kind, sp):
+    """blockwise: no amax reduction; F / tp a multiple of 128, so every tile and block is whole
+    on one rank (see ``mimo.parallel.fp8``)."""
     _check(pools(WORLD).run(_mlp_case, tp, kind, sp), tp)
 
 
-@pytest.mark.parametrize("tp", [2, 3])
-def test_tp_experts_quantize_as_one_process(pools, tp):
-    _check(pools(WORLD).run(_experts_case, tp), tp)
+@pytest.mark.parametrize("tp,kind", [(2, "rowwise"), (3, "rowwise"), (2, "blockwise")])
+def test_tp_experts_quantize_as_one_process(pools, tp, kind):
+    _check(pools(WORLD).run(_experts_case, tp, kind), tp)
 
 
-def test_ep_experts_quantize_as_one_process(pools):
-    """ep 3 (all-to-all, ragged tokens per rank, one rank without tokens): row-wise FP8 experts
-    quantize as one process does."""
-    _check(pools(WORLD).run(_ep_experts_case, (7, 0, 12)), WORLD)
+@pytest.mark.parametrize("kind", ["rowwise", "blockwise"])
+def test_ep_experts_quantize_as_one_process(pools, kind):
+    """ep 3 (all-to-all, ragged tokens per rank, one rank without tokens): FP8 experts quantize
+    as one process does (blockwise: each expert's rows reach it in the one-process order, so its
+    weight gradient's tiles along them are the same)."""
+    _check(pools(WORLD).run(_ep_experts_case, (7, 0, 12), kind), WORLD)
 
 
 # ---- config ----------------------------------------------------------------------------------
@@ -340,8 +348,8 @@ def test_config_errors():
     cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "llava-moe.yaml").read_text())
     ok = config_from_dict(cfg, ["train.fp8={recipe: delayed, amax_history: 8, bf16_layers: [first, last, 3]}"])
     assert ok.train.fp8.recipe == "delayed" and ok.train.fp8.kept_layers(32) == {0, 31, 3}
-    with pytest.raises(ConfigError, match="train.fp8.recipe: must be 'tensorwise', 'rowwise' or 'delayed'"):
-        config_from_dict(cfg, ["train.fp8={recipe: blockwise}"])
+    with pytest.raises(ConfigError, match="train.fp8.recipe: must be 'tensorwise', 'rowwise', 'delayed' or 'blockwise'"):
+        config_from_dict(cfg, ["train.fp8={recipe: mxfp8}"])
     with pytest.raises(ConfigError) as e:
         config_from_dict(cfg, ["train.fp8={amax_history: 0, bf16_layers: [middle, -1]}"])
     text = str(e.value)

@@ -72,9 +72,10 @@ class LogConfig:
 class Fp8Config:
     """FP8 matrix products through the GEMM seam (``mimo.parallel.fp8``): every LLM layer's and
     vision block's linear and expert GEMMs; embeddings, LM head, patch embedding, projectors
-    and routers stay in the run's precision."""
+    and routers stay in the run's precision. ``recipe``: tensorwise, rowwise, delayed, or
+    blockwise (DeepSeek-V3's 1x128 activation / gradient tiles and 128x128 weight blocks)."""
 
-    recipe: Literal["tensorwise", "rowwise", "delayed"] = "tensorwise"
+    recipe: Literal["tensorwise", "rowwise", "delayed", "blockwise"] = "tensorwise"
     amax_history: int = 16  # delayed: steps of amax history whose max sets the scales
     # LLM layers kept in the run's precision: "first", "last", or global layer indices
     bf16_layers: list = field(default_factory=list)

@@ -1,9 +1,9 @@
 """FP8 matrix products behind the GEMM seam (``train.fp8``).
 
-A module's ``recipe`` (``mimo.parallel.gemm.GemmRecipe``) of kind ``tensorwise``, ``rowwise``
-or ``delayed`` makes ``gemm.linear`` / ``gemm.grouped_linear`` quantize both operands of each
-product to float8 and multiply them with ``torch._scaled_mm`` / ``torch._scaled_grouped_mm``,
-accumulating in fp32 and writing the activations' dtype:
+A module's ``recipe`` (``mimo.parallel.gemm.GemmRecipe``) of kind ``tensorwise``, ``rowwise``,
+``delayed`` or ``blockwise`` makes ``gemm.linear`` / ``gemm.grouped_linear`` quantize both
+operands of each product to float8 and multiply them with ``torch._scaled_mm`` /
+``torch._scaled_grouped_mm``, accumulating in fp32 and writing the activations' dtype:
 
 * ``tensorwise``: one scale per tensor from its current amax (amax / 448 for e4m3). Forward
   operands e4m3, the output gradient e5m2 (the "hybrid" format: gradients need range more than
@@ -20,37 +20,70 @@ accumulating in fp32 and writing the activations' dtype:
   reduces the current slots over the module's ranks (max: one all-reduce per group) and rolls
   the window. The history is the module's persistent ``fp8_history`` buffer ``[sites, 3, H]``
   (rows: input, weight, output gradient), so checkpoints carry it.
+* ``blockwise`` (DeepSeek-V3's / Megatron's fine-grained scaling): activations and output
+  gradients one scale per 1x128 tile (a row's 128 consecutive elements along the contracted
+  dimension), weights one per 128x128 block, all e4m3 (``quantize_blocks``). Each product is
+  quantized along its own contraction: the input gradient ``g @ w`` tiles ``g`` along ``O`` and
+  takes the forward's float8 weight with its block scales transposed (a 128x128 block is one
+  whatever the direction: no second pass over the weight); the weight gradient ``g.T @ x``
+  contracts tokens, so it tiles the kept high-precision input and the output gradient again
+  along them (rows padded to 16 with zeros, the last tile partial). A dimension that is not a
+  multiple of 128 ends in a partial tile / block: its amax is over the elements it has (the
+  same as zero padding), and the kernel takes it so (cuBLAS reads ``ceil(n / 128)`` scales).
+  Native: ``torch.nn.functional.scaled_mm`` with ``ScalingType.BlockWise1x128`` for the tiles
+  and ``BlockWise128x128`` for the weight's blocks (forward and input gradient), 1x128 x 1x128
+  for the weight gradient; cuBLAS runs it on sm90 from CUDA 12.9 (``_cuda_takes_blocks``
+  probes it once), without fast accumulation (cuBLAS refuses it for block scales), elsewhere
+  the dequantized product (below).
 
 Scales are computed in fp32 and their reciprocals passed to the products. Where an amax
 reduction keeps a quantization independent of the layout it is reduced over the module's TP
 group (``FP8Site.group``): a per-tensor amax always (each rank holds a shard of the tensor),
 a per-row amax where the contracted dimension is split (row-parallel layers). With these
-reductions a TP layout quantizes exactly as one process does.
+reductions a TP layout quantizes exactly as one process does. ``blockwise`` reduces nothing:
+its tiles and blocks are laid on the local shard, and where the TP-split dimension's local size
+is a multiple of 128 (every shard then starts at one) no tile or block straddles a shard
+boundary, so each is whole on one rank and is the one-process tile / block. Where it is not,
+the shard's last tile / block is partial and the layout quantizes its own blocks, not the
+one-process ones (still 1x128 / 128x128 FP8, not bit-equal to one process): ``apply_fp8`` warns
+once, naming the modules.
 
 Experts: ``torch._scaled_grouped_mm`` takes row-wise scales only, so the grouped product
-quantizes row-wise under every recipe. It needs each group's rows to start at a multiple of
-16: the local dispatcher lays the rows out so when asked (``gemm.grouped_row_align``: padding
-rows of gate 0 between the experts' blocks, as Megatron's router padding adds zero-probability
-tokens); otherwise (the all-to-all dispatchers) the product copies the rows into a buffer padded
-so with zero rows and reads its output back at theirs. The weight
+quantizes row-wise under every recipe but ``blockwise`` (below). It needs each group's rows to
+start at a multiple of 16: the local dispatcher lays the rows out so when asked
+(``gemm.grouped_row_align``: padding rows of gate 0 between the experts' blocks, as Megatron's
+router padding adds zero-probability tokens); otherwise (the all-to-all dispatchers) the
+product copies the rows into a buffer padded so with zero rows and reads its output back at
+theirs. The weight
 gradient of the experts is a bf16 grouped product: its contraction runs over each group's rows,
 so its scales would be per group (the kernel's 2d x 2d form takes them, ``[groups x rows]``,
 with every group's rows padded to 16 along the contraction); not built yet: it would speed a
 third of the expert FLOPs for two more quantization passes over the routed rows, a trade not
 measured.
 
-Where ``torch._scaled_mm`` cannot run the product (a dimension not a multiple of 16, a
-device without FP8 GEMMs, the CPU for grouped products) the same quantized operands are
-multiplied after dequantizing them: the same rounding of the inputs, another accumulation
-order. CPU tests check the scaling this way.
+Under ``blockwise`` the experts are quantized block-wise as the dense products are (rows in
+1x128 tiles, each expert's weight in 128x128 blocks), their weight gradient too: its tiles run
+along each expert's rows from its first (the rows copied where each expert starts at a multiple
+of 128), so none straddles two experts. torch has no block-scaled grouped kernel (2.11's
+``F.scaled_grouped_mm`` finds none for 1x128 x 128x128 on an H100), so the three products
+multiply the dequantized operands (``torch._grouped_mm``; bf16 on CUDA, fp32 on the CPU): the
+recipe's numerics, not its speed, and the rows need no alignment (``gemm.grouped_row_align`` 1).
 
-Under ``torch.compile`` the row-wise products (dense and grouped) trace into the layer's graph
-with no break and no guard on the row count: their forward operands are quantized in plain
-torch code before the autograd Function, which takes only tensors and plain values.
+Where ``torch._scaled_mm`` cannot run the product (a dimension not a multiple of 16, a
+device without FP8 GEMMs, the CPU for grouped products and for block scales) the same quantized
+operands are multiplied after dequantizing them: the same rounding of the inputs, another
+accumulation order. CPU tests check the scaling this way.
+
+Under ``torch.compile`` the row-wise and block-wise products (dense and grouped) trace into the
+layer's graph with no break and no guard on the row count (block-wise: but for a weight
+gradient of one 128-row tile, a size-1 dim dynamo specializes): their forward operands are
+quantized in plain torch code before the autograd Function, which takes only tensors and plain
+values.
 """
 
 from __future__ import annotations
 
+import logging
 
 import torch
 import torch.distributed as dist
@@ -61,7 +94,10 @@ from mimo.parallel.grouped import GROUP_ALIGN, grouped_rows_op, grouped_weight_g
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
 ROLES = ("input", "weight", "grad")
+log = logging.getLogger("mimo.parallel.fp8")
 _TINY = 1e-12  # an all-zero tensor gets scale 1 / _TINY-bounded, never a division by zero
+TILE = 128  # blockwise: activations' and gradients' 1 x TILE tiles, weights' TILE x TILE blocks
+ROW_TILE, WEIGHT_BLOCK = (1, TILE), (TILE, TILE)
 
 
 def _reduce_max(amax: torch.Tensor, group) -> torch.Tensor:
@@ -88,6 +124,35 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor) -> tuple[t
     return q, scale.reciprocal()
 
 
+def quantize_blocks(x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., R, C]`` quantized with one scale per ``block`` (rows, cols) of its last two
+    dims, e.g. ``ROW_TILE`` (1 x 128: a row's 128 consecutive elements) or ``WEIGHT_BLOCK``
+    (128 x 128), through ``quantize``: ``(q [..., R, C], inv_scale [..., ceil(R / rows),
+    ceil(C / cols)])``. A last block that ``x`` does not fill is padded with zeros, so its amax
+    is that of the elements it has. ``q`` keeps ``x``'s layout (a transposed view stays one)."""
+    *lead, R, C = x.shape
+    br, bc = block
+    pr, pc = -R % br, -C % bc
+    xf = x.float()
+    if pr or pc:
+        xf = F.pad(xf, (0, pc, 0, pr))
+    blocks = xf.reshape(*lead, (R + pr) // br, br, (C + pc) // bc, bc)
+    q, inv = quantize(blocks, dtype, blocks.abs().amax(dim=(-3, -1), keepdim=True))
+    q = q.reshape(*lead, R + pr, C + pc)
+    return (q[..., :R, :C] if pr or pc else q), inv.reshape(*lead, (R + pr) // br, (C + pc) // bc)
+
+
+def dequantize_blocks(q: torch.Tensor, inv: torch.Tensor, block: tuple[int, int], dtype=torch.float32) -> torch.Tensor:
+    """``q * inv`` with ``inv`` (``quantize_blocks``'s) spread over its blocks, in ``dtype``."""
+    *_, R, C = q.shape
+    s = inv
+    if block[0] > 1:
+        s = s.repeat_interleave(block[0], dim=-2)[..., :R, :]
+    if block[1] > 1:
+        s = s.repeat_interleave(block[1], dim=-1)[..., :C]
+    return (q.float() * s).to(dtype)
+
+
 def _cpu_takes_rowwise() -> bool:
     """Whether this torch's CPU ``_scaled_mm`` takes row-wise scales (2.14 does, 2.11 does not)."""
     a = torch.zeros(16, 16, dtype=E4M3)
@@ -99,6 +164,23 @@ def _cpu_takes_rowwise() -> bool:
 
 
 _CPU_ROWWISE = _cpu_takes_rowwise()  # probed once, outside any compiled graph
+_CUDA_BLOCKS: dict[int, bool] = {}
+
+
+def _cuda_takes_blocks(device: int) -> bool:
+    """Whether ``torch.nn.functional.scaled_mm`` runs 1x128 x 128x128 block scaling on this GPU
+    (cuBLAS: sm90, CUDA 12.9+); probed once a device, by ``FP8Site`` (outside any graph)."""
+    if device not in _CUDA_BLOCKS:
+        ok = hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
+        if ok:
+            a = torch.zeros(16, TILE, dtype=E4M3, device=f"cuda:{device}")
+            try:
+                _scaled_mm_blocks(a, a.t(), a.new_ones(16, 1, dtype=torch.float32), a.new_ones(1, 1, dtype=torch.float32),
+                                  (ROW_TILE, WEIGHT_BLOCK), torch.bfloat16)
+            except (RuntimeError, ValueError, NotImplementedError):
+                ok = False
+        _CUDA_BLOCKS[device] = ok
+    return _CUDA_BLOCKS[device]
 
 
 class FP8Site:
@@ -117,10 +199,15 @@ class FP8Site:
         # history without a collective (before, the fallback amax is reduced over TP)
         self.warm = False
         self.cuda_fp8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+        if kind == "blockwise" and self.cuda_fp8:
+            self.cuda_fp8 = _cuda_takes_blocks(torch.cuda.current_device())
 
     def native(self, x: torch.Tensor) -> bool:
-        """Whether ``torch._scaled_mm`` runs this recipe's products on ``x``'s device."""
-        return self.cuda_fp8 if x.is_cuda else (self.kind != "rowwise" or _CPU_ROWWISE)
+        """Whether ``torch._scaled_mm`` runs this recipe's products on ``x``'s device (the CPU's
+        takes no block scales)."""
+        if x.is_cuda:
+            return self.cuda_fp8
+        return self.kind not in ("rowwise", "blockwise") or (self.kind == "rowwise" and _CPU_ROWWISE)
 
     def history(self, weight: torch.Tensor) -> torch.Tensor | None:
         """``[3, H + 1]`` history of the product with ``weight`` (delayed), else None."""
@@ -146,10 +233,18 @@ def delayed_amax(x: torch.Tensor, history: torch.Tensor, role: int, group) -> to
     return torch.where(past > 0, past, cur)
 
 
-def scaled_mm(a_q, b_q, a_inv, b_inv, out_dtype: torch.dtype, native: bool, fast: bool = False) -> torch.Tensor:
+def scaled_mm(a_q, b_q, a_inv, b_inv, out_dtype: torch.dtype, native: bool, fast: bool = False,
+              blocks: tuple | None = None) -> torch.Tensor:
     """``(a_q * a_inv) @ (b_q * b_inv)``: ``a_q [M, K]`` row-major, ``b_q [K, N]``; per-tensor
-    inverse scales (0-d) or row-wise ones (``a_inv [M, 1]``, ``b_inv [1, N]``). ``torch._scaled_mm``
-    where ``native`` and K, N are multiples of 16, else the dequantized product."""
+    inverse scales (0-d) or row-wise ones (``a_inv [M, 1]``, ``b_inv [1, N]``), or with
+    ``blocks = (a_block, b_block)`` block-wise ones (``quantize_blocks``'s, each over its own
+    operand as it is here: ``a_block`` ``ROW_TILE``, ``b_block`` ``WEIGHT_BLOCK`` or ``(128, 1)``,
+    b's tiles along K). ``torch._scaled_mm`` (block scales: ``F.scaled_mm``) where ``native``
+    and K, N are multiples of 16, else the dequantized product."""
+    if blocks is not None:
+        if native and a_q.shape[1] % 16 == 0 and b_q.shape[1] % 16 == 0 and min(a_q.shape + b_q.shape) > 0:
+            return _scaled_mm_blocks(a_q, b_q, a_inv, b_inv, blocks, out_dtype)
+        return (dequantize_blocks(a_q, a_inv, blocks[0]) @ dequantize_blocks(b_q, b_inv, blocks[1])).to(out_dtype)
     if native and a_q.shape[1] % 16 == 0 and b_q.shape[1] % 16 == 0:
         rowwise = a_inv.dim() > 0
         # the kernels want b column-major; row-wise scaling writes bf16 on CUDA
@@ -158,6 +253,44 @@ def scaled_mm(a_q, b_q, a_inv, b_inv, out_dtype: torch.dtype, native: bool, fast
                              scale_b=b_inv.float().contiguous(), out_dtype=out, use_fast_accum=fast and a_q.is_cuda)
         return y.to(out_dtype)
     return ((a_q.float() * a_inv) @ (b_q.float() * b_inv)).to(out_dtype)
+
+
+def _scaled_mm_blocks(a_q, b_q, a_inv, b_inv, blocks, out_dtype) -> torch.Tensor:
+    """``F.scaled_mm`` on block-scaled operands (cuBLAS, sm90): ``a`` row-major with its 1x128
+    scales outer-dim-major (``[M, ceil(K/128)]``, stride ``(1, M)``); ``b`` column-major, its
+    tiles along K (``b_inv [ceil(K/128), N]``) as ``[N, ceil(K/128)]`` outer-dim-major, or its
+    128x128 blocks (``b_inv [Kb, Nb]``) as ``[L4, Nb]`` K-major with ``Kb`` padded to ``L4``, a
+    multiple of 4 (cuBLAS's layout; checked on an H100 with torch 2.11). ``a``'s rows padded to
+    a multiple of 16 (zero rows, scale 1): cuBLAS finds no kernel where a column of ``a``'s
+    scales is not 16-byte aligned (M = 333 fails, 332 runs); the output read back at its rows.
+    No fast accumulation: cuBLAS refuses it with block scales."""
+    rows = a_q.shape[0]
+    a_q, a_inv = _pad_rows(a_q.contiguous()), F.pad(a_inv.float(), (0, 0, 0, -rows % 16), value=1.0)
+    weight_blocks = blocks[1] == WEIGHT_BLOCK
+    if weight_blocks:
+        b_s = F.pad(b_inv.float().t(), (0, -b_inv.shape[0] % 4)).t()
+    else:
+        b_s = b_inv.float().t()
+    out = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.float32
+    return scaled_mm_blocks_op(a_q, b_q, a_inv, b_s, weight_blocks, out)[:rows].to(out_dtype)
+
+
+@torch.library.custom_op("mimo::scaled_mm_blocks", mutates_args=())
+def scaled_mm_blocks_op(a_q: torch.Tensor, b_q: torch.Tensor, a_s: torch.Tensor, b_s: torch.Tensor,
+                        weight_blocks: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """``F.scaled_mm`` with 1x128 scales of ``a`` (``[M, Kb]``) and 1x128 (``[N, Kb]``) or
+    128x128 (``[L4, Nb]``) ones of ``b``, each laid out here as cuBLAS reads it (see
+    ``_scaled_mm_blocks``). An op, which ``torch.compile`` calls whole: dynamo 2.11 cannot trace
+    ``torch._scaled_mm_v2``, and the compiler may hand an op's inputs over in other strides."""
+    st = F.ScalingType
+    return F.scaled_mm(a_q.contiguous(), b_q.t().contiguous().t(), a_s.t().contiguous().t(), st.BlockWise1x128,
+                       b_s.t().contiguous().t(), st.BlockWise128x128 if weight_blocks else st.BlockWise1x128,
+                       output_dtype=out_dtype)
+
+
+@scaled_mm_blocks_op.register_fake
+def _(a_q, b_q, a_s, b_s, weight_blocks, out_dtype):
+    return a_q.new_empty(a_q.shape[0], b_q.shape[1], dtype=out_dtype)
 
 
 def fold_row_scales(g_TO: torch.Tensor, w_inv_TO: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,10 +325,13 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TI, w_OI, xq, x_inv, wq, w_inv, g_hist, kind, group, split, warm, native):
         rowwise = kind == "rowwise"
-        y_TO = scaled_mm(xq, wq.t(), x_inv, w_inv.t() if rowwise else w_inv, x_TI.dtype, native, fast=True)
+        if kind == "blockwise":  # x's 1x128 tiles, w's 128x128 blocks (w.T's: the same blocks transposed)
+            y_TO = scaled_mm(xq, wq.t(), x_inv, w_inv.t(), x_TI.dtype, native, blocks=(ROW_TILE, WEIGHT_BLOCK))
+        else:
+            y_TO = scaled_mm(xq, wq.t(), x_inv, w_inv.t() if rowwise else w_inv, x_TI.dtype, native, fast=True)
         ctx.kind, ctx.group, ctx.split, ctx.warm, ctx.native, ctx.dtype = kind, group, split, warm, native, x_TI.dtype
         ctx.w_dtype = w_OI.dtype
-        if rowwise:  # wgrad contracts T: x is quantized again along it; dgrad takes the float8 w
+        if rowwise or kind == "blockwise":  # wgrad contracts T: x is quantized again along it; dgrad takes the float8 w
             ctx.save_for_backward(x_TI, wq, w_inv)
         else:
             # the history is written in place by later forwards: kept on ctx, not saved (its
@@ -208,6 +344,16 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, g_TO):
         dtype, native, group = ctx.dtype, ctx.native, ctx.group
         g_TO = g_TO.contiguous()
+        if ctx.kind == "blockwise":
+            x_TI, wq_OI, w_inv_OI = ctx.saved_tensors
+            # dgrad contracts O: g in 1x128 tiles along it, the forward's float8 w and its blocks
+            gq, g_inv = quantize_blocks(g_TO, E4M3, ROW_TILE)
+            dx = scaled_mm(gq, wq_OI, g_inv, w_inv_OI, dtype, native, blocks=(ROW_TILE, WEIGHT_BLOCK))
+            # wgrad contracts T: g.T and x.T in 1x128 tiles along it (x.T's read as x's 128x1)
+            gTq, gT_inv = quantize_blocks(_pad_rows(g_TO).t(), E4M3, ROW_TILE)
+            xTq, xT_inv = quantize_blocks(_pad_rows(x_TI).t(), E4M3, ROW_TILE)
+            dw = scaled_mm(gTq, xTq.t(), gT_inv, xT_inv.t(), dtype, native, blocks=(ROW_TILE, ROW_TILE[::-1]))
+            return (dx, dw.to(ctx.w_dtype)) + (None,) * 10
         if ctx.kind == "rowwise":
             x_TI, wq_OI, w_inv_O1 = ctx.saved_tensors
             # dgrad contracts O (split over TP in a column-parallel layer): see fold_row_scales
@@ -233,11 +379,14 @@ class _Fp8Linear(torch.autograd.Function):
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, site: FP8Site) -> torch.Tensor:
     """``x @ weight.T + bias`` with float8 operands (see module doc); any leading dims of ``x``.
     The forward operands are quantized here, in plain torch code that ``torch.compile`` fuses
-    with what computed them (row-wise; dynamo 2.11-2.14 fails to trace the per-tensor
-    backward inside compiled layers, so per-tensor recipes run it outside the graph)."""
-    if site.kind != "rowwise" and torch.compiler.is_compiling():
+    with what computed them (row-wise and block-wise; dynamo 2.11-2.14 fails to trace the
+    per-tensor backward inside compiled layers, so per-tensor recipes run it outside the graph)."""
+    if site.kind not in _TRACED and torch.compiler.is_compiling():
         return _fp8_linear_eager(x, weight, bias, site)
     return _fp8_linear(x, weight, bias, site)
+
+
+_TRACED = ("rowwise", "blockwise")  # recipes whose products torch.compile traces into the graph
 
 
 # torch.compiler.disable, its torch._dynamo imported on the first call (only ever made while
@@ -254,14 +403,17 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     # the scales take no gradient: amaxes of detached operands keep them (and the TP all-reduce
     # of an amax) out of autograd, which would otherwise hold |x| for a backward never taken
     xd, wd = x_TI.detach(), weight.detach()
-    if site.kind == "rowwise":
-        x_amax, w_amax = site.amax(xd, -1, split), site.amax(wd, -1, split)
-    elif hist is None:
-        x_amax, w_amax = site.amax(xd), site.amax(wd)
+    if site.kind == "blockwise":  # tiles and blocks: no amax reduction (see the module doc)
+        (xq, x_inv), (wq, w_inv) = quantize_blocks(xd, E4M3, ROW_TILE), quantize_blocks(wd, E4M3, WEIGHT_BLOCK)
     else:
-        x_amax, w_amax = site.delayed_amax(xd, hist, 0), site.delayed_amax(wd, hist, 1)
-    xq, x_inv = quantize(xd, E4M3, x_amax)
-    wq, w_inv = quantize(wd, E4M3, w_amax)
+        if site.kind == "rowwise":
+            x_amax, w_amax = site.amax(xd, -1, split), site.amax(wd, -1, split)
+        elif hist is None:
+            x_amax, w_amax = site.amax(xd), site.amax(wd)
+        else:
+            x_amax, w_amax = site.delayed_amax(xd, hist, 0), site.delayed_amax(wd, hist, 1)
+        xq, x_inv = quantize(xd, E4M3, x_amax)
+        wq, w_inv = quantize(wd, E4M3, w_amax)
     y = _Fp8Linear.apply(x_TI, weight, xq, x_inv, wq, w_inv, hist, site.kind, site.group, split, site.warm,
                          site.native(x_TI))
     y = y.reshape(*lead, weight.shape[0])
@@ -337,13 +489,63 @@ class _Fp8Grouped(torch.autograd.Function):
         return (dx, dw) + (None,) * 8
 
 
+def _grouped_dequantized(a_RK, b_EKN, ends_E, out_dtype) -> torch.Tensor:
+    """``out[group e rows] = a @ b[e]`` on dequantized operands (fp32; bf16 on CUDA, where
+    ``torch._grouped_mm`` takes no fp32)."""
+    return grouped_rows_op(a_RK, b_EKN.transpose(-2, -1), ends_E).to(out_dtype)
+
+
+def _group_tiles(t_RC: torch.Tensor, ends_E: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t [R, C]``'s columns quantized in 1 x 128 tiles along each group's rows, dequantized
+    (``dtype``): ``(t_PC, padded_ends_E)``, the rows copied where every group starts at a
+    multiple of 128 (zero rows between: ``padded_groups``), so that no tile straddles two groups."""
+    dest_R, pends_E, cap = padded_groups(ends_E, t_RC.shape[0], TILE)
+    cap += -cap % TILE
+    pad = t_RC.new_zeros(cap, t_RC.shape[1], dtype=torch.float32)
+    pad[dest_R] = t_RC.float()
+    q, inv = quantize_blocks(pad.t(), E4M3, ROW_TILE)
+    return dequantize_blocks(q, inv, ROW_TILE, dtype).t(), pends_E
+
+
+class _Fp8GroupedBlocks(torch.autograd.Function):
+    """Grouped ``x [R, I] @ w[e] [O, I].T`` from their block-wise float8 forms (rows in 1x128
+    tiles, each expert's weight in 128x128 blocks; quantized by the caller), multiplied
+    dequantized (torch has no block-scaled grouped kernel); backward quantizes each product
+    along its contraction: ``g`` in tiles along ``O`` against the forward's float8 weight, and
+    for the weight gradient ``g`` and the kept ``x`` in tiles along each expert's rows."""
+
+    @staticmethod
+    def forward(ctx, x_RI, w_EOI, ends_E, xq_RI, x_inv, wq_EOI, w_inv):
+        dq = torch.bfloat16 if x_RI.is_cuda else torch.float32
+        ctx.save_for_backward(x_RI, wq_EOI, w_inv, ends_E)
+        ctx.w_dtype, ctx.dq = w_EOI.dtype, dq
+        x = dequantize_blocks(xq_RI, x_inv, ROW_TILE, dq)
+        return _grouped_dequantized(x, dequantize_blocks(wq_EOI, w_inv, WEIGHT_BLOCK, dq).transpose(-2, -1), ends_E,
+                                    x_RI.dtype)
+
+    @staticmethod
+    def backward(ctx, g_RO):
+        x_RI, wq_EOI, w_inv, ends_E = ctx.saved_tensors
+        g_RO, dq = g_RO.contiguous(), ctx.dq
+        gq, g_inv = quantize_blocks(g_RO, E4M3, ROW_TILE)  # dgrad contracts O
+        dx = _grouped_dequantized(dequantize_blocks(gq, g_inv, ROW_TILE, dq),
+                                  dequantize_blocks(wq_EOI, w_inv, WEIGHT_BLOCK, dq), ends_E, x_RI.dtype)
+        (g_PO, pends_E), (x_PI, _) = _group_tiles(g_RO, ends_E, dq), _group_tiles(x_RI, ends_E, dq)
+        dw = grouped_weight_grad_op(g_PO, x_PI, pends_E).to(ctx.w_dtype)
+        return (dx, dw) + (None,) * 5
+
+
 def fp8_grouped_linear(x_RI: torch.Tensor, weight_EOI: torch.Tensor, ends_E: torch.Tensor, site: FP8Site,
                        aligned: bool = False) -> torch.Tensor:
-    """``gemm.grouped_linear`` with row-wise float8 operands under every recipe (see module
-    doc); the forward operands quantized here, in plain torch code, as ``fp8_linear`` does.
-    ``aligned``: every group starts at a multiple of ``GROUP_ALIGN`` rows already."""
+    """``gemm.grouped_linear`` with row-wise float8 operands under every recipe but
+    ``blockwise`` (block-wise ones; see module doc); the forward operands quantized here, in
+    plain torch code, as ``fp8_linear`` does. ``aligned``: every group starts at a multiple of
+    ``GROUP_ALIGN`` rows already."""
     split = weight_EOI.fp8_split  # the down projection contracts the TP-split F
     x, w = x_RI.detach(), weight_EOI.detach()  # the scales take no gradient
+    if site.kind == "blockwise":
+        (xq, x_inv), (wq, w_inv) = quantize_blocks(x, E4M3, ROW_TILE), quantize_blocks(w, E4M3, WEIGHT_BLOCK)
+        return _Fp8GroupedBlocks.apply(x_RI, weight_EOI, ends_E, xq, x_inv, wq, w_inv)
     xq, x_inv = quantize(x, E4M3, site.amax(x, -1, split))
     wq, w_inv = quantize(w, E4M3, site.amax(w, -1, split))
     return _Fp8Grouped.apply(x_RI, weight_EOI, ends_E, xq, x_inv, wq, w_inv, site.group, split, aligned)
@@ -400,8 +602,9 @@ def apply_fp8(root: torch.nn.Module, kind: str, ctx, amax_history: int = 16, kee
     whose name ``keep`` accepts an ``FP8Site`` of ``kind``: the TP group of its layout (ETP for
     experts on the expert view), the weights whose input dimension is split over it, and for
     ``delayed`` an ``fp8_history`` buffer (zeros, fp32) of ``amax_history`` steps. Returns how
-    many modules took it."""
-    n = 0
+    many modules took it. ``blockwise``: warns once where a weight's TP-split dimension has
+    shards that are not a multiple of 128 (``straddling_blocks``)."""
+    n, straddle = 0, []
     for name, m in root.named_modules():
         if not hasattr(m, "recipe") or not hasattr(m, "placements") or not keep(name):
             continue
@@ -412,6 +615,9 @@ def apply_fp8(root: torch.nn.Module, kind: str, ctx, amax_history: int = 16, kee
         axis, group = ("etp", ctx.expert.group("etp")) if folded else ("tp", ctx.tp)
         placements = m.placements()
         split = [p for pn, p in weights if pn in placements and (axis, p.dim() - 1) in placements[pn].shards]
+        if kind == "blockwise" and group is not None and dist.get_world_size(group) > 1:
+            straddle += [f"{name}.{pn}" if name else pn for pn, _ in weights
+                         if pn in placements and straddling_blocks(placements[pn], axis, dist.get_world_size(group))]
         owner = None
         if kind == "delayed":
             m.register_buffer("fp8_history", torch.zeros(len(weights), len(ROLES), amax_history + 1,
@@ -419,7 +625,24 @@ def apply_fp8(root: torch.nn.Module, kind: str, ctx, amax_history: int = 16, kee
             owner = m
         m.recipe = FP8Site(kind, group, split, owner, [p for _, p in weights])
         n += 1
+    if straddle:
+        log.warning("train.fp8 blockwise: %d weight(s) split over TP in shards that are not a multiple of 128 (%s): "
+                    "their 128-blocks (and their activations' 1x128 tiles along that dimension) are laid on each "
+                    "shard, so this layout quantizes them otherwise than one process does", len(straddle),
+                    ", ".join(straddle[:4]) + (", ..." if len(straddle) > 4 else ""))
     return n
+
+
+def straddling_blocks(placement, axis: str, size: int) -> bool:
+    """Whether a weight of ``placement`` split ``size`` ways over ``axis`` has a shard (of a
+    fused part, each part split on its own) that is not a multiple of ``TILE``: there a
+    one-process 128-block straddles two ranks' shards."""
+    for a, d in placement.shards:
+        if a == axis:
+            parts = placement.parts if placement.parts and d == placement.parts_dim else (placement.full_shape[d],)
+            if any(-(-part // size) % TILE for part in parts):
+                return True
+    return False
 
 
 def clear_fp8(root: torch.nn.Module, default) -> None:

@@ -19,7 +19,7 @@ from mimo.core.errors import ConfigError
 from mimo.parallel.fp8 import fp8_grouped_linear, fp8_linear, fp8_takes
 from mimo.parallel.grouped import GROUP_ALIGN, grouped_rows
 
-RECIPES = ("default", "tensorwise", "rowwise", "delayed")
+RECIPES = ("default", "tensorwise", "rowwise", "delayed", "blockwise")
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class GemmRecipe:
     """How a matrix product computes. ``default``: in the operands' dtype (fp32 or bf16, the
     precision policy's choice), accumulating as the backend does. A module under ``train.fp8``
     holds an ``mimo.parallel.fp8.FP8Site`` instead (same ``kind`` field: tensorwise, rowwise,
-    delayed), which makes its products float8 ones."""
+    delayed, blockwise), which makes its products float8 ones."""
 
     kind: str = "default"
 
@@ -63,8 +63,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def grouped_row_align(recipe: GemmRecipe) -> int:
     """Where ``grouped_linear`` under ``recipe`` wants each group's rows to start (a multiple
     of it): FP8's grouped kernel takes groups at multiples of 16 rows, and rows laid out so by
-    the caller (``aligned=True``) spare it a padded copy of its operands and output."""
-    return GROUP_ALIGN if recipe.kind != "default" else 1
+    the caller (``aligned=True``) spare it a padded copy of its operands and output. Block-wise
+    FP8 experts multiply dequantized (no grouped kernel takes block scales): any rows do."""
+    return GROUP_ALIGN if recipe.kind not in ("default", "blockwise") else 1
 
 
 def grouped_linear(x_RI: torch.Tensor, weight_EOI: torch.Tensor, offsets_E: torch.Tensor,
