@@ -100,7 +100,7 @@ def _hf_run(cfg, weights: dict, x0: torch.Tensor, dy: torch.Tensor, dtype) -> di
 
 
 def _ours(layer: DSA, x0, dy, sp_rank=None, loss_norm=None, indexer_grads: bool = False) -> dict:
-    seq = SeqContext.from_seqlens(SEQLENS)
+    seq = SeqContext.from_seqlens(SEQLENS, device=x0.device)
     seq.loss_norm = loss_norm
     part = (lambda v: v.chunk(sp_rank[0])[sp_rank[1]]) if sp_rank else (lambda v: v)
     table = param_table(layer)
