@@ -11,6 +11,13 @@ query latent ``ql = q_a_layernorm(q_a_proj(x))``::
     w   = weights_proj(x) * G^-0.5  [T, G]                                (fp32)
     I[t, s] = sum_g w[t, g] * relu(q_i[t, g] . k_i[s] * I^-0.5)         (fp32)
 
+**FP8 scoring** (V3.2's ``fp8_index``): where the layer's products run in FP8 (``train.fp8``, the
+layer not in ``bf16_layers``), the indexer's queries and keys are rotated by the normalised
+Hadamard transform (orthogonal: the scores it leaves as they are) and rounded to e4m3 with one
+scale per row (a token's head; a token's key), as DeepSeek's ``rotate_activation`` / ``act_quant``
+do; the scores are those of the rounded values (their gradient taken straight through the
+rounding). ``dsa_index_head_dim`` must then be a power of two.
+
 Selection: per query the keys of its causal prefix ordered by ``I`` (ties to the earlier key:
 a stable sort, the same on every layout; ``torch.topk``, which transformers calls, leaves ties
 unordered, and the two agree wherever the top set has no tie at its edge), the first
@@ -54,10 +61,11 @@ from mimo.llm.mla import MLA, MLAConfig
 from mimo.llm.router import attach_loss
 from mimo.parallel.collectives import gather_seq
 from mimo.parallel.context import ParallelContext
+from mimo.parallel.fp8 import E4M3, quantize
 from mimo.parallel.recompute import replaying
 
 __all__ = ["IndexerConfig", "Indexer", "DSA", "build_dsa", "rope_half", "select_keys", "set_dsa_training", "dsa_layers",
-           "step_kl"]
+           "step_kl", "hadamard", "fp8_rounded"]
 
 INDEX_NORM_EPS = 1e-6  # the indexer's k_norm (Hugging Face builds nn.LayerNorm(head_dim, eps=1e-6))
 
@@ -110,8 +118,9 @@ class Indexer(nn.Module):
         self.k_norm = IndexNorm(i, eps=INDEX_NORM_EPS)
         self.weights_proj = nn.Linear(cfg.hidden, g, bias=False)
 
-    def queries_keys(self, x_TD, ql_TQ, cos_TP, sin_TP):
-        """(queries ``[T, G, I]``, keys ``[T, I]``, head weights ``[T, G]``), fp32."""
+    def queries_keys(self, x_TD, ql_TQ, cos_TP, sin_TP, fp8: bool = False):
+        """(queries ``[T, G, I]``, keys ``[T, I]``, head weights ``[T, G]``), fp32; ``fp8``: the
+        queries and keys as FP8 scoring reads them (module doc)."""
         cfg, t = self.cfg, x_TD.shape[0]
         r = cfg.rope_dim
         q_TGI = self.wq_b(ql_TQ).view(t, cfg.heads, cfg.head_dim)
@@ -119,7 +128,29 @@ class Indexer(nn.Module):
         q_TGI = torch.cat([rope_half(q_TGI[..., :r], cos_TP, sin_TP), q_TGI[..., r:]], dim=-1)
         k_TI = torch.cat([rope_half(k_T1I[..., :r], cos_TP, sin_TP), k_T1I[..., r:]], dim=-1)[:, 0]
         w_TG = F.linear(wide(x_TD), wide(self.weights_proj.weight)) * cfg.heads ** -0.5
-        return wide(q_TGI), wide(k_TI), w_TG
+        q_TGI, k_TI = wide(q_TGI), wide(k_TI)
+        if fp8:
+            h_II = hadamard(cfg.head_dim, q_TGI.device, q_TGI.dtype)
+            q_TGI, k_TI = fp8_rounded(q_TGI @ h_II), fp8_rounded(k_TI @ h_II)
+        return q_TGI, k_TI, w_TG
+
+
+def hadamard(n: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """The normalised ``n x n`` Hadamard matrix (Sylvester's; symmetric, orthogonal)."""
+    if n < 1 or n & (n - 1):
+        raise MimoError(f"arch.dsa_index_head_dim={n}: FP8 index scoring rotates each head by a Hadamard transform, "
+                        f"which needs a power of two (DeepSeek-V3.2: 128)")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / n ** 0.5).to(device=device, dtype=dtype)
+
+
+def fp8_rounded(x_NI: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to e4m3 with one scale per row (its amax over the last dim to 448), back in
+    ``x``'s dtype; the gradient passes straight through the rounding."""
+    q, inv = quantize(x_NI.detach(), E4M3, x_NI.detach().abs().amax(-1, keepdim=True).float())
+    return x_NI + ((q.float() * inv).to(x_NI.dtype) - x_NI).detach()
 
 
 def wide(t: torch.Tensor) -> torch.Tensor:
@@ -153,6 +184,7 @@ class DSA(MLA):
         self.icfg = icfg
         self.indexer = Indexer(icfg)
         self.warmup = False  # the dense warm-up (set_dsa_training)
+        self.fp8_index: bool | None = None  # FP8 index scoring; None: where the layer's products run in FP8
         self.kl_weight = 1.0
         self.kl_sum: torch.Tensor | None = None
         self.kl_acc = torch.zeros((), dtype=torch.float32)  # the step's KL sum (fp32 whatever the model's dtype)
@@ -167,7 +199,10 @@ class DSA(MLA):
             x_TD, ql_TQ = (gather_seq(t.detach().contiguous(), group) for t in (x_TD, ql_TQ))
         q_THE, k_THE, v_THV = self.heads(q_TF, kv_TF, kr_TR, seq)
         cos_TP, sin_TP = self.rope_tables(seq.positions)
-        iq_TGI, ik_TI, w_TG = self.indexer.queries_keys(x_TD.detach(), ql_TQ.detach(), cos_TP, sin_TP)
+        fp8 = self.fp8_index
+        if fp8 is None:  # as the layer's products: FP8 under train.fp8 (bf16_layers aside)
+            fp8 = getattr(self.q_b_proj.recipe, "kind", "default") != "default"
+        iq_TGI, ik_TI, w_TG = self.indexer.queries_keys(x_TD.detach(), ql_TQ.detach(), cos_TP, sin_TP, fp8)
         train = self.training and seq.loss_norm is not None
         o_THV, kl = self._sparse_attention(q_THE, k_THE, v_THV, iq_TGI, ik_TI, w_TG, seq, train)
         o_TF = o_THV.reshape(o_THV.shape[0], -1)

@@ -42,7 +42,7 @@ from tp_cases import tp_group  # noqa: E402 (tests/ is on sys.path)
 
 TOPK = 4  # below 7 and 12: the selection prunes
 DIMS = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, q_lora_rank=24)
-INDEX = dict(index_topk=TOPK, index_n_heads=16, index_head_dim=12)  # 16 heads: no score ties at the top-k edge
+INDEX = dict(index_topk=TOPK, index_n_heads=16, index_head_dim=16)  # 16 heads: no score ties at the top-k edge
 YARN = dict(rope_type="yarn", factor=4.0, mscale=1.0, mscale_all_dim=0.5, original_max_position_embeddings=64)
 LOSS_NORM = 10.0
 
@@ -238,7 +238,11 @@ def _tp_case(seed: int) -> dict:
         one = DSA(MLAConfig.from_arch(arch), IndexerConfig.from_arch(arch)).to(dtype)
         load_full_(param_table(one), {k: v.to(dtype) for k, v in weights.items()})
         refs[dtype] = _ours(one, x0.to(dtype), dy.to(dtype), loss_norm=LOSS_NORM, indexer_grads=True)
-    measures, partial = [], {}
+    measures, partial, fp8_errs = [], {}, {}
+    one = DSA(MLAConfig.from_arch(arch), IndexerConfig.from_arch(arch))
+    load_full_(param_table(one), weights)
+    one.fp8_index = True
+    ref_fp8 = _ours(one, x0, dy, loss_norm=LOSS_NORM, indexer_grads=True)
     for sp in (False, True):
         layer = DSA(MLAConfig.from_arch(arch), IndexerConfig.from_arch(arch), ParallelContext.for_tp(group, sequence_parallel=sp))
         table = param_table(layer)
@@ -253,7 +257,11 @@ def _tp_case(seed: int) -> dict:
                 want32, want64 = part(want32), part(want64)
             ys.check(f"sp={sp}/{k}", got[k], want32, want64)
         measures += [m.as_dict() for m in ys.measures]
-    return {"measures": measures, "partial": partial}
+        # FP8 index scoring: every rank rounds the same indexer inputs as one process does
+        layer.fp8_index = True
+        got = _ours(layer, x0, dy, (TP, rank) if sp else None, loss_norm=LOSS_NORM, indexer_grads=True)
+        fp8_errs[sp] = max(rel_err(got[k], part(v) if k in ("y", "dx") else v) for k, v in ref_fp8.items())
+    return {"measures": measures, "partial": partial, "fp8_errs": fp8_errs}
 
 
 def test_tp2_with_and_without_sequence_parallel_equals_one_process(pools):
@@ -262,6 +270,7 @@ def test_tp2_with_and_without_sequence_parallel_equals_one_process(pools):
     for rank, res in enumerate(results):
         ys.extend(res["measures"], prefix=f"rank{rank}:")
         assert res["partial"] == {False: [], True: []}  # every rank computes the indexer whole
+        assert max(res["fp8_errs"].values()) < 1e-5, res["fp8_errs"]
     ys.assert_ok("DSA at tp 2")
     names = {m.name.partition(":")[2] for m in ys.measures}
     assert {f"sp={sp}/grad:indexer.{n}" for sp in (False, True) for n in ("wq_b.weight", "wk.weight", "k_norm.bias")} <= names
@@ -322,3 +331,48 @@ def test_dsa_on_the_gpu_equals_the_cpu():
     allowed = torch.ones(12, 12, dtype=torch.bool, device="cuda").tril()
     kept = select_keys(scores, allowed, TOPK)
     assert kept.sum(-1).tolist() == [min(TOPK, i + 1) for i in range(12)]
+
+
+def test_fp8_index_scoring_is_v32s():
+    """FP8 scoring: the normalised Hadamard rotation is orthogonal (scores unchanged without the
+    rounding); each row rounded to e4m3 at amax -> 448, as a per-row loop does; the layer's
+    indexer reads the rounded values (its selection and KL change), its gradient straight
+    through; on by default where the layer's products are FP8; a head size not a power of two is
+    a clear error there."""
+    from mimo.core.errors import MimoError
+    from mimo.llm.dsa import fp8_rounded, hadamard, index_scores
+
+    h = hadamard(16, dtype=torch.float64)
+    assert torch.allclose(h @ h.T, torch.eye(16, dtype=torch.float64), atol=1e-12)
+    g = torch.Generator().manual_seed(4)
+    q, k, w = torch.randn(5, 3, 16, generator=g), torch.randn(7, 16, generator=g), torch.randn(5, 3, generator=g)
+    assert torch.allclose(index_scores(q @ h.float(), k @ h.float(), w, 0.25), index_scores(q, k, w, 0.25), atol=1e-5)
+    x = torch.randn(6, 16, generator=g, requires_grad=True)
+    want = torch.stack([(r * (448 / r.abs().max())).to(torch.float8_e4m3fn).float() * (r.abs().max() / 448) for r in x.detach()])
+    got = fp8_rounded(x)
+    assert torch.allclose(got, want, rtol=1e-6) and not torch.equal(got, x.detach())
+    got.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))  # straight through
+    with pytest.raises(MimoError, match="power of two"):
+        hadamard(12)
+
+    cfg = _hf_config(4)
+    layer = build_layer(_arch(cfg), LayerSpec(0, "dsa"))
+    load_full_(param_table(layer), _full_weights(cfg, 3))
+    x0, dy = _data(4)
+    plain = _ours(layer, x0, dy, loss_norm=LOSS_NORM, indexer_grads=True)
+    kl_plain = layer.kl_sum
+    layer.fp8_index = True
+    fp8 = _ours(layer, x0, dy, loss_norm=LOSS_NORM, indexer_grads=True)
+    assert layer.kl_sum != kl_plain and rel_err(fp8["grad:indexer.wk.weight"], plain["grad:indexer.wk.weight"]) > 1e-4
+    assert rel_err(fp8["grad:indexer.wk.weight"], plain["grad:indexer.wk.weight"]) < 0.5  # the same loss, rounded inputs
+    from mimo.parallel.fp8 import apply_fp8
+
+    layer.fp8_index = None
+    apply_fp8(layer, "rowwise", ParallelContext.for_tp())
+    on = _ours(layer, x0, dy, loss_norm=LOSS_NORM, indexer_grads=True)
+    assert layer.kl_sum != kl_plain and on["grad:indexer.wk.weight"] is not None
+    narrow = build_layer(dataclasses.replace(_arch(cfg), dsa_index_head_dim=24), LayerSpec(0, "dsa"))
+    narrow.fp8_index = True
+    with pytest.raises(MimoError, match="power of two"):
+        _ours(narrow, x0, dy)

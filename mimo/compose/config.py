@@ -452,6 +452,13 @@ class MimoConfig:
         bad = sorted(i for i in self.train.fp8.kept_layers(layers) if i >= layers)
         if bad:
             problems.append(f"train.fp8.bf16_layers: {bad} beyond the LLM's {layers} layers")
+        arch, kept = self.modules[llm].arch, self.train.fp8.kept_layers(layers)
+        dim = arch.dsa_index_head_dim
+        if dim is not None and dim >= 1 and dim & (dim - 1) and any(
+                s.kind == "dsa" and s.index not in kept for s in arch.layer_pattern().layers):
+            problems.append(f"train.fp8: DSA layers score their indexer in FP8 after a Hadamard rotation, which needs "
+                            f"modules.{llm}.arch.dsa_index_head_dim a power of two (got {dim}); or keep them in bf16 "
+                            f"(train.fp8.bf16_layers)")
         return problems
 
     def _dispatcher_problems(self, llm: str) -> list[str]:
