@@ -107,7 +107,8 @@ class IndexNorm(nn.LayerNorm):
 
 class Indexer(nn.Module):
     """The lightning indexer's weights (Hugging Face's names) and its projections (module doc);
-    replicated over TP, plain (unsharded, no FP8, no adapters)."""
+    replicated over TP, plain (unsharded, in the run's precision, no adapters; FP8 only in its
+    scores)."""
 
     def __init__(self, cfg: IndexerConfig):
         super().__init__()
@@ -276,7 +277,7 @@ def build_dsa(arch: HybridArch, spec, ctx: ParallelContext | None = None) -> DSA
 def set_dsa_training(module: nn.Module, warmup: bool, kl_weight: float) -> list[DSA]:
     """Set every DSA layer of ``module`` to the dense warm-up (``warmup``) or the sparse stage,
     with the KL weight; in the warm-up freeze every parameter but the indexers'. The layers."""
-    layers = [m for m in module.modules() if isinstance(m, DSA)]
+    layers = dsa_layers(module)
     for layer in layers:
         layer.warmup, layer.kl_weight = warmup, kl_weight
     if warmup and layers:
@@ -286,6 +287,7 @@ def set_dsa_training(module: nn.Module, warmup: bool, kl_weight: float) -> list[
 
 
 def dsa_layers(module: nn.Module | None) -> list[DSA]:
+    """Every DSA layer of ``module`` (none for None)."""
     return [] if module is None else [m for m in module.modules() if isinstance(m, DSA)]
 
 
