@@ -376,3 +376,18 @@ def test_fp8_index_scoring_is_v32s():
     narrow.fp8_index = True
     with pytest.raises(MimoError, match="power of two"):
         _ours(narrow, x0, dy)
+
+
+def test_generation_runs_without_a_cache_with_dsa_layers():
+    """eval / generate keep no cache where the LLM has D layers (their indexer keys are not
+    cached): every round runs the whole forward, which the DSA layer takes."""
+    from pathlib import Path
+
+    from mimo.compose.config import load_config
+    from mimo.training.evaluation import generation_cache
+
+    example = str(Path(__file__).resolve().parents[1] / "configs" / "examples" / "deepseek-v3-moe.yaml")
+    assert generation_cache(load_config(example, []))
+    dsa = ["modules.language.arch.pattern=D-DEDE", "modules.language.arch.dsa_index_topk=8",
+           "modules.language.arch.dsa_index_heads=4", "modules.language.arch.dsa_index_head_dim=16"]
+    assert not generation_cache(load_config(example, dsa))

@@ -24,7 +24,8 @@ With ``eval.cache`` (the default) the first round is a *prefill*: the whole dist
 ``mimo.llm.cache.GenerationCache`` (attention keys / values of its local heads, Mamba-2 / GDN
 states); every later round is a *decode step*: one token per unfinished sample, all of a DP
 rank's in one pack, through the LLM stages only (the encoders ran once, in the prefill). Under
-context parallelism (LLM cp > 1: a sample's positions are spread over the CP ranks), and with
+context parallelism (LLM cp > 1: a sample's positions are spread over the CP ranks), with
+DeepSeek sparse attention layers (``D``: no cache of their indexer keys), and with
 ``eval.cache: false``, every round instead runs the whole forward again on prompt + generated
 tokens; both give the same greedy tokens (up to float rounding of the logits).
 
@@ -187,8 +188,7 @@ class Evaluator:
         # training's, on these microbatches, inline: it runs between training steps, on the training groups
         self.pipeline = data_pipeline(config, model, _Batches(index, self.batches), 1, ahead=False)
         self.runner = stage_runner(model)  # this rank's LLM stage, as training runs it (None without one)
-        # generation with a cache (module doc); it cannot follow a sample spread over CP ranks
-        self.cache = config.eval.cache and config.llm.parallel.cp == 1
+        self.cache = generation_cache(config)
 
     def run(self) -> dict:
         """Collective (every rank): the global loss, this rank's counts (``COUNTS``), examples
@@ -248,6 +248,15 @@ def _loss(model, runner, mb) -> tuple[float, float]:
 def greedy(logits_NV, samples: list[int]) -> dict[int, int]:
     """The argmax of each row: sample ``samples[n]``'s next token from row ``n`` (the default pick)."""
     return dict(zip(samples, logits_NV.argmax(-1).tolist()))
+
+
+def generation_cache(config: MimoConfig) -> bool:
+    """Whether generation keeps a cache (module doc): ``eval.cache``, but not where a sample is
+    spread over CP ranks, nor with DeepSeek sparse attention layers (their indexer keys are not
+    cached: every round runs the whole forward instead)."""
+    arch = config.llm.arch
+    dsa = any(s.kind == "dsa" for s in [*arch.layer_pattern().layers, *(s for d in arch.mtp_layers() for s in d)])
+    return config.eval.cache and config.llm.parallel.cp == 1 and not dsa
 
 
 class Completer:

@@ -450,7 +450,7 @@ def generate_rank(req: GenerateRequest) -> dict:
     from mimo.compose.model import MimoModel
     from mimo.data.plan import PlannedSample
     from mimo.training.checkpoint import load_checkpoint
-    from mimo.training.evaluation import Completer, _Batches
+    from mimo.training.evaluation import Completer, _Batches, generation_cache
     from mimo.training.launch import rank_compute_device
     from mimo.training.run import data_pipeline
     from mimo.training.schedule_run import stage_runner
@@ -465,7 +465,7 @@ def generate_rank(req: GenerateRequest) -> dict:
                              make_reader=lambda: PromptReader(req.prompts, encoder_feeds(config), req.pad_id))
     picker = Picker(req.sampling)
     try:
-        cache = config.eval.cache and config.llm.parallel.cp == 1  # as the evaluator's
+        cache = generation_cache(config)  # as the evaluator's
         completer = Completer(model, pipeline, stage_runner(model), req.sampling.max_new_tokens, req.stop_id, cache, picker)
         with torch.no_grad():
             mb = pipeline.microbatch(0)
