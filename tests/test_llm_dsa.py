@@ -35,9 +35,10 @@ from mimo.llm.dsa import DSA, IndexerConfig, select_keys, set_dsa_training
 from mimo.llm.mla import MLA, MLAConfig
 from mimo.llm.pattern import LayerSpec
 from mimo.parallel.context import ParallelContext
-from mimo.parallel.params import full_tensors, load_full_, param_table, reduce_partial_grads
+from mimo.parallel.params import load_full_, param_table
 
-from test_llm_mla import HIDDEN, SEQLENS, _arch as mla_arch, _data, _full_weights as mla_full_weights  # noqa: E402
+from test_llm_mla import (HIDDEN, SEQLENS, _arch as mla_arch, _causal, _data, _full_weights as mla_full_weights,  # noqa: E402
+                          _hf_modules as mla_hf_modules, _hf_run as mla_hf_run, _ours as mla_ours)
 from tp_cases import tp_group  # noqa: E402 (tests/ is on sys.path)
 
 TOPK = 4  # below 7 and 12: the selection prunes
@@ -65,54 +66,22 @@ def _full_weights(cfg, seed: int) -> dict[str, torch.Tensor]:
     return mla_full_weights(cfg, seed, hf_v32.DeepseekV32Attention)
 
 
+V32_CLASSES = (hf_v32.DeepseekV32Attention, hf_v32.DeepseekV32RMSNorm, hf_v32.DeepseekV32RotaryEmbedding)
+
+
 def _hf_modules(cfg, weights: dict, dtype):
-    attn = hf_v32.DeepseekV32Attention(cfg, 0)
-    norm = hf_v32.DeepseekV32RMSNorm(HIDDEN, eps=cfg.rms_norm_eps)
-    rotary = hf_v32.DeepseekV32RotaryEmbedding(cfg)
-    with torch.no_grad():
-        norm.weight.copy_(weights["norm.weight"])
-        for name, p in attn.named_parameters():
-            p.copy_(weights[name])
-    return attn.to(dtype), norm.to(dtype), rotary.to(dtype)
-
-
-def _causal(n: int, dtype) -> torch.Tensor:
-    return torch.full((n, n), float("-inf"), dtype=dtype).triu(1)[None, None]
+    return mla_hf_modules(cfg, weights, dtype, V32_CLASSES)
 
 
 def _hf_run(cfg, weights: dict, x0: torch.Tensor, dy: torch.Tensor, dtype) -> dict[str, torch.Tensor]:
-    """transformers, each sample alone: ``h + attn(norm(h))``; outputs, input and weight gradients
-    (the indexer's: none, transformers computes it without gradients)."""
-    attn, norm, rotary = _hf_modules(cfg, weights, dtype)
-    ys, dxs = [], []
-    cu = SeqContext.from_seqlens(SEQLENS).cu_seqlens.tolist()
-    with fp64_kept() if dtype == torch.float64 else torch.enable_grad():
-        for s, e in zip(cu[:-1], cu[1:]):
-            h = x0[s:e].to(dtype)[None].requires_grad_(True)
-            pos = torch.arange(e - s)[None]
-            y = h + attn(norm(h), rotary(h, pos), attention_mask=_causal(e - s, dtype), position_ids=pos)[0]
-            y.backward(dy[s:e].to(dtype)[None])
-            ys.append(y[0].detach())
-            dxs.append(h.grad[0])
-    out = {"y": torch.cat(ys), "dx": torch.cat(dxs), "grad:norm.weight": norm.weight.grad}
-    out.update({f"grad:{n}": p.grad for n, p in attn.named_parameters() if not n.startswith("indexer.")})
-    return out
+    """transformers, each sample alone, its causal mask passed (the indexer reads it); the
+    indexer's weights take no gradient there (transformers runs it without)."""
+    return mla_hf_run(cfg, weights, x0, dy, dtype, V32_CLASSES, causal_mask=True)
 
 
 def _ours(layer: DSA, x0, dy, sp_rank=None, loss_norm=None, indexer_grads: bool = False) -> dict:
-    seq = SeqContext.from_seqlens(SEQLENS, device=x0.device)
-    seq.loss_norm = loss_norm
-    part = (lambda v: v.chunk(sp_rank[0])[sp_rank[1]]) if sp_rank else (lambda v: v)
-    table = param_table(layer)
-    layer.zero_grad()
-    x = part(x0).clone().requires_grad_(True)
-    y = layer(x, seq)
-    y.backward(part(dy))
-    reduce_partial_grads(table)
-    out = {"y": y.detach(), "dx": x.grad}
-    out.update({f"grad:{n}": g for n, g in full_tensors(table, grads=True).items()
-                if indexer_grads or not n.startswith("indexer.")})
-    return out
+    out = mla_ours(layer, x0, dy, sp_rank, loss_norm)
+    return out if indexer_grads else {k: v for k, v in out.items() if not k.startswith("grad:indexer.")}
 
 
 # --------------------------------------------------------------------------- one process vs transformers

@@ -98,35 +98,53 @@ def _data(seed: int, dtype=torch.float32):
     return torch.randn(t, HIDDEN, generator=g, dtype=dtype), torch.randn(t, HIDDEN, generator=g, dtype=dtype)
 
 
-def _hf_run(cfg, weights: dict, x0: torch.Tensor, dy: torch.Tensor, dtype) -> dict[str, torch.Tensor]:
-    """transformers, each sample alone: ``h + attn(norm(h))``; outputs, input and weight gradients."""
-    attn = hf_ds.DeepseekV3Attention(cfg, 0)
-    norm = hf_ds.DeepseekV3RMSNorm(HIDDEN, eps=cfg.rms_norm_eps)
-    rotary = hf_ds.DeepseekV3RotaryEmbedding(cfg)
+V3_CLASSES = (hf_ds.DeepseekV3Attention, hf_ds.DeepseekV3RMSNorm, hf_ds.DeepseekV3RotaryEmbedding)
+
+
+def _hf_modules(cfg, weights: dict, dtype, classes=V3_CLASSES):
+    """transformers' (attention, pre-norm, rotary) of ``classes`` with ``weights``, in ``dtype``."""
+    attention, rms_norm, rotary_embedding = classes
+    attn, norm, rotary = attention(cfg, 0), rms_norm(HIDDEN, eps=cfg.rms_norm_eps), rotary_embedding(cfg)
     with torch.no_grad():
         norm.weight.copy_(weights["norm.weight"])
         for name, p in attn.named_parameters():
             p.copy_(weights[name])
-    attn, norm, rotary = attn.to(dtype), norm.to(dtype), rotary.to(dtype)
+    return attn.to(dtype), norm.to(dtype), rotary.to(dtype)
+
+
+def _causal(n: int, dtype) -> torch.Tensor:
+    return torch.full((n, n), float("-inf"), dtype=dtype).triu(1)[None, None]
+
+
+def _hf_run(cfg, weights: dict, x0: torch.Tensor, dy: torch.Tensor, dtype, classes=V3_CLASSES,
+            causal_mask: bool = False) -> dict[str, torch.Tensor]:
+    """transformers, each sample alone: ``h + attn(norm(h))``; outputs, input and weight gradients
+    (of the parameters that take one). ``causal_mask``: pass the sample's causal mask (DeepSeek-V3.2's
+    indexer reads it), else none (the attention's own causal kernels)."""
+    attn, norm, rotary = _hf_modules(cfg, weights, dtype, classes)
     ys, dxs = [], []
     cu = SeqContext.from_seqlens(SEQLENS).cu_seqlens.tolist()
     with fp64_kept() if dtype == torch.float64 else torch.enable_grad():
         for s, e in zip(cu[:-1], cu[1:]):
             h = x0[s:e].to(dtype)[None].requires_grad_(True)
             pos = torch.arange(e - s)[None]
-            y = h + attn(norm(h), rotary(h, pos), attention_mask=None)[0]
+            mask = _causal(e - s, dtype) if causal_mask else None
+            y = h + attn(norm(h), rotary(h, pos), attention_mask=mask)[0]
             y.backward(dy[s:e].to(dtype)[None])
             ys.append(y[0].detach())
             dxs.append(h.grad[0])
     out = {"y": torch.cat(ys), "dx": torch.cat(dxs), "grad:norm.weight": norm.weight.grad}
-    out.update({f"grad:{n}": p.grad for n, p in attn.named_parameters()})
+    out.update({f"grad:{n}": p.grad for n, p in attn.named_parameters() if p.grad is not None})
     return out
 
 
-def _ours(layer: MLA, x0: torch.Tensor, dy: torch.Tensor, sp_rank: tuple[int, int] | None = None) -> dict:
-    """Our layer on the pack (``sp_rank``: (tp, rank), this rank's token block); partial
-    gradients summed over TP, gradients gathered to full tensors."""
-    seq = SeqContext.from_seqlens(SEQLENS)
+def _ours(layer: MLA, x0: torch.Tensor, dy: torch.Tensor, sp_rank: tuple[int, int] | None = None,
+          loss_norm: float | None = None) -> dict:
+    """Our layer on the pack (``sp_rank``: (tp, rank), this rank's token block; ``loss_norm``: a
+    training forward's, which aux losses join); partial gradients summed over TP, gradients
+    gathered to full tensors."""
+    seq = SeqContext.from_seqlens(SEQLENS, device=x0.device)
+    seq.loss_norm = loss_norm
     part = (lambda v: v.chunk(sp_rank[0])[sp_rank[1]]) if sp_rank else (lambda v: v)
     table = param_table(layer)
     layer.zero_grad()
