@@ -192,9 +192,11 @@ def mimo_layer(arch: HybridArch, impl: str) -> nn.Module:
 
 
 # ---------------------------------------------------------------- one forward + backward each
-def mimo_step(layer, impl: str, x_TD, dy_TD, seq):
+def mimo_step(layer, impl: str | None, x_TD, dy_TD, seq):
+    """One forward + backward of mimo's layer on the pack; ``impl``: its mixer's (None: as it is)."""
     def step():
-        layer.mixer.impl = impl  # one layer serves its impl and the torch chunked form
+        if impl is not None:
+            layer.mixer.impl = impl  # one layer serves its impl and the torch chunked form
         layer.zero_grad(set_to_none=True)
         h_TD = x_TD.detach().requires_grad_(True)  # a leaf of its own: no gradient left on x
         y_TD = layer(h_TD, seq)
@@ -203,13 +205,15 @@ def mimo_step(layer, impl: str, x_TD, dy_TD, seq):
     return step
 
 
-def hf_per_sample_step(block, x_TD, dy_TD, cu: list[int]):
+def hf_per_sample_step(block, x_TD, dy_TD, cu: list[int], positions: bool = False):
+    """transformers' block on each sample as a batch of one; ``positions``: the block also takes
+    the sample's position ids (``[1, L]``)."""
     def step():
         block.zero_grad(set_to_none=True)
         out = []
         for s, e in zip(cu[:-1], cu[1:]):  # a batch of one per sample: the fallback has no boundaries
             h_1LD = x_TD[s:e].detach()[None].requires_grad_(True)
-            y_1LD = block(h_1LD)
+            y_1LD = block(h_1LD, torch.arange(e - s, device=x_TD.device)[None]) if positions else block(h_1LD)
             y_1LD.backward(dy_TD[s:e][None])
             out.append((h_1LD, y_1LD))
         return out

@@ -39,7 +39,7 @@ import torch.nn as nn
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gdn_hf import device_name, median_ms, padded, peak_gib, seqlens  # noqa: E402
+from gdn_hf import device_name, hf_per_sample_step, median_ms, mimo_step, padded, peak_gib, seqlens  # noqa: E402
 
 from mimo.core.testing import rel_err  # noqa: E402
 from mimo.llm.blocks import build_layer  # noqa: E402
@@ -103,29 +103,6 @@ def available(impl: str) -> str | None:
 
 
 # ---------------------------------------------------------------- steps
-def mimo_step(layer, x_TD, dy_TD, seq):
-    def step():
-        layer.zero_grad(set_to_none=True)
-        h_TD = x_TD.detach().requires_grad_(True)
-        y_TD = layer(h_TD, seq)
-        y_TD.backward(dy_TD)
-        return h_TD, y_TD
-    return step
-
-
-def hf_per_sample_step(block, x_TD, dy_TD, cu: list[int]):
-    def step():
-        block.zero_grad(set_to_none=True)
-        out = []
-        for s, e in zip(cu[:-1], cu[1:]):
-            h_1LD = x_TD[s:e].detach()[None].requires_grad_(True)
-            y_1LD = block(h_1LD, torch.arange(e - s, device=x_TD.device)[None])
-            y_1LD.backward(dy_TD[s:e][None])
-            out.append((h_1LD, y_1LD))
-        return out
-    return step
-
-
 def hf_padded_step(block, x_BLD, dy_BLD, mask_BL):
     b, n = mask_BL.shape
     causal = torch.ones(n, n, dtype=torch.bool, device=x_BLD.device).tril()
@@ -244,13 +221,13 @@ def main(argv=None) -> dict:
               "mimo_kernel": "varlen flash (torch.nn.attention.varlen)" if fast and _varlen_attn() is not None
               else "per-sample SDPA (exact path)",
               "hf_unavailable": {impl: why for impl in IMPLS if (why := available(impl)) is not None}}
-    steps = {"mimo": (mimo_step(layer, x_TD, dy_TD, seq), layer),
-             "mimo_exact": (mimo_step(exact, x_TD, dy_TD, seq), exact)}
+    steps = {"mimo": (mimo_step(layer, None, x_TD, dy_TD, seq), layer),
+             "mimo_exact": (mimo_step(exact, None, x_TD, dy_TD, seq), exact)}
     for impl, block in blocks.items():
         if impl == "flash_attention_2":
             steps["hf_flash_attention_2_packed"] = (hf_packed_step(block, x_TD, dy_TD, lens), block)
             continue
-        steps[f"hf_{impl}_per_sample"] = (hf_per_sample_step(block, x_TD, dy_TD, cu), block)
+        steps[f"hf_{impl}_per_sample"] = (hf_per_sample_step(block, x_TD, dy_TD, cu, positions=True), block)
         steps[f"hf_{impl}_padded"] = (hf_padded_step(block, x_BLD, dy_BLD, mask_BL), block)
     failed = {}
     for name in list(steps):
@@ -271,7 +248,7 @@ def main(argv=None) -> dict:
     if dtype != torch.float32:  # the same per-sample run in fp32: what bf16 costs each side
         fp32_block = HFBlock(hf_config(sizes, "sdpa")).to(device)
         fp32_block.load_state_dict({k: v.float() for k, v in blocks["sdpa"].state_dict().items()})
-        fp32_run = hf_per_sample_step(fp32_block, x_TD.float(), dy_TD.float(), cu)()
+        fp32_run = hf_per_sample_step(fp32_block, x_TD.float(), dy_TD.float(), cu, positions=True)()
     result.update(check(steps["mimo"][0](), steps["hf_sdpa_per_sample"][0](), layer, blocks["sdpa"], fp32_run, fp32_block))
     print(json.dumps(result))
     return result
