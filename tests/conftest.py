@@ -403,3 +403,24 @@ def _verify_layout(pools, config: str, overrides: list[str], steps: int, world: 
 def verify_layout():
     """``verify(pools, config, overrides, steps, world=4, tol=1e-5) -> report`` (``_verify_layout``)."""
     return _verify_layout
+
+
+def _misfits_named(tmp_path, good: dict, config: dict, arch, cases: dict) -> None:
+    """Each ``cases[what](state)`` edit of the Hugging Face state ``good`` (saved with ``config``)
+    fails loading into an ``LLMStage(arch)`` with a MimoError naming ``what``."""
+    from mimo.core.errors import MimoError
+    from mimo.llm.hf import load_hf_checkpoint, save_hf_checkpoint
+    from mimo.llm.model import LLMStage
+
+    for i, (what, edit) in enumerate(cases.items()):
+        state = dict(good)
+        edit(state)
+        save_hf_checkpoint(str(tmp_path / str(i)), state, config)
+        with pytest.raises(MimoError, match=what.replace(".", r"\.")):
+            load_hf_checkpoint(LLMStage(arch), str(tmp_path / str(i)))
+
+
+@pytest.fixture(scope="session")
+def misfits_named():
+    """``check(tmp_path, good_state, config, arch, cases)``: every edited checkpoint a named error (``_misfits_named``)."""
+    return _misfits_named

@@ -431,7 +431,7 @@ def test_export_rejects_what_deepseek_v3_cannot_hold():
             ds.hf_config_from_arch(dataclasses.replace(arch, **change))
 
 
-def test_misfit_checkpoint_names_the_tensor(tmp_path):
+def test_misfit_checkpoint_names_the_tensor(tmp_path, misfits_named):
     """A missing latent norm, a wrong q_b_proj, a missing expert and a misfit per-expert tensor:
     one MimoError naming the checkpoint's tensor."""
     model = hf_model(SMALL)
@@ -447,12 +447,7 @@ def test_misfit_checkpoint_names_the_tensor(tmp_path):
             {f"model.layers.2.mlp.experts.{e}.{p}.weight": torch.zeros(16 if (e, p) == (4, "up_proj") else 32, 64)
              for e in range(6) for p in ("gate_proj", "up_proj")}),
     }
-    for i, (what, edit) in enumerate(cases.items()):
-        state = dict(good)
-        edit(state)
-        save_hf_checkpoint(str(tmp_path / str(i)), state, model.config.to_dict())
-        with pytest.raises(MimoError, match=what.replace(".", r"\.")):
-            load_hf_checkpoint(LLMStage(arch), str(tmp_path / str(i)))
+    misfits_named(tmp_path, good, model.config.to_dict(), arch, cases)
 
 
 def test_verify_hf_takes_a_deepseek_directory(checkpoints, capsys):

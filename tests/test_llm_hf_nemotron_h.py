@@ -205,7 +205,7 @@ def test_export_rejects_what_nemotron_h_cannot_hold():
             nh.hf_config_from_arch(dataclasses.replace(arch, **change))
 
 
-def test_misfit_checkpoint_names_the_tensor(tmp_path):
+def test_misfit_checkpoint_names_the_tensor(tmp_path, misfits_named):
     """A wrong in_proj (split into our tensors on import), a missing expert, an extra tensor:
     one MimoError naming the checkpoint's tensor."""
     model = hf_model(SMALL)
@@ -218,9 +218,4 @@ def test_misfit_checkpoint_names_the_tensor(tmp_path):
         "model.layers.3.mixer.gate.e_score_correction_bias": lambda s: s.pop("model.layers.3.mixer.gate.e_score_correction_bias"),
         "model.layers.9.norm.weight": lambda s: s.update({"model.layers.9.norm.weight": torch.ones(64)}),
     }
-    for i, (what, edit) in enumerate(cases.items()):
-        state = dict(good)
-        edit(state)
-        save_hf_checkpoint(str(tmp_path / str(i)), state, model.config.to_dict())
-        with pytest.raises(MimoError, match=what.replace(".", r"\.")):
-            load_hf_checkpoint(LLMStage(arch), str(tmp_path / str(i)))
+    misfits_named(tmp_path, good, model.config.to_dict(), arch, cases)
