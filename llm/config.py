@@ -373,6 +373,10 @@ class HybridArch:
         first = len(self.layer_pattern().layers)
         return [[LayerSpec(first + k * len(kinds) + j, kind) for j, kind in enumerate(kinds)] for k in range(self.mtp.depth)]
 
+    def all_layers(self) -> list[LayerSpec]:
+        """The pattern's layers, then each MTP depth's (``mtp_layers``)."""
+        return [*self.layer_pattern().layers, *(s for depth in self.mtp_layers() for s in depth)]
+
     def validate(self, path: str) -> list[str]:
         key = lambda name: join_path(path, name)  # noqa: E731
         problems = at_least(

@@ -254,8 +254,7 @@ def generation_cache(config: MimoConfig) -> bool:
     """Whether generation keeps a cache (module doc): ``eval.cache``, but not where a sample is
     spread over CP ranks, nor with DeepSeek sparse attention layers (their indexer keys are not
     cached: every round runs the whole forward instead)."""
-    arch = config.llm.arch
-    dsa = any(s.kind == "dsa" for s in [*arch.layer_pattern().layers, *(s for d in arch.mtp_layers() for s in d)])
+    dsa = any(s.kind == "dsa" for s in config.llm.arch.all_layers())
     return config.eval.cache and config.llm.parallel.cp == 1 and not dsa
 
 

@@ -89,8 +89,7 @@ def moe_layers(model: MimoModel) -> list[int]:
     arch = model.config.llm.arch
     if getattr(arch, "moe", None) is None:
         return []
-    specs = [*arch.layer_pattern().layers, *(s for depth in arch.mtp_layers() for s in depth)]
-    return [s.index for s in specs if s.kind == "moe"]
+    return [s.index for s in arch.all_layers() if s.kind == "moe"]
 
 
 def _moe_table(model: MimoModel, layers: list[int], stats) -> torch.Tensor:
@@ -218,8 +217,7 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
 
 def _dsa_count(arch) -> int:
     """The LLM's DSA layers (the pattern's and the MTP blocks'), the same on every rank."""
-    specs = [*arch.layer_pattern().layers, *(s for depth in arch.mtp_layers() for s in depth)]
-    return sum(s.kind == "dsa" for s in specs)
+    return sum(s.kind == "dsa" for s in arch.all_layers())
 
 
 def _dsa_kl(model: MimoModel, layers: list, count: int, num_loss_tokens: float) -> torch.Tensor:
