@@ -173,8 +173,7 @@ class MimoModel:
         init_llm_(stage, config)
         if llm_cfg.freeze:
             stage.requires_grad_(False)
-        if "dsa" in llm_cfg.arch.layer_pattern().kinds:  # DSA layers' stage: the warm-up trains their indexers only
-            set_dsa_training(stage, llm_cfg.dsa.warmup, llm_cfg.dsa.kl_weight)
+        set_dsa_training(stage, llm_cfg.dsa.warmup, llm_cfg.dsa.kl_weight)  # (a no-op without DSA layers)
         adapt_llm(stage, llm_cfg, config.llm_name, config.train.seed)  # (its lora section: after the base weights load)
         if config.train.moe_dispatcher == "deepep" and ctx.expert is not None and self.device.type != "cuda":
             raise MimoError("train.moe_dispatcher: deepep runs DeepEP's GPU kernels; this run is on the CPU "

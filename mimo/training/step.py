@@ -144,7 +144,8 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     mtp = getattr(llm.module, "mtp", None)
     if mtp is not None:
         mtp.reset()
-    dsa = dsa_layers(llm.module)
+    n_dsa = _dsa_count(cfg.llm.arch)
+    dsa = dsa_layers(llm.module) if n_dsa else []  # (no walk over the modules without DSA layers)
     step_kl(dsa, reset=True)
     grad_sync = grad_sync_for(model, policy)
     params = grad_sync.params  # the run's table, built once with the buffers (not per step: host time at the step boundary)
@@ -198,7 +199,6 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     depth = cfg.llm.arch.mtp.depth if cfg.llm.arch.mtp is not None else 0
     # riding along: the MoE stats, the MTP losses and the loss-token count (which ranks outside
     # the LLM's grid do not know), each held so that its sum over the world counts it once
-    n_dsa = _dsa_count(cfg.llm.arch)
     extras = ([_moe_table(model, layers, stats).reshape(-1)] if layers else []) + [
         _dsa_kl(model, dsa, n_dsa, num_loss_tokens), _mtp_losses(model, depth, num_loss_tokens),
         _held_by_first_llm_rank(model, num_loss_tokens)]
