@@ -198,8 +198,8 @@ class DSA(MLA):
         if self.ctx.sequence_parallel:  # the indexer runs on every row of the local sequence (module doc)
             group = self.o_proj.group
             x_TD, ql_TQ = (gather_seq(t.detach().contiguous(), group) for t in (x_TD, ql_TQ))
-        q_THE, k_THE, v_THV = self.heads(q_TF, kv_TF, kr_TR, seq)
-        cos_TP, sin_TP = self.rope_tables(seq.positions)
+        cos_TP, sin_TP = self.rope_tables(seq.positions)  # (MLA's heads and the indexer rotate by the same)
+        q_THE, k_THE, v_THV = self.heads(q_TF, kv_TF, kr_TR, seq, (cos_TP, sin_TP))
         fp8 = self.fp8_index
         if fp8 is None:  # as the layer's products: FP8 under train.fp8 (bf16_layers aside)
             fp8 = getattr(self.q_b_proj.recipe, "kind", "default") != "default"

@@ -255,14 +255,15 @@ class MLA(nn.Module):
         kr_TR = gather_seq(kr_TR.contiguous(), group) if self.ctx.sequence_parallel else copy_to_group(kr_TR, group)
         return x_TD, ql_TQ, q_TF, kv_TF, kr_TR
 
-    def heads(self, q_TF: torch.Tensor, kv_TF: torch.Tensor, kr_TR: torch.Tensor, seq: SeqContext):
+    def heads(self, q_TF: torch.Tensor, kv_TF: torch.Tensor, kr_TR: torch.Tensor, seq: SeqContext, tables=None):
         """Per-head queries and keys ``[T, heads_local, qk]`` (RoPE on the rope channels) and
-        values ``[T, heads_local, v]`` from the up projections' outputs and the shared rotary key."""
+        values ``[T, heads_local, v]`` from the up projections' outputs and the shared rotary key;
+        ``tables``: ``rope_tables(seq.positions)`` where the caller has them."""
         cfg, t, hl = self.cfg, q_TF.shape[0], self.heads_local
         nope, rope, vd = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         qn_THN, qr_THR = q_TF.view(t, hl, nope + rope).split([nope, rope], dim=-1)
         kn_THN, v_THV = kv_TF.view(t, hl, nope + vd).split([nope, vd], dim=-1)
-        cos_TP, sin_TP = self.rope_tables(seq.positions)
+        cos_TP, sin_TP = self.rope_tables(seq.positions) if tables is None else tables
         qr_THR = rope_interleaved(qr_THR, cos_TP, sin_TP)
         kr_T1R = rope_interleaved(kr_TR[:, None, :], cos_TP, sin_TP)
         q_THE = torch.cat([qn_THN, qr_THR], dim=-1)
