@@ -484,7 +484,8 @@ def run_mimo(config, plan: BenchPlan, samples: list[Sample], ids, pad_id: int, d
     reader = BenchReader(samples, feed, ids, pad_id)
     pipeline = DataPipeline(plan, text_spec(config), model.llm.grid, model.llm.ctx.sequence_parallel, feeds,
                             config.train.micro_batches, config.data.workers, config.data.prefetch, model.rank,
-                            make_reader=lambda: reader, device=model.device, ahead=True, mrope=True)
+                            make_reader=lambda: reader, device=model.device, ahead=True, mrope=True,
+                            schedule=config.train.schedule, encoder_prefetch=config.train.encoder_prefetch)
     pipeline.last_step = steps
     optimizers = model_optimizers(config, model, policy)
     build_s = time.perf_counter() - t0
@@ -496,7 +497,7 @@ def run_mimo(config, plan: BenchPlan, samples: list[Sample], ids, pad_id: int, d
     def counted_step(step):
         t = time.perf_counter()
         mbs = deliver(step)
-        seen.append((time.perf_counter() - t, sum(mb.real_tokens for mb in mbs), sum(mb.pack.num_tokens for mb in mbs),
+        seen.append((time.perf_counter() - t, sum(mb.plan.real_tokens for mb in mbs), sum(mb.pack.num_tokens for mb in mbs),
                      sum(int(v.numel()) for mb in mbs for v in mb.pack.image_slots.values())))
         return mbs
 

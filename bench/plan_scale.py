@@ -49,12 +49,13 @@ import numpy as np
 import torch
 
 from mimo.bridges.executor import Bridge
-from mimo.bridges.plan import make_plan
+from mimo.bridges.plan_reference import make_plan
 from mimo.data.index import Entry, Index
 from mimo.data.plan import DataPlan
 from mimo.parallel.grid import ParallelGrid
-from mimo.parallel.layout import dp_blocks, dp_blocks_reference, dp_placement, packed_placement
-from mimo.training.schedule_run import image_bridge_plans
+from mimo.parallel.layout import dp_blocks
+from mimo.parallel.layout_reference import dp_blocks_reference, dp_placement, packed_placement
+from mimo.data.pipeline import microbatch_bridge_plans as image_bridge_plans
 
 ROWS, TEXT, PER_DP, LLM_TP, HIDDEN, PLACEHOLDER = 576, 400, 16, 8, 2048, "<image>"
 

@@ -64,7 +64,7 @@ def main(argv=None) -> dict:
 
     for name in ("run_schedule", "global_grad_norm", "clip_grads_", "lr_for"):
         setattr(step_module, name, timed(name, getattr(step_module, name)))
-    for name in ("_bridge_plans", "encode_and_bridge", "bridge_backward"):
+    for name in ("encode_and_bridge", "bridge_backward"):
         setattr(schedule_run, name, timed(name, getattr(schedule_run, name)))
     for name in ("forward", "backward"):
         setattr(StageRunner, name, timed(f"llm.{name}", getattr(StageRunner, name)))

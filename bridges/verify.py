@@ -22,10 +22,12 @@ import torch
 import torch.distributed as dist
 
 from mimo.bridges.executor import Bridge
-from mimo.bridges.plan import TransferPlan, image_bridge_plans, make_plan, minimum_numel
+from mimo.bridges.plan import TransferPlan, image_bridge_plans
+from mimo.bridges.plan_reference import make_plan, minimum_numel
 from mimo.core.errors import LayoutError
 from mimo.parallel.grid import ParallelGrid, parse_rank_range
-from mimo.parallel.layout import Placement, RunPlacement, as_runs, dp_blocks, dp_placement, packed_placement
+from mimo.parallel.layout import Placement, RunPlacement, as_runs, dp_blocks
+from mimo.parallel.layout_reference import dp_placement, packed_placement
 from mimo.core.testing import rank_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -173,12 +175,28 @@ def native_blocks(src: LayoutSpec, dst: LayoutSpec, samples: list[NativeSample])
 
 def native_placements(dst: LayoutSpec, sg: ParallelGrid, dg: ParallelGrid, samples: list[NativeSample], width: int,
                       blocks: tuple[list[range], list[range]]) -> tuple[Placement, Placement]:
-    """The reference builders' placements of the samples' image rows (``dp_placement`` over
-    each sample's rows, ``packed_placement`` at each row's position)."""
-    src_blocks, dst_blocks = blocks
-    src_pl = dp_placement(sg, [sum(s.image_rows) for s in samples], src_blocks, width)
-    dst_pl, _ = packed_placement(dg, [(s.seq_len, s.image_positions) for s in samples], dst_blocks, width, dst.shard == "seq")
-    return src_pl, dst_pl
+    """The reference builders' placements of the samples' image rows (``reference_bridge``)."""
+    array = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
+    return reference_bridge(array([s.seq_len for s in samples]), array([len(s.image_starts) for s in samples]),
+                            array([p for s in samples for p in s.image_starts]),
+                            array([r for s in samples for r in s.image_rows]), width, sg, blocks[0], dg, blocks[1],
+                            dst.shard == "seq")
+
+
+def reference_bridge(tokens_N: np.ndarray, images_N: np.ndarray, image_start_I: np.ndarray, image_rows_I: np.ndarray,
+                     width: int, encoder_grid: ParallelGrid, encoder_blocks, llm_grid: ParallelGrid, llm_blocks,
+                     sequence_parallel: bool) -> tuple[Placement, Placement]:
+    """What ``mimo.bridges.plan.image_bridge_plans`` must give for a microbatch (its arguments),
+    by the reference builders: ``dp_placement`` over each sample's image rows on the encoder,
+    ``packed_placement`` at each row's position on the LLM's first stage."""
+    first_N1 = np.concatenate([[0], np.cumsum(images_N)]).astype(np.int64)
+    samples = []
+    for i, n in enumerate(tokens_N.tolist()):
+        images = range(int(first_N1[i]), int(first_N1[i + 1]))
+        samples.append((n, [p for j in images for p in range(int(image_start_I[j]), int(image_start_I[j] + image_rows_I[j]))]))
+    src = dp_placement(encoder_grid, [len(positions) for _, positions in samples], encoder_blocks, width)
+    dst, _ = packed_placement(llm_grid, samples, llm_blocks, width, sequence_parallel)
+    return src, dst
 
 
 def production_plans(dst: LayoutSpec, sg: ParallelGrid, dg: ParallelGrid, samples: list[NativeSample], width: int,

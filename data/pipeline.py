@@ -31,7 +31,6 @@ thread when it asks for that step, as the same exception.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import itertools
 import logging
 import queue
 import threading
@@ -44,7 +43,7 @@ import torch.distributed as dist
 
 from mimo.core.batch import PackedBatch, PatchBatch, to_device
 from mimo.bridges.executor import Bridge
-from mimo.bridges.plan import image_bridge_plans
+from mimo.bridges.plan import TransferPlan, image_bridge_plans
 from mimo.data.images import ImageSpec, PixelNorm, decode
 from mimo.data.index import Index, TextSpec, sample_text
 from mimo.data.native_images import NativeImageSpec, PatchNorm, patch_bytes
@@ -55,7 +54,8 @@ from mimo.data.shards import SampleLocation, decode_image, read_files
 from mimo.data.text import VIDEO, load_tokenizer
 from mimo.core.errors import DataError
 from mimo.parallel.grid import ParallelGrid
-from mimo.parallel.layout import Piece, Placement, RunPlacement, block_bounds, dp_blocks, dp_runs
+from mimo.parallel.layout import RunPlacement, block_bounds, dp_blocks, dp_runs
+from mimo.schedules.executor import TickPlan
 
 log = logging.getLogger("mimo.data")
 
@@ -127,50 +127,78 @@ class ReadSample:
 
 
 @dataclass
-class Microbatch:
-    """What one rank gets for one global microbatch."""
+class MicrobatchPlan:
+    """Where one global microbatch's pieces go, made by the one planner (``DataPipeline.
+    plan_microbatch``) with the rest of the microbatch, on the data thread: its samples and their
+    arrays, each module's DP blocks, and on this rank each encoder's bridge (``image_bridge_plans``:
+    the encoder's rows, the LLM first stage's placement of them, this rank's transfer plans both
+    ways) and pixel route (the readers' rows, the encoder's DP placement of them)."""
 
     samples: list[PlannedSample]
+    arrays: SampleArrays
     llm_blocks: list[range]
     encoder_blocks: dict[str, list[range]]
-    pack: PackedBatch | None = None  # on LLM ranks
-    # on encoder ranks: the encoder's float input [images, C, H, W] once delivered (as routed before)
-    pixels: dict[str, torch.Tensor] = field(default_factory=dict)
-    read_failures: Counter = field(default_factory=Counter)  # on reader ranks
-    loss_tokens: int = 0  # of the pack (counted on the CPU, before any move to a device)
-    # the samples' numbers as arrays (what blocks and placements read): the plan's, else from samples
-    arrays: SampleArrays | None = None
-    # encoder -> its bridge on this rank: (encoder rows, LLM placement, this rank's transfer plans),
-    # ``mimo.bridges.plan.image_bridge_plans``, made with the rest of the microbatch
-    bridge_plans: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.arrays is None:
-            self.arrays = SampleArrays.of_samples(self.samples)
+    bridges: dict[str, tuple] = field(default_factory=dict)
+    pixel_routes: dict[str, tuple[RunPlacement, RunPlacement]] = field(default_factory=dict)
 
     @property
     def real_tokens(self) -> int:
         return int(self.arrays.tokens_N.sum())
 
 
-def encoder_blocks(samples: list[PlannedSample] | SampleArrays, feed: EncoderFeed) -> list[range]:
+@dataclass
+class Microbatch:
+    """What one rank gets for one global microbatch: its plan and its data."""
+
+    plan: MicrobatchPlan
+    pack: PackedBatch | None = None  # on LLM ranks
+    # on encoder ranks: the encoder's float input [images, C, H, W] once delivered (as routed before)
+    pixels: dict[str, torch.Tensor] = field(default_factory=dict)
+    read_failures: Counter = field(default_factory=Counter)  # on reader ranks
+    loss_tokens: int = 0  # of the pack (counted on the CPU, before any move to a device)
+
+
+@dataclass
+class StepPlan:
+    """A training step as its executor takes it: the microbatches in order (each its plan and
+    data) and the tick table that runs them (``mimo.schedules.executor``). Iterates over the
+    microbatches."""
+
+    microbatches: list[Microbatch]
+    ticks: TickPlan
+
+    def __len__(self) -> int:
+        return len(self.microbatches)
+
+    def __getitem__(self, k: int) -> Microbatch:
+        return self.microbatches[k]
+
+    def __iter__(self):
+        return iter(self.microbatches)
+
+
+def encoder_dp_blocks(samples: list[PlannedSample] | SampleArrays, feed: EncoderFeed) -> list[range]:
     """An encoder's DP blocks: balanced by its cost (``EncoderFeed.costs_N``; the same function for every user)."""
     return dp_blocks(feed.costs_N(SampleArrays.of(samples)), feed.grid.shape["dp"])
 
 
-def llm_blocks(samples: list[PlannedSample] | SampleArrays, dp: int) -> list[range]:
+def llm_dp_blocks(samples: list[PlannedSample] | SampleArrays, dp: int) -> list[range]:
     return dp_blocks(SampleArrays.of(samples).tokens_N, dp)
 
 
-def feed_bridge_plans(arrays: SampleArrays, feed: EncoderFeed, src_blocks: list[range], llm_grid: ParallelGrid,
-                      dst_blocks: list[range], sequence_parallel: bool, rank: int):
-    """``image_bridge_plans`` of an encoder's bridge for a microbatch (``arrays``; the encoder's
-    DP blocks ``src_blocks``, the LLM's ``dst_blocks``) on ``rank``: its placements both sides
-    and the rank's transfer plans both ways."""
-    p = feed.placeholder
-    return image_bridge_plans(arrays.tokens_N, arrays.images_for(p), arrays.image_starts(p),
-                              arrays.image_rows(p, feed.rows_per_image), feed.bridge_width, feed.grid, src_blocks,
-                              llm_grid, dst_blocks, sequence_parallel, rank)
+def microbatch_bridge_plans(samples: SampleArrays | list[PlannedSample], placeholder: str, rows_per_image: int,
+                            width: int, encoder_grid: ParallelGrid, encoder_blocks: list[range], llm_grid: ParallelGrid,
+                            llm_blocks: list[range], sequence_parallel: bool, rank: int
+                            ) -> tuple[RunPlacement, RunPlacement, tuple[TransferPlan, TransferPlan]]:
+    """``mimo.bridges.plan.image_bridge_plans`` (the encoder's rows, the LLM first stage's
+    placement of them near this rank's rows, this rank's plans both ways) of the images of
+    ``placeholder`` in a microbatch of ``samples`` (its ``SampleArrays``, or ``PlannedSample``s):
+    ``rows_per_image`` rows each image, or for a native tower (0) each image's own, of ``width``
+    values."""
+    arrays = SampleArrays.of(samples)
+    return image_bridge_plans(arrays.tokens_N, arrays.images_for(placeholder), arrays.image_starts(placeholder),
+                              arrays.image_rows(placeholder, rows_per_image), width, encoder_grid, encoder_blocks,
+                              llm_grid, llm_blocks, sequence_parallel, rank)
 
 
 def plan_arrays(plan, k: int, samples: list[PlannedSample]) -> SampleArrays:
@@ -259,11 +287,14 @@ class DataPipeline:
         device: torch.device | str = "cpu",  # where packs and pixels are delivered (read and routed on the CPU first)
         ahead: bool = True,  # prepare step n+1 on a thread of its own while step n trains (``step``)
         mrope: bool = False,  # the LLM rotates by 3-D positions: packs carry them (``pack``'s ``mrope_merge``)
+        schedule: str = "1f1b",  # the steps' tick table (``mimo.schedules``) and its encoder prefetch depth
+        encoder_prefetch: int = 1,
     ):
         self.plan, self.text, self.feeds = plan, text, feeds
         self.device = torch.device(device)
         self.llm_grid, self.sequence_parallel = llm_grid, sequence_parallel
         self.micro_batches, self.prefetch = micro_batches, prefetch
+        self.schedule, self.encoder_prefetch = schedule, encoder_prefetch
         self.rank = dist.get_rank() if rank is None else rank
         self.tp, self.cp, self.dp = (llm_grid.shape.get(d, 1) for d in ("tp", "cp", "dp"))
         self.rows_per_image = dict(text.rows_per_image)
@@ -312,7 +343,7 @@ class DataPipeline:
         if got is None:
             samples = self.plan.microbatch(k)
             arrays = plan_arrays(self.plan, k, samples)
-            got = self._plans[k] = (samples, arrays, llm_blocks(arrays, self.dp))
+            got = self._plans[k] = (samples, arrays, llm_dp_blocks(arrays, self.dp))
         return got
 
     def _request(self, k: int) -> None:
@@ -343,8 +374,8 @@ class DataPipeline:
             feed = self._feed[name]
             x = self._encoder_input(feed, to_device(wire, self.device, pin))
             if feed.native is not None:  # the tower's images: this rank's DP block of the microbatch
-                block = mb.encoder_blocks[name][feed.grid.coords(self.rank)["dp"]]
-                x = PatchBatch(x, feed.grids_of_block(mb.arrays, block).to(self.device))
+                block = mb.plan.encoder_blocks[name][feed.grid.coords(self.rank)["dp"]]
+                x = PatchBatch(x, feed.grids_of_block(mb.plan.arrays, block).to(self.device))
             mb.pixels[name] = x
         if mb.pack is not None and self.device.type != "cpu":
             mb.pack = mb.pack.to(self.device)
@@ -363,14 +394,35 @@ class DataPipeline:
         read = wire[:, numel].bool().view(-1, 1, 1, 1)
         return x.masked_fill_(~read, 0.0)  # a failed sample's slot: zero pixels (docs/design.md §2)
 
-    def _prepare(self, k: int) -> Microbatch:
-        """Microbatch ``k`` on the CPU (read, packed, pixels routed)."""
-        samples, arrays, blocks = self._planned(k)
-        mb = Microbatch(samples, blocks, {f.name: encoder_blocks(arrays, f) for f in self.feeds}, arrays=arrays)
+    def plan_microbatch(self, samples: list[PlannedSample], arrays: SampleArrays | None = None,
+                        llm_blocks: list[range] | None = None,
+                        encoder_blocks: dict[str, list[range]] | None = None) -> MicrobatchPlan:
+        """The one planner of a microbatch on this rank: its samples' arrays, each module's DP
+        blocks (balanced by ``dp_blocks``, unless given: generation keeps a microbatch's blocks as
+        its samples grow), and each encoder's bridge and pixel route where this rank takes part."""
+        arrays = SampleArrays.of_samples(samples) if arrays is None else arrays
+        llm_blocks = llm_dp_blocks(arrays, self.dp) if llm_blocks is None else llm_blocks
+        if encoder_blocks is None:
+            encoder_blocks = {f.name: encoder_dp_blocks(arrays, f) for f in self.feeds}
+        plan = MicrobatchPlan(samples, arrays, llm_blocks, encoder_blocks)
         for f in self.feeds:
-            if f.bridge_width and (self.rank in f.grid or self.rank in self.llm_grid):
-                mb.bridge_plans[f.name] = feed_bridge_plans(arrays, f, mb.encoder_blocks[f.name], self.llm_grid, blocks,
-                                                            self.sequence_parallel, self.rank)
+            if self.rank not in f.grid and self.rank not in self.llm_grid:
+                continue
+            blocks = encoder_blocks[f.name]
+            if f.bridge_width:
+                plan.bridges[f.name] = microbatch_bridge_plans(arrays, f.placeholder, f.rows_per_image, f.bridge_width,
+                                                               f.grid, blocks, self.llm_grid, llm_blocks,
+                                                               self.sequence_parallel, self.rank)
+            # modules are colocated or disjoint (config rule), so source = all LLM ranks works for both
+            rows_N = f.pixel_rows_N(arrays)
+            plan.pixel_routes[f.name] = (reader_runs(rows_N, llm_blocks, self.readers, self.llm_grid.ranks, f.wire_cols),
+                                         dp_runs(f.grid, rows_N, blocks, f.wire_cols))
+        return plan
+
+    def _prepare(self, k: int) -> Microbatch:
+        """Microbatch ``k`` on the CPU (planned, read, packed, pixels routed)."""
+        samples, arrays, blocks = self._planned(k)
+        mb = Microbatch(self.plan_microbatch(samples, arrays, blocks))
         read = self._read_block(k) if self.is_reader else []
         # kept: the microbatches requested ahead of this one, not yet prepared
         self._plans = {j: got for j, got in self._plans.items() if k < j <= k + self.prefetch}
@@ -384,14 +436,16 @@ class DataPipeline:
                 mb.pixels[f.name] = pixels
         return mb
 
-    def _prepare_step(self, step: int) -> list[Microbatch]:
-        return [self._prepare((step - 1) * self.micro_batches + i) for i in range(self.micro_batches)]
+    def _prepare_step(self, step: int) -> StepPlan:
+        mbs = [self._prepare((step - 1) * self.micro_batches + i) for i in range(self.micro_batches)]
+        return StepPlan(mbs, TickPlan.make(self.schedule, self.llm_grid.shape.get("pp", 1), len(mbs), self.encoder_prefetch))
 
-    def step(self, step: int) -> list[Microbatch]:
-        """The microbatches of training step ``step`` (1-based). Preparing ahead, step ``step + 1``
-        (up to ``last_step``) is read, packed and routed on the data thread while this one trains."""
+    def step(self, step: int) -> StepPlan:
+        """Training step ``step`` (1-based): its microbatches, delivered, and its ticks. Preparing
+        ahead, step ``step + 1`` (up to ``last_step``) is planned, read, packed and routed on the
+        data thread while this one trains."""
         if self._thread is None:
-            return [self._deliver(mb) for mb in self._prepare_step(step)]
+            return self._deliver_step(self._prepare_step(step))
         # Every preparation runs on the one data thread in the order asked for, which is the same
         # on every rank, so the data groups' collectives line up. A jump (a resume, a step asked
         # twice) drops what was prepared without cancelling it: a cancel could win on one rank and
@@ -400,10 +454,15 @@ class DataPipeline:
         self._ahead.clear()
         if self.last_step is None or step < self.last_step:
             self._ahead[step + 1] = self._thread.submit(self._prepare_step, step + 1)
-        return [self._deliver(mb) for mb in future.result()]
+        return self._deliver_step(future.result())
+
+    def _deliver_step(self, plan: StepPlan) -> StepPlan:
+        for mb in plan:
+            self._deliver(mb)
+        return plan
 
     def _pack(self, mb: Microbatch, read: list[ReadSample]) -> PackedBatch:
-        block = [mb.samples[i] for i in mb.llm_blocks[self.my_dp]]
+        block = [mb.plan.samples[i] for i in mb.plan.llm_blocks[self.my_dp]]
         if read:
             items = [r.item for r in read]
         else:  # the plan gives everything but the token values, which the reader broadcasts
@@ -423,15 +482,11 @@ class DataPipeline:
         members = set(self.llm_grid.ranks) | set(feed.grid.ranks)
         if self.rank not in members:
             return None
-        cols = feed.wire_cols
-        rows_N = feed.pixel_rows_N(mb.arrays)
-        # modules are colocated or disjoint (config rule), so source = all LLM ranks works for both
-        src = reader_runs(rows_N, mb.llm_blocks, self.readers, self.llm_grid.ranks, cols)
-        dst = dp_runs(feed.grid, rows_N, mb.encoder_blocks[feed.name], cols)
+        src, dst = mb.plan.pixel_routes[feed.name]
         x = None
         if src.holds_rank(self.rank):
             x = (torch.cat([wire_rows(r, feed) for r in read]) if read
-                 else torch.zeros(src.local_rows_of(self.rank), cols, dtype=feed.pixel_dtype))
+                 else torch.zeros(src.local_rows_of(self.rank), feed.wire_cols, dtype=feed.pixel_dtype))
         bridge = Bridge(src, dst, group, dst_replica_group=self.encoder_tp[feed.name] if self.rank in feed.grid else None, needs_grad=False, rank=self.rank)
         with torch.no_grad():
             y = bridge(x, dtype=feed.pixel_dtype)
@@ -506,15 +561,3 @@ def reader_runs(images_N: np.ndarray, blocks: list[range], readers: list[int], r
     zeros_P = np.zeros_like(rank_P)
     return RunPlacement(int(start_I1[-1]), numel, rank_P, row_P, rows_P, zeros_P, zeros_P, np.full_like(rank_P, numel),
                         ranks_R, local_R, np.zeros((0, 0), dtype=np.int64))
-
-
-def reader_placement(images: list[int], blocks: list[range], readers: list[int], ranks: set[int], numel: int) -> Placement:
-    """Pixel rows (one per image, sample after sample) held by the reader of each LLM DP
-    block; every other rank of ``ranks`` holds none (the reference of ``reader_runs``)."""
-    starts = [0, *itertools.accumulate(images)]
-    pieces, local_rows = [], {r: 0 for r in ranks}
-    for reader, block in zip(readers, blocks):
-        n = starts[block.stop] - starts[block.start]
-        local_rows[reader] = n
-        pieces.append(Piece(reader, starts[block.start], n, 0, 0, numel))
-    return Placement(starts[-1], numel, tuple(pieces), local_rows)

@@ -64,7 +64,7 @@ from mimo.parallel.grid import ParallelGrid
 from mimo.parallel.init import param_seed
 from mimo.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_lookup
 from mimo.parallel.lora import LoraTarget
-from mimo.parallel.layout import Placement, packed_placement
+from mimo.parallel.layout import RunPlacement, SampleRuns, packed_runs
 from mimo.parallel.params import ParamInfo, full_tensors, load_full_, main_grad, param_table
 from mimo.parallel.recompute import checkpoint, set_block_recompute
 
@@ -199,17 +199,18 @@ class LLMStage(nn.Module):
                           positions_3d=batch.positions_3d if self.arch.mrope_section is not None else None)
 
     def image_placement(self, grid: ParallelGrid, samples: Sequence[tuple[int, Sequence[int]]],
-                        blocks: Sequence[range], deepstack: bool = False) -> tuple[Placement, dict[int, list[int]]]:
-        """Where this stage wants the rows of one encoder: (placement, local slots per rank).
+                        blocks: Sequence[range], deepstack: bool = False) -> RunPlacement:
+        """Where this stage wants the rows of one encoder, built by the one builder training's
+        bridges use (``packed_runs``, through ``mimo.bridges.plan.image_bridge_plans``).
 
         ``samples[i] = (sequence length, positions of its rows)``; ``blocks``: the DP blocks.
         Rows land at their positions in the pack, on the TP rank holding that position under
-        sequence parallel (replicated over TP otherwise); each rank's buffer is compact.
-        ``deepstack``: the encoder sends each row with its deepstack levels, ``hidden * (1 +
-        arch.deepstack_levels)`` columns (module doc).
+        sequence parallel (replicated over TP otherwise); each rank's buffer is compact, its
+        rows in the order of ``local_image_slots``. ``deepstack``: the encoder sends each row
+        with its deepstack levels, ``hidden * (1 + arch.deepstack_levels)`` columns (module doc).
         """
         width = self.arch.hidden * (1 + (self.arch.deepstack_levels if deepstack else 0))
-        return packed_placement(grid, samples, blocks, width, self.sequence_parallel)
+        return packed_runs(grid, SampleRuns.of_positions(samples), blocks, width, self.sequence_parallel)
 
     def local_image_slots(self, batch: PackedBatch, key: str) -> torch.Tensor:
         """Positions in this rank's hidden states where ``key``'s compact rows go (in row order);

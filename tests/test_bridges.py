@@ -8,11 +8,12 @@ import torch
 import torch.distributed as dist
 
 from mimo.bridges.executor import Bridge
-from mimo.bridges.plan import make_plan, minimum_numel
+from mimo.bridges.plan_reference import make_plan, minimum_numel
 from mimo.bridges.verify import bridge_case, local_view, parse_layout, resolve, summarise
 from mimo.core.errors import LayoutError
 from mimo.parallel.grid import ParallelGrid
-from mimo.parallel.layout import Piece, Placement, dp_blocks, dp_placement
+from mimo.parallel.layout import Piece, Placement, dp_blocks
+from mimo.parallel.layout_reference import dp_placement
 
 # (src, dst, colocated); every case runs ragged, with zero-row samples, over 3 microbatches
 COLOCATED = [

@@ -192,7 +192,7 @@ def _deliver(root, pattern, llm_shape, llm_offset, enc_shape, enc_offset, steps,
     """Runs the pipeline on every rank; returns what this rank got, and the pixel error against
     a one-process read of the samples its encoder block names."""
     from mimo.data.index import prepare
-    from mimo.data.pipeline import DataPipeline, EncoderFeed, SampleReader, encoder_blocks
+    from mimo.data.pipeline import DataPipeline, EncoderFeed, SampleReader, encoder_dp_blocks
     from mimo.parallel.grid import ParallelGrid
 
     spec = _spec(root)
@@ -213,7 +213,7 @@ def _deliver(root, pattern, llm_shape, llm_offset, enc_shape, enc_offset, steps,
     rank = dist.get_rank()
     for step in range(start_step, start_step + steps):
         for mb in pipe.step(step):
-            got = {"samples": [s.id for s in mb.samples], "failures": dict(mb.read_failures)}
+            got = {"samples": [s.id for s in mb.plan.samples], "failures": dict(mb.read_failures)}
             if mb.pack is not None:
                 mb.pack.validate()
                 got["pack_ids"] = mb.pack.sample_ids.tolist()
@@ -222,7 +222,7 @@ def _deliver(root, pattern, llm_shape, llm_offset, enc_shape, enc_offset, steps,
                 got["tokens"] = mb.pack.tokens.tolist()
             if "vision" in mb.pixels:
                 e = enc.coords(rank)["dp"]
-                block = [mb.samples[i] for i in encoder_blocks(mb.samples, feed)[e]]
+                block = [mb.plan.samples[i] for i in encoder_dp_blocks(mb.plan.samples, feed)[e]]
                 want = [_encoder_numbers(reference.read(s), feed) for s in block]
                 want = torch.cat(want) if want else torch.zeros(0, 3, 32, 32)
                 got["pixel_ids"] = [s.id for s in block]
@@ -348,7 +348,7 @@ def _route(root, pattern, llm_shape, llm_offset, enc_shape, enc_offset, order, a
     out = []
     for step in order:
         for mb in pipe.step(step):
-            out.append({"step": step, "samples": [s.id for s in mb.samples],
+            out.append({"step": step, "samples": [s.id for s in mb.plan.samples],
                         "tokens": mb.pack.tokens.tolist() if mb.pack is not None else None,
                         "pixels": mb.pixels.get("vision")})
     pipe.close()

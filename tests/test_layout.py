@@ -9,7 +9,8 @@ import pytest
 
 from mimo.core.errors import LayoutError
 from mimo.parallel.grid import ParallelGrid
-from mimo.parallel.layout import Piece, Placement, cp_chunks, cp_owner, dp_blocks, dp_placement, split_columns, split_even
+from mimo.parallel.layout import Piece, Placement, cp_chunks, cp_owner, dp_blocks, split_columns, split_even
+from mimo.parallel.layout_reference import dp_placement
 
 
 def brute_force_best_max(costs, dp):

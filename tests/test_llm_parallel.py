@@ -20,6 +20,7 @@ from mimo.llm.config import HybridArch
 from mimo.llm.model import LLMStage, build_stage, count_loss_tokens, embedding_group, sync_tied_grads
 from mimo.llm.pipeline import run_pipeline
 from mimo.llm.verify import pack_samples
+from mimo.parallel.layout_reference import packed_placement
 from mimo.parallel.params import reduce_partial_grads
 from mimo.core.testing import Yardstick
 
@@ -118,8 +119,9 @@ def parallel_case(arch, tp, pp, sp, state, batch, samples, rows, steps=0, lr=1e-
     stage.load_full_(state)
     image_rows, slots_ok = None, True
     if stage.is_first:
-        placement, slots = stage.image_placement(grid, samples, [range(len(samples))])
-        slots_ok = stage.local_image_slots(batch, KEY).tolist() == slots[rank]
+        placement = stage.image_placement(grid, samples, [range(len(samples))]).to_placement()
+        reference, slots = packed_placement(grid, samples, [range(len(samples))], arch.hidden, stage.sequence_parallel)
+        slots_ok = placement == reference and stage.local_image_slots(batch, KEY).tolist() == slots[rank]
         image_rows = {KEY: local_rows(placement, rank, rows).requires_grad_(True)}
     opt = torch.optim.Adam(stage.parameters(), lr=lr, eps=ADAM_EPS)
     losses = []
@@ -156,7 +158,7 @@ def check_against_reference(results, refs, rows, steps=0):
     results = [r for r in results if r is not None]
     full = {}
     for r in results:
-        assert r["slots_ok"], "local_image_slots disagrees with image_placement"
+        assert r["slots_ok"], "image_placement or local_image_slots disagrees with packed_placement"
         where = f"(stage {r['stage']}, tp rank {r['tp_rank']})"
         for name, g in r["grads"].items():  # every TP rank has the complete full gradient
             ys.check(f"grad {name} {where}", g, ref["grads"][name], ref64["grads"][name])
@@ -271,7 +273,7 @@ def raw_grads_case(arch, tp, sp, state, batch, samples, rows):
     if stage is None:
         return None
     stage.load_full_(state)
-    placement, _ = stage.image_placement(grid, samples, [range(len(samples))])
+    placement = stage.image_placement(grid, samples, [range(len(samples))]).to_placement()
     image_rows = {KEY: local_rows(placement, dist.get_rank(), rows)}
     run_pipeline(stage, grid, batch, image_rows=image_rows, num_loss_tokens=count_loss_tokens(batch), backward=True)
     table = stage.param_table()

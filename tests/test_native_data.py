@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -267,16 +266,16 @@ def _delivered_pack(config_path: str, overrides: list[str]) -> dict:
         out = []
         for mb in run.pipeline.step(1):
             p = mb.pack
-            grids = mb.arrays.image_grids("<image>").tolist()
+            grids = mb.plan.arrays.image_grids("<image>").tolist()
             want = packed_positions_3d(p.tokens, p.cu_seqlens, grids or None, None, 2, run.pipeline.pad_id, -1, None)
             out.append(p.positions_3d is not None and torch.equal(p.positions_3d, want))
             # the bridge was planned with the microbatch, on the data thread: as the runner would
-            from mimo.training.schedule_run import image_bridge_plans
+            from mimo.data.pipeline import microbatch_bridge_plans as image_bridge_plans
 
-            src, dst, plans = image_bridge_plans(mb.arrays, "<image>", 0, 64 * 2, run.model.part("vision").grid,
-                                                 mb.encoder_blocks["vision"], run.model.llm.grid, mb.llm_blocks,
+            src, dst, plans = image_bridge_plans(mb.plan.arrays, "<image>", 0, 64 * 2, run.model.part("vision").grid,
+                                                 mb.plan.encoder_blocks["vision"], run.model.llm.grid, mb.plan.llm_blocks,
                                                  run.model.llm.ctx.sequence_parallel, dist.get_rank())
-            got = mb.bridge_plans["vision"]
+            got = mb.plan.bridges["vision"]
             out.append(got[0].to_placement() == src.to_placement() and got[1].to_placement() == dst.to_placement()
                        and all(repr(a) == repr(b) for a, b in zip(got[2], plans)))
         return {"equal": out}
@@ -297,7 +296,7 @@ def test_tower_dp_blocks_balance_compute_and_inspect_data_reports_it(native, cap
     ``inspect-data`` reports images, patches and tokens per microbatch and the tower's padding."""
     from mimo.commands.cli import main
     from mimo.compose.inputs import data_plan, encoder_feeds
-    from mimo.data.pipeline import encoder_blocks
+    from mimo.data.pipeline import encoder_dp_blocks
     from mimo.parallel.layout import dp_blocks
 
     config, index = _index(native)
@@ -310,7 +309,7 @@ def test_tower_dp_blocks_balance_compute_and_inspect_data_reports_it(native, cap
         patches_I = 4 * arrays.image_rows("<image>", 0)  # what a sample costs, from its images' patches
         owner_I = np.repeat(np.arange(len(arrays.tokens_N)), arrays.images_for("<image>"))
         cost_N = np.bincount(owner_I, patches_I * (2 * arch.hidden + arch.mlp + patches_I), len(arrays.tokens_N))
-        for blocks, out in ((encoder_blocks(arrays, feed), ours), (dp_blocks(arrays.rows_per_sample("<image>", 0), 2), by_rows)):
+        for blocks, out in ((encoder_dp_blocks(arrays, feed), ours), (dp_blocks(arrays.rows_per_sample("<image>", 0), 2), by_rows)):
             costs = [int(cost_N[b.start:b.stop].sum()) for b in blocks]
             out.append(max(costs) / (sum(costs) / len(costs)))
     # (a sample is indivisible: a video's temporal patches, all of one size, stay on one rank)
@@ -359,7 +358,7 @@ def test_native_vlm_trains_on_the_gpu_as_on_the_cpu(native):
             mb = run.pipeline.step(1)[0]
             if device == "cuda":
                 pixels = mb.pixels["vision"]
-                assert pixels.pixels_PJ.is_cuda and pixels.grids_N3.tolist() == mb.arrays.image_grids("<image>").tolist()
+                assert pixels.pixels_PJ.is_cuda and pixels.grids_N3.tolist() == mb.plan.arrays.image_grids("<image>").tolist()
             losses[(device, bool(extra))] = [train_step(run.model, run.pipeline, s, run.optimizers, run.policy).loss
                                              for s in range(1, 4)]
         finally:

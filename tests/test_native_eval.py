@@ -305,7 +305,7 @@ def eval_case(config_path: str, overrides: list[str], stop: int | None) -> dict:
         def generate(self, mb):
             def pick(logits_NV, samples):
                 for n, i in enumerate(samples):
-                    rows.setdefault(mb.samples[i].id, []).append(logits_NV[n].double().cpu())
+                    rows.setdefault(mb.plan.samples[i].id, []).append(logits_NV[n].double().cpu())
                 return evaluation.greedy(logits_NV, samples)
 
             self.pick = pick

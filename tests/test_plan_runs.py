@@ -10,6 +10,7 @@ tests break one step of the fast path at a time and check that these comparisons
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 import numpy as np
@@ -17,14 +18,27 @@ import pytest
 
 import mimo.bridges.plan as plan_mod
 import mimo.parallel.layout as layout_mod
-from mimo.bridges.plan import make_plan, rank_plans
+from mimo.bridges.plan import rank_plans
+from mimo.bridges.plan_reference import make_plan
 from mimo.core.errors import DataError, LayoutError
 from mimo.data.index import Entry, Index
-from mimo.data.pipeline import reader_placement, reader_runs
+from mimo.data.pipeline import reader_runs
 from mimo.data.plan import DataPlan, SampleArrays
 from mimo.parallel.grid import ParallelGrid
-from mimo.parallel.layout import (SampleRuns, dp_blocks, dp_blocks_reference, dp_placement, dp_runs, packed_placement,
-                                  packed_runs)
+from mimo.parallel.layout import Piece, Placement, SampleRuns, dp_blocks, dp_runs, packed_runs
+from mimo.parallel.layout_reference import dp_blocks_reference, dp_placement, packed_placement
+
+
+def reader_placement(images: list[int], blocks: list[range], readers: list[int], ranks: set[int], numel: int) -> Placement:
+    """Pixel rows (one per image, sample after sample) held by the reader of each LLM DP
+    block; every other rank of ``ranks`` holds none (the reference of ``reader_runs``)."""
+    starts = [0, *itertools.accumulate(images)]
+    pieces, local_rows = [], {r: 0 for r in ranks}
+    for reader, block in zip(readers, blocks):
+        n = starts[block.stop] - starts[block.start]
+        local_rows[reader] = n
+        pieces.append(Piece(reader, starts[block.start], n, 0, 0, numel))
+    return Placement(starts[-1], numel, tuple(pieces), local_rows)
 
 
 def _grid(rng: random.Random, shape: dict[str, int], offset: int) -> ParallelGrid:
@@ -168,7 +182,7 @@ def _check_windowed_bridge(seed: int) -> None:
     """``image_bridge_plans`` builds the LLM's placement only near the rank's rows (``packed_runs``'
     ``rows``): its plans must be those over the whole placements, and what the rank asks of
     its placement (pieces, local shape, rows held, ranks) the same."""
-    from mimo.training.schedule_run import image_bridge_plans
+    from mimo.data.pipeline import microbatch_bridge_plans as image_bridge_plans
 
     rng = random.Random(seed)
     llm = _grid(rng, {"tp": rng.choice([1, 2, 3]), "cp": rng.choice([1, 2]), "dp": rng.choice([1, 2, 3, 5, 7]),
@@ -214,7 +228,7 @@ def test_windowed_bridge_plans_equal_the_whole_ones():
 def test_windowed_bridge_plans_read_a_share():
     """At the bench's shape (LLM tp 2 x dp 8, vision dp 16, colocated) a rank's LLM placement
     holds a few blocks' pieces, not the world's."""
-    from mimo.training.schedule_run import image_bridge_plans
+    from mimo.data.pipeline import microbatch_bridge_plans as image_bridge_plans
 
     llm, vision = ParallelGrid({"tp": 2, "cp": 1, "dp": 8, "pp": 1}), ParallelGrid({"tp": 1, "dp": 16})
     tokens = np.full(32, 30, dtype=np.int64)

@@ -77,3 +77,65 @@ def test_bad_arguments():
     with pytest.raises(ValueError):
         encoder_ticks(one_f_one_b(2, 3), 3, 0)
     assert Op(0, "F", 1) == Op(0, "F", 1)
+
+
+class _Recorder:
+    """``StepOps`` that records what the executor asks of one rank, in order."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def encode(self, k, tick):
+        self.calls.append(("encode", k, tick))
+
+    def wait_sends(self, k, tick):
+        self.calls.append(("wait", k, tick))
+
+    def stage_op(self, op, tick, last):
+        self.calls.append((op.kind, op.mb, tick, last))
+
+    def bridge_backward(self, k, tick, last):
+        self.calls.append(("bridge_bwd", k, tick, last))
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("stages,mbs,prefetch", [(1, 1, 1), (1, 4, 2), (2, 5, 1), (3, 7, 2), (4, 3, 5)])
+def test_the_executor_runs_each_op_of_its_stage_once_at_its_tick(name, stages, mbs, prefetch):
+    """``execute`` on every stage: each microbatch encoded at its prefetch tick, after waiting for
+    the sends of the one ``prefetch`` before it, and waited for exactly once; the stage's own ops
+    at their ticks in order; the bridge backward of k at stage 0's B(k); ``last`` on the step's
+    last backward of each module only."""
+    from mimo.schedules.executor import TickPlan, execute
+
+    plan = TickPlan.make(name, stages, mbs, prefetch)
+    at = tick_of(plan.ticks)
+    for stage in [*range(stages), None]:
+        rec = _Recorder()
+        execute(plan, rec, stage)
+        encodes = [c for c in rec.calls if c[0] == "encode"]
+        assert [c[1] for c in encodes] == list(range(mbs))
+        assert all(t == plan.encode_at[k] <= at[(0, "F", k)] for _, k, t in encodes)
+        waits = [c[1] for c in rec.calls if c[0] == "wait"]
+        assert sorted(waits) == list(range(mbs))  # every microbatch's sends waited for, once
+        for k in range(prefetch, mbs):  # the run-ahead is bounded: k - prefetch waited for before k
+            assert rec.calls.index(("wait", k - prefetch, plan.encode_at[k])) < rec.calls.index(encodes[k])
+        mine = [c for c in rec.calls if c[0] in ("F", "B")]
+        want = [(op.kind, op.mb, t) for t, ops in enumerate(plan.ticks) for op in ops if op.stage == stage]
+        assert [c[:3] for c in mine] == want
+        assert [c for c in mine if c[3]] == ([("B", mbs - 1, at[(stage, "B", mbs - 1)], True)] if stage is not None else [])
+        backs = [c for c in rec.calls if c[0] == "bridge_bwd"]
+        assert backs == [("bridge_bwd", k, at[(0, "B", k)], k == mbs - 1) for k in range(mbs)]
+        for k in range(mbs):  # within a tick: encoders first, the stage's op, then bridge backwards
+            assert rec.calls.index(encodes[k]) < rec.calls.index(backs[k])
+            if stage == 0:
+                assert rec.calls.index(("F", k, at[(0, "F", k)], False)) > rec.calls.index(encodes[k])
+                assert rec.calls.index(backs[k]) > rec.calls.index(("B", k, at[(0, "B", k)], k == mbs - 1))
+
+
+def test_a_tick_plan_of_an_unknown_schedule_is_refused():
+    from mimo.schedules.executor import TickPlan
+
+    with pytest.raises(ValueError, match="unknown schedule"):
+        TickPlan.make("zigzag", 2, 3)
+    with pytest.raises(ValueError, match="prefetch"):
+        TickPlan.make("1f1b", 2, 3, 0)

@@ -87,6 +87,34 @@ def test_layout_equals_one_process_reference(pools, demo_config, name, schedule)
     report = compare(layout, ref32, TOL, fp64=ref64)
     assert report["ok"], report
     assert report["losses"][0] > 0
+    # every rank's bridge plans of every microbatch, as training made them, equal the reference builders'
+    assert report["bridge_plans"]["checked"] >= STEPS * min(world, 4) and report["bridge_plans"]["problems"] == 0
+
+
+def _misreferenced_train_case(config, overrides, steps, reference):
+    """The real step, its plans checked against a reference with one deliberate error: every
+    image one position later in its sample."""
+    import mimo.bridges.verify as verify
+
+    right = verify.reference_bridge
+
+    def shifted(tokens_N, images_N, image_start_I, *rest):
+        return right(tokens_N, images_N, image_start_I + 1, *rest)
+
+    verify.reference_bridge = shifted
+    try:
+        return train_case(config, overrides, steps, reference)
+    finally:
+        verify.reference_bridge = right
+
+
+def test_verify_train_fails_on_bridge_plans_unlike_the_reference(pools, demo_config):
+    world, overrides = LAYOUTS["colocated enc tp1 dp4, llm tp2 dp2 sp"]
+    layout = pools(world).run(_misreferenced_train_case, demo_config, overrides, STEPS, False)
+    ref32, ref64 = _reference(pools, demo_config, overrides)
+    report = compare(layout, ref32, TOL, fp64=ref64)
+    assert report["bridge_plans"]["problems"] > 0 and not report["ok"], report["bridge_plans"]
+    assert report["max_loss_rel_err"] <= TOL  # the training itself is right: only the plans' check fails
 
 
 def _averaging_train_case(config, overrides, steps, reference):

@@ -104,10 +104,10 @@ def test_production_placements_equal_the_reference_ones():
 
 
 def test_training_wrapper_is_the_bridges_function():
-    """``mimo.training.schedule_run.image_bridge_plans`` unpacks ``SampleArrays`` (a native
+    """``mimo.data.pipeline.microbatch_bridge_plans`` unpacks ``SampleArrays`` (a native
     placeholder's own rows per image) into the bridges' function: the same placements and plans."""
     from mimo.data.plan import SampleArrays
-    from mimo.training.schedule_run import image_bridge_plans
+    from mimo.data.pipeline import microbatch_bridge_plans as image_bridge_plans
 
     rng = random.Random(4)
     for _ in range(10):

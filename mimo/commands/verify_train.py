@@ -10,7 +10,9 @@ precision policy). The verdict is the yardstick of ``mimo.core.testing`` (docs/d
 tensor of the layout must be within ``max(tol, k * e1)`` of the fp64 run, ``e1`` being the
 fp32 reference's own error against fp64. The report's ``max_*_rel_err`` keys stay the errors
 against the fp32 reference; ``yardstick`` and ``max_*_rel_err_vs_fp64`` carry the verdict.
-Every run of a verification steps AdamW with eps ``VERIFY_ADAM_EPS`` (why: there).
+Every run of a verification steps AdamW with eps ``VERIFY_ADAM_EPS`` (why: there). The layout
+run also checks the bridge plans training made for every microbatch on every rank against the
+reference builders (``bridge_plans`` in the report: any difference fails the verification).
 """
 
 from __future__ import annotations
@@ -66,6 +68,36 @@ def policy_for(precision: str):
     return PrecisionPolicy.named(precision)
 
 
+class _CheckedPipeline:
+    """The run's data pipeline, every delivered microbatch's bridge plans (training's, made on the
+    data thread) checked on this rank against the reference builders (``mimo.bridges.verify.
+    placement_problems``): the placements both sides and the rank's plans both ways."""
+
+    def __init__(self, pipeline):
+        self._pipeline = pipeline
+        self._feeds = {f.name: f for f in pipeline.feeds}
+        self.checked, self.problems = 0, []
+
+    def step(self, step: int):
+        from mimo.bridges.verify import placement_problems, reference_bridge
+
+        plan, pipe = self._pipeline.step(step), self._pipeline
+        for mb in plan:
+            arrays = mb.plan.arrays
+            for name, (src, dst, plans) in mb.plan.bridges.items():
+                f = self._feeds[name]
+                ref = reference_bridge(arrays.tokens_N, arrays.images_for(f.placeholder), arrays.image_starts(f.placeholder),
+                                       arrays.image_rows(f.placeholder, f.rows_per_image), f.bridge_width, f.grid,
+                                       mb.plan.encoder_blocks[name], pipe.llm_grid, mb.plan.llm_blocks,
+                                       pipe.sequence_parallel)
+                self.problems += [f"step {step} {name}: {p}" for p in placement_problems(src, dst, plans, *ref, pipe.rank)]
+                self.checked += 1
+        return plan
+
+    def __getattr__(self, name):
+        return getattr(self._pipeline, name)
+
+
 def train_case(config_path: str, overrides: list[str], steps: int, reference: bool, device: str = "cpu",
                precision: str = "fp32") -> dict:
     """Runs on every rank of a worker pool: ``steps`` training steps, recording what to compare.
@@ -83,6 +115,8 @@ def train_case(config_path: str, overrides: list[str], steps: int, reference: bo
     # `mimo train`'s assembly
     run = build_run(config, dist.get_rank(), policy=policy_for(precision), device=rank_device(device))
     model, pipeline, optimizers = run.model, run.pipeline, run.optimizers
+    if not reference:
+        pipeline = _CheckedPipeline(pipeline)
     for opt in optimizers.values():
         for group in opt.param_groups:
             group["eps"] = VERIFY_ADAM_EPS
@@ -115,6 +149,8 @@ def train_case(config_path: str, overrides: list[str], steps: int, reference: bo
     pipeline.close()
     record["moe_dispatch"] = {k: sum(getattr(d.stats, k) for d in moe if getattr(d, "audit", False))
                               for k in ("forward_bytes", "backward_bytes", "min_forward_bytes")}
+    if not reference:
+        record["bridge_plans"] = {"checked": pipeline.checked, "problems": pipeline.problems}
     return record
 
 
@@ -200,6 +236,11 @@ def compare(layout: list[dict], reference: list[dict], tol: float, per_module: b
     report["reference_losses"] = [s["loss"] for s in ref["steps"]]
     report["reference_fp64_losses"] = [s["loss"] for s in ref64["steps"]]
     report["ok"] = ys.ok
+    if "bridge_plans" in layout[0]:  # training's bridge plans, every rank's, against the reference builders
+        problems = [p for r in layout for p in r["bridge_plans"]["problems"]]
+        report["bridge_plans"] = {"checked": sum(r["bridge_plans"]["checked"] for r in layout),
+                                  "problems": len(problems), "first_problems": problems[:4]}
+        report["ok"] = report["ok"] and not problems
     moe = {k: sum(r.get("moe_dispatch", {}).get(k, 0) for r in layout) for k in ("forward_bytes", "backward_bytes", "min_forward_bytes")}
     if moe["min_forward_bytes"] or moe["forward_bytes"]:
         # MoE dispatch (EP / ETP): bytes sent over the minimum, forward and backward (1.0: each
@@ -238,6 +279,10 @@ def report_lines(report: dict) -> list[str]:
     if moe:
         lines.append(f"  moe dispatch bytes_ratio {moe['bytes_ratio']:.6f} (sent {moe['forward_bytes']} + {moe['backward_bytes']} B "
                      f"forward + backward, minimum {moe['min_forward_bytes']} B each way)")
+    plans = report.get("bridge_plans")
+    if plans:
+        lines.append(f"  bridge plans: {plans['checked']} checked against the reference builders, {plans['problems']} problems"
+                     + "".join(f"\n    {p}" for p in plans["first_problems"]))
     ys = report["yardstick"]
     lines.append(f"  yardstick: max(tol {ys['tol']:g}, {ys['k']:g} x one-process fp32 err vs fp64); "
                  f"{ys['failed']} of {ys['checked']} failed")

@@ -140,11 +140,11 @@ def read_packs(reader, samples: list, llm_parallel, rows_per_image: dict[str, in
     """The reader ranks' work for one global microbatch, in one process: each LLM DP block's
     samples read (``map_fn`` may be a thread pool's map) and packed as that rank packs them."""
     from mimo.data.pack import pack
-    from mimo.data.pipeline import llm_blocks
+    from mimo.data.pipeline import llm_dp_blocks
 
     par = llm_parallel
     out = []
-    for block in llm_blocks(samples, par.replicas):
+    for block in llm_dp_blocks(samples, par.replicas):
         got = list(map_fn(reader.read, [samples[i] for i in block]))
         out.append((got, pack([r.item for r in got], rows_per_image, par.tp, par.cp, par.sequence_parallel, reader.pad_id,
                               mrope_merge)))
@@ -226,13 +226,15 @@ class BridgeBytes:
         self.forward, self.backward = [], []
 
     def add(self, arrays: SampleArrays) -> None:
-        from mimo.data.pipeline import encoder_blocks, feed_bridge_plans, llm_blocks
+        from mimo.data.pipeline import encoder_dp_blocks, llm_dp_blocks, microbatch_bridge_plans
 
-        blocks = llm_blocks(arrays, self.llm_grid.shape.get("dp", 1))
-        src_blocks = encoder_blocks(arrays, self.feed)
+        blocks = llm_dp_blocks(arrays, self.llm_grid.shape.get("dp", 1))
+        src_blocks = encoder_dp_blocks(arrays, self.feed)
         forward = backward = 0
         for rank in self.ranks:
-            _, _, (fwd, bwd) = feed_bridge_plans(arrays, self.feed, src_blocks, self.llm_grid, blocks, self.sequence_parallel, rank)
+            f = self.feed
+            _, _, (fwd, bwd) = microbatch_bridge_plans(arrays, f.placeholder, f.rows_per_image, f.bridge_width, f.grid,
+                                                       src_blocks, self.llm_grid, blocks, self.sequence_parallel, rank)
             forward += fwd.sent_numel(rank) + sum(g.rows * g.chunk * (len(g.ranks) - 1) for g in fwd.gathers)
             backward += bwd.sent_numel(rank)
         self.forward.append(forward * self.item)
@@ -257,7 +259,7 @@ class NativeTowerStats:
         self.imbalance = 1.0
 
     def add(self, arrays: SampleArrays) -> None:
-        from mimo.data.pipeline import encoder_blocks
+        from mimo.data.pipeline import encoder_dp_blocks
 
         f = self.feed
         rows_N = arrays.rows_per_sample(f.placeholder, 0)
@@ -266,7 +268,7 @@ class NativeTowerStats:
         patches_N, costs_N = f.pixel_rows_N(arrays), f.costs_N(arrays)
         self.patches.append(int(patches_N.sum()))
         costs = []
-        for block in encoder_blocks(arrays, f):
+        for block in encoder_dp_blocks(arrays, f):
             real = int(patches_N[block.start:block.stop].sum())
             self.real += real
             self.computed += -(-max(real, 1) // self.multiple) * self.multiple if self.multiple > 1 else real

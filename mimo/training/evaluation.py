@@ -280,14 +280,14 @@ class Completer:
     def block_tokens(self, mb) -> dict[int, tuple[list[int], list[bool]]]:
         """On LLM ranks: each sample of this rank's DP block (by its index in ``mb``) with its
         tokens and loss mask, whole (under context parallelism too); empty elsewhere."""
-        self.block = mb.llm_blocks[self.dp] if mb.pack is not None else range(0)
+        self.block = mb.plan.llm_blocks[self.dp] if mb.pack is not None else range(0)
         if mb.pack is None:
             return {}
         whole = self._whole(mb.pack)
         cu = whole.cu_seqlens.tolist()
         out = {}
         for j, i in enumerate(self.block):
-            n = mb.samples[i].tokens
+            n = mb.plan.samples[i].tokens
             out[i] = whole.tokens[cu[j] : cu[j] + n].tolist(), whole.loss_mask[cu[j] : cu[j] + n].tolist()
         return out
 
@@ -301,7 +301,7 @@ class Completer:
 
         from mimo.llm.cache import GenerationCache
 
-        n = len(mb.samples)
+        n = len(mb.plan.samples)
         dist.all_reduce(prompt)
         self.deltas = {}
         active = [i for i in range(n) if prompt[i] > 0]
@@ -373,22 +373,23 @@ class Completer:
         model, cfg = self.model, self.model.config
         keep = set(active)
         lengths = {i: int(prompt[i]) + len(generated[i]) for i in active}
-        samples = [dataclasses.replace(mb.samples[i], tokens=lengths[i]) for i in active]
-        llm_blocks = subset_blocks(mb.llm_blocks, keep)
-        enc_blocks = {name: subset_blocks(b, keep) for name, b in mb.encoder_blocks.items()}
+        samples = [dataclasses.replace(mb.plan.samples[i], tokens=lengths[i]) for i in active]
+        llm_blocks = subset_blocks(mb.plan.llm_blocks, keep)
+        enc_blocks = {name: subset_blocks(b, keep) for name, b in mb.plan.encoder_blocks.items()}
         pixels = {name: self._kept_pixels(mb, name, x, keep) for name, x in mb.pixels.items()}
         batch, order = None, []
         if mb.pack is not None:
             par = cfg.llm.parallel
             order = self._mine(active)
-            items = [_item(mb.samples[i], tokens[i][: int(prompt[i])] + generated[i]) for i in order]
+            items = [_item(mb.plan.samples[i], tokens[i][: int(prompt[i])] + generated[i]) for i in order]
             whole = pack(items, self.pipeline.rows_per_image, par.tp, par.cp, model.llm.ctx.sequence_parallel,
                          self.pipeline.pad_id, self.pipeline.mrope_merge)
             if cache is not None:
                 self.deltas = rope_deltas(whole, [lengths[i] for i in order], order)
             cp_rank = model.llm.ctx.dense.coord("cp")
             batch = cp_share(whole, cp_rank).to(model.device)  # packed on the CPU; the pixels are on the device already
-        logits = forward_only(model, Microbatch(samples, llm_blocks, enc_blocks, batch, pixels), self.runner, cache)
+        logits = forward_only(model, Microbatch(self.pipeline.plan_microbatch(samples, None, llm_blocks, enc_blocks), batch, pixels),
+                              self.runner, cache)
         if logits is None:
             return None
         cu = whole.cu_seqlens.tolist()
@@ -412,12 +413,12 @@ class Completer:
 
         model = self.model
         enc = model.config.encoders[name]
-        mine = mb.encoder_blocks[name][model.part(name).grid.coords(model.rank)["dp"]]
+        mine = mb.plan.encoder_blocks[name][model.part(name).grid.coords(model.rank)["dp"]]
         placeholder = enc.placeholder  # a sample's images for this encoder (not all its files)
         if not enc.native:
             offsets, rows = 0, []
             for i in mine:
-                images = mb.samples[i].images_for(placeholder)
+                images = mb.plan.samples[i].images_for(placeholder)
                 if i in keep:
                     rows.append(x[offsets : offsets + images])
                 offsets += images
@@ -426,7 +427,7 @@ class Completer:
         patch_at = image_at = 0
         patches, grids = [], []
         for i in mine:
-            own = mb.samples[i].image_rows.get(placeholder, ())
+            own = mb.plan.samples[i].image_rows.get(placeholder, ())
             n = sum(own) * merge2
             if i in keep:
                 patches.append(x.pixels_PJ[patch_at : patch_at + n])
@@ -449,7 +450,7 @@ class Completer:
         order = self._mine(active)
         # the new token's place in its sequence (the cache's length), plus its M-RoPE offset (module doc)
         positions = [int(prompt[i]) + len(generated[i]) - 1 + self.deltas[i] for i in order]
-        batch = decode_pack([generated[i][-1] for i in order], positions, [mb.samples[i].id for i in order],
+        batch = decode_pack([generated[i][-1] for i in order], positions, [mb.plan.samples[i].id for i in order],
                             model.llm.ctx.tp_size, model.llm.ctx.sequence_parallel, self.pipeline.pad_id,
                             mrope=self.pipeline.mrope_merge is not None)
         logits = self.runner.forward(batch.to(model.device), cache=cache).logits
@@ -491,7 +492,7 @@ class _Scorer(Completer):
         """Collective: each scored sample's last answer generated from everything before it, then scored."""
         import torch
 
-        prompt = torch.zeros(len(mb.samples), dtype=torch.int64)  # each sample's prompt length (0: not generated)
+        prompt = torch.zeros(len(mb.plan.samples), dtype=torch.int64)  # each sample's prompt length (0: not generated)
         answers: dict[int, list[int]] = {}
         tokens: dict[int, list[int]] = {}  # on LLM ranks: this DP block's full sample tokens
         for i, (toks, mask) in self.block_tokens(mb).items():
@@ -500,7 +501,7 @@ class _Scorer(Completer):
             if self.is_scorer:
                 if span is None:
                     self.counts["read_failures"] += 1
-                elif self._is_caption(mb.samples[i]):
+                elif self._is_caption(mb.plan.samples[i]):
                     self.counts["captions"] += 1
                 else:
                     prompt[i] = span[0]
@@ -508,7 +509,7 @@ class _Scorer(Completer):
         generated = self.complete(mb, prompt, tokens)
         if self.is_scorer:
             self._score(answers, generated)
-            self.generated.update({mb.samples[i].id: generated[i] for i in answers})
+            self.generated.update({mb.plan.samples[i].id: generated[i] for i in answers})
 
     def _score(self, answers: dict[int, list[int]], generated: dict[int, list[int]]) -> None:
         tok = self.pipeline.reader.tokenizer

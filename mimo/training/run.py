@@ -77,7 +77,8 @@ def data_pipeline(config: MimoConfig, model: MimoModel, plan, micro_batches: int
     return DataPipeline(plan, text_spec(config), model.llm.grid, model.llm.ctx.sequence_parallel,
                         encoder_feeds(config, model.encoder_grids()), micro_batches, config.data.workers, config.data.prefetch,
                         model.rank, make_reader=make_reader or (lambda: sample_reader(config, plan)), device=model.device, ahead=ahead,
-                        mrope=config.llm.arch.mrope_section is not None)
+                        mrope=config.llm.arch.mrope_section is not None, schedule=config.train.schedule,
+                        encoder_prefetch=config.train.encoder_prefetch)
 
 
 def _dynamic_length_options() -> dict:

@@ -1,32 +1,18 @@
 """Running a step's microbatches on every rank of the world, in any layout: each microbatch's
 encoder + bridge forward (``encode_and_bridge``), this rank's LLM stage (``mimo.llm.pipeline.
 StageRunner``, the one stage runner that ``mimo eval`` and verification use too) and the bridge
-(+ encoder) backward (``bridge_backward``); training puts them on a tick table of
-``mimo.schedules`` (1F1B or the trivial all-forward-then-backward order: ``run_schedule``),
-``mimo eval`` runs one microbatch forward at a time (``forward_only``).
-
-Every rank walks the same ticks. At tick t it does, in this order:
-
-(a) the encoder + bridge forwards whose tick is t (stage 0's F(k), or earlier with prefetch),
-    in microbatch order, on every rank of each bridge. A non-colocated encoder rank only posts
-    its sends and moves on, so it computes the next microbatches while the LLM ranks still
-    work; before microbatch k it waits for the sends of k - prefetch (a bounded run-ahead);
-(b) its own LLM stage's op at t, if any: F receives the activation (sent in an earlier tick),
-    computes and posts an ``isend``; B receives the output gradient, runs backward and posts
-    the input gradient; the last stage computes the loss;
-(c) the bridge (+ encoder) backwards of microbatches whose stage-0 B runs at t.
+(+ encoder) backward (``bridge_backward``). Training hands them to the executor of
+``mimo.schedules.executor`` (``run_schedule``), which calls them at the ticks of the step's plan
+(``mimo.data.pipeline.StepPlan``: 1F1B or all forwards then all backwards, with encoder
+prefetch; why that order cannot deadlock is said there); ``mimo eval`` runs one microbatch
+forward at a time (``forward_only``). Every bridge runs the placements and transfer plans planned
+with its microbatch: nothing is planned here.
 
 With a ``GradSync``, each module's DP gradient sums start bucket by bucket *during* its last
 backward on this rank (the stage's last B; the encoder's last bridge backward): the module is
 armed before that backward, each bucket launches as soon as its gradients are final, the rest
 right after it (first the TP sums of its partial gradients, once per step); the caller
 finishes them before the optimizer step.
-
-Why this cannot deadlock: the tick table only lets an op start after what it needs ran in an
-*earlier* tick, so every receive waits for a send that is already posted; the bridges'
-collectives are entered by all their ranks at the same tick in the same order; and an encoder
-rank's wait for the sends of k - prefetch needs only the LLM's receive of k - prefetch, which
-comes at an earlier or the same tick, before anything the LLM then needs from that rank.
 """
 
 from __future__ import annotations
@@ -37,15 +23,10 @@ from typing import Sequence
 import torch
 
 from mimo.bridges.executor import Bridge
-from mimo.bridges.plan import TransferPlan
-from mimo.bridges.plan import image_bridge_plans as bridge_plans_of_images
 from mimo.compose.model import MimoModel
-from mimo.data.pipeline import Microbatch
-from mimo.data.plan import SampleArrays
+from mimo.data.pipeline import Microbatch, StepPlan
 from mimo.llm.pipeline import StageRunner
-from mimo.parallel.grid import ParallelGrid
-from mimo.parallel.layout import RunPlacement
-from mimo.schedules.pipeline import SCHEDULES, encoder_ticks, tick_of
+from mimo.schedules.executor import execute
 from mimo.training.optim import GradSync
 from mimo.training.trace import Trace, note
 
@@ -65,7 +46,7 @@ def encode_and_bridge(model: MimoModel, mb: Microbatch, trace: Trace | None = No
         if rank not in part.grid and rank not in llm.grid:  # the bridge's ranks: both grids
             continue
         placeholder = model.config.encoders[name].placeholder
-        src, dst, plans = _bridge_plans(model, mb, name)
+        src, dst, plans = mb.plan.bridges[name]  # planned with the microbatch (``DataPipeline.plan_microbatch``)
         bridge = Bridge(src, dst, part.bridge_group,
                         src_replica_group=part.tp_group if rank in part.grid else None,
                         dst_replica_group=llm.tp_group if rank in llm.grid and not sequence_parallel else None,
@@ -85,34 +66,6 @@ def encode_and_bridge(model: MimoModel, mb: Microbatch, trace: Trace | None = No
             image_rows[placeholder] = y_leaf
         bridges[name] = (bridge, y, y_leaf)
     return bridges, image_rows
-
-
-def image_bridge_plans(samples: SampleArrays | Sequence, placeholder: str, rows_per_image: int, width: int,
-                       encoder_grid: ParallelGrid, encoder_blocks: Sequence[range], llm_grid: ParallelGrid,
-                       llm_blocks: Sequence[range], sequence_parallel: bool, rank: int
-                       ) -> tuple[RunPlacement, RunPlacement, tuple[TransferPlan, TransferPlan]]:
-    """``mimo.bridges.plan.image_bridge_plans`` (the encoder's rows, the LLM first stage's
-    placement of them near this rank's rows, this rank's plans both ways) of the images of
-    ``placeholder`` in a microbatch of ``samples`` (its ``SampleArrays``, or ``PlannedSample``s):
-    ``rows_per_image`` rows each image, or for a native tower (0) each image's own, of ``width``
-    values."""
-    arrays = SampleArrays.of(samples)
-    return bridge_plans_of_images(arrays.tokens_N, arrays.images_for(placeholder), arrays.image_starts(placeholder),
-                                  arrays.image_rows(placeholder, rows_per_image), width, encoder_grid, encoder_blocks,
-                                  llm_grid, llm_blocks, sequence_parallel, rank)
-
-
-def _bridge_plans(model: MimoModel, mb: Microbatch, name: str):
-    """``image_bridge_plans`` of encoder ``name``: the data pipeline's (made on its thread with
-    the microbatch), else made here once per microbatch (kept on ``mb``)."""
-    cache = mb.bridge_plans
-    if name not in cache:
-        enc = model.config.encoders[name]
-        cache[name] = image_bridge_plans(mb.arrays, enc.placeholder, 0 if enc.native else enc.rows_per_image,
-                                         model.config.bridge_width(name),
-                                         model.part(name).grid, mb.encoder_blocks[name], model.llm.grid,
-                                         mb.llm_blocks, model.llm.ctx.sequence_parallel, model.rank)
-    return cache[name]
 
 
 def _receive_as(model: MimoModel) -> tuple[torch.dtype, torch.device]:
@@ -170,81 +123,76 @@ def forward_only(model: MimoModel, mb: Microbatch, runner: StageRunner | None, c
     return result.logits
 
 
-def run_schedule(model: MimoModel, mbs: list[Microbatch], num_loss_tokens: float, schedule: str = "1f1b",
-                 prefetch: int = 1, trace: Trace | None = None, grad_sync: GradSync | None = None) -> float | torch.Tensor:
-    """Forward and backward of every microbatch on the ``schedule``'s ticks; returns this
-    rank's loss sum (non-zero on last-stage ranks only; a 0-dim tensor there, left on the
-    device for the caller to read when it suits). Gradients are left accumulated (and
-    with ``grad_sync``, their DP sums launched)."""
-    stages, count = model.llm.grid.shape.get("pp", 1), len(mbs)
-    ticks = SCHEDULES[schedule](stages, count)
-    encode_at = encoder_ticks(ticks, count, prefetch)
-    at = tick_of(ticks)
-    bridge_back_at = [at[(0, "B", k)] for k in range(count)]
-    runner = stage_runner(model, num_loss_tokens, trace)
-    bridges: list = [None] * count
-    image_rows: list = [None] * count
-    last = count - 1
-    now = 0  # the tick that bucket events are stamped with
-    if grad_sync is not None:  # the run's GradSync serves every step: this step's trace or none
-        grad_sync.note = (lambda kind, module, **extra: note(trace, now, kind, None, module, **extra)) if trace is not None else None
-    encoders = [part.name for part in model.encoder_parts if part.module is not None]
+class _ModelStepOps:
+    """``mimo.schedules.executor.StepOps`` of a model's step on this rank: the encoders, bridges
+    and this rank's LLM stage (``runner``), each module's gradient buckets armed before its last
+    backward and flushed after it (``grad_sync``)."""
 
-    def last_backward(modules: list[str], run) -> None:
-        """``run`` is these modules' last backward on this rank: their buckets reduce while it runs."""
-        if grad_sync is None:
+    def __init__(self, model: MimoModel, mbs: Sequence[Microbatch], runner: StageRunner | None,
+                 trace: Trace | None, grad_sync: GradSync | None):
+        self.model, self.mbs, self.runner, self.trace, self.grad_sync = model, mbs, runner, trace, grad_sync
+        self.bridges: list = [None] * len(mbs)
+        self.image_rows: list = [None] * len(mbs)
+        self.in_flight: dict[int, list] = {}  # microbatch -> bridges whose sends this rank has not waited for
+        self.encoders = [part.name for part in model.encoder_parts if part.module is not None]
+        self.now = 0  # the tick that bucket events are stamped with
+        if grad_sync is not None:  # the run's GradSync serves every step: this step's trace or none
+            grad_sync.note = (lambda kind, module, **extra: note(trace, self.now, kind, None, module, **extra)
+                              ) if trace is not None else None
+
+    def _backward(self, modules: list[str], last: bool, run) -> None:
+        """A backward of ``modules``: their bf16 gradients into the fp32 main gradients; the last
+        one of the step (``last``) reduces their buckets while it runs."""
+        sync = self.grad_sync
+        if sync is None:
             return run()
-        for m in modules:
-            grad_sync.arm(m)
-        run()
-        for m in modules:
-            grad_sync.accumulate(m)
-            grad_sync.flush(m)
-
-    def backward(modules: list[str], run) -> None:
-        """An earlier backward of these modules: its bf16 gradients into the fp32 main gradients."""
-        run()
-        if grad_sync is not None:
+        if last:
             for m in modules:
-                grad_sync.accumulate(m)
+                sync.arm(m)
+        run()
+        for m in modules:
+            sync.accumulate(m)
+            if last:
+                sync.flush(m)
 
-    in_flight: dict[int, list] = {}  # microbatch -> bridges whose sends this rank has not waited for
+    def encode(self, k: int, tick: int) -> None:
+        self.now = tick
+        self.bridges[k], self.image_rows[k] = encode_and_bridge(self.model, self.mbs[k], self.trace, tick, k,
+                                                                defer_sends=True)
+        self.in_flight[k] = [(b, name) for name, (b, _, _) in self.bridges[k].items() if b.fwd.deferred]
 
-    def wait_sends(k: int) -> None:
-        pending = in_flight.pop(k, [])
+    def wait_sends(self, k: int, tick: int) -> None:
+        self.now = tick
+        pending = self.in_flight.pop(k, [])
         start = time.perf_counter()
         for bridge, _ in pending:
             bridge.wait_sends()
         if pending:
-            note(trace, now, "send_wait", k, pending[0][1], start=start)
+            note(self.trace, tick, "send_wait", k, pending[0][1], start=start)
 
-    for now, ops in enumerate(ticks):
-        for k in range(count):  # (a)
-            if encode_at[k] == now:
-                # a non-colocated encoder rank runs ahead of the LLM: its sends are only posted,
-                # and at most `prefetch` microbatches' sends are in flight
-                wait_sends(k - prefetch)
-                bridges[k], image_rows[k] = encode_and_bridge(model, mbs[k], trace, now, k, defer_sends=True)
-                in_flight[k] = [(b, name) for name, (b, _, _) in bridges[k].items() if b.fwd.deferred]
-        for op in ops:  # (b)
-            if runner is not None and op.stage == runner.index:
-                if op.kind == "F":
-                    runner.forward(mbs[op.mb].pack, op.mb, image_rows[op.mb], now)
-                    image_rows[op.mb] = None
-                elif op.mb == last:  # the stage's gradients become final
-                    last_backward([model.llm.name], lambda: runner.backward(op.mb, now))
-                else:
-                    backward([model.llm.name], lambda: runner.backward(op.mb, now))
-        for k in range(count):  # (c)
-            if bridge_back_at[k] == now:
-                if k == last:
-                    last_backward(encoders, lambda: bridge_backward(model, bridges[k], trace, now, k))
-                else:
-                    backward(encoders, lambda: bridge_backward(model, bridges[k], trace, now, k))
-                bridges[k] = None
-    now = len(ticks)  # the buckets' ends are noted after the loop
-    for k in sorted(in_flight):
-        wait_sends(k)
+    def stage_op(self, op, tick: int, last: bool) -> None:
+        self.now = tick
+        if op.kind == "F":
+            self.runner.forward(self.mbs[op.mb].pack, op.mb, self.image_rows[op.mb], tick)
+            self.image_rows[op.mb] = None
+        else:
+            self._backward([self.model.llm.name], last, lambda: self.runner.backward(op.mb, tick))
+
+    def bridge_backward(self, k: int, tick: int, last: bool) -> None:
+        self.now = tick
+        self._backward(self.encoders, last, lambda: bridge_backward(self.model, self.bridges[k], self.trace, tick, k))
+        self.bridges[k] = None
+
+
+def run_schedule(model: MimoModel, plan: StepPlan, num_loss_tokens: float, trace: Trace | None = None,
+                 grad_sync: GradSync | None = None) -> float | torch.Tensor:
+    """Forward and backward of the step ``plan``'s microbatches on its ticks; returns this
+    rank's loss sum (non-zero on last-stage ranks only; a 0-dim tensor there, left on the
+    device for the caller to read when it suits). Gradients are left accumulated (and
+    with ``grad_sync``, their DP sums launched)."""
+    runner = stage_runner(model, num_loss_tokens, trace)
+    ops = _ModelStepOps(model, plan.microbatches, runner, trace, grad_sync)
+    execute(plan.ticks, ops, runner.index if runner is not None else None)
     if runner is None:
         return 0.0
     runner.finish()

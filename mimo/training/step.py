@@ -128,10 +128,10 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     ``trace``: record this rank's events (``mimo.training.trace``)."""
     cfg = model.config
     model.graph_step()
-    mbs = pipeline.step(step)
+    plan = pipeline.step(step)  # planned on the data thread: microbatches and ticks
     # the global loss-token count: each LLM DP rank's packs, summed over DP (docs/design.md §2)
     llm = model.llm
-    local = sum(mb.loss_tokens for mb in mbs) if llm.module is not None else 0  # counted on the CPU
+    local = sum(mb.loss_tokens for mb in plan) if llm.module is not None else 0  # counted on the CPU
     num_loss_tokens = _sum_over(local, llm.dp_group) if llm.module is not None else 0.0
     events: Trace | None = [] if trace else None
     # one tick loop runs both schedules; microbatches accumulate into the run's main gradients,
@@ -150,8 +150,7 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     grad_sync = grad_sync_for(model, policy)
     params = grad_sync.params  # the run's table, built once with the buffers (not per step: host time at the step boundary)
     grad_sync.zero_grad()
-    loss_local = run_schedule(model, mbs, max(num_loss_tokens, 1.0), cfg.train.schedule, cfg.train.encoder_prefetch, events,
-                              grad_sync)
+    loss_local = run_schedule(model, plan, max(num_loss_tokens, 1.0), events, grad_sync)
     grad_sync.finish()
     for _, chain in model.gtp_chains():  # no weight gather may outlive the weights it read
         chain.drop()
@@ -171,7 +170,7 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     # step's result after the update, and no checkpoint of that update is written); the norm is
     # world-wide, so every rank skips the same steps
     if cfg.train.on_nonfinite == "skip_step" and not math.isfinite(float(norm_t)):
-        return StepResult(_world_loss(model, loss_local)[0], norm_t, int(num_loss_tokens), {}, _read_failures(mbs), events,
+        return StepResult(_world_loss(model, loss_local)[0], norm_t, int(num_loss_tokens), {}, _read_failures(plan), events,
                           skipped=True)
     if bucketed:
         scale = clip_scale(cfg.train.grad_clip, norm_t)
@@ -211,7 +210,7 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
         num_loss_tokens = float(count)
     mtp_result = (mtp_K,) if depth else {}
     dsa_result = {"dsa/indexer_kl": float(kl)} if n_dsa else {}
-    return StepResult(loss, norm_t, int(num_loss_tokens), lrs, _read_failures(mbs), events, moe, mtp=mtp_result,
+    return StepResult(loss, norm_t, int(num_loss_tokens), lrs, _read_failures(plan), events, moe, mtp=mtp_result,
                       dsa=dsa_result)
 
 
