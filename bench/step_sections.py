@@ -34,7 +34,7 @@ def main(argv=None) -> dict:
     import mimo.training.schedule_run as schedule_run
     import mimo.training.step as step_module
     from mimo.compose.config import load_config
-    from mimo.llm.pipeline import StageRunner
+    from mimo.llm.stage_runner import StageRunner
     from mimo.training.run import build_run
 
     from llava_step import TINY  # noqa: E402 (bench/ is the script's folder)

@@ -49,7 +49,7 @@ from mimo.llm.hf import (
     read_config_json,
 )
 from mimo.llm.model import build_stage, count_loss_tokens
-from mimo.llm.pipeline import run_pipeline
+from mimo.llm.stage_runner import run_pipeline
 
 
 # ---------------------------------------------------------------- packs

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from mimo.schedules.pipeline import SCHEDULES, Op, encoder_ticks, tick_of
+from mimo.schedules.ticks import SCHEDULES, Op, encoder_ticks, tick_of
 
 
 @dataclass(frozen=True)

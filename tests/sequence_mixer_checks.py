@@ -23,7 +23,7 @@ from mimo.core.testing import rel_err
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
 from mimo.llm.model import LLMStage, build_stage, count_loss_tokens
-from mimo.llm.pipeline import run_pipeline
+from mimo.llm.stage_runner import run_pipeline
 from mimo.parallel import param_seed
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.grid import ParallelGrid

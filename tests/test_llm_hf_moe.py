@@ -223,7 +223,7 @@ def olmoe_grads_case(path: str, tp: int, batch) -> dict | None:
     import torch.distributed as dist
 
     from mimo.llm.model import build_stage, count_loss_tokens
-    from mimo.llm.pipeline import run_pipeline
+    from mimo.llm.stage_runner import run_pipeline
     from mimo.parallel.context import ParallelContext
     from mimo.parallel.grid import ParallelGrid
     from mimo.parallel.params import reduce_partial_grads

@@ -18,7 +18,7 @@ from mimo.parallel.context import ParallelContext
 from mimo.parallel.grid import ParallelGrid
 from mimo.llm.config import HybridArch
 from mimo.llm.model import LLMStage, build_stage, count_loss_tokens, embedding_group, sync_tied_grads
-from mimo.llm.pipeline import run_pipeline
+from mimo.llm.stage_runner import run_pipeline
 from mimo.llm.verify import pack_samples
 from mimo.parallel.layout_reference import packed_placement
 from mimo.parallel.params import reduce_partial_grads

@@ -310,7 +310,7 @@ def layout_case(arch, state, tp: int, cp: int, pp: int, sp: bool, whole: PackedB
     (``mutate``: "positions_3d not cut": the share's 3-D positions the whole pack's first ones)."""
     from mimo.data.pack import cp_share
     from mimo.llm.model import build_stage, embedding_group, sync_tied_grads
-    from mimo.llm.pipeline import run_pipeline
+    from mimo.llm.stage_runner import run_pipeline
     from mimo.parallel.context import ParallelContext
     from mimo.parallel.grid import ParallelGrid
     from mimo.parallel.params import reduce_partial_grads

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mimo.schedules.pipeline import (SCHEDULES, Op, all_forward_then_backward, encoder_ticks, one_f_one_b,
+from mimo.schedules.ticks import (SCHEDULES, Op, all_forward_then_backward, encoder_ticks, one_f_one_b,
                                      one_f_one_b_order, tick_of)
 
 CASES = [(s, m) for s in range(1, 5) for m in range(1, 9)]

@@ -228,7 +228,7 @@ def _check_buckets_overlap_last_backward(events, mbs):
 
 @pytest.mark.parametrize("name", list(TRACED))
 def test_1f1b_trace_shows_the_schedule(pools, demo_config, name):
-    from mimo.schedules.pipeline import one_f_one_b_order
+    from mimo.schedules.ticks import one_f_one_b_order
     from mimo.training.trace import chrome_trace
 
     world, overrides, depth = TRACED[name]
@@ -296,7 +296,7 @@ def _slow_llm_trace_case(config_path, overrides, delay_s):
     rank that waited for the LLM would visibly lag behind it."""
     import time
 
-    from mimo.llm.pipeline import StageRunner
+    from mimo.llm.stage_runner import StageRunner
 
     forward = StageRunner.forward
 

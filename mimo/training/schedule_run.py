@@ -1,5 +1,5 @@
 """Running a step's microbatches on every rank of the world, in any layout: each microbatch's
-encoder + bridge forward (``encode_and_bridge``), this rank's LLM stage (``mimo.llm.pipeline.
+encoder + bridge forward (``encode_and_bridge``), this rank's LLM stage (``mimo.llm.stage_runner.
 StageRunner``, the one stage runner that ``mimo eval`` and verification use too) and the bridge
 (+ encoder) backward (``bridge_backward``). Training hands them to the executor of
 ``mimo.schedules.executor`` (``run_schedule``), which calls them at the ticks of the step's plan
@@ -25,7 +25,7 @@ import torch
 from mimo.bridges.executor import Bridge
 from mimo.compose.model import MimoModel
 from mimo.data.pipeline import Microbatch, StepPlan
-from mimo.llm.pipeline import StageRunner
+from mimo.llm.stage_runner import StageRunner
 from mimo.schedules.executor import execute
 from mimo.training.optim import GradSync
 from mimo.training.trace import Trace, note
