@@ -4,12 +4,14 @@ Every rank generates the same random logical tensors (the reference), cuts out i
 part by the source placement, runs the bridge, and compares what it received (forward) and
 the gradient it got back (backward, on every source replica) with the reference, bit for bit.
 
-``ragged`` / ``uniform`` rows: both placements come from the reference builders (``dp_placement``,
-``packed_placement``). ``native`` rows (a native-resolution tower such as Qwen3-VL's): every image
-has its own grid and rows (t*h*w / merge^2), a row carries ``hidden * (1 + deepstack levels)``
-values, and the bridge is the one training runs: placements and this rank's plans from
+Rows: ``ragged`` / ``uniform`` (images of a fixed-size tower, each a run of rows) or ``native``
+(a native-resolution tower such as Qwen3-VL's: every image has its own grid and rows,
+t*h*w / merge^2, a row carrying ``hidden * (1 + deepstack levels)`` values). Where the layouts
+are ones training runs (the encoder replicated over its TP, the LLM packing its rows: shard none
+or seq), the bridge is the one training runs: placements and this rank's plans from
 ``mimo.bridges.plan.image_bridge_plans``, checked against the reference builders' placements
-(and ``make_plan``'s moves) before the values move.
+(``mimo.parallel.layout_reference``) and ``make_plan``'s moves before the values move. Other
+layouts (a hidden-sharded encoder or LLM side) run the reference builders' placements.
 """
 
 from __future__ import annotations
@@ -85,6 +87,18 @@ def parse_layout(text: str) -> LayoutSpec:
 class Sample:
     seq_len: int
     image_positions: tuple[int, ...]  # where its rows sit in the packed sequence
+
+    @property
+    def image_starts(self) -> tuple[int, ...]:
+        """Its images as training sees them: each maximal run of consecutive positions one image."""
+        p = self.image_positions
+        return tuple(x for i, x in enumerate(p) if i == 0 or p[i - 1] != x - 1)
+
+    @property
+    def image_rows(self) -> tuple[int, ...]:
+        p = self.image_positions
+        firsts = [i for i in range(len(p)) if i == 0 or p[i - 1] != p[i] - 1]
+        return tuple(b - a for a, b in zip(firsts, [*firsts[1:], len(p)]))
 
 
 def random_samples(rng: random.Random, n: int, ragged: bool) -> list[Sample]:
@@ -312,6 +326,9 @@ def bridge_case(src_text: str, dst_text: str, colocated: bool | None, hidden: in
     sg, dg = resolve(src, dst, world, colocated)
     if native:
         check_native(src, dst)
+    # the layouts training runs (an encoder replicated over its TP, an LLM packing its rows): the
+    # bridge is built by training's function and checked against the reference builders
+    production = native or (src.shard is None and dst.shard != "hidden")
     width = hidden * (1 + levels)
     # groups are created on every rank, in the same order (ParallelGrid contract)
     src_tp, dst_tp = sg.group("tp"), dg.group("tp")
@@ -336,6 +353,7 @@ def bridge_case(src_text: str, dst_text: str, colocated: bool | None, hidden: in
         else:
             samples = random_samples(rng, n, rows == "ragged")
             src_pl, dst_pl = placements(src, dst, sg, dg, samples, width)
+            blocks = (dp_blocks([len(s.image_positions) for s in samples], src.dp), dp_blocks([s.seq_len for s in samples], dst.dp))
         X = torch.randn(src_pl.rows, width, generator=gen).to(dt)
         G = torch.randn(src_pl.rows, width, generator=gen).to(dt)
         for key, (a, b) in {"fwd": (src_pl, dst_pl), "bwd": (dst_pl, src_pl)}.items():
@@ -343,7 +361,7 @@ def bridge_case(src_text: str, dst_text: str, colocated: bool | None, hidden: in
             minimum[key] += m["cross"]
             minimum["allgather"] += m["allgather"]
         plans = None
-        if native:  # the production bridge, checked before anything moves
+        if production:  # the bridge as training builds it, checked before anything moves
             mine = []
             if rank in members:
                 try:
@@ -379,8 +397,10 @@ def bridge_case(src_text: str, dst_text: str, colocated: bool | None, hidden: in
         sent["bwd"] += bridge.stats.bwd_sent
         sent["allgather"] += bridge.stats.fwd_allgather + bridge.stats.bwd_allgather
     out = {"fwd_err": fwd_err, "grad_err": grad_err, "sent": sent, "minimum": minimum}
+    if production:
+        out.update(problems=problems)
     if native:
-        out.update(problems=problems, images=images, most_image_rows=most_rows, width=width)
+        out.update(images=images, most_image_rows=most_rows, width=width)
     return out
 
 
@@ -403,10 +423,11 @@ def summarise(results: list[dict], itemsize: int = 4) -> dict:
         "bytes_ratio": ratio,
         "ok": fwd == 0.0 and grad == 0.0 and ratio == 1.0 and allgather == m["allgather"] * itemsize,
     }
-    if "problems" in results[0]:  # native rows: the production placements and plans against the reference's
+    if "problems" in results[0]:  # training's placements and plans against the reference's
         problems = [p for r in results for p in r["problems"]]
-        first = results[0]
-        report.update(images=first["images"], most_image_rows=first["most_image_rows"], width=first["width"],
-                      placement_problems=problems[:8], placement_problem_count=len(problems))
+        report.update(placement_problems=problems[:8], placement_problem_count=len(problems))
         report["ok"] = report["ok"] and not problems
+    if "images" in results[0]:
+        first = results[0]
+        report.update(images=first["images"], most_image_rows=first["most_image_rows"], width=first["width"])
     return report

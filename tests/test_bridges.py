@@ -58,6 +58,10 @@ def _run(pools, src, dst, colocated, hidden, ragged=True, microbatches=3, seed=0
     assert report["grad_max_abs_err"] == 0.0, report
     assert report["bytes_ratio"] == 1.0, report
     assert report["ok"], report
+    # in the layouts training runs, the bridge is training's own, checked against the reference builders
+    training_layout = "shard=" not in src and "shard=hidden" not in dst
+    assert ("placement_problem_count" in report) == training_layout, report
+    assert report.get("placement_problem_count", 0) == 0, report["placement_problems"]
     return report
 
 
