@@ -232,6 +232,34 @@ def test_verify_train_equals_one_process(pools, native, one_process, layout):
     assert all(0 < loss < 10 for loss in report["losses"])
 
 
+# issue 52's first run, on gloo: the tower at tp 2 x dp 2 beside the LLM at tp 2 x ep 2 (its experts
+# split over its TP ranks), colocated (the LLM then also dp 2) and on ranks of its own
+WIDE_TOWER = ["modules.vision.arch.heads=4", "modules.vision.arch.hidden=64"]  # tp 2 divides its heads
+TOWER_TP2_DP2 = ["modules.vision.parallel.tp=2", "modules.vision.parallel.dp=2", 'modules.vision.parallel.ranks="0:4"']
+LLM_TP2_EP2 = {"colocated": ["world_size=4", 'modules.language.parallel={tp: 2, dp: 2, ep: 2, etp: 1, ranks: "0:4", '
+                                            'sequence_parallel: true}'],
+               "non-colocated": ["world_size=6", 'modules.language.parallel={tp: 2, ep: 2, etp: 1, ranks: "4:6", '
+                                                 'sequence_parallel: true}']}
+
+
+@pytest.mark.parametrize("layout", sorted(LLM_TP2_EP2))
+def test_tower_tp2_dp2_beside_llm_tp2_ep2_equals_one_process(pools, native, layout):
+    """The whole native VLM at that layout equals the one-process run; every microbatch's bridge
+    plans equal the reference builders' on every rank, and send and all-gather exactly the
+    reference's minimum of elements (the MoE dispatch its own minimum)."""
+    from mimo.commands.verify_train import compare, references, train_case
+
+    overrides = WIDE_TOWER + TOWER_TP2_DP2 + LLM_TP2_EP2[layout]
+    ref = references(pools(1), native, WIDE_TOWER, STEPS)
+    report = compare(pools(4 if layout == "colocated" else 6).run(train_case, native, overrides, STEPS, False), ref[0],
+                     1e-5, fp64=ref[1])
+    assert report["ok"], report
+    plans = report["bridge_plans"]
+    assert plans["checked"] > 0 and plans["problems"] == 0 and plans["sent"] == plans["minimum"] > 0, plans
+    assert plans["gathered"] == plans["gather_minimum"], plans  # the tower's TP pair completes the gradient
+    assert report["moe_dispatch"]["bytes_ratio"] == 1.0, report["moe_dispatch"]
+
+
 def test_lora_and_dora_on_the_native_vlm_equal_one_process(pools, native):
     """Adapters on both modules of the native VLM (DoRA on the tower's fused qkv and MLP, LoRA on
     the LLM's attention and routed experts, its experts split over tp 2 with sequence parallelism;

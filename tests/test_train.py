@@ -540,3 +540,14 @@ def test_norm_and_clip_over_bucket_buffers_equal_the_per_parameter_ones(mode):
     clip_grads_(infos, 0.5 * float(fast), fast, grads=sync.all_grads())
     for p, g in zip(ps, before):
         assert torch.allclose(p.grad, g * (0.5 * float(fast) / (float(fast) + 1e-6)), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("change", [{}, {"sent": 11}, {"gathered": 1}, {"problems": ["rank 0: its forward plan differs"]}])
+def test_verify_train_counts_bridge_elements_against_the_minimum(change):
+    """``compare`` passes training's bridge plans only at the reference's minimum: one element
+    sent or all-gathered beyond it, or one plan unlike the reference's, fails the verification."""
+    step = {"loss": 1.0, "grad_norm": 1.0, "grads": {}, "mtp": {}, "dsa": {}}
+    ref = [{"steps": [step], "params": {}}]
+    plans = {"checked": 2, "problems": [], "sent": 10, "minimum": 10, "gathered": 0, "gather_minimum": 0, **change}
+    report = compare([{"steps": [step], "params": {}, "bridge_plans": plans}], ref, TOL, fp64=ref)
+    assert report["ok"] == (not change), report["bridge_plans"]

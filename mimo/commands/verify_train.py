@@ -12,7 +12,8 @@ fp32 reference's own error against fp64. The report's ``max_*_rel_err`` keys sta
 against the fp32 reference; ``yardstick`` and ``max_*_rel_err_vs_fp64`` carry the verdict.
 Every run of a verification steps AdamW with eps ``VERIFY_ADAM_EPS`` (why: there). The layout
 run also checks the bridge plans training made for every microbatch on every rank against the
-reference builders (``bridge_plans`` in the report: any difference fails the verification).
+reference builders, and the elements they send and all-gather against the reference's minimum
+(``bridge_plans`` in the report: any difference fails the verification).
 """
 
 from __future__ import annotations
@@ -71,14 +72,18 @@ def policy_for(precision: str):
 class _CheckedPipeline:
     """The run's data pipeline, every delivered microbatch's bridge plans (training's, made on the
     data thread) checked on this rank against the reference builders (``mimo.bridges.verify.
-    placement_problems``): the placements both sides and the rank's plans both ways."""
+    placement_problems``: the placements both sides and the rank's plans both ways), and the
+    elements its plans send and all-gather counted beside the reference's minimum (a property of
+    the placements: counted by the bridge's first rank only)."""
 
     def __init__(self, pipeline):
         self._pipeline = pipeline
         self._feeds = {f.name: f for f in pipeline.feeds}
         self.checked, self.problems = 0, []
+        self.numel = dict.fromkeys(("sent", "minimum", "gathered", "gather_minimum"), 0)
 
     def step(self, step: int):
+        from mimo.bridges.plan_reference import minimum_numel
         from mimo.bridges.verify import placement_problems, reference_bridge
 
         plan, pipe = self._pipeline.step(step), self._pipeline
@@ -92,6 +97,12 @@ class _CheckedPipeline:
                                        pipe.sequence_parallel)
                 self.problems += [f"step {step} {name}: {p}" for p in placement_problems(src, dst, plans, *ref, pipe.rank)]
                 self.checked += 1
+                self.numel["sent"] += sum(p.sent_numel(pipe.rank) for p in plans)
+                self.numel["gathered"] += sum(g.rows * g.chunk * (len(g.ranks) - 1) for p in plans for g in p.gathers)
+                if pipe.rank == min(min(f.grid.ranks), min(pipe.llm_grid.ranks)):
+                    for m in (minimum_numel(*ref), minimum_numel(*reversed(ref))):
+                        self.numel["minimum"] += m["cross"]
+                        self.numel["gather_minimum"] += m["allgather"]
         return plan
 
     def __getattr__(self, name):
@@ -150,7 +161,7 @@ def train_case(config_path: str, overrides: list[str], steps: int, reference: bo
     record["moe_dispatch"] = {k: sum(getattr(d.stats, k) for d in moe if getattr(d, "audit", False))
                               for k in ("forward_bytes", "backward_bytes", "min_forward_bytes")}
     if not reference:
-        record["bridge_plans"] = {"checked": pipeline.checked, "problems": pipeline.problems}
+        record["bridge_plans"] = {"checked": pipeline.checked, "problems": pipeline.problems, **pipeline.numel}
     return record
 
 
@@ -238,9 +249,11 @@ def compare(layout: list[dict], reference: list[dict], tol: float, per_module: b
     report["ok"] = ys.ok
     if "bridge_plans" in layout[0]:  # training's bridge plans, every rank's, against the reference builders
         problems = [p for r in layout for p in r["bridge_plans"]["problems"]]
-        report["bridge_plans"] = {"checked": sum(r["bridge_plans"]["checked"] for r in layout),
-                                  "problems": len(problems), "first_problems": problems[:4]}
-        report["ok"] = report["ok"] and not problems
+        plans = {k: sum(r["bridge_plans"][k] for r in layout) for k in ("checked", "sent", "minimum", "gathered", "gather_minimum")}
+        report["bridge_plans"] = {**plans, "problems": len(problems), "first_problems": problems[:4]}
+        # every element crosses between ranks, and is all-gathered, exactly as often as it must
+        report["ok"] = (report["ok"] and not problems and plans["sent"] == plans["minimum"]
+                        and plans["gathered"] == plans["gather_minimum"])
     moe = {k: sum(r.get("moe_dispatch", {}).get(k, 0) for r in layout) for k in ("forward_bytes", "backward_bytes", "min_forward_bytes")}
     if moe["min_forward_bytes"] or moe["forward_bytes"]:
         # MoE dispatch (EP / ETP): bytes sent over the minimum, forward and backward (1.0: each
@@ -281,8 +294,9 @@ def report_lines(report: dict) -> list[str]:
                      f"forward + backward, minimum {moe['min_forward_bytes']} B each way)")
     plans = report.get("bridge_plans")
     if plans:
-        lines.append(f"  bridge plans: {plans['checked']} checked against the reference builders, {plans['problems']} problems"
-                     + "".join(f"\n    {p}" for p in plans["first_problems"]))
+        lines.append(f"  bridge plans: {plans['checked']} checked against the reference builders, {plans['problems']} problems; "
+                     f"elements sent {plans['sent']} (minimum {plans['minimum']}), all-gathered {plans['gathered']} "
+                     f"(minimum {plans['gather_minimum']})" + "".join(f"\n    {p}" for p in plans["first_problems"]))
     ys = report["yardstick"]
     lines.append(f"  yardstick: max(tol {ys['tol']:g}, {ys['k']:g} x one-process fp32 err vs fp64); "
                  f"{ys['failed']} of {ys['checked']} failed")
