@@ -5,13 +5,11 @@ for its full shapes and placements; at a layout each parameter's local elements 
 placement — TP as it is, GTP as ``mimo.parallel.gtp.gtp_placement`` splits it, the routed experts
 on the expert view (E over ep, F over etp). Bytes per rank (the largest rank's: rank 0 of the
 first stage, the first stage holding the embedding): weights in the run's dtype; main gradients
-fp32; optimizer fp32 master + two moments, 12 bytes per element (fp32 runs with torch's AdamW:
-8), the bucketed optimizer's shard of new weights, divided under ``train.distributed_optimizer`` by the size of each parameter's data-parallel
-group (cp x gtp x dp for dense weights, cp x dp for GTP-split ones, edp for experts; up to each
-bucket's padding); bf16 runs with the plain optimizer also keep its flat buffers (an fp32 and a
-bf16 copy of the gradients, a bf16 copy of the new weights: 8 bytes more; a param group whose
-weights mix dtypes — an MoE's fp32 routers among bf16 weights — steps per tensor without them, 12
-bytes: the measured side shows it). Activations are not predicted.
+fp32; optimizer state (``mimo.training.bucket_optim.AdamW``) two fp32 moments, 8 bytes per element,
+12 under bf16 (fp32 masters), 4 under bf16-pure (bf16 moments); offloaded, the host copies of
+fp32 weights and of the gradients too; divided under ``train.distributed_optimizer`` by the size
+of each parameter's data-parallel group (cp x gtp x dp for dense weights, cp x dp for GTP-split
+ones, edp for experts; up to each bucket's padding). Activations are not predicted.
 
 **Measured** (``--measure cpu``): the same layouts as gloo processes on the config shrunk by
 ``--shrink`` (fewer, narrower layers: what fits 2 cores), each rank counting the bytes of its
@@ -74,11 +72,13 @@ def predict(config) -> dict:
     arch = config.llm.arch
     bf16 = config.train.precision.startswith("bf16")
     sharded = config.train.distributed_optimizer
-    bucketed = sharded or config.train.optimizer_offload
-    # bytes of optimizer state per element: BucketAdamW fp32 master + 2 moments (+ its shard of new
-    # weights); bf16 MasterWeightAdamW the same + its flat gradient and weight buffers (fp32 and
-    # both dtypes'); fp32 torch AdamW its 2 moments
-    per = 12 + (2 if bf16 else 4) if bucketed else (12 + 4 + 2 + 2 if bf16 else 8)
+    # bytes of optimizer state per element (mimo.training.bucket_optim.AdamW): 2 moments, fp32 (bf16
+    # under bf16-pure), and under bf16 fp32 masters; offloaded, the masters of fp32 weights too (the
+    # weights' host copy) and the gradients' host copy
+    pure = config.train.precision == "bf16-pure"
+    per = (4 if pure else 8) + (4 if bf16 and not pure else 0)
+    if config.train.optimizer_offload:
+        per += (2 if pure else 4) * (not bf16 or pure) + (2 if config.train.grad_reduce == "bf16" else 4)
     out, total = {}, {"params": 0, "grads": 0, "optimizer": 0}
     for name, m in config.modules.items():
         par = m.parallel
@@ -127,16 +127,7 @@ def _measure_rank(config_path: str, overrides: list[str]) -> dict:
         train_step(run.model, run.pipeline, 1, run.optimizers, run.policy)
     state = 0
     for opt in run.optimizers.values():
-        if hasattr(opt, "states"):  # BucketAdamW: master, moments, the shard of new weights it sends
-            state += sum(t.numel() * t.element_size() for s in opt.states for t in (s.master, s.exp_avg, s.exp_avg_sq, s.send))
-        else:  # per-parameter state, but for MasterWeightAdamW's flat groups (views): their whole buffers
-            flat = getattr(opt, "_flat", {}).values()
-            in_flat = {id(p) for g in flat for p in g.params}
-            state += sum(t.numel() * t.element_size() for p, st in opt.state.items() if id(p) not in in_flat
-                         for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
-            for g in flat:
-                state += sum(t.numel() * t.element_size() for t in (g.master, g.exp_avg, g.exp_avg_sq, g.grad_low,
-                                                                     g.grad32, g.param_low))
+        state += opt.state_bytes()
     run.pipeline.close()
     return {"params": params, "grads": grads, "optimizer": state, "activations": sum(seen.values())}
 

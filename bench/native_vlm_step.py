@@ -94,7 +94,7 @@ import llava_step  # noqa: E402  (compiled_graphs, matmul_rate, step_timer)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ARCH = "Qwen3VLMoeForConditionalGeneration"
-LR, BETAS, EPS = 1e-4, (0.9, 0.95), 1e-8  # mimo.training.optim.build_optimizers' AdamW
+LR, BETAS, EPS = 1e-4, (0.9, 0.95), 1e-8  # mimo.training.bucket_optim.build_optimizers' AdamW
 MEAN = STD = (0.5, 0.5, 0.5)  # Qwen3-VL's released processor
 
 PRESETS = {

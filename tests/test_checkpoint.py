@@ -57,11 +57,12 @@ def _build(overrides: list[str], precision: str):
     import torch.distributed as dist
 
     from mimo.compose.model import MimoModel
-    from mimo.training.optim import PrecisionPolicy, build_optimizers
+    from mimo.training.optim import PrecisionPolicy
+    from mimo.training.run import model_optimizers
 
     config, policy = _config(overrides), PrecisionPolicy.named(precision)
     model = MimoModel(config, dist.get_rank(), dtype=policy.params)
-    return model, build_optimizers(model.train_params(), *config.optimizer_settings(), policy=policy)
+    return model, model_optimizers(config, model, policy)
 
 
 def _step(model, optimizers) -> None:
@@ -75,10 +76,10 @@ def _step(model, optimizers) -> None:
         for name, info in part.table.items():
             g = torch.Generator().manual_seed(param_seed(11, f"{part.module}.{name}"))
             full = torch.randn(info.placement.full_shape, generator=g)
-            info.param.grad = shard_full(full, info.placement, info.sizes, info.coords).to(info.param.dtype)
+            if info.param.requires_grad:  # (the optimizer steps on the main gradients)
+                info.param.main_grad.copy_(shard_full(full, info.placement, info.sizes, info.coords).to(info.param.dtype))
     for opt in optimizers.values():
         opt.step()
-        opt.zero_grad(set_to_none=True)
 
 
 def _by_name(model, optimizers) -> dict:
@@ -271,7 +272,9 @@ def _experts_case(root: str) -> dict:
     from mimo.parallel.grid import GroupRegistry, ParallelGrid
     from mimo.parallel.params import full_tensors, init_params_, param_table
     from mimo.parallel.placement import shard_full
+    from mimo.training.bucket_optim import build_optimizers
     from mimo.training.checkpoint import _Files, _Part, _read_part, _write_part
+    from mimo.training.optim import GradSync, TrainParam
 
     rank, registry = dist.get_rank(), GroupRegistry()
     ctx = ParallelContext(ParallelGrid({"tp": 2, "cp": 1, "dp": 2, "pp": 1}, registry=registry), rank, registry, expert=(2, 2))
@@ -281,10 +284,11 @@ def _experts_case(root: str) -> dict:
         table = param_table(module)
         init_params_(table, seed, std=1.0)
         parts.append(_Part("moe", table))
-        opts.append(torch.optim.AdamW(module.parameters(), lr=1e-2))
+        params = [TrainParam("moe", n, info.param, None, True) for n, info in table.items()]  # (no gradient sums)
+        opts.append(build_optimizers(params, GradSync(params), {"moe": 1e-2}, {"moe": 1e-2})["moe"])
     for name, info in parts[0].table.items():
         full = torch.randn(info.placement.full_shape, generator=torch.Generator().manual_seed(len(name)))
-        info.param.grad = shard_full(full, info.placement, info.sizes, info.coords)
+        info.param.main_grad.copy_(shard_full(full, info.placement, info.sizes, info.coords))
     opts[0].step()
     if rank == 0:
         os.makedirs(root)

@@ -44,13 +44,14 @@ def demo_at_world_1(overrides: list[str]):
 def _model(seed: int = 1):
     """The demo model at world 1 (no processes) and its optimizers after one step (state to save)."""
     from mimo.compose.model import MimoModel
-    from mimo.training.optim import PrecisionPolicy, build_optimizers
+    from mimo.training.optim import PrecisionPolicy
+    from mimo.training.run import model_optimizers
 
     config = demo_at_world_1([f"train.seed={seed}"])
     model = MimoModel(config, 0)
-    optimizers = build_optimizers(model.train_params(), *config.optimizer_settings(), policy=PrecisionPolicy.named("fp32"))
+    optimizers = model_optimizers(config, model, PrecisionPolicy.named("fp32"))
     for p in model.train_params():
-        p.param.grad = torch.full_like(p.param, 0.01)
+        p.param.main_grad.fill_(0.01)
     for opt in optimizers.values():
         opt.step()
     return model, optimizers

@@ -347,15 +347,15 @@ def _ckpt_case(overrides: list[str], root: str) -> dict:
     """Rank function: one AdamW step on the toy loss, save; a model of another seed loads it
     and must hold the same weights and optimizer state."""
     from mimo.training.checkpoint import load_checkpoint, save_checkpoint
-    from mimo.training.optim import GradSync, build_optimizers
+    from mimo.training.optim import PrecisionPolicy
+    from mimo.training.run import model_optimizers
 
     def built(extra):
         model = _build(overrides + extra)
-        return model, build_optimizers(model.train_params(), *model.config.optimizer_settings())
+        return model, model_optimizers(model.config, model, PrecisionPolicy.named("fp32"))
 
     model, optimizers = built([])
-    params = [p for p in model.train_params() if p.module == model.llm.name]
-    sync = GradSync(params)
+    sync = model.grad_sync
     sync.zero_grad()
     _toy_loss(model).backward()
     sync.finish()

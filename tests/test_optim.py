@@ -1,25 +1,70 @@
-"""MasterWeightAdamW (train.precision bf16): AdamW's update on fp32 master weights; mimo's AdamW
-(torch's, its lists kept between steps)."""
+"""The one AdamW (``mimo.training.bucket_optim``) in each precision, world 1, no processes: fp32
+is torch's AdamW bit for bit; bf16 is torch's AdamW on fp32 copies, the weights those rounded;
+bf16-pure is torch's AdamW on the bf16 weights with the gradients rounded; state round trips
+through the checkpoint's files continue exactly; state written by the optimizer classes before
+the one AdamW loads and continues as those classes continued."""
 
-import copy
 import os
 from contextlib import ExitStack
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from mimo.core.errors import CheckpointError
-from mimo.training.optim import AdamW, MasterWeightAdamW, PrecisionPolicy, TrainParam, build_optimizers
+from mimo.training.bucket_optim import build_optimizers
+from mimo.training.optim import GradSync, PrecisionPolicy, TrainParam
+
+SHAPES = [(7, 5), (3,), (4, 2), (6,), (5, 3)]  # matrices take weight decay, vectors do not: interleaved
+LR, WD, BETAS = 1e-2, 0.1, (0.9, 0.95)
+LEGACY = os.path.join(os.path.dirname(__file__), "data", "optim_state_before_one_adamw")
 
 
 def _params(dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    shapes = [(7, 5), (3,), (4, 2), (6,)]
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
 
 
-def _groups(ps):
-    return [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]
+def _optimizer(ps, precision, bucket_numel=40, offload=False):
+    """The run's optimizer of the module ``m`` holding ``ps`` (several buckets of 40 elements,
+    each mixing decayed and undecayed parameters), its gradients zero."""
+    policy = PrecisionPolicy.named(precision)
+    tps = [TrainParam("m", str(i), p, None, True, p.dim() >= 2) for i, p in enumerate(ps)]
+    sync = GradSync(tps, policy, bucket_numel)
+    sync.zero_grad()
+    return build_optimizers(tps, sync, {"m": LR}, {"m": WD}, policy=policy, offload=offload)["m"]
+
+
+def _torch_adamw(ps, **kw):
+    groups = [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": WD},
+              {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=1e-8, **kw)
+
+
+def _grads(k):
+    g = torch.Generator().manual_seed(100 + k)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def _step(opt, ps, k):
+    """Step ``k`` (1-based) on its seeded gradients, left in the main gradients as a training
+    step leaves them, at lr ``LR / k``."""
+    for p, g in zip(ps, _grads(k)):
+        p.main_grad.copy_(g)
+    opt.param_groups[0]["lr"] = LR / k
+    opt.step()
+
+
+def _torch_step(ref, ps, k, dtype=None):
+    for p, g in zip(ps, _grads(k)):
+        p.grad = g.to(dtype or p.dtype)
+    for group in ref.param_groups:
+        group["lr"] = LR / k
+    ref.step()
+
+
+def _state(opt) -> dict[str, torch.Tensor]:
+    """Every state tensor by ``{name}.{field}`` (the checkpoint's pieces)."""
+    return opt.state_pieces(lambda t: t.clone(), lambda p: True)[0]
 
 
 def _part(ps):
@@ -30,158 +75,178 @@ def _part(ps):
     return _Part("m", param_table(torch.nn.ParameterList(ps)))
 
 
-def _save_state(opt, ps, directory) -> None:
-    """``opt``'s state of ``ps`` written as a checkpoint writes it (its weights beside it)."""
+def _save(opt, ps, directory) -> None:
+    """``ps`` and ``opt``'s state written as a checkpoint writes them."""
     from mimo.training.checkpoint import _write_part
 
     os.makedirs(directory, exist_ok=True)
     _write_part(_part(ps), opt, str(directory), 0, 0)
 
 
-def _load_state(opt, ps, directory) -> None:
-    """``opt``'s state of ``ps`` read back from ``_save_state``'s files by the checkpoint's reader."""
-    from mimo.training.checkpoint import _Files, _read_state
+def _load(opt, ps, directory) -> None:
+    """``ps`` and ``opt``'s state read back from a checkpoint folder by the checkpoint's reader."""
+    from mimo.training.checkpoint import _Files, _read_state, _read_weights
     from mimo.training.reshard import StoredModule
 
     with ExitStack() as stack:
         files = _Files(str(directory), stack)
-        stored = StoredModule(str(directory), sorted(os.listdir(directory)), "m", files.get)
+        names = sorted(f for f in os.listdir(directory) if f.startswith("m-rank"))
+        stored = StoredModule(str(directory), names, "m", files.get)
+        _read_weights(_part(ps), stored)
         _read_state(_part(ps), opt, stored, str(directory))
 
 
-def _run(opt, ps, steps, seed=1, skip=()):
-    """``steps`` steps with seeded gradients; ``skip``: (step, param index) pairs without a gradient."""
-    g = torch.Generator().manual_seed(seed)
-    for i in range(steps):
-        for j, p in enumerate(ps):
-            grad = torch.randn(p.shape, generator=g)
-            p.grad = None if (i, j) in skip else grad.to(p.dtype)
-        opt.step()
-
-
-@pytest.mark.parametrize("skip", [(), ((2, 1), (4, 3))], ids=["every grad", "some missing"])
-def test_equals_adamw_on_fp32_parameters(skip):
-    """Whole groups go through the contiguous buffers, a missing gradient through the
-    per-tensor path: both are AdamW's update, bit for bit."""
+@pytest.mark.parametrize("kernel", ["default", "foreach"])
+def test_fp32_equals_torch_adamw(kernel, tmp_path):
+    """fp32: torch's AdamW's weights and moments, bit for bit, the lr changing every step and
+    the state saved and loaded midway into a fresh optimizer; the weights are updated in place
+    (no master copy) and the parameters stay views of the bucket buffers."""
     a, b = _params(torch.float32), _params(torch.float32)
-    ref = torch.optim.AdamW(_groups(a), lr=1e-2, betas=(0.9, 0.95), foreach=True)
-    opt = MasterWeightAdamW(_groups(b), lr=1e-2, betas=(0.9, 0.95))
-    _run(ref, a, 6, skip=skip)
-    _run(opt, b, 6, skip=skip)
+    ref = _torch_adamw(a, **({"foreach": True} if kernel == "foreach" else {}))
+    opt = _optimizer(b, "fp32")
+    assert len(opt.states) == 2 and all(s.master is s.own for s in opt.states)
+    for k in range(1, 7):
+        _torch_step(ref, a, k)
+        _step(opt, b, k)
+        if k == 3:
+            _save(opt, b, tmp_path)
+            b = _params(torch.float32, seed=9)
+            opt = _optimizer(b, "fp32")
+            _load(opt, b, tmp_path)
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), k
+    state = _state(opt)
+    for i, p in enumerate(a):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ref.state[p][key].reshape(-1), state[f"{i}.{key}"]), (i, key)
+    assert {float(s.step) for s in opt.states} == {6.0}
+
+
+def test_bf16_is_adamw_on_fp32_masters():
+    """bf16 (fp32 masters): the masters are torch's AdamW on fp32 copies with the fp32 main
+    gradients, the weights those masters rounded."""
+    a, b = _params(torch.float32), _params(torch.bfloat16)
     for x, y in zip(a, b):
-        assert torch.equal(x, y)
-    assert {int(opt.state[p]["step"]) for p in b[:2]} == ({6} if not skip else {6, 5})
-    assert (0 in opt._per_tensor) == bool(skip) and (1 in opt._per_tensor) == bool(skip)
+        x.data.copy_(y.float())
+    ref, opt = _torch_adamw(a, foreach=True), _optimizer(b, "bf16")
+    for k in range(1, 5):
+        _torch_step(ref, a, k)
+        _step(opt, b, k)
+    state = _state(opt)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(state[f"{i}.master"], x.detach().reshape(-1)), i
+        assert torch.equal(y.detach(), x.detach().to(torch.bfloat16)), i
+        assert state[f"{i}.exp_avg"].dtype == torch.float32
 
 
 def test_bf16_keeps_updates_that_rounding_would_lose():
-    """lr 1e-4 on weights of 1.0 moves less than half a bf16 step: bf16 AdamW never moves,
-    the master does, and the weight is the master rounded."""
-    w_pure = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
-    w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
-    pure = torch.optim.AdamW([w_pure], lr=1e-4, weight_decay=0.0)
-    opt = MasterWeightAdamW([w], lr=1e-4, weight_decay=0.0)
-    for _ in range(100):
-        w_pure.grad = torch.ones(4, dtype=torch.bfloat16)
-        w.grad = torch.ones(4, dtype=torch.bfloat16)
-        pure.step()
-        opt.step()
+    """lr 1e-4 on weights of 1.0 moves less than half a bf16 step: bf16-pure never moves, the
+    master does, and the weight is the master rounded."""
+    w_pure, w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16)), torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    pure, opt = _optimizer([w_pure], "bf16-pure"), _optimizer([w], "bf16")
+    for o, p in ((pure, w_pure), (opt, w)):
+        o.param_groups[0].update(lr=1e-4, weight_decay=0.0)
+        for _ in range(100):
+            p.main_grad.fill_(1.0)
+            o.step()
     assert torch.equal(w_pure, torch.ones(4, dtype=torch.bfloat16))
-    master = opt.state[w]["master"]
+    master = opt.states[0].master
     assert master.dtype == torch.float32 and abs(master[0].item() - (1 - 100e-4)) < 1e-5
     assert torch.equal(w.detach(), master.to(torch.bfloat16))
 
 
-def test_state_dict_round_trip_continues_exactly(tmp_path):
-    """Saved (through the checkpoint's optimizer file) after 3 steps and loaded into a fresh
-    optimizer, 3 more steps give what 6 uninterrupted steps give; the state stays fp32."""
+def test_bf16_pure_is_adamw_on_bf16_weights():
+    """bf16-pure: torch's AdamW on the bf16 weights with the main gradients rounded to bf16 and
+    bf16 moments, bit for bit."""
     a, b = _params(torch.bfloat16), _params(torch.bfloat16)
-    whole = MasterWeightAdamW(_groups(a), lr=1e-3)
-    _run(whole, a, 6)
-    first = MasterWeightAdamW(_groups(b), lr=1e-3)
-    _run(first, b, 3)
-    _save_state(first, b, tmp_path)
-    c = [torch.nn.Parameter(torch.zeros_like(p)) for p in b]  # the weights come back from the masters
-    second = MasterWeightAdamW(_groups(c), lr=1e-3)
-    _load_state(second, c, tmp_path)
-    assert all(second.state[p]["exp_avg"].dtype == torch.float32 for p in c)
-    for x, y in zip(b, c):
-        assert torch.equal(x, y)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):  # the gradients of steps 1-3, as _run drew them
-        for p in c:
-            torch.randn(p.shape, generator=g)
-    for _ in range(3):
-        for p in c:
-            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
-        second.step()
-    for x, y in zip(a, c):
-        assert torch.equal(x, y)
-    for p, q in zip(a, c):
-        assert torch.equal(whole.state[p]["master"], second.state[q]["master"])
+    ref, opt = _torch_adamw(a, foreach=True), _optimizer(b, "bf16-pure")
+    for k in range(1, 5):
+        _torch_step(ref, a, k, torch.bfloat16)
+        _step(opt, b, k)
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), k
+    state = _state(opt)
+    for i, p in enumerate(a):
+        assert state[f"{i}.exp_avg_sq"].dtype == torch.bfloat16
+        assert torch.equal(ref.state[p]["exp_avg_sq"].reshape(-1), state[f"{i}.exp_avg_sq"])
 
 
-def test_checkpoint_of_another_precision_is_refused(tmp_path):
-    ps = _params(torch.bfloat16)
-    pure = torch.optim.AdamW(_groups(ps), lr=1e-3)
-    _run(pure, ps, 1)
-    _save_state(pure, ps, tmp_path)
-    with pytest.raises(CheckpointError, match="AdamW.*MasterWeightAdamW.*precision"):
-        _load_state(MasterWeightAdamW(_groups(ps), lr=1e-3), ps, tmp_path)
+@pytest.mark.parametrize("precision, state_bytes", [("fp32", 8), ("bf16", 12), ("bf16-pure", 4)])
+def test_state_bytes_per_parameter(precision, state_bytes):
+    """Optimizer memory beside the weights and main gradients: fp32 two fp32 moments (the
+    weights are updated in place); bf16 fp32 masters and moments; bf16-pure two bf16 moments."""
+    ps = _params(PrecisionPolicy.named(precision).params)
+    opt = _optimizer(ps, precision, bucket_numel=1 << 20)  # one bucket: no padding
+    assert opt.state_bytes() == state_bytes * sum(p.numel() for p in ps)
 
 
-@pytest.mark.parametrize("name, kind", [("fp32", AdamW), ("bf16", MasterWeightAdamW), ("bf16-pure", AdamW)])
-def test_precision_picks_the_optimizer(name, kind):
-    policy = PrecisionPolicy.named(name)
-    ps = [TrainParam("m", f"p{i}", p, None, True) for i, p in enumerate(_params(policy.params))]
-    opts = build_optimizers(ps, {"m": 1e-3}, {"m": 0.1}, policy=policy)
-    assert type(opts["m"]) is kind
-    state = PrecisionPolicy.named(name).optimizer_state
-    _run(opts["m"], [p.param for p in ps], 1)
-    assert all(v.dtype == state for st in opts["m"].state.values() for k, v in st.items() if k != "step")
-
-
-@pytest.mark.parametrize("kernel", ["fused", "foreach"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_listed_adamw_equals_torch_adamw(kernel, dtype, tmp_path, monkeypatch):
-    """Steps on the kept lists are torch's AdamW steps, bit for bit: gradients kept in place
-    (as the run's gradient buffers are) or new tensors every step (as bf16-pure's rounded ones),
-    a gradient missing at one step (torch skips the parameter), the lr changed between steps,
-    and a state saved and loaded midway (the lists are taken again from the loaded state)."""
-    kw = {"fused": True} if kernel == "fused" else {"foreach": True}
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-pure"])
+def test_resume_continues_exactly(precision, tmp_path):
+    """Saved after 3 steps and loaded into a fresh optimizer and fresh weights, 3 more steps give
+    the weights and state of 6 uninterrupted steps, bit for bit."""
+    dtype = PrecisionPolicy.named(precision).params
     a, b = _params(dtype), _params(dtype)
-    ref = torch.optim.AdamW(_groups(a), lr=1e-2, betas=(0.9, 0.95), **kw)
-    opt = AdamW(_groups(b), lr=1e-2, betas=(0.9, 0.95), **kw)
-    torch_steps = []  # the steps at which torch's own step ran for ``opt``
-    torch_step = torch.optim.AdamW.step
-    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: (torch_steps.append(i) if self is opt else None,
-                                                                          torch_step(self, *a, **k))[1])
-    kept = [torch.zeros_like(p) for p in b]  # b's gradients live in these at some steps
-    g = torch.Generator().manual_seed(3)
-    for i in range(9):
-        for j, (p, q) in enumerate(zip(a, b)):
-            grad = torch.randn(p.shape, generator=g).to(dtype)
-            if (i, j) == (5, 2):
-                p.grad = q.grad = None
-            elif i in (1, 2, 6, 8):
-                p.grad = grad
-                q.grad = kept[j]
-                kept[j].copy_(grad)
-            else:
-                p.grad, q.grad = grad, grad.clone()
-        for o in (ref, opt):
-            for group in o.param_groups:
-                group["lr"] = 1e-2 / (1 + i)
-        ref.step()
-        opt.step()
-        if i == 6:  # a state round trip through the checkpoint's optimizer file, into the same optimizer
-            _save_state(opt, b, tmp_path)
-            _load_state(opt, b, tmp_path)  # (new state tensors: lists kept from before would miss them)
-        for x, y in zip(a, b):
-            assert torch.equal(x, y), (i, kernel)
-    for p, q in zip(a, b):
-        for k in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(ref.state[p][k].cpu(), opt.state[q][k].cpu()), k
-    # torch's own step: the first, the one with a gradient missing, the next (its lists were not
-    # taken then), and the first after the load; the kept lists elsewhere
-    assert torch_steps == [0, 5, 6, 7]
+    whole, first = _optimizer(a, precision), _optimizer(b, precision)
+    for k in range(1, 7):
+        _step(whole, a, k)
+    for k in range(1, 4):
+        _step(first, b, k)
+    _save(first, b, tmp_path)
+    c = _params(dtype, seed=5)
+    second = _optimizer(c, precision)
+    _load(second, c, tmp_path)
+    for k in range(4, 7):
+        _step(second, c, k)
+    assert all(torch.equal(x, y) for x, y in zip(a, c))
+    want, got = _state(whole), _state(second)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_state_of_another_precision_loads(tmp_path):
+    """bf16-pure state into a bf16 run: the masters are the stored weights, the moments the
+    stored ones widened."""
+    ps = _params(torch.bfloat16)
+    pure = _optimizer(ps, "bf16-pure")
+    _step(pure, ps, 1)
+    _save(pure, ps, tmp_path)
+    qs = _params(torch.bfloat16, seed=3)
+    opt = _optimizer(qs, "bf16")
+    _load(opt, qs, tmp_path)
+    was, now = _state(pure), _state(opt)
+    for i, p in enumerate(ps):
+        assert torch.equal(now[f"{i}.master"], p.detach().float().reshape(-1))
+        assert torch.equal(now[f"{i}.exp_avg"], was[f"{i}.exp_avg"].float())
+
+
+def test_weights_loaded_after_the_optimizer_was_built_are_its_start():
+    """``train.init_from`` loads weights after the optimizer is built, without state: the fp32
+    masters (bf16) and the host copies (offload) start from those weights, not the ones before."""
+    for precision, offload in (("bf16", False), ("fp32", True)):
+        dtype = PrecisionPolicy.named(precision).params
+        a, b = _params(dtype), _params(dtype, seed=4)
+        ref, opt = _optimizer(a, precision), _optimizer(b, precision, offload=offload)
+        with torch.no_grad():
+            for x, y in zip(a, b):
+                y.copy_(x)
+        _step(ref, a, 1)
+        _step(opt, b, 1)
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), precision
+
+
+@pytest.mark.parametrize("case", sorted(os.listdir(LEGACY)))
+def test_state_written_by_the_classes_before_loads_and_continues_as_they_did(case):
+    """``tests/data/optim_state_before_one_adamw/<case>``: the weights and optimizer-state files
+    that mimo's optimizer classes before the one AdamW wrote after 3 steps of ``_step``'s
+    gradients and lrs (AdamW: fp32 and bf16-pure; MasterWeightAdamW: bf16; BucketAdamW: fp32 and
+    bf16, whole buckets, masters of fp32 weights included), and their weights and state after 2
+    more steps (``after-2-more-steps``). Loaded into the one AdamW of that precision, 2 more steps
+    give the same, bit for bit."""
+    precision = case.rsplit("-", 1)[0]
+    ps = _params(PrecisionPolicy.named(precision).params, seed=7)
+    opt = _optimizer(ps, precision)
+    _load(opt, ps, os.path.join(LEGACY, case))
+    for k in (4, 5):
+        _step(opt, ps, k)
+    want, got = load_file(os.path.join(LEGACY, case, "after-2-more-steps.safetensors")), _state(opt)
+    for i, p in enumerate(ps):
+        assert torch.equal(want[str(i)], p.detach()), i
+        for key in ("exp_avg", "exp_avg_sq") + (("master",) if precision == "bf16" else ()):
+            assert torch.equal(want[f"{i}.{key}"], got[f"{i}.{key}"]), (i, key)

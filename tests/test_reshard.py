@@ -93,7 +93,7 @@ def _resume(config_path: str, overrides: list[str], path: str, mutate: bool = Fa
     load_checkpoint(run.model, path, run.optimizers)
     if mutate:
         for opt in run.optimizers.values():
-            for state in opt.state.values():
+            for state in opt.state.values():  # (views of the optimizer's buffers)
                 state["exp_avg"].zero_()
     losses = _steps(run, range(N + 1, TOTAL + 1))
     run.close()

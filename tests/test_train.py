@@ -427,23 +427,24 @@ def _frozen_rank_step_case(config_path, overrides):
     from mimo.training.run import build_run
 
     run = build_run(load_config(config_path, overrides), dist.get_rank())
-    seen, norm = {}, step_module.global_grad_norm
+    seen, norm = {}, step_module.grad_norm
 
-    def spy(params, device, world_group=None, grads=None):
-        params = list(params)
-        out = norm(params, device, world_group, grads)
-        seen.update(params=len(params), device=str(device), reduced_on=str(out.device))
+    def spy(optimizers, device):
+        optimizers = list(optimizers)
+        out = norm(optimizers, device)
+        seen.update(params=sum(len(s.pieces) for opt in optimizers for s in opt.states), device=str(device),
+                    reduced_on=str(out.device))
         return out
 
     def own(model, grad_norm):
         seen["own_sq"] = sum(float(p.param.grad.double().pow(2).sum()) for p in model.train_params()
                              if p.counts_in_norm and p.param.grad is not None)
 
-    step_module.global_grad_norm = spy
+    step_module.grad_norm = spy
     try:
         result = step_module.train_step(run.model, run.pipeline, 1, run.optimizers, run.policy, on_grads=own)
     finally:  # the pool's processes run later cases too
-        step_module.global_grad_norm = norm
+        step_module.grad_norm = norm
         run.close()
     return {**seen, "model_device": str(run.model.device), "grad_norm": result.grad_norm, "loss": result.loss}
 

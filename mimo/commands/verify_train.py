@@ -41,8 +41,9 @@ VERIFY_ADAM_EPS = 1e-5
 
 def one_process(config: MimoConfig) -> MimoConfig:
     """The same model and data on one rank, computed plainly: every module tp=cp=dp=pp=1, no
-    activation recompute, torch's AdamW (a layout's recompute and sharded or offloaded optimizer
-    are checked against the computation they stand for)."""
+    activation recompute, AdamW stepping whole buckets (a layout's recompute and sharded or
+    offloaded optimizer are checked against the computation they stand for; on the CPU the fp32
+    update is torch's AdamW's bit for bit, ``tests/test_optim.py``)."""
     ref = copy.deepcopy(config)
     ref.world_size = 1
     ref.train.recompute = "none"

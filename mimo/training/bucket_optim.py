@@ -1,30 +1,45 @@
-"""AdamW over the run's gradient buckets: the distributed optimizer and optimizer-state offload.
+"""AdamW, the run's one optimizer: each module's parameters stepped through its ``GradSync``
+buckets, each bucket's weights, gradients and state as flat tensors.
 
-``BucketAdamW`` steps one module's parameters through its ``GradSync`` buckets (contiguous
-fp32 main gradients), each bucket as one flat tensor:
+One ``AdamW`` per module with trainable parameters on the rank (``build_optimizers``). At
+construction the parameters of each bucket become views of one flat buffer laid out like the
+bucket's main gradients, so a step is a handful of kernels over whole buckets whatever the count
+of parameters (one AdamW call for the module's buckets, one weight-decay multiply), with no
+Python pass over the parameters.
 
+* **Precision** (``PrecisionPolicy.master_params``): the update runs on an fp32 master copy of
+  the weights where the policy keeps one and the weights are narrower (bf16: the weights become
+  the masters rounded), else on the weights themselves (fp32; bf16-pure; the fp64 references).
+  The moments are of the dtype the update runs in, as torch's AdamW keeps them in its
+  parameter's (bf16-pure: bf16; fp32 routers keep fp32 state everywhere). The gradient is the
+  bucket's main gradient in that dtype (bf16-pure rounds the fp32 sum; bf16 with bf16
+  reduction widens). Bytes per parameter beside the weights and main gradients: fp32 8, bf16 12,
+  bf16-pure 4 (its moments) and, during the step only, 2 for the rounded gradient.
 * **sharded** (``train.distributed_optimizer``, Megatron's ZeRO-1): ``GradSync`` runs in
   ``reduce_scatter`` mode, so after backward each rank holds the sum of its contiguous shard of
   every bucket over the bucket's data-parallel group (DP x CP for dense parameters, EDP for
-  experts). The rank keeps the fp32 master weights and the two moments of that shard only, steps
-  it, and all-gathers the updated shard into the bucket's parameter buffer — the parameters are
-  views of it, so the gather writes them in place. The gathers are started after the step and
-  waited for by forward pre-hooks of the layers that use them (``wait_hooks``), so they overlap
-  the next step's first forward; ``finish`` waits for all (before a checkpoint, an evaluation,
-  or reading the weights).
-* **whole** (``train.optimizer_offload`` without the distributed optimizer): every rank steps
-  whole buckets of all-reduced gradients.
-* **offload** (``train.optimizer_offload``): masters and moments live in pinned host memory;
-  each step copies the gradient shard to the host, runs AdamW there, and copies the new weights
-  back (on the CPU the state is host memory anyway).
+  experts). The rank keeps the state (and masters) of that shard only, steps it, and all-gathers
+  its part of the weights in place into the bucket's weight buffer. The gathers are started after
+  the step and waited for by forward pre-hooks of the layers that use them (``wait_hooks``), so
+  they overlap the next step's first forward; ``finish`` waits for all (before a checkpoint, an
+  evaluation, or reading the weights).
+* **whole** (the degenerate case: not sharded, or a bucket without a data-parallel group): every
+  rank steps whole buckets of all-reduced gradients, and nothing is gathered.
+* **offload** (``train.optimizer_offload``): masters and moments live in pinned host memory (on
+  a GPU; the masters then in every precision, as the weights' host copy); each step copies the
+  gradients to the host, runs AdamW there, and copies the new weights back.
 
-The update is ``torch.optim.AdamW``'s (its functional kernel), with the decoupled weight decay
-applied first per element (the bucket mixes parameters with and without decay), exactly where
-AdamW applies it. The global gradient norm and clipping read the shards (``grad_norm_sq`` counts
-each element once in the world: its data-parallel copies by shard, its other copies by the
-placement's owner rule); the checkpoint holds each rank's shard, parameter by parameter with the
-flat range it covers and the parameter's placement record (``state_pieces``), read back at any
-layout through those records (``load_local_states``, ``mimo.training.reshard``).
+The update is ``torch.optim.AdamW``'s (its functional kernel: fused on CUDA, foreach on the CPU),
+with the decoupled weight decay where AdamW applies it, in the kernel's own pass: a bucket mixes
+parameters with and without decay, so each step is one call over the decayed runs and one over
+the others; on the CPU
+an fp32 run's weights are torch's AdamW's, bit for bit. The global gradient norm and clipping
+read the gradients the optimizers step on (``grad_norm`` counts each element once in the world:
+its data-parallel copies by shard, its other copies by the placement's owner rule). The
+checkpoint holds per parameter the flat elements this rank keeps (whole parameters where the
+rank writes their weights; each rank's shard under the distributed optimizer), with its range
+and placement record (``state_pieces``), read back at any layout through those records
+(``load_local_states``, ``mimo.training.reshard``).
 """
 
 from __future__ import annotations
@@ -38,6 +53,7 @@ import torch.distributed as dist
 
 from mimo.core.errors import CheckpointError
 from mimo.parallel.params import TrainParam
+from mimo.training.optim import PrecisionPolicy, clip_grads_, global_grad_norm
 
 
 @dataclass
@@ -54,23 +70,42 @@ class _Piece:
     counts: bool  # this rank's copy counts in the norm (data-parallel copies aside: the shard decides)
 
 
+def _runs(pieces: list[_Piece], offset: int, keep: Callable[[_Piece], bool]) -> list[tuple[int, int]]:
+    """The ranges (in the shard, which starts at ``offset`` of the bucket) of the pieces ``keep``
+    takes, neighbours merged."""
+    out: list[tuple[int, int]] = []
+    for pc in pieces:
+        if not keep(pc) or pc.hi <= pc.lo:
+            continue
+        a, b = pc.start + pc.lo - offset, pc.start + pc.hi - offset
+        if out and out[-1][1] == a:
+            a = out.pop()[0]
+        out.append((a, b))
+    return out
+
+
 class _State:
     """One bucket's optimizer side on this rank."""
 
-    def __init__(self, bucket, pieces: list[_Piece], sharded: bool, offload: bool):
-        self.bucket, self.pieces = bucket, pieces
+    def __init__(self, bucket, info: dict[int, TrainParam], master_dtype: torch.dtype | None, offload: bool):
+        self.bucket = bucket
         flat = bucket.flat
-        group = bucket.group if sharded else None
-        self.group = group
-        self.n = 1 if group is None else dist.get_world_size(group)
-        self.rank = 0 if group is None else dist.get_rank(group)
+        self.group = bucket.group if bucket.shard is not None else None  # (reduce-scatter mode: sharded)
+        self.n = 1 if self.group is None else dist.get_world_size(self.group)
         size = flat.numel() // self.n
-        self.lo, self.hi = self.rank * size, (self.rank + 1) * size
-        self.grad = bucket.shard if bucket.shard is not None else flat  # the summed gradients of the shard
-        host = torch.device("cpu")
+        self.lo = (0 if self.group is None else dist.get_rank(self.group)) * size
+        self.grad = flat if bucket.shard is None else bucket.shard  # the summed gradients this rank steps on
+        self.pieces = pieces = []
+        off = 0
+        for p in bucket.params:
+            tp = info[id(p)]
+            lo, hi = (min(max(x - off, 0), p.numel()) for x in (self.lo, self.lo + size))
+            # sharded: the shard owns this rank's part of the data-parallel sum, so only the other
+            # axes' copies decide; whole: one data-parallel copy counts too
+            counts = tp.counts_in_shard_norm if self.n > 1 else tp.counts_in_norm
+            pieces.append(_Piece(tp.name, p, off, lo, hi, tp.weight_decay, counts))
+            off += p.numel()
         self.device = flat.device
-        where = host if offload else self.device
-        pin = offload and self.device.type == "cuda"
         dtype = bucket.params[0].dtype
         # the parameters become views of one buffer laid out like the gradients (padding included)
         self.params = torch.zeros(flat.numel(), dtype=dtype, device=self.device)
@@ -79,25 +114,55 @@ class _State:
                 view = self.params[pc.start:pc.start + pc.param.numel()].view_as(pc.param)
                 view.copy_(pc.param.detach())
                 pc.param.data = view
-        new = lambda: torch.zeros(size, dtype=torch.float32, device=where, pin_memory=pin)  # noqa: E731
-        self.master = new()
-        self.master.copy_(self.params[self.lo:self.hi])
+        self.own = self.params[self.lo:self.lo + size]  # this rank's part of the weights
+        where = torch.device("cpu") if offload else self.device
+        pin = where != self.device and self.device.type == "cuda"
+        wide = master_dtype if master_dtype is not None and master_dtype.itemsize > dtype.itemsize else dtype
+        new = lambda: torch.zeros(size, dtype=wide, device=where, pin_memory=pin)  # noqa: E731
+        # what AdamW updates: a master copy (wider than the weights, or away from them), else the
+        # weights; a copy is taken from the weights at the first step unless a checkpoint gave it
+        # (weights loaded after the optimizer was built, train.init_from, are its start)
+        self.keeps_master = wide != dtype
+        self.master = self.own if wide == dtype and where == self.device else new()
+        self.stale = self.master is not self.own
         self.exp_avg, self.exp_avg_sq = new(), new()
-        self.step = torch.zeros((), dtype=torch.float32)
-        self.decay = torch.zeros(size, dtype=torch.bool, device=where)
-        self.norm_mask = torch.zeros(size, dtype=torch.bool, device=self.device)
-        for pc in pieces:
-            a, b = pc.start + pc.lo - self.lo, pc.start + pc.hi - self.lo
-            self.decay[a:b] = pc.decay
-            self.norm_mask[a:b] = pc.counts
-        self.grad_host = new() if offload and where != self.device else None
-        self.send = torch.empty(size, dtype=dtype, device=self.device)  # this shard's new weights, gathered from
+        self.fused = where.type == "cuda"  # the fused kernel takes its step counts on the device
+        self.step = torch.zeros((), dtype=torch.float32, device=where if self.fused else "cpu")
+        self.grad_host = torch.empty(size, dtype=flat.dtype, pin_memory=pin) if where != self.device else None
+        # the runs of parameters with and without weight decay: AdamW steps each kind in one call
+        # that applies (or not) the decay in its own pass; each run counts its steps in its own
+        # tensor (the kernel advances every count it is given), all equal to ``step``
+        self.spans = {decay: _runs(pieces, self.lo, lambda pc, d=decay: pc.decay == d) for decay in (True, False)}
+        self.span_steps = {d: [torch.zeros_like(self.step) for _ in spans] for d, spans in self.spans.items()}
+        self.counted = [self.grad[a:b] for a, b in _runs(pieces, self.lo, lambda pc: pc.counts)]
         self.pending = None  # the all-gather in flight
+
+    def refresh(self) -> None:
+        """The master taken from the weights, if it was not set since they were."""
+        if self.stale:
+            self.master.copy_(self.own)
+            self.stale = False
+
+    def publish(self) -> None:
+        """The updated part of the weights into the parameters (and to the other shards' ranks)."""
+        if self.master is not self.own:
+            self.own.copy_(self.master, non_blocking=True)
+        if self.n > 1:
+            self.pending = dist.all_gather_into_tensor(self.params, self.own, group=self.group, async_op=True)
+
+    def set_step(self, count: float) -> None:
+        for t in [self.step, *self.span_steps[True], *self.span_steps[False]]:
+            t.fill_(count)
 
     def wait(self) -> None:
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
+
+    def fields(self) -> tuple[tuple[str, torch.Tensor], ...]:
+        """The state checkpointed: the moments, and the masters where they are not the weights."""
+        return (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)) + ((("master", self.master),)
+                                                                               if self.keeps_master else ())
 
 
 def _waiter(states: list[_State]):
@@ -108,59 +173,60 @@ def _waiter(states: list[_State]):
     return wait
 
 
-class BucketAdamW(torch.optim.Optimizer):
-    """AdamW of one module over its ``GradSync`` buckets (see module doc)."""
-
-    reads_main_grads = True
+class AdamW(torch.optim.Optimizer):
+    """AdamW of one module over its ``GradSync`` buckets (see module doc). ``param_groups[0]``
+    holds the hyperparameters (the step sets its ``lr``); ``state[p]`` is a view of ``p``'s
+    state in the buckets' buffers (``exp_avg``, ``exp_avg_sq``, ``master`` where kept, its
+    bucket's ``step``): the elements this rank keeps, shaped like ``p`` where that is all of it."""
 
     def __init__(self, params: list[TrainParam], grad_sync, lr: float, weight_decay: float, betas=(0.9, 0.95),
-                 eps: float = 1e-8, sharded: bool = True, offload: bool = False):
+                 eps: float = 1e-8, policy: PrecisionPolicy | None = None, offload: bool = False):
         super().__init__([p.param for p in params], dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        if sharded and grad_sync.mode != "reduce_scatter":
-            raise ValueError("a sharded BucketAdamW needs GradSync in reduce_scatter mode")
-        self.sharded, self.offload = sharded, offload
         info = {id(p.param): p for p in params}
-        self.states: list[_State] = []
-        for bucket in grad_sync.module_buckets(params[0].module):
-            pieces, off = [], 0
-            n = dist.get_world_size(bucket.group) if sharded and bucket.group is not None else 1
-            r = dist.get_rank(bucket.group) if n > 1 else 0
-            size = bucket.flat.numel() // n
-            for p in bucket.params:
-                tp = info[id(p)]
-                lo = min(max(r * size - off, 0), p.numel())
-                hi = min(max((r + 1) * size - off, 0), p.numel())
-                # sharded: the shard owns this rank's part of the data-parallel sum, so only the
-                # other axes' copies decide; whole: one data-parallel copy counts too
-                counts = tp.counts_in_shard_norm if n > 1 else tp.counts_in_norm
-                pieces.append(_Piece(tp.name, p, off, lo, hi, tp.weight_decay, counts))
-                off += p.numel()
-            self.states.append(_State(bucket, pieces, sharded, offload))
+        master_dtype = policy.master_params if policy is not None else None
+        self.states = [_State(b, info, master_dtype, offload) for b in grad_sync.module_buckets(params[0].module)]
+        for s in self.states:  # ``state[p]``: views of what this rank keeps of p (shaped like p where it is all of p)
+            for pc in s.pieces:
+                if pc.hi > pc.lo:
+                    a, b = pc.start + pc.lo - s.lo, pc.start + pc.hi - s.lo
+                    shape = pc.param.shape if pc.hi - pc.lo == pc.param.numel() else (pc.hi - pc.lo,)
+                    self.state[pc.param] = {key: buf[a:b].view(shape) for key, buf in s.fields()} | {"step": s.step}
         self._hooks = []
+        # per kind of run (decayed or not): the kernel's lists, and where each run's gradient lies
+        # (taken at each step: bf16-pure rounds the gradients anew)
+        self._calls = {}
+        for decay in (True, False):
+            runs = [(i, a, b) for i, s in enumerate(self.states) for a, b in s.spans[decay]]
+            self._calls[decay] = (runs, *([getattr(self.states[i], k)[a:b] for i, a, b in runs]
+                                          for k in ("master", "exp_avg", "exp_avg_sq")),
+                                  [t for s in self.states for t in s.span_steps[decay]])
 
     # ---- the step ----
     @torch.no_grad()
     def step(self, closure=None):
+        if not self.states:
+            return
         group = self.param_groups[0]
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         from torch.optim.adamw import adamw
 
         for s in self.states:
             s.wait()  # (a gather still in flight: never, a step needs a forward first)
-            grad = s.grad
+            s.refresh()
             if s.grad_host is not None:
-                s.grad_host.copy_(grad, non_blocking=True)
-                torch.cuda.current_stream().synchronize()
-                grad = s.grad_host
-            # AdamW's decoupled decay first, per element (AdamW computes 1 - lr * wd as a float)
-            s.master.mul_(torch.where(s.decay, 1 - lr * wd, 1.0).to(s.master.dtype))
-            adamw([s.master], [grad.to(torch.float32)], [s.exp_avg], [s.exp_avg_sq], [], [s.step], foreach=False,
-                  amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=0.0, eps=eps, maximize=False)
-            s.send.copy_(s.master, non_blocking=True)
-            if s.n > 1:
-                s.pending = dist.all_gather_into_tensor(s.params, s.send, group=s.group, async_op=True)
-            else:
-                s.params[s.lo:s.hi].copy_(s.send)
+                s.grad_host.copy_(s.grad, non_blocking=True)
+        if self.states[0].grad_host is not None and self.states[0].device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        grads = [(s.grad if s.grad_host is None else s.grad_host).to(s.master.dtype) for s in self.states]
+        fused = self.states[0].fused
+        for decay, (runs, masters, exp_avgs, exp_avg_sqs, steps) in self._calls.items():
+            if runs:
+                adamw(masters, [grads[i][a:b] for i, a, b in runs], exp_avgs, exp_avg_sqs, [], steps,
+                      foreach=None if fused else True, fused=fused or None, amsgrad=False, beta1=beta1, beta2=beta2,
+                      lr=lr, weight_decay=wd if decay else 0.0, eps=eps, maximize=False)
+        torch._foreach_add_([s.step for s in self.states], 1.0)
+        for s in self.states:
+            s.publish()
 
     def finish(self) -> None:
         """Wait for every parameter gather in flight: the weights are the updated ones."""
@@ -169,9 +235,10 @@ class BucketAdamW(torch.optim.Optimizer):
 
     def wait_hooks(self, roots: list[torch.nn.Module]) -> None:
         """Forward pre-hooks on ``roots`` (a stage and its layers; an encoder and its blocks),
-        each waiting for the gathers of the buckets holding the parameters it uses (its own,
-        not those of a later root in the list that lies inside it)."""
-        owner = {id(pc.param): s for s in self.states for pc in s.pieces}
+        each waiting for the gathers of the sharded buckets holding the parameters it uses (its
+        own, not those of a later root in the list that lies inside it). None where nothing is
+        gathered."""
+        owner = {id(pc.param): s for s in self.states if s.n > 1 for pc in s.pieces}
         claimed: set[int] = set()
         plans = []
         for root in reversed(roots):  # inner roots first: they claim their parameters
@@ -182,57 +249,62 @@ class BucketAdamW(torch.optim.Optimizer):
             if states:
                 self._hooks.append(root.register_forward_pre_hook(_waiter(states)))
 
-    # ---- norm, clipping ----
-    def grad_norm_sq(self) -> torch.Tensor:
-        """Sum of squares of this rank's share of the gradients (fp64, on the device)."""
-        total = torch.zeros((), dtype=torch.float64, device=self.states[0].device if self.states else "cpu")
-        for s in self.states:
-            total += (s.grad.double() * s.norm_mask).square().sum()
-        return total
-
-    def clip_(self, scale: torch.Tensor) -> None:
-        for s in self.states:
-            s.grad.mul_(scale.to(device=s.grad.device, dtype=s.grad.dtype))
+    def state_bytes(self) -> int:
+        """Bytes of its own tensors: moments, masters that are not the weights, host gradients."""
+        own = [t for s in self.states for _, t in s.fields()] + [s.grad_host for s in self.states if s.grad_host is not None]
+        return sum(t.numel() * t.element_size() for t in own)
 
     # ---- checkpoints ----
-    def state_pieces(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-        """This rank's state, parameter by parameter: ``{name}.{master|exp_avg|exp_avg_sq}``
-        1-d tensors of the elements ``lo .. hi`` of its flat local tensor, and the ranges.
+    def state_pieces(self, copy: Callable[[torch.Tensor], torch.Tensor], writes: Callable[[torch.nn.Parameter], bool]
+                     ) -> tuple[dict[str, torch.Tensor], dict]:
+        """This rank's state, parameter by parameter: ``{name}.{exp_avg|exp_avg_sq|master}``
+        1-d tensors of the elements ``lo .. hi`` of its flat local tensor, and the ranges; of a
+        bucket stepped whole only the parameters this rank ``writes`` (their weights' writer).
         ``copy`` takes each piece off the optimizer's buffers (a host copy of its own)."""
         self.finish()
         tensors, ranges, steps = {}, {}, {}
         for i, s in enumerate(self.states):
+            s.refresh()
             steps[i] = float(s.step)
             for pc in s.pieces:
-                if pc.hi <= pc.lo:
+                if pc.hi <= pc.lo or (s.n == 1 and not writes(pc.param)):
                     continue
                 a, b = pc.start + pc.lo - s.lo, pc.start + pc.hi - s.lo
-                for key, buf in (("master", s.master), ("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq)):
+                for key, buf in s.fields():
                     tensors[f"{pc.name}.{key}"] = copy(buf[a:b])
                 ranges[pc.name] = {"range": [pc.lo, pc.hi], "numel": pc.param.numel(), "bucket": i}
-        return tensors, {"ranges": ranges, "steps": steps, "sharded": self.sharded}
+        return tensors, {"ranges": ranges, "steps": steps, "sharded": any(s.n > 1 for s in self.states)}
 
     @torch.no_grad()
-    def load_local_states(self, states: Callable[[str], dict], step: Callable[[str], float], where: str) -> None:
+    def load_local_states(self, states: Callable[[str, bool], dict | None], step: Callable[[str], float], where: str) -> None:
         """Every bucket's state from whole local tensors (a checkpoint of another layout):
-        ``states(name)`` gives ``master`` / ``exp_avg`` / ``exp_avg_sq`` shaped like the
-        parameter, ``step(name)`` its step count (one per bucket: they must agree)."""
+        ``states(name, master)`` gives ``exp_avg`` / ``exp_avg_sq`` (and with ``master`` the
+        fp32 master) shaped like the parameter, or None for a parameter not stepped yet (zero
+        moments, the master from the weights); ``step(name)`` its step count (one per bucket:
+        they must agree)."""
         for i, s in enumerate(self.states):
             counts = {step(pc.name) for pc in s.pieces}
             if len(counts) > 1:
                 raise CheckpointError(f"{where}: the parameters of bucket {i} were written at different step counts {sorted(counts)}")
             if counts:
-                s.step.fill_(counts.pop())
+                s.set_step(counts.pop())
             for pc in s.pieces:
                 if pc.hi <= pc.lo:
                     continue
-                got = states(pc.name)
+                got = states(pc.name, s.keeps_master)
                 a, b = pc.start + pc.lo - s.lo, pc.start + pc.hi - s.lo
-                for key, buf in (("master", s.master), ("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq)):
-                    buf[a:b].copy_(got[key].reshape(-1)[pc.lo:pc.hi])
+                for key, buf in s.fields():
+                    if got is not None:
+                        buf[a:b].copy_(got[key].reshape(-1)[pc.lo:pc.hi])
+                    elif key == "master":  # not stepped yet when written: the weights, zero moments
+                        buf[a:b].copy_(s.own[a:b])
+                    else:
+                        buf[a:b].zero_()
+            # the masters read; a copy of the weights of their own dtype (offloaded) is taken at the next step
+            s.stale = s.master is not s.own and not s.keeps_master
 
     def state_dict(self):
-        raise NotImplementedError("BucketAdamW's state is saved per shard (state_pieces)")
+        raise NotImplementedError("AdamW's state is saved per parameter piece (state_pieces)")
 
     def close(self) -> None:
         self.finish()
@@ -242,30 +314,31 @@ class BucketAdamW(torch.optim.Optimizer):
 
 
 def finish_updates(optimizers) -> None:
-    """Wait for the weight gathers any ``BucketAdamW`` of ``optimizers`` (a dict or a list) has
-    in flight: before reading, saving or evaluating the weights."""
+    """Wait for the weight gathers ``optimizers`` (a dict or a list) have in flight: before
+    reading, saving or evaluating the weights."""
     for opt in (optimizers.values() if isinstance(optimizers, dict) else optimizers):
-        if isinstance(opt, BucketAdamW):
-            opt.finish()
+        opt.finish()
 
 
-def bucket_grad_norm(optimizers: list[BucketAdamW], device: torch.device | str) -> torch.Tensor:
-    """The global gradient norm from the optimizers' shards (one world-wide all-reduce of one
-    number, left on ``device``; every element counted once)."""
-    total = torch.zeros((), dtype=torch.float64, device=torch.device(device))
-    for opt in optimizers:
-        total += opt.grad_norm_sq().to(total.device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    return total.sqrt()
+def clip_(optimizers, max_norm: float | None, norm: torch.Tensor) -> None:
+    """The gradients ``optimizers`` step on scaled so that the global norm (``grad_norm``) is at
+    most ``max_norm`` (``mimo.training.optim.clip_grads_``)."""
+    clip_grads_((), max_norm, norm, grads=[s.grad for opt in optimizers for s in opt.states])
 
 
-def build_bucket_optimizers(params: list[TrainParam], grad_sync, lr: dict[str, float], weight_decay: dict[str, float],
-                            sharded: bool, offload: bool) -> dict[str, BucketAdamW]:
-    """One ``BucketAdamW`` per module with trainable parameters on this rank."""
+def grad_norm(optimizers, device: torch.device | str) -> torch.Tensor:
+    """The global gradient norm from the gradients the optimizers step on (one world-wide
+    all-reduce of one number, left on ``device``; every element counted once). Every rank calls
+    it, also one where nothing trains."""
+    return global_grad_norm((), device, grads=[t for opt in optimizers for s in opt.states for t in s.counted])
+
+
+def build_optimizers(params: list[TrainParam], grad_sync, lr: dict[str, float], weight_decay: dict[str, float],
+                     policy: PrecisionPolicy | None = None, offload: bool = False) -> dict[str, AdamW]:
+    """One ``AdamW`` per module with trainable parameters on this rank, over ``grad_sync``'s
+    buckets (sharded where it reduce-scatters), with the policy's masters."""
     by_module: dict[str, list[TrainParam]] = defaultdict(list)
     for p in params:
         if p.param.requires_grad:
             by_module[p.module].append(p)
-    return {m: BucketAdamW(ps, grad_sync, lr[m], weight_decay[m], sharded=sharded, offload=offload)
-            for m, ps in by_module.items()}
+    return {m: AdamW(ps, grad_sync, lr[m], weight_decay[m], policy=policy, offload=offload) for m, ps in by_module.items()}

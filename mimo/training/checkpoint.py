@@ -28,12 +28,14 @@ checkpoint records the layout it was written at; loading it at another layout re
 tensor from the stored pieces that overlap it. Either way one reader reads every tensor
 (``mimo.training.reshard.StoredModule``).
 
-Optimizer state has one format, whatever the optimizer (``_state_file``): per parameter its flat
-local elements ``lo .. hi`` of ``master`` (where kept) / ``exp_avg`` / ``exp_avg_sq``, with the
-range, the step count and the placement record. A per-parameter optimizer (AdamW; AdamW on fp32
-masters) writes the whole range of each parameter its rank owns (the weights' rule); the
-distributed optimizer writes each rank's shard. Checkpoints written before this format hold a
-per-parameter optimizer's state in ``*.optim`` files: they still load.
+Optimizer state has one format (``_state_file``): per parameter its flat local elements
+``lo .. hi`` of ``exp_avg`` / ``exp_avg_sq`` (and ``master`` where the optimizer keeps fp32
+masters of narrower weights), with the range, the step count and the placement record. Where the
+optimizer steps whole buckets a rank writes the whole range of each parameter it owns (the
+weights' rule); the distributed optimizer writes each rank's shard. Checkpoints written before
+this format hold a per-parameter optimizer's state in ``*.optim`` files, and ``*.dopt`` files of
+the optimizer classes before the one ``AdamW`` (``mimo.training.bucket_optim``) carry masters of
+fp32 weights too: both still load, in any precision.
 
 Checksums: every file is written by safetensors' ``save_file`` while helper threads compute the
 crc32 of the same bytes from the tensors' memory (``_write_tensors``; ``_safetensors_layout`` lays
@@ -100,7 +102,7 @@ from mimo.parallel.fp8 import fit_history
 from mimo.parallel.lora import init_magnitudes_, is_adapter_tensor
 from mimo.parallel.params import ParamInfo, persistent_buffers
 from mimo.parallel.placement import replicated
-from mimo.training.bucket_optim import BucketAdamW, finish_updates
+from mimo.training.bucket_optim import AdamW, finish_updates
 from mimo.training.reshard import STATE_FIELDS, STATE_KIND, StoredModule
 
 log = logging.getLogger("mimo.training.checkpoint")
@@ -480,11 +482,6 @@ def _file(module: str, rank: int, kind: str) -> str:
     return f"{module}-rank{rank:05d}.{kind}.safetensors"
 
 
-def _ordered_names(opt: torch.optim.Optimizer, names_by_param: dict[int, str]) -> list[str]:
-    # state_dict() numbers parameters consecutively over the param groups, in this order
-    return [names_by_param[id(p)] for g in opt.param_groups for p in g["params"]]
-
-
 # ---------------------------------------------------------------- serialisation
 
 
@@ -674,43 +671,17 @@ def _write_tensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[s
     return {"crc32": _file_crc32(path, pool), "bytes": on_disk}
 
 
-def _state_file(part: _Part, opt: torch.optim.Optimizer, copy: Callable[[torch.Tensor], torch.Tensor] = _host_copy
+def _state_file(part: _Part, opt: AdamW, copy: Callable[[torch.Tensor], torch.Tensor] = _host_copy
                 ) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
     """The tensors and metadata of this rank's optimizer-state file of ``part`` (the one format,
     module doc): ``{name}.{field}`` 1-d pieces, and as ``shard`` each piece's range, step count
     (``bucket``: the index of its count in ``steps``) and placement record. None: nothing to write."""
-    if isinstance(opt, BucketAdamW):  # its shards, by bucket
-        tensors, shard = opt.state_pieces(copy)
-        names = part.names_by_param()
-        records = {pc.name: part.table[names[id(pc.param)]].record() for s in opt.states for pc in s.pieces}
-    else:  # whole parameters, those this rank writes
-        tensors, shard, records = {}, {"ranges": {}, "steps": {}, "sharded": False, "fresh": []}, {}
-        for i, name in enumerate(_ordered_names(opt, part.names_by_param())):
-            state = opt.state.get(part.table[name].param)
-            if not part.writes(name):
-                continue
-            if not state:  # not stepped yet (no gradient so far): loads as it is, without state
-                shard["fresh"].append(name)
-                continue
-            for key in STATE_FIELDS:
-                if key in state:  # a copy: entries may share memory (MasterWeightAdamW's buffer views)
-                    tensors[f"{name}.{key}"] = copy(state[key].reshape(-1))
-            numel = part.table[name].param.numel()
-            shard["ranges"][name] = {"range": [0, numel], "numel": numel, "bucket": i}
-            shard["steps"][i] = float(state["step"])
-            records[name] = part.table[name].record()
-    if not shard["ranges"] and not shard.get("fresh"):
+    names = part.names_by_param()
+    tensors, shard = opt.state_pieces(copy, lambda p: part.writes(names[id(p)]))
+    if not shard["ranges"]:
         return None
-    shard["placements"] = {n: records[n] for n in shard["ranges"]}
+    shard["placements"] = {n: part.table[n].record() for n in shard["ranges"]}
     return tensors, {"optimizer": type(opt).__name__, "shard": json.dumps(shard)}
-
-
-def _other_optimizer(path: str, written: str, opt: torch.optim.Optimizer) -> CheckpointError:
-    """The error for optimizer state of another class than ``opt``'s (a precision change)."""
-    return CheckpointError(
-        f"{path}: optimizer state of a {written}, this run uses a {type(opt).__name__} (train.precision changed between "
-        "bf16 and bf16-pure?); resume with the precision it was written with, or start from its weights with "
-        "train.init_from")
 
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -759,7 +730,7 @@ def _barrier() -> None:
 _File = tuple[str, dict[str, torch.Tensor], dict[str, str]]
 
 
-def _part_files(part: _Part, opt: torch.optim.Optimizer | None, rank: int, step: int,
+def _part_files(part: _Part, opt: AdamW | None, rank: int, step: int,
                 copy: Callable[[torch.Tensor], torch.Tensor] = _host_copy) -> Iterator[_File]:
     """This rank's files of ``part``, each copied when asked for (a synchronous save holds one
     file's copy at a time): the tensors it owns with their placement records, and its optimizer
@@ -781,7 +752,7 @@ def _part_files(part: _Part, opt: torch.optim.Optimizer | None, rank: int, step:
         yield (_file(part.module, rank, STATE_KIND), *state)
 
 
-def _rank_files(model: MimoModel, optimizers: dict[str, torch.optim.Optimizer], step: int,
+def _rank_files(model: MimoModel, optimizers: dict[str, AdamW], step: int,
                 copy: Callable[[torch.Tensor], torch.Tensor] = _host_copy) -> Iterator[_File]:
     """Every file this rank writes into the checkpoint of ``step``, its RNG state last."""
     for part in _local_parts(model):
@@ -802,7 +773,7 @@ def _write_files(files: Iterable[_File], directory: str) -> dict[str, dict]:
     return records
 
 
-def _write_part(part: _Part, opt: torch.optim.Optimizer | None, directory: str, rank: int, step: int) -> dict[str, dict]:
+def _write_part(part: _Part, opt: AdamW | None, directory: str, rank: int, step: int) -> dict[str, dict]:
     """This rank's files of ``part`` (``_part_files``) written into ``directory``; their checksum records."""
     return _write_files(_part_files(part, opt, rank, step), directory)
 
@@ -830,7 +801,7 @@ def _gather_checksums(tmp: str) -> dict[str, dict]:
     return merged
 
 
-def _begin_save(model: MimoModel, optimizers: dict[str, torch.optim.Optimizer], step: int, directory: str) -> tuple[str, str]:
+def _begin_save(model: MimoModel, optimizers: dict[str, AdamW], step: int, directory: str) -> tuple[str, str]:
     """Every rank, at the same point: the weights still in flight landed, ``step-N.tmp`` made
     afresh by rank 0 before any rank writes there. Returns (the tmp folder, the final one)."""
     final = step_dir(directory, step)
@@ -878,7 +849,7 @@ def _commit(tmp: str, final: str, keep: int | None, about: dict) -> None:
         log.info("deleted old checkpoint %s (keep=%s)", path, keep)
 
 
-def save_checkpoint(model: MimoModel, optimizers: dict[str, torch.optim.Optimizer], step: int, directory: str,
+def save_checkpoint(model: MimoModel, optimizers: dict[str, AdamW], step: int, directory: str,
                     keep: int | None = None, extra_meta: dict | None = None,
                     after_write: Callable[[], None] | None = None) -> str:
     """Write the checkpoint of ``step``; every rank calls it at the same point. Returns its path.
@@ -973,7 +944,7 @@ def holds_whole(meta: dict, module: str) -> bool:
     return module in theirs and not (theirs[module] or {}).get("lora")
 
 
-def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.optim.Optimizer] | None = None,
+def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, AdamW] | None = None,
                     rng: bool = True, start: bool = False) -> dict:
     """Restore this rank's model shards (and optimizer states, RNG) from the checkpoint at
     ``path``; returns its meta. Every tensor is assembled from the stored pieces that overlap it
@@ -1007,7 +978,7 @@ def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, torch.opt
     return meta
 
 
-def _read_part(part: _Part, opt: torch.optim.Optimizer | None, files: _Files, names: list[str], rank: int,
+def _read_part(part: _Part, opt: AdamW | None, files: _Files, names: list[str], rank: int,
                same: bool) -> StoredModule:
     """``part``'s weights (and ``opt``'s state) from the checkpoint's files (``names``: its file
     list) through its module's reader, which it returns; ``same``: at the checkpoint's layout."""
@@ -1035,32 +1006,21 @@ def _read_weights(part: _Part, stored: StoredModule) -> None:
 
 
 @torch.no_grad()
-def _read_state(part: _Part, opt: torch.optim.Optimizer, stored: StoredModule, path: str) -> None:
-    """``opt``'s state for ``part``'s parameters at this rank's layout, from the stored pieces;
-    state of parameters not trained now, or none of ones that are, is a freezing change."""
-    from mimo.training.optim import MasterWeightAdamW
-
+def _read_state(part: _Part, opt: AdamW, stored: StoredModule, path: str) -> None:
+    """``opt``'s state for ``part``'s parameters at this rank's layout, from the stored pieces
+    (whichever optimizer and precision wrote them: the masters are the stored ones, else the
+    stored weights); state of parameters not trained now, or none of ones that are, is a
+    freezing change."""
     by_param = part.names_by_param()
-    trained = ({by_param[id(pc.param)] for s in opt.states for pc in s.pieces} if isinstance(opt, BucketAdamW)
-               else set(_ordered_names(opt, by_param)))
+    trained = {by_param[id(pc.param)] for s in opt.states for pc in s.pieces}
     untrained = sorted(n for n in part.table if n not in trained and stored.holds_state(n))
     absent = sorted(n for n in trained if n not in stored.fresh and not stored.has(n, "exp_avg"))
     if untrained or absent:
         raise CheckpointError(f"{path}: optimizer state is for other parameters (not in the checkpoint: {absent[:3]}, "
                               f"not trained now: {untrained[:3]}); did freezing change?")
     infos = {name: part.table[name] for name in by_param.values()}
-    if isinstance(opt, BucketAdamW):
-        opt.load_local_states(lambda n: stored.adam_state(n, infos[n], master=True), stored.step, path)
-        return
-    clash = stored.optimizers - {type(opt).__name__, "BucketAdamW"}
-    if clash:
-        raise _other_optimizer(path, sorted(clash)[0], opt)
-    names = _ordered_names(opt, by_param)
-    master = isinstance(opt, MasterWeightAdamW)
-    sd = opt.state_dict()
-    sd["state"] = {i: {**stored.adam_state(n, infos[n], master), "step": torch.tensor(stored.step(n), dtype=torch.float32)}
-                   for i, n in enumerate(names) if n not in stored.fresh}
-    opt.load_state_dict(sd)
+    opt.load_local_states(lambda n, master: None if n in stored.fresh else stored.adam_state(n, infos[n], master),
+                          lambda n: 0.0 if n in stored.fresh else stored.step(n), path)
 
 
 def _check_all_read(loaded: dict[str, set[str]], stored: dict[str, set[str]], path: str) -> None:

@@ -24,7 +24,9 @@ name and step, init and data order, so the global streams do not reach the resul
 
 Optimizer state moves with its parameter: ``exp_avg`` / ``exp_avg_sq`` (and ``master`` where
 the new optimizer keeps one: the stored master, else the stored fp32 weights) are resharded like
-the weights; a step count is one number per parameter (per bucket for a ``BucketAdamW``).
+the weights; a step count is one number per parameter (the optimizer, ``mimo.training.bucket_optim``,
+keeps one per bucket: its parameters' must agree). Whichever optimizer class or precision wrote the
+state, it loads into the one ``AdamW`` of any precision (the moments cast to its state's dtype).
 """
 
 from __future__ import annotations
@@ -136,17 +138,16 @@ class _FlatParts:
 class StoredModule:
     """Every stored tensor of one module of a checkpoint by (name, field): ``param`` (weights and
     persistent buffers), ``master``, ``exp_avg``, ``exp_avg_sq``; each name's optimizer step
-    count; the optimizer classes that wrote state. ``open_file(name) -> (safe_open handle,
-    placements of a model file)`` opens a file of the checkpoint once. ``first``: the files to
-    index first (at the checkpoint's own layout, those of this rank's owners); the module's other
-    files are indexed only when a tensor or step count is not found in them (``_widen``)."""
+    count. ``open_file(name) -> (safe_open handle, placements of a model file)`` opens a file of
+    the checkpoint once. ``first``: the files to index first (at the checkpoint's own layout,
+    those of this rank's owners); the module's other files are indexed only when a tensor or step
+    count is not found in them (``_widen``)."""
 
     def __init__(self, path: str, files: list[str], module: str, open_file, first: set[str] | None = None):
         self.path, self.module, self._open = path, module, open_file
         self.sources: dict[tuple[str, str], list] = defaultdict(list)
         self.steps: dict[str, float] = {}
         self.fresh: set[str] = set()  # trained when written, but not stepped yet: no state
-        self.optimizers: set[str] = set()
         self._flat: dict[tuple[str, str, str], _FlatParts] = {}
         self._joined: dict[str, list[_FlatParts]] = defaultdict(list)  # per name: its joined pieces (freed after use)
         self._rest = sorted(_module_files(files, module))  # (kind, rank, file) not indexed yet: dopt, model, optim
@@ -170,7 +171,6 @@ class StoredModule:
     def _index_state(self, f, where: str) -> None:
         """A ``*.dopt`` file: pieces of each parameter's flat local tensor, joined on first read."""
         meta = json.loads(f.metadata()["shard"])
-        self.optimizers.add(f.metadata().get("optimizer", "BucketAdamW"))
         keys = set(f.keys())
         self.fresh.update(meta.get("fresh", ()))
         for pname, got in meta["ranges"].items():
@@ -191,7 +191,6 @@ class StoredModule:
         """A ``*.optim`` file (checkpoints before the one state format): ``{name}/{field}`` whole
         local tensors, placed by the records of the model file beside it."""
         _, model_records = self._open(name.replace(".optim.", ".model."))
-        self.optimizers.add(f.metadata().get("optimizer", "AdamW"))
         for key in f.keys():
             pname, fieldname = key.rsplit("/", 1)
             if fieldname == "step":

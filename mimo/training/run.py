@@ -16,8 +16,8 @@ from mimo.data.index import Index
 from mimo.data.pipeline import DataPipeline
 from mimo.compose.inputs import data_plan, encoder_feeds, ensure_index, sample_reader, text_spec
 from mimo.compose.model import MimoModel
-from mimo.training.bucket_optim import build_bucket_optimizers
-from mimo.training.optim import GradSync, PrecisionPolicy, build_optimizers
+from mimo.training.bucket_optim import build_optimizers
+from mimo.training.optim import GradSync, PrecisionPolicy
 from mimo.training.step import grad_sync_for
 
 
@@ -56,16 +56,12 @@ def build_run(config: MimoConfig, rank: int, index: Index | None = None, policy:
 
 def model_optimizers(config: MimoConfig, model: MimoModel, policy: PrecisionPolicy) -> dict[str, torch.optim.Optimizer]:
     """The optimizer of each module ``model`` trains on this rank, over the run's gradient
-    buffers (``grad_sync_for``: made here once)."""
-    train = config.train
-    grad_sync = grad_sync_for(model, policy)
-    if train.distributed_optimizer or train.optimizer_offload:
-        optimizers = build_bucket_optimizers(model.train_params(), grad_sync, *config.optimizer_settings(),
-                                             sharded=train.distributed_optimizer, offload=train.optimizer_offload)
-        for name, opt in optimizers.items():  # each layer waits for its weights' gather, not the whole model
-            opt.wait_hooks(model.wait_roots(name))
-        return optimizers
-    return build_optimizers(model.train_params(), *config.optimizer_settings(), policy=policy)
+    buffers (``grad_sync_for``: made here once; sharded under ``train.distributed_optimizer``)."""
+    optimizers = build_optimizers(model.train_params(), grad_sync_for(model, policy), *config.optimizer_settings(),
+                                  policy=policy, offload=config.train.optimizer_offload)
+    for name, opt in optimizers.items():  # each layer waits for its weights' gather, not the whole model
+        opt.wait_hooks(model.wait_roots(name))
+    return optimizers
 
 
 def data_pipeline(config: MimoConfig, model: MimoModel, plan, micro_batches: int, ahead: bool = True, make_reader=None) -> DataPipeline:

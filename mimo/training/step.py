@@ -34,8 +34,8 @@ from mimo.data.pipeline import DataPipeline
 from mimo.llm.balance import STATS, Balancer, stats_metrics
 from mimo.llm.dsa import dsa_layers, step_kl
 from mimo.llm.mtp import mtp_metrics
-from mimo.training.bucket_optim import BucketAdamW, bucket_grad_norm
-from mimo.training.optim import GradSync, PrecisionPolicy, bucket_numel, clip_grads_, clip_scale, global_grad_norm, lr_for
+from mimo.training.bucket_optim import clip_, grad_norm
+from mimo.training.optim import GradSync, PrecisionPolicy, bucket_numel, lr_for
 from mimo.training.schedule_run import run_schedule
 from mimo.training.trace import Trace
 
@@ -148,7 +148,6 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     dsa = dsa_layers(llm.module) if n_dsa else []  # (no walk over the modules without DSA layers)
     step_kl(dsa, reset=True)
     grad_sync = grad_sync_for(model, policy)
-    params = grad_sync.params  # the run's table, built once with the buffers (not per step: host time at the step boundary)
     grad_sync.zero_grad()
     loss_local = run_schedule(model, plan, max(num_loss_tokens, 1.0), events, grad_sync)
     grad_sync.finish()
@@ -157,13 +156,10 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     for part in model.parts:  # (a tied embedding's two copies summed)
         for finalise in part.grad_finalisers:
             finalise(grad_sync)
-    # on the rank's device, also where no parameter trains (one backend for the all-reduce);
-    # read below, after the optimizer's launches
-    bucketed = [o for o in optimizers.values() if isinstance(o, BucketAdamW)]
-    if bucketed:  # every module's: their shards hold the gradients
-        norm_t = bucket_grad_norm(bucketed, model.device)
-    else:
-        norm_t = global_grad_norm(params, model.device, grads=grad_sync.norm_grads())
+    # from the gradients the optimizers step on (a sharded one's: its shards), on the rank's
+    # device, also where no parameter trains (one backend for the all-reduce); read below, after
+    # the optimizer's launches
+    norm_t = grad_norm(optimizers.values(), model.device)
     if on_grads is not None:
         on_grads(model, float(norm_t))
     # skip_step reads the norm here (a device sync the default stop does without: it looks at the
@@ -172,20 +168,13 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     if cfg.train.on_nonfinite == "skip_step" and not math.isfinite(float(norm_t)):
         return StepResult(_world_loss(model, loss_local)[0], norm_t, int(num_loss_tokens), {}, _read_failures(plan), events,
                           skipped=True)
-    if bucketed:
-        scale = clip_scale(cfg.train.grad_clip, norm_t)
-        for opt in bucketed:
-            opt.clip_(scale)
-    else:
-        clip_grads_(params, cfg.train.grad_clip, norm_t, grads=grad_sync.all_grads())
+    clip_(optimizers.values(), cfg.train.grad_clip, norm_t)
     lrs = {}
     for module, opt in optimizers.items():
         # each module's own base lr (AdamW keeps it in defaults), on the shared schedule
         lr = lr_for(cfg.train, step, opt.defaults["lr"])
         for g in opt.param_groups:
             g["lr"] = lr
-        if not getattr(opt, "reads_main_grads", False):
-            grad_sync.round_grads_(module)  # torch's AdamW on bf16 weights (bf16-pure) reads .grad
         opt.step()  # the main gradients are zeroed at the next step's start
         lrs[module] = lr
     for part in model.parts:  # MoE balancing, FP8 amax histories: each part's, as it was built
