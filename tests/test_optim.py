@@ -250,3 +250,30 @@ def test_state_written_by_the_classes_before_loads_and_continues_as_they_did(cas
         assert torch.equal(want[str(i)], p.detach()), i
         for key in ("exp_avg", "exp_avg_sq") + (("master",) if precision == "bf16" else ()):
             assert torch.equal(want[f"{i}.{key}"], got[f"{i}.{key}"]), (i, key)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused CUDA kernel needs a GPU (the GPU machine runs it)")
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-pure"])
+def test_the_fused_kernel_on_the_gpu_is_torch_adamw(precision):
+    """On the GPU (the fused kernel over the buckets' runs): fp32 and bf16-pure equal torch's
+    fused AdamW on the weights bit for bit, bf16's masters torch's fused AdamW on fp32 copies
+    and its weights those rounded; the step counts live on the device."""
+    dtype = PrecisionPolicy.named(precision).params
+    b = [torch.nn.Parameter(p.detach().cuda()) for p in _params(dtype)]
+    a = [torch.nn.Parameter(p.detach().float() if precision == "bf16" else p.detach().clone()) for p in b]
+    ref, opt = _torch_adamw(a, fused=True), _optimizer(b, precision)
+    assert all(s.fused and s.step.is_cuda for s in opt.states)
+    for k in range(1, 5):
+        for x, y, g in zip(a, b, _grads(k)):
+            x.grad = g.to(device="cuda", dtype=x.dtype if precision != "bf16-pure" else torch.bfloat16)
+            y.main_grad.copy_(g)
+        for group in ref.param_groups:
+            group["lr"] = LR / k
+        ref.step()
+        opt.param_groups[0]["lr"] = LR / k
+        opt.step()
+    for x, y in zip(a, b):
+        assert torch.equal(x.detach().to(y.dtype), y.detach()), precision
+    if precision == "bf16":
+        state = _state(opt)
+        assert all(torch.equal(state[f"{i}.master"], x.detach().reshape(-1)) for i, x in enumerate(a))
