@@ -43,6 +43,7 @@ from mimo.llm.model import LLMStage
 from mimo.data.positions import packed_positions_3d
 from mimo.llm.verify import randomize_
 from mimo.parallel.grid import ParallelConfig
+from mimo.parallel.layout_reference import packed_placement
 
 TOL = 1e-5
 WORLD = 2
@@ -328,7 +329,9 @@ def layout_case(arch, state, tp: int, cp: int, pp: int, sp: bool, whole: PackedB
         batch.positions_3d = whole.positions_3d[:, : batch.num_tokens].clone()
     batch.validate()
     samples = [(len(t), torch.nonzero(torch.tensor(t) == IMG).flatten().tolist()) for t, _ in SAMPLES]
-    placement, slots = stage.image_placement(grid, samples, [range(len(SAMPLES))], deepstack=True)
+    placement = stage.image_placement(grid, samples, [range(len(SAMPLES))], deepstack=True).to_placement()
+    reference, slots = packed_placement(grid, samples, [range(len(SAMPLES))], placement.hidden, stage.sequence_parallel)
+    assert placement == reference  # the production builder against the reference one
     rank = dist.get_rank()
     inputs, slots_ok = None, True
     if stage.is_first:
