@@ -510,39 +510,6 @@ def test_a_step_builds_no_parameter_table(pools, demo_config):
         assert r["graph_steps"] == 1
 
 
-@pytest.mark.parametrize("mode", ["counted", "replica", "twice"])
-def test_norm_and_clip_over_bucket_buffers_equal_the_per_parameter_ones(mode):
-    """The step's norm reads whole bucket buffers where every parameter in one counts once,
-    each counted parameter's gradient elsewhere: the same norm as per parameter, for buckets
-    holding a TP replica that does not count ("replica") and a parameter listed under two
-    counted names ("twice"); clipping over the buffers scales every gradient once. Mutation:
-    a buffer taken whole in either case changes the norm."""
-    from mimo.training.optim import GradSync, TrainParam, clip_grads_, global_grad_norm
-
-    gen = torch.Generator().manual_seed(3)
-    ps = [torch.nn.Parameter(torch.zeros(n, dtype=torch.float64)) for n in (7, 5, 11, 3)]
-    infos = [TrainParam("m", f"p{i}", p, None, True) for i, p in enumerate(ps)]
-    if mode == "replica":
-        infos[1].counts_in_norm = False
-    if mode == "twice":
-        infos.append(TrainParam("m", "p2_again", ps[2], None, True))
-    sync = GradSync(infos, bucket_numel=16)  # several buckets, each of whole parameters
-    assert len(sync._all) >= 2
-    for p in ps:
-        p.grad.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
-    fast = global_grad_norm(infos, "cpu", grads=sync.norm_grads())
-    plain = global_grad_norm(infos, "cpu")
-    counted = [p.param.grad for p in infos if p.counts_in_norm]
-    assert float(fast) == pytest.approx(float(torch.cat(counted).norm()), rel=1e-12)
-    assert float(fast) == pytest.approx(float(plain), rel=1e-12)
-    if mode != "counted":
-        assert len(sync.norm_grads()) > len(sync._all) - 1  # the odd bucket went per parameter
-    before = [p.grad.clone() for p in ps]
-    clip_grads_(infos, 0.5 * float(fast), fast, grads=sync.all_grads())
-    for p, g in zip(ps, before):
-        assert torch.allclose(p.grad, g * (0.5 * float(fast) / (float(fast) + 1e-6)), rtol=1e-12, atol=0)
-
-
 @pytest.mark.parametrize("change", [{}, {"sent": 11}, {"gathered": 1}, {"problems": ["rank 0: its forward plan differs"]}])
 def test_verify_train_counts_bridge_elements_against_the_minimum(change):
     """``compare`` passes training's bridge plans only at the reference's minimum: one element

@@ -113,7 +113,6 @@ class GradSync:
             raise ValueError(f"GradSync mode must be one of {REDUCE_MODES}, not {mode!r}")
         self.mode = mode
         self.params = list(params)  # what it was built from: the step's norm and clipping read these, not a rebuilt table
-        self._norm_grads: list[torch.Tensor] | None = None  # built on first use (``norm_grads``)
         self.reduce_dtype = policy.grad_reduce if policy else torch.float32
         self.note = note
         self.buckets: dict[str, list[_Bucket]] = {}  # per module: the DP-summed buckets, in launch order
@@ -341,33 +340,6 @@ class GradSync:
             raise ValueError("GradSync.shards: only in reduce_scatter mode")
         return [(b.shard, b.shard.numel() * dist.get_rank(b.group)) for b in self.buckets.get(module, [])]
 
-    def norm_grads(self) -> list[torch.Tensor] | None:
-        """The tensors whose squared norms sum to this rank's term of the global gradient norm,
-        as few as the buckets allow (a step's host time): a bucket's whole buffer where each of
-        its parameters counts once (in all_reduce mode the buffer is exactly their main
-        gradients), else each counted parameter's main gradient as often as it counts. Built
-        once (the buffers persist); None in reduce_scatter mode (the shards decide there)."""
-        if self.mode != "all_reduce":
-            return None
-        if self._norm_grads is None:
-            counts: dict[int, int] = defaultdict(int)
-            for p in self.params:
-                counts[id(p.param)] += bool(p.counts_in_norm)
-            out = []
-            for b in self._all:
-                times = [counts[id(p)] for p in b.params]
-                if all(t == 1 for t in times):
-                    out.append(b.flat)
-                else:
-                    out += [p.main_grad for p, t in zip(b.params, times) for _ in range(t)]
-            self._norm_grads = out
-        return self._norm_grads
-
-    def all_grads(self) -> list[torch.Tensor] | None:
-        """Every main gradient once, as the buckets' buffers (all_reduce mode; else None):
-        what clipping scales."""
-        return [b.flat for b in self._all] if self.mode == "all_reduce" else None
-
     def close(self) -> None:
         """Remove the hooks and the ``main_grad`` views (fp32 ``.grad`` views stay: the gradients)."""
         for h in self._hooks:
@@ -398,8 +370,8 @@ def global_grad_norm(params: Iterable[TrainParam], device: torch.device | str, w
     CPU tensor there against CUDA tensors elsewhere: different NCCL/gloo collectives, a hang).
     Per-tensor norms in fp32 (``torch._foreach_norm``; fp64 for fp64 gradients, the references),
     squared and summed in fp64; nothing is read back to the host here (``clip_grads_`` takes the
-    tensor), so the step need not wait for the device. ``grads``: the counted gradients as
-    ``GradSync.norm_grads`` gives them (the same sum over fewer tensors), instead of ``params``'."""
+    tensor), so the step need not wait for the device. ``grads``: the counted gradients (the
+    optimizers' runs of them: ``mimo.training.bucket_optim.grad_norm``), instead of ``params``'."""
     if grads is None:
         grads = [g for p in params if p.counts_in_norm and (g := main_grad(p.param)) is not None]
     total = torch.zeros((), dtype=torch.float64, device=torch.device(device))
@@ -423,7 +395,7 @@ def clip_grads_(params: Iterable[TrainParam], max_norm: float | None, norm: torc
                 grads: list[torch.Tensor] | None = None) -> None:
     """Scale gradients so the global norm is at most ``max_norm``: by
     ``min(1, max_norm / (norm + 1e-6))``, computed where ``norm`` lives (no host read).
-    ``grads``: every main gradient once, as ``GradSync.all_grads`` gives them, instead of ``params``'."""
+    ``grads``: every main gradient once (the optimizers' buckets), instead of ``params``'."""
     if max_norm is None:
         return
     scale = clip_scale(max_norm, norm)
