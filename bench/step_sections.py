@@ -1,5 +1,6 @@
-"""Host time of a training step, by part: ``train_step``'s pieces (data, bridge plans, encoder
-and LLM forward and backward, gradient sync, norm, optimizers) wrapped with host timers, no
+"""Host time of a training step, by part: ``train_step``'s pieces (the step's data and plan,
+delivered from the data thread; encoder and LLM forward and backward, bridges, gradient sync,
+norm and clipping, optimizers) wrapped with host timers, no
 profiler. Run back to back (the host may run ahead of the device or wait on its launch queue) and
 with every step waited for (the host's own work). On a GPU the wall time per step against the
 host's shows whether the host sets the pace. Prints one JSON line.
@@ -13,10 +14,14 @@ import argparse
 import collections
 import functools
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llava_step import TINY  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,8 +41,6 @@ def main(argv=None) -> dict:
     from mimo.compose.config import load_config
     from mimo.llm.stage_runner import StageRunner
     from mimo.training.run import build_run
-
-    from llava_step import TINY  # noqa: E402 (bench/ is the script's folder)
 
     config = load_config(args.config, (TINY if args.tiny else []) + args.overrides
                          + [f"train.steps={args.warmup + 2 * args.steps}"])
@@ -62,7 +65,7 @@ def main(argv=None) -> dict:
                 calls[name] += 1
         return wrapped
 
-    for name in ("run_schedule", "global_grad_norm", "clip_grads_", "lr_for"):
+    for name in ("run_schedule", "grad_norm", "clip_", "lr_for"):
         setattr(step_module, name, timed(name, getattr(step_module, name)))
     for name in ("encode_and_bridge", "bridge_backward"):
         setattr(schedule_run, name, timed(name, getattr(schedule_run, name)))

@@ -1,4 +1,4 @@
-"""bench/llava_step.py and bench/llava_moe_step.py stay runnable: their tiny models on the CPU,
+"""bench/llava_step.py, bench/llava_moe_step.py and bench/step_sections.py stay runnable: their tiny models on the CPU,
 with a stand-in anchor script in place of Hugging Face's (which needs a GPU), so that the
 anchor search (every configuration tried, a failing one recorded, the fastest taken) and the
 same-batch wiring are exercised."""
@@ -63,3 +63,12 @@ def test_llava_bench_tiny_without_anchor():
     assert "baseline" not in res and res["samples_per_step"] == 8
     v = res["eager"]
     assert v["timed_steps"] == 2 and v["real_tokens_per_s"] > 0 and v["loss_first"] > 0
+
+
+def test_step_sections_tiny_times_the_steps_parts(capsys):
+    """Every part it wraps still exists in the step (a renamed one fails here, not on the GPU machine)."""
+    res = _load("step_sections").main(["--tiny", "--device", "cpu", "--steps", "1", "--warmup", "1"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(res))
+    for mode in ("back_to_back", "waited"):
+        parts = res[mode]["parts_ms_per_step"]
+        assert {"run_schedule", "grad_norm", "clip_", "data", "llm.forward", "llm.backward", "encode_and_bridge"} <= set(parts)
