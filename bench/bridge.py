@@ -122,8 +122,7 @@ def _bench_case(src_text, dst_text, colocated, hidden, samples, dtype, iters, de
     itemsize = torch.tensor([], dtype=dt).element_size()
     return {**{f"{k}_s": v for k, v in times.items()},
             "bytes_sent": (built.fwd.sent_numel + built.bwd.sent_numel) * itemsize,
-            "allgather_bytes": (built._gather_numel(built.fwd.gather) if built.fwd.gather else 0) * itemsize
-            + (built._gather_numel(built.bwd.gather) if built.bwd.gather else 0) * itemsize}
+            "allgather_bytes": sum(g.received_numel for g in (built.fwd.gather, built.bwd.gather) if g) * itemsize}
 
 
 def main() -> None:

@@ -185,7 +185,7 @@ class _BridgeFunction(torch.autograd.Function):
         y = bridge.fwd.run(x if bridge.is_src else None, x.dtype, x.device)
         bridge.stats.fwd_sent += bridge.fwd.sent_numel
         if bridge.fwd.gather is not None:
-            bridge.stats.fwd_allgather += bridge._gather_numel(bridge.fwd.gather)
+            bridge.stats.fwd_allgather += bridge.fwd.gather.received_numel
         if y is None:  # non-colocated source: a token that carries the backward
             return x.new_empty(0)
         return y
@@ -197,7 +197,7 @@ class _BridgeFunction(torch.autograd.Function):
         g = bridge.bwd.run(grad_y.contiguous() if bridge.is_dst else None, dtype, device)
         bridge.stats.bwd_sent += bridge.bwd.sent_numel
         if bridge.bwd.gather is not None:
-            bridge.stats.bwd_allgather += bridge._gather_numel(bridge.bwd.gather)
+            bridge.stats.bwd_allgather += bridge.bwd.gather.received_numel
         if g is None:  # non-colocated destination: nothing flows further up
             return None, torch.zeros(shape, dtype=dtype, device=device)
         return None, g
@@ -244,9 +244,6 @@ class Bridge:
     @property
     def colocated(self) -> bool:
         return self.fwd.plan.colocated
-
-    def _gather_numel(self, g: FinishGather) -> int:
-        return g.rows * g.chunk * (len(g.ranks) - 1)
 
     def __call__(self, x: torch.Tensor | None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
         """Forward. On a non-colocated destination pass ``x=None`` (dtype/device say what

@@ -64,6 +64,11 @@ class FinishGather:
     rows: int
     chunk: int
 
+    @property
+    def received_numel(self) -> int:
+        """Elements each member receives: the other members' chunks of its rows."""
+        return self.rows * self.chunk * (len(self.ranks) - 1)
+
 
 @dataclass(frozen=True)
 class TransferPlan:
@@ -86,7 +91,7 @@ class TransferPlan:
 
     def gather_numel(self) -> int:
         """Elements received by all the finishing all-gathers together."""
-        return sum(g.rows * g.chunk * (len(g.ranks) - 1) * len(g.ranks) for g in self.gathers)
+        return sum(g.received_numel * len(g.ranks) for g in self.gathers)
 
 
 # ---------------------------------------------------------------------------

@@ -187,14 +187,18 @@ def native_blocks(src: LayoutSpec, dst: LayoutSpec, samples: list[NativeSample])
     return dp_blocks(costs, src.dp), dp_blocks([s.seq_len for s in samples], dst.dp)
 
 
+def image_layout(samples: list[Sample] | list[NativeSample]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The samples as a bridge is planned from them (``SampleArrays.image_layout``'s arrays): tokens
+    per sample, images per sample, each image's start and rows."""
+    array = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
+    return (array([s.seq_len for s in samples]), array([len(s.image_starts) for s in samples]),
+            array([p for s in samples for p in s.image_starts]), array([r for s in samples for r in s.image_rows]))
+
+
 def native_placements(dst: LayoutSpec, sg: ParallelGrid, dg: ParallelGrid, samples: list[NativeSample], width: int,
                       blocks: tuple[list[range], list[range]]) -> tuple[Placement, Placement]:
     """The reference builders' placements of the samples' image rows (``reference_bridge``)."""
-    array = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
-    return reference_bridge(array([s.seq_len for s in samples]), array([len(s.image_starts) for s in samples]),
-                            array([p for s in samples for p in s.image_starts]),
-                            array([r for s in samples for r in s.image_rows]), width, sg, blocks[0], dg, blocks[1],
-                            dst.shard == "seq")
+    return reference_bridge(*image_layout(samples), width, sg, blocks[0], dg, blocks[1], dst.shard == "seq")
 
 
 def reference_bridge(tokens_N: np.ndarray, images_N: np.ndarray, image_start_I: np.ndarray, image_rows_I: np.ndarray,
@@ -217,12 +221,8 @@ def production_plans(dst: LayoutSpec, sg: ParallelGrid, dg: ParallelGrid, sample
                      blocks: tuple[list[range], list[range]], rank: int
                      ) -> tuple[RunPlacement, RunPlacement, tuple[TransferPlan, TransferPlan]]:
     """What training runs for this microbatch on ``rank``: ``image_bridge_plans`` of the
-    samples' arrays (tokens, images per sample, each image's start and rows)."""
-    array = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
-    return image_bridge_plans(array([s.seq_len for s in samples]), array([len(s.image_starts) for s in samples]),
-                              array([p for s in samples for p in s.image_starts]),
-                              array([r for s in samples for r in s.image_rows]), width, sg, blocks[0], dg, blocks[1],
-                              dst.shard == "seq", rank)
+    samples' arrays (``image_layout``)."""
+    return image_bridge_plans(*image_layout(samples), width, sg, blocks[0], dg, blocks[1], dst.shard == "seq", rank)
 
 
 def _pieces(pl: RunPlacement) -> set:

@@ -195,10 +195,8 @@ def microbatch_bridge_plans(samples: SampleArrays | list[PlannedSample], placeho
     ``placeholder`` in a microbatch of ``samples`` (its ``SampleArrays``, or ``PlannedSample``s):
     ``rows_per_image`` rows each image, or for a native tower (0) each image's own, of ``width``
     values."""
-    arrays = SampleArrays.of(samples)
-    return image_bridge_plans(arrays.tokens_N, arrays.images_for(placeholder), arrays.image_starts(placeholder),
-                              arrays.image_rows(placeholder, rows_per_image), width, encoder_grid, encoder_blocks,
-                              llm_grid, llm_blocks, sequence_parallel, rank)
+    return image_bridge_plans(*SampleArrays.of(samples).image_layout(placeholder, rows_per_image), width, encoder_grid,
+                              encoder_blocks, llm_grid, llm_blocks, sequence_parallel, rank)
 
 
 def plan_arrays(plan, k: int, samples: list[PlannedSample]) -> SampleArrays:

@@ -94,6 +94,12 @@ class SampleArrays:
             return own
         return np.full(int(self.images_for(placeholder).sum()), rows_per_image, dtype=np.int64)
 
+    def image_layout(self, placeholder: str, rows_per_image: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """What a bridge of ``placeholder``'s images is planned from (``mimo.bridges.plan.
+        image_bridge_plans``): tokens per sample, images per sample, each image's start and rows."""
+        return (self.tokens_N, self.images_for(placeholder), self.image_starts(placeholder),
+                self.image_rows(placeholder, rows_per_image))
+
     def image_grids(self, placeholder: str) -> np.ndarray:
         """``[I, 3]`` grids of a native placeholder's images (none: empty)."""
         return self.image_grid_I3.get(placeholder, np.zeros((0, 3), dtype=np.int64))

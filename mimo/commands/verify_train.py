@@ -89,17 +89,15 @@ class _CheckedPipeline:
 
         plan, pipe = self._pipeline.step(step), self._pipeline
         for mb in plan:
-            arrays = mb.plan.arrays
             for name, (src, dst, plans) in mb.plan.bridges.items():
                 f = self._feeds[name]
-                ref = reference_bridge(arrays.tokens_N, arrays.images_for(f.placeholder), arrays.image_starts(f.placeholder),
-                                       arrays.image_rows(f.placeholder, f.rows_per_image), f.bridge_width, f.grid,
+                ref = reference_bridge(*mb.plan.arrays.image_layout(f.placeholder, f.rows_per_image), f.bridge_width, f.grid,
                                        mb.plan.encoder_blocks[name], pipe.llm_grid, mb.plan.llm_blocks,
                                        pipe.sequence_parallel)
                 self.problems += [f"step {step} {name}: {p}" for p in placement_problems(src, dst, plans, *ref, pipe.rank)]
                 self.checked += 1
                 self.numel["sent"] += sum(p.sent_numel(pipe.rank) for p in plans)
-                self.numel["gathered"] += sum(g.rows * g.chunk * (len(g.ranks) - 1) for p in plans for g in p.gathers)
+                self.numel["gathered"] += sum(g.received_numel for p in plans for g in p.gathers)
                 if pipe.rank == min(min(f.grid.ranks), min(pipe.llm_grid.ranks)):
                     for m in (minimum_numel(*ref), minimum_numel(*reversed(ref))):
                         self.numel["minimum"] += m["cross"]

@@ -235,7 +235,7 @@ class BridgeBytes:
             f = self.feed
             _, _, (fwd, bwd) = microbatch_bridge_plans(arrays, f.placeholder, f.rows_per_image, f.bridge_width, f.grid,
                                                        src_blocks, self.llm_grid, blocks, self.sequence_parallel, rank)
-            forward += fwd.sent_numel(rank) + sum(g.rows * g.chunk * (len(g.ranks) - 1) for g in fwd.gathers)
+            forward += fwd.sent_numel(rank) + sum(g.received_numel for g in fwd.gathers)
             backward += bwd.sent_numel(rank)
         self.forward.append(forward * self.item)
         self.backward.append(backward * self.item)

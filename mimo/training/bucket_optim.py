@@ -323,7 +323,7 @@ def finish_updates(optimizers) -> None:
 def clip_(optimizers, max_norm: float | None, norm: torch.Tensor) -> None:
     """The gradients ``optimizers`` step on scaled so that the global norm (``grad_norm``) is at
     most ``max_norm`` (``mimo.training.optim.clip_grads_``)."""
-    clip_grads_((), max_norm, norm, grads=[s.grad for opt in optimizers for s in opt.states])
+    clip_grads_([s.grad for opt in optimizers for s in opt.states], max_norm, norm)
 
 
 def grad_norm(optimizers, device: torch.device | str) -> torch.Tensor:

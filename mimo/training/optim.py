@@ -383,25 +383,13 @@ def global_grad_norm(params: Iterable[TrainParam], device: torch.device | str, w
     return total.sqrt()
 
 
-def clip_scale(max_norm: float | None, norm: torch.Tensor) -> torch.Tensor:
-    """The factor clipping multiplies gradients by: ``min(1, max_norm / (norm + 1e-6))`` (1
-    without clipping), where ``norm`` lives."""
-    if max_norm is None:
-        return torch.ones_like(norm)
-    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
-
-
-def clip_grads_(params: Iterable[TrainParam], max_norm: float | None, norm: torch.Tensor,
-                grads: list[torch.Tensor] | None = None) -> None:
-    """Scale gradients so the global norm is at most ``max_norm``: by
-    ``min(1, max_norm / (norm + 1e-6))``, computed where ``norm`` lives (no host read).
-    ``grads``: every main gradient once (the optimizers' buckets), instead of ``params``'."""
+def clip_grads_(grads: list[torch.Tensor], max_norm: float | None, norm: torch.Tensor) -> None:
+    """Scale ``grads`` (every gradient once: the optimizers' buckets) so the global norm is at
+    most ``max_norm``: by ``min(1, max_norm / (norm + 1e-6))``, computed where ``norm`` lives (no
+    host read)."""
     if max_norm is None:
         return
-    scale = clip_scale(max_norm, norm)
-    if grads is None:
-        unique = {id(p.param): p.param for p in params}  # a parameter listed under two names is scaled once
-        grads = [g for p in unique.values() if (g := main_grad(p)) is not None]
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for on_device, wide in _by_device(grads):
         torch._foreach_mul_(on_device, scale.to(device=on_device[0].device, dtype=wide))
 
