@@ -29,8 +29,10 @@ second).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -112,9 +114,15 @@ def profile_steps(run, policy, steps: list[int], path: str) -> dict:
             train_step(run.model, run.pipeline, step, run.optimizers, policy)
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=80, max_name_column_width=90)
-    with open(path, "w") as f:
-        f.write(table)
+    averages = prof.key_averages()
+    with open(path, "w") as f:  # by kernel time, then by host time (where the GPU waits on the host)
+        f.write(averages.table(sort_by="self_cuda_time_total", row_limit=80, max_name_column_width=90))
+        f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
+    trace = str(Path(path).with_suffix(".trace.json"))
+    prof.export_chrome_trace(trace)  # one file per profile, gzipped: the step's timeline, host gaps included
+    with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(trace)
     # kernels only: GPU-side user annotations (``Optimizer.step#...``) span kernels already counted
     kernels = sum(e.self_device_time_total for e in prof.events()
                   if e.device_type.name == "CUDA" and not e.is_user_annotation) / 1e6
@@ -395,7 +403,7 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
              "step_s_max": max(v["times"]), "step_s_mean": total / len(v["times"]), "warmup_step_s": v["warmup_s"],
              "real_tokens_per_s": got["real_tokens"] / total, "model_tflops_per_s": tflops, "mfu": tflops / rated if rated else None,
              "mfu_measured_rate": tflops / rate if rate else None,
-             "peak_mem_gib": v["peak_mem_gib"], "data_s_median": v["data_s_median"], "loss_first": v["losses"][0], "loss_last": v["losses"][-1],
+             "peak_mem_gib": v["peak_mem_gib"], "data_s_median": v["data_s_median"], "loss_first": v["losses"][0], "loss_last": v["losses"][-1], "losses": v["losses"],
              "graphs_compiled_in_timed_steps": v["graphs_compiled_in_timed_steps"]}
         if "profile" in v:
             r["profile"] = v["profile"]

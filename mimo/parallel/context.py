@@ -47,49 +47,36 @@ class AxisView:
         return self.groups.get(axis)
 
 
-def _split_view(view: AxisView, axis: str, inner: str, n: int, registry: GroupRegistry, rank: int):
-    """(the view with ``axis`` split as ``inner`` x ``axis``, its groups; the chain that gathers
-    the weights split over ``inner``): GTP's views (``mimo.parallel.gtp``)."""
-    from mimo.parallel.gtp import GTPChain
-
-    grid = view.grid.split_view(axis, inner, n)
-    sv = AxisView(grid, rank, dict(view.groups))
-    for a in (inner, axis):
-        sv.groups[a] = registry.partition(grid.partition(a), rank) if grid.shape[a] > 1 else None
-    grad = tuple(d for d in (("cp", "dp") if axis == "dp" else (axis,)) if grid.shape.get(d, 1) > 1)
-    sv.groups["grad"] = registry.partition(grid.partition(grad), rank) if grad else None
-    return sv, GTPChain(sv.groups[inner], n, sv.coord(inner))
-
-
 class ParallelContext:
     """A module's parallel context (see module doc). Build it on every rank of the world at
     the same point: it creates its groups (collective) in a fixed order."""
 
     def __init__(self, grid: ParallelGrid, rank: int, registry: GroupRegistry, *, sequence_parallel: bool = False,
                  expert: tuple[int, int] | None = None, gtp: int = 1, egtp: int = 1):
+        from mimo.parallel.gtp import GTPChain
+
         self.grid, self.rank, self.registry = grid, rank, registry
-        dense = AxisView(grid, rank)
-        for axis in ("tp", "cp", "dp", "pp"):
-            dense.groups[axis] = registry.partition(grid.partition(axis), rank) if grid.shape.get(axis, 1) > 1 else None
-        dims = tuple(d for d in ("cp", "dp") if d in grid.shape)
-        dense.groups["grad"] = registry.partition(grid.partition(dims), rank) if grid.dim_size(dims) > 1 else None
-        self.dense = dense
-        self.expert: AxisView | None = None
-        if expert is not None:
-            etp, ep = expert
-            view = grid.expert_view(etp, ep)
-            ev = AxisView(view, rank)
-            for axis in ("etp", "ep", "edp"):
-                ev.groups[axis] = registry.partition(view.partition(axis), rank) if view.shape[axis] > 1 else None
-            ev.groups["pp"] = dense.groups["pp"]  # the same ranks: the very same groups
-            ev.groups["grad"] = ev.groups["edp"]
-            self.expert = ev
-        self.gtp = self.gtp_chain = self.egtp = self.egtp_chain = None
-        if egtp > 1:  # the experts' data replicas re-factored egtp x edp; expert weights split over egtp
-            self.egtp, self.egtp_chain = _split_view(self.expert, "edp", "egtp", egtp, registry, rank)
+        # the views of the grid first, then their groups in one fixed order (collective), then GTP's chains
+        expert_grid = grid.expert_view(*expert) if expert is not None else None
+        # GTP: the data replicas re-factored gtp x dp (the experts' egtp x edp); weights split over gtp
+        gtp_grid = grid.split_view("dp", "gtp", gtp) if gtp > 1 else None
+        egtp_grid = expert_grid.split_view("edp", "egtp", egtp) if egtp > 1 else None
+        dense = registry.axis_groups(grid, {**{a: a for a in DENSE_AXES}, "grad": ("cp", "dp")}, rank)
+        expert_groups = egtp_groups = gtp_groups = None
+        if expert_grid is not None:  # the same pp ranks: the very same groups
+            expert_groups = {**registry.axis_groups(expert_grid, {a: a for a in ("etp", "ep", "edp")}, rank), "pp": dense["pp"]}
+            expert_groups["grad"] = expert_groups["edp"]
+        if egtp_grid is not None:
+            egtp_groups = {**expert_groups, **registry.axis_groups(egtp_grid, {"egtp": "egtp", "edp": "edp", "grad": "edp"}, rank)}
+        if gtp_grid is not None:
+            gtp_groups = {**dense, **registry.axis_groups(gtp_grid, {"gtp": "gtp", "dp": "dp", "grad": ("cp", "dp")}, rank)}
+        self.dense = AxisView(grid, rank, dense)
+        self.expert = None if expert_grid is None else AxisView(expert_grid, rank, expert_groups)
+        self.gtp = None if gtp_grid is None else AxisView(gtp_grid, rank, gtp_groups)
+        self.egtp = None if egtp_grid is None else AxisView(egtp_grid, rank, egtp_groups)
+        self.gtp_chain = None if gtp_grid is None else GTPChain(gtp_groups["gtp"], gtp, gtp_grid.coords(rank)["gtp"])
+        self.egtp_chain = None if egtp_grid is None else GTPChain(egtp_groups["egtp"], egtp, egtp_grid.coords(rank)["egtp"])
         self.sequence_parallel = bool(sequence_parallel) and self.tp_size > 1
-        if gtp > 1:  # the data replicas re-factored gtp x dp; weights split over gtp (mimo.parallel.gtp)
-            self.gtp, self.gtp_chain = _split_view(dense, "dp", "gtp", gtp, registry, rank)
 
     @classmethod
     def for_tp(cls, tp_group=None, sequence_parallel: bool = False) -> "ParallelContext":

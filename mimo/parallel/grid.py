@@ -42,6 +42,15 @@ class GroupRegistry:
         self.created: list[tuple[int, ...]] = []
         self.purposes: list[str] = []
 
+    def axis_groups(self, grid: "ParallelGrid", axes: dict[str, str | Iterable[str]], rank: int) -> dict[str, object]:
+        """Name -> the group of ``rank`` over those dims of ``grid`` (None where they span one
+        rank), created in the order given (``partition``: collective the first time)."""
+        out = {}
+        for name, dims in axes.items():
+            spanned = tuple(d for d in _as_dims(dims) if grid.shape.get(d, 1) > 1)
+            out[name] = self.partition(grid.partition(spanned), rank) if spanned else None
+        return out
+
     def partition(self, groups: Iterable[Sequence[int]], rank: int | None = None, purpose: str = ""):
         """Create every not-yet-created rank set of ``groups`` (in the order given) and return
         the group holding ``rank`` (None where none does, or it has one rank). Collective over
