@@ -48,7 +48,7 @@ def checkpoint_files(config_path: str, overrides: list[str], device: str) -> lis
     from mimo.compose.config import load_config
     from mimo.compose.model import MimoModel
     from mimo.training.checkpoint import _rank_files
-    from mimo.training.optim import PrecisionPolicy
+    from mimo.training.precision import PrecisionPolicy
 
     config = load_config(config_path, ["world_size=1", "train.compile=false", "train.cuda_graphs=false", *overrides])
     with torch.device("meta"):  # shapes only: nothing initialised

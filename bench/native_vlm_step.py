@@ -470,8 +470,9 @@ def run_mimo(config, plan: BenchPlan, samples: list[Sample], ids, pad_id: int, d
     from mimo.compose.inputs import encoder_feeds
     from mimo.compose.model import MimoModel
     from mimo.data.pipeline import DataPipeline
-    from mimo.training.optim import PrecisionPolicy
-    from mimo.training.run import compile_blocks, model_optimizers
+    from mimo.training.optim import model_optimizers
+    from mimo.training.precision import PrecisionPolicy
+    from mimo.training.run import compile_blocks
     from mimo.training.step import train_step
 
     policy = PrecisionPolicy.named(config.train.precision, config.train.grad_reduce)

@@ -532,6 +532,11 @@ class LLMModuleConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     dsa: DSATrainConfig = field(default_factory=DSATrainConfig)  # D layers' training stage
 
+    @property
+    def trains(self) -> bool:
+        """Some part of it trains (it is not frozen whole)."""
+        return not self.freeze
+
     def stages(self) -> list[tuple[LayerSpec, ...]]:
         """Layers of each pipeline stage."""
         return self.arch.layer_pattern().stages(self.parallel.pp)

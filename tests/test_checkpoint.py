@@ -57,8 +57,8 @@ def _build(overrides: list[str], precision: str):
     import torch.distributed as dist
 
     from mimo.compose.model import MimoModel
-    from mimo.training.optim import PrecisionPolicy
-    from mimo.training.run import model_optimizers
+    from mimo.training.optim import model_optimizers
+    from mimo.training.precision import PrecisionPolicy
 
     config, policy = _config(overrides), PrecisionPolicy.named(precision)
     model = MimoModel(config, dist.get_rank(), dtype=policy.params)
@@ -285,7 +285,7 @@ def _experts_case(root: str) -> dict:
         init_params_(table, seed, std=1.0)
         parts.append(_Part("moe", table))
         params = [TrainParam("moe", n, info.param, None, True) for n, info in table.items()]  # (no gradient sums)
-        opts.append(build_optimizers(params, GradSync(params), {"moe": 1e-2}, {"moe": 1e-2})["moe"])
+        opts.append(build_optimizers(params, GradSync(params).module_buckets(), {"moe": 1e-2}, {"moe": 1e-2})["moe"])
     for name, info in parts[0].table.items():
         full = torch.randn(info.placement.full_shape, generator=torch.Generator().manual_seed(len(name)))
         info.param.main_grad.copy_(shard_full(full, info.placement, info.sizes, info.coords))

@@ -44,8 +44,8 @@ def demo_at_world_1(overrides: list[str]):
 def _model(seed: int = 1):
     """The demo model at world 1 (no processes) and its optimizers after one step (state to save)."""
     from mimo.compose.model import MimoModel
-    from mimo.training.optim import PrecisionPolicy
-    from mimo.training.run import model_optimizers
+    from mimo.training.optim import model_optimizers
+    from mimo.training.precision import PrecisionPolicy
 
     config = demo_at_world_1([f"train.seed={seed}"])
     model = MimoModel(config, 0)

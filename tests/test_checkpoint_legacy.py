@@ -24,8 +24,8 @@ def _build(precision: str, seed: int):
     from test_checkpoint_integrity import demo_at_world_1
 
     from mimo.compose.model import MimoModel
-    from mimo.training.optim import PrecisionPolicy
-    from mimo.training.run import model_optimizers
+    from mimo.training.optim import model_optimizers
+    from mimo.training.precision import PrecisionPolicy
 
     config = demo_at_world_1([f"train.precision={precision}", "train.weight_decay=0.1", f"train.seed={seed}"])
     policy = PrecisionPolicy.named(precision)

@@ -276,13 +276,14 @@ def test_inspect_data_reports_each_bridges_bytes_per_microbatch(capsys, sp):
     way, and without sequence parallelism the LLM's TP pair's finishing all-gather receives each
     row once more (the minimum verify-bridge names: rows x width, plus the all-gather)."""
     from mimo.compose.config import load_config
+    from mimo.compose.inputs import bridge_width
 
     config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "examples", "noncolocated.yaml")
     overrides = [f"modules.language.parallel.sequence_parallel={str(sp).lower()}"]
     rc, out, err, result = run(capsys, "inspect-data", config, *overrides, "--batches", "1")
     assert rc == 0, err
     bridge = result["bridges"]["vision"]
-    width = load_config(config, overrides).bridge_width("vision")
+    width = bridge_width(load_config(config, overrides), "vision")
     values = result["image_rows"] * width
     assert result["image_rows"] > 0 and bridge["bytes_per_value"] == 4
     assert bridge["backward_bytes_per_microbatch"] == [4 * values]

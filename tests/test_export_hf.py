@@ -99,7 +99,7 @@ def _mimo_forward(config_path: str, checkpoint: str) -> dict | None:
 
     from mimo.compose.config import load_config
     from mimo.training.checkpoint import load_checkpoint
-    from mimo.training.optim import PrecisionPolicy
+    from mimo.training.precision import PrecisionPolicy
     from mimo.training.run import build_run
     from mimo.training.schedule_run import forward_only, stage_runner
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from mimo.training.bucket_optim import build_optimizers
-from mimo.training.optim import GradSync, PrecisionPolicy, TrainParam
+from mimo.training.optim import GradSync, TrainParam
+from mimo.training.precision import PrecisionPolicy
 
 
 def _params(*sizes, dtype=torch.float32, seed=0):
@@ -75,7 +76,7 @@ def test_bf16_microbatches_accumulate_in_fp32():
     # the optimizer reads the main gradient: the same update as on an fp32 copy with that gradient
     ref = torch.nn.Parameter(w.detach().float())
     ref.grad = exact.clone()
-    opt = build_optimizers([TrainParam("m", "w", w, None, True)], sync, {"m": 1e-2}, {"m": 1e-2}, policy=policy)["m"]
+    opt = build_optimizers([TrainParam("m", "w", w, None, True)], sync.module_buckets(), {"m": 1e-2}, {"m": 1e-2}, policy=policy)["m"]
     opt_ref = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95))
     opt.step()
     opt_ref.step()
@@ -165,8 +166,9 @@ def _tp_collectives_case(config_path, overrides, mutate):
 
     from mimo.compose.config import load_config
     from mimo.llm.norm import RMSNorm
-    from mimo.training.run import build_run, model_optimizers
-    from mimo.training.step import grad_sync_for, train_step
+    from mimo.training.optim import grad_sync_for, model_optimizers
+    from mimo.training.run import build_run
+    from mimo.training.step import train_step
 
     names = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter_single",
              "all_to_all_single", "broadcast", "reduce"]

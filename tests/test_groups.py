@@ -17,7 +17,7 @@ from mimo.compose.config import load_config
 def count_groups_case(config_path: str, overrides: list[str]):
     import torch.distributed as dist
 
-    from mimo.training.optim import PrecisionPolicy
+    from mimo.training.precision import PrecisionPolicy
     from mimo.training.run import build_run
     from mimo.training.step import train_step
 

@@ -520,7 +520,7 @@ def _mimo_step(config_path: str, checkpoint: str) -> dict:
 
     from mimo.compose.config import load_config
     from mimo.commands.hf_llava import load_llava_
-    from mimo.training.optim import PrecisionPolicy
+    from mimo.training.precision import PrecisionPolicy
     from mimo.training.run import build_run
     from mimo.training.step import train_step
 

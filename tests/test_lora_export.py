@@ -80,7 +80,7 @@ def _mimo_forward(config_path: str, init_from: str, checkpoint: str) -> dict | N
 
     from mimo.compose.config import load_config
     from mimo.training.checkpoint import load_checkpoint, resolve_checkpoint
-    from mimo.training.optim import PrecisionPolicy
+    from mimo.training.precision import PrecisionPolicy
     from mimo.training.run import build_run
     from mimo.training.schedule_run import forward_only, stage_runner
 

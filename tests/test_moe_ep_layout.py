@@ -347,8 +347,8 @@ def _ckpt_case(overrides: list[str], root: str) -> dict:
     """Rank function: one AdamW step on the toy loss, save; a model of another seed loads it
     and must hold the same weights and optimizer state."""
     from mimo.training.checkpoint import load_checkpoint, save_checkpoint
-    from mimo.training.optim import PrecisionPolicy
-    from mimo.training.run import model_optimizers
+    from mimo.training.optim import model_optimizers
+    from mimo.training.precision import PrecisionPolicy
 
     def built(extra):
         model = _build(overrides + extra)

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from mimo.training.bucket_optim import build_optimizers
-from mimo.training.optim import GradSync, PrecisionPolicy, TrainParam
+from mimo.training.optim import GradSync, TrainParam
+from mimo.training.precision import PrecisionPolicy
 
 SHAPES = [(7, 5), (3,), (4, 2), (6,), (5, 3)]  # matrices take weight decay, vectors do not: interleaved
 LR, WD, BETAS = 1e-2, 0.1, (0.9, 0.95)
@@ -31,7 +32,7 @@ def _optimizer(ps, precision, bucket_numel=40, offload=False):
     tps = [TrainParam("m", str(i), p, None, True, p.dim() >= 2) for i, p in enumerate(ps)]
     sync = GradSync(tps, policy, bucket_numel)
     sync.zero_grad()
-    return build_optimizers(tps, sync, {"m": LR}, {"m": WD}, policy=policy, offload=offload)["m"]
+    return build_optimizers(tps, sync.module_buckets(), {"m": LR}, {"m": WD}, policy=policy, offload=offload)["m"]
 
 
 def _torch_adamw(ps, **kw):

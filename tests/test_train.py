@@ -152,10 +152,10 @@ def test_a_wrong_gradient_scale_fails_verification(pools, demo_config, schedule)
 
 
 def test_per_module_learning_rates_and_schedule(demo_config):
-    from mimo.training.optim import lr_at
+    from mimo.training.optim import lr_at, optimizer_settings
 
     config = load_config(demo_config, ["modules.vision.lr=0.01", "modules.language.weight_decay=0.1"])
-    lr, wd = config.optimizer_settings()
+    lr, wd = optimizer_settings(config)
     assert lr == {"vision": 0.01, "language": config.train.lr}
     assert wd == {"vision": config.train.weight_decay, "language": 0.1}
     # linear warmup to the base, then cosine down to 10% of it
@@ -169,7 +169,7 @@ def _trace_case(config_path, overrides):
     """One traced training step; returns this rank's LLM stage (or None) and its events."""
     import torch.distributed as dist
 
-    from mimo.training.optim import PrecisionPolicy
+    from mimo.training.precision import PrecisionPolicy
     from mimo.training.run import build_run
     from mimo.training.step import train_step
 

@@ -133,7 +133,7 @@ def test_a_mismatch_is_listed_as_a_bad_sample(tmp_path, config_path):
 def _trace_case(config_path, overrides):
     import torch.distributed as dist
 
-    from mimo.training.optim import PrecisionPolicy
+    from mimo.training.precision import PrecisionPolicy
     from mimo.training.run import build_run
     from mimo.training.step import train_step
 

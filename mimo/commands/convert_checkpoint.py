@@ -55,8 +55,8 @@ def _convert_rank(source: str, config_path: str, overrides: list[str], out: str,
 
     from mimo.compose.model import MimoModel
     from mimo.training.checkpoint import load_checkpoint, save_checkpoint
-    from mimo.training.optim import PrecisionPolicy
-    from mimo.training.run import model_optimizers
+    from mimo.training.optim import model_optimizers
+    from mimo.training.precision import PrecisionPolicy
 
     config = load_config(config_path, overrides)
     policy = PrecisionPolicy.named(config.train.precision, config.train.grad_reduce)

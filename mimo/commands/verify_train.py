@@ -63,7 +63,7 @@ def _reporter(model, grid) -> bool:
 def policy_for(precision: str):
     """The run's precision policy: a config precision, or ``fp64`` (references only: weights,
     activations, reductions and AdamW state all fp64)."""
-    from mimo.training.optim import PrecisionPolicy
+    from mimo.training.precision import PrecisionPolicy
 
     if precision == "fp64":
         return PrecisionPolicy(*(torch.float64,) * 4)

@@ -255,12 +255,6 @@ class MimoConfig:
         """Every encoder module, of any kind (``native``: a native-resolution one, ``kind: qwen3_vl`` or ``kimi_k25``)."""
         return {name: m for name, m in self.modules.items() if isinstance(m, (EncoderModuleConfig, NativeEncoderModuleConfig))}
 
-    def bridge_width(self, name: str) -> int:
-        """Values per row that encoder ``name``'s bridge moves: the LLM's hidden, times the levels
-        of a native tower's rows (its merger's, then each deepstack level's: docs/design.md §10)."""
-        enc = self.encoders[name]
-        return self.llm.arch.hidden * (1 + len(enc.arch.deepstack_layers) if enc.native else 1)
-
     def trainable_problems(self) -> list[str]:
         """What keeps the commands that run the data path (``train``, ``verify-train``, ``eval``,
         ``generate``, ``inspect-data``, ``prepare-data``, ``check-config``'s data checks) from
@@ -277,12 +271,6 @@ class MimoConfig:
         problems = self.trainable_problems()
         if problems:
             raise ConfigError(problems)
-
-    def optimizer_settings(self) -> tuple[dict[str, float], dict[str, float]]:
-        """Each module's AdamW learning rate and weight decay (its own, else train's)."""
-        lr = {n: m.lr if m.lr is not None else self.train.lr for n, m in self.modules.items()}
-        wd = {n: m.weight_decay if m.weight_decay is not None else self.train.weight_decay for n, m in self.modules.items()}
-        return lr, wd
 
     def synthetic_shape(self) -> tuple[int, tuple[int, int]]:
         """``source: synthetic``: (samples per microbatch, [lo, hi] text tokens), defaults resolved."""

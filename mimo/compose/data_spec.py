@@ -1,9 +1,11 @@
 """What the data path needs of the encoders, from a config, without torch (``check-config``'s
-tokenizer and shard checks use it too): rows per image, native towers' image specs, the text spec."""
+tokenizer and shard checks use it too): rows per image, native towers' image specs, the text spec.
+A run derives it first, once (``data_spec``), and builds its pipeline from that
+(``mimo.compose.inputs.training_pipeline``)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from mimo.compose.config import MimoConfig
 from mimo.core.errors import DataError
@@ -34,6 +36,19 @@ def text_spec(config: MimoConfig) -> TextSpec:
     if config.data.tokenizer is None:
         raise DataError("data.tokenizer is not set")
     return TextSpec(config.data.tokenizer, config.data.template, rows, native)
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What a run's data path derives from its config without torch, once, before its pipeline
+    is built on it (``mimo.compose.inputs.training_pipeline``, which derives none of it again)."""
+
+    text: TextSpec
+    synthetic: tuple[int, tuple[int, int]]  # ``MimoConfig.synthetic_shape`` (used by source: synthetic only)
+
+
+def data_spec(config: MimoConfig) -> DataSpec:
+    return DataSpec(text_spec(config), config.synthetic_shape())
 
 
 def mrope_merge(config: MimoConfig) -> dict[str, int] | None:

@@ -10,23 +10,80 @@ import json
 import logging
 import os
 from collections import Counter
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
 from mimo.core.batch import PackedBatch
 from mimo.compose.config import MimoConfig
 from mimo.data.images import CLIP_MEAN, CLIP_STD, ImageSpec
-from mimo.data.index import Index, index_path, prepare
-from mimo.data.pipeline import EncoderFeed, plan_arrays
+from mimo.data.index import Index, TextSpec, index_path, prepare
+from mimo.data.pipeline import DataPipeline, EncoderFeed, SampleReader, plan_arrays
 from mimo.data.plan import DataPlan, SampleArrays
 from mimo.data.synthetic import SyntheticEncoder, SyntheticPlan, SyntheticReader, SyntheticStream
-from mimo.compose.data_spec import mrope_merge, native_spec, text_spec
+from mimo.compose.data_spec import DataSpec, data_spec, mrope_merge, text_spec
 from mimo.encoders.config import EncoderModuleConfig
 from mimo.core.errors import DataError
 from mimo.parallel.grid import ParallelGrid
 
+if TYPE_CHECKING:
+    from mimo.compose.model import MimoModel
+
 log = logging.getLogger("mimo.data")
+
+
+def training_pipeline(config: MimoConfig, spec: DataSpec, model: MimoModel, index: Index | None = None) -> DataPipeline:
+    """The training data pipeline of ``model``'s rank, from the config's sizes and its data spec
+    (``data_spec``, derived beforehand): over ``index`` (default: the config's, prepared when
+    missing), read ahead."""
+    if index is None:
+        index, _ = index_for(config, spec.text)
+    plan = plan_for(config, index, spec.synthetic)
+    return data_pipeline(config, spec.text, model, plan, config.train.micro_batches)
+
+
+def data_pipeline(config: MimoConfig, text: TextSpec, model: MimoModel, plan, micro_batches: int, ahead: bool = True,
+                  make_reader=None) -> DataPipeline:
+    """The data pipeline of ``model``'s rank over ``plan`` (training's, or ``mimo eval``'s
+    held-out microbatches), delivering on the model's device. ``ahead``: each step's data
+    prepared on a thread of its own during the step before (training's; only one pipeline of
+    a run may: they would share the data groups). ``make_reader``: samples read from elsewhere
+    than the config's shards (``mimo generate``'s prompts), delivered the same way."""
+    feeds = feeds_for(config, text, model.encoder_grids())
+    return DataPipeline(plan, text, model.llm.grid, model.llm.ctx.sequence_parallel, feeds, micro_batches,
+                        config.data.workers, config.data.prefetch, model.rank,
+                        make_reader=make_reader or (lambda: reader_for(plan, text, feeds)), device=model.device,
+                        ahead=ahead, mrope=config.llm.arch.mrope_section is not None, schedule=config.train.schedule,
+                        encoder_prefetch=config.train.encoder_prefetch)
+
+
+def feeds_for(config: MimoConfig, text: TextSpec, grids: Mapping[str, ParallelGrid] | None = None) -> list[EncoderFeed]:
+    """What the data pipeline feeds each encoder (a native tower's cuts: ``text``'s). ``grids``:
+    the model's encoder grids (so the pipeline's groups come from the run's one registry);
+    without them (readers, tools that create no groups) each grid is laid out from the config.
+    Decoded images travel as uint8; synthetic data's pixels are drawn as the encoder's float
+    numbers (the Hugging Face baseline's stream, ``mimo.data.synthetic``) and travel as they are."""
+    pixel_dtype = torch.float32 if config.data.source == "synthetic" else torch.uint8
+    natives = {n.placeholder: n for n in text.native}
+    feeds = []
+    for name, enc in config.encoders.items():
+        grid = grids[name] if grids is not None else enc.parallel.grid(config.world_size)
+        width = bridge_width(config, name)
+        if enc.native:
+            native = natives[enc.placeholder]
+            feeds.append(EncoderFeed(name, enc.placeholder, 0, None, grid, pixel_dtype, native.image, native.row_frames,
+                                     2 * enc.arch.hidden + enc.arch.mlp, bridge_width=width))
+        else:
+            feeds.append(EncoderFeed(name, enc.placeholder, enc.rows_per_image, image_spec(enc), grid, pixel_dtype,
+                                     bridge_width=width))
+    return feeds
+
+
+def bridge_width(config: MimoConfig, name: str) -> int:
+    """Values per row that encoder ``name``'s bridge moves: the LLM's hidden, times the levels
+    of a native tower's rows (its merger's, then each deepstack level's: docs/design.md §10)."""
+    enc = config.encoders[name]
+    return config.llm.arch.hidden * (1 + len(enc.arch.deepstack_layers) if enc.native else 1)
 
 
 def image_spec(enc: EncoderModuleConfig) -> ImageSpec:
@@ -51,36 +108,15 @@ def image_spec(enc: EncoderModuleConfig) -> ImageSpec:
     return ImageSpec(enc.arch.image_size, tuple(mean), tuple(std), enc.arch.channels)
 
 
-def encoder_feeds(config: MimoConfig, grids: Mapping[str, ParallelGrid] | None = None) -> list[EncoderFeed]:
-    """What the data pipeline feeds each encoder. ``grids``: the model's encoder grids (so the
-    pipeline's groups come from the run's one registry); without them (readers, tools that
-    create no groups) each grid is laid out from the config. Decoded images travel as uint8;
-    synthetic data's pixels are drawn as the encoder's float numbers (the Hugging Face baseline's
-    stream, ``mimo.data.synthetic``) and travel as they are."""
-    pixel_dtype = torch.float32 if config.data.source == "synthetic" else torch.uint8
-    feeds = []
-    for name, enc in config.encoders.items():
-        grid = grids[name] if grids is not None else enc.parallel.grid(config.world_size)
-        width = config.bridge_width(name)
-        if enc.native:
-            spec = native_spec(enc)
-            feeds.append(EncoderFeed(name, enc.placeholder, 0, None, grid, pixel_dtype, spec.image, spec.row_frames,
-                                     2 * enc.arch.hidden + enc.arch.mlp, bridge_width=width))
-        else:
-            feeds.append(EncoderFeed(name, enc.placeholder, enc.rows_per_image, image_spec(enc), grid, pixel_dtype,
-                                     bridge_width=width))
-    return feeds
-
-
-def ensure_index(config: MimoConfig, rebuild: bool = False, shards: str | None = None) -> tuple[Index | None, str]:
-    """The data index, prepared when missing or stale (logged); (None, 'synthetic') for
-    ``source: synthetic``, which needs none."""
+def index_for(config: MimoConfig, text: TextSpec, rebuild: bool = False, shards: str | None = None) -> tuple[Index | None, str]:
+    """The index of ``shards`` (default: data.shards) read as ``text``, prepared when missing or
+    stale (logged); (None, 'synthetic') for ``source: synthetic``, which needs none."""
     if config.data.source == "synthetic" and shards is None:
         return None, "synthetic"
     if config.data.source != "webdataset":
         raise DataError(f"data.source is {config.data.source!r}: there are no shards to index")
     pattern = shards or config.data.shards
-    index, status = prepare(pattern, text_spec(config), workers=_index_workers(pattern, config.data.workers), rebuild=rebuild,
+    index, status = prepare(pattern, text, workers=_index_workers(pattern, config.data.workers), rebuild=rebuild,
                             index_dir=config.data.index_dir)
     if status != "loaded":
         log.info("data index %s", status)
@@ -107,32 +143,52 @@ def _index_workers(pattern: str, workers: int) -> int:
     return 1
 
 
+def plan_for(config: MimoConfig, index: Index | None, synthetic: tuple[int, tuple[int, int]]) -> DataPlan | SyntheticPlan:
+    """The plan of the config's samples: over ``index``, or (``source: synthetic``) drawn in the
+    shape ``synthetic`` (``MimoConfig.synthetic_shape``)."""
+    d = config.data
+    if d.source == "synthetic":
+        return SyntheticPlan(synthetic_stream(config, *synthetic))
+    return DataPlan(index, d.tokens_per_microbatch, d.max_sample_tokens, d.seed, d.shuffle, d.patches_per_microbatch)
+
+
+def synthetic_stream(config: MimoConfig, samples: int, text_tokens: tuple[int, int]) -> SyntheticStream:
+    encoders = [SyntheticEncoder(name, e.placeholder, e.rows_per_image, e.arch.channels, e.arch.image_size)
+                for name, e in config.encoders.items()]
+    return SyntheticStream(config.data.synthetic, encoders, config.llm.arch.vocab, config.data.seed, samples, text_tokens)
+
+
+def reader_for(plan: DataPlan | SyntheticPlan, text: TextSpec, feeds: list[EncoderFeed]):
+    """A reader of ``plan``'s samples (what the data pipeline's reader ranks use)."""
+    if isinstance(plan, SyntheticPlan):
+        return SyntheticReader(plan.stream)
+    return SampleReader(plan.index, text, feeds)
+
+
+# ---- the same from the config alone (commands, tools, tests: a run derives its DataSpec once) ----
+def ensure_index(config: MimoConfig, rebuild: bool = False, shards: str | None = None) -> tuple[Index | None, str]:
+    """``index_for`` the config's text spec."""
+    return index_for(config, text_spec(config), rebuild, shards)
+
+
 def index_location(config: MimoConfig, shards: str | None = None) -> str:
     """Where ``ensure_index`` keeps the index of ``shards`` (default: data.shards)."""
     return index_path(shards or config.data.shards, text_spec(config), config.data.index_dir)
 
 
+def encoder_feeds(config: MimoConfig, grids: Mapping[str, ParallelGrid] | None = None) -> list[EncoderFeed]:
+    """``feeds_for`` the config's text spec."""
+    return feeds_for(config, text_spec(config), grids)
+
+
 def data_plan(config: MimoConfig, index: Index | None) -> DataPlan | SyntheticPlan:
-    d = config.data
-    if d.source == "synthetic":
-        return SyntheticPlan(synthetic_stream(config))
-    return DataPlan(index, d.tokens_per_microbatch, d.max_sample_tokens, d.seed, d.shuffle, d.patches_per_microbatch)
-
-
-def synthetic_stream(config: MimoConfig) -> SyntheticStream:
-    encoders = [SyntheticEncoder(name, e.placeholder, e.rows_per_image, e.arch.channels, e.arch.image_size)
-                for name, e in config.encoders.items()]
-    samples, text = config.synthetic_shape()
-    return SyntheticStream(config.data.synthetic, encoders, config.llm.arch.vocab, config.data.seed, samples, text)
+    """``plan_for`` the config's synthetic shape."""
+    return plan_for(config, index, config.synthetic_shape())
 
 
 def sample_reader(config: MimoConfig, plan: DataPlan | SyntheticPlan):
-    """A reader of ``plan``'s samples (what the data pipeline's reader ranks use)."""
-    if isinstance(plan, SyntheticPlan):
-        return SyntheticReader(plan.stream)
-    from mimo.data.pipeline import SampleReader
-
-    return SampleReader(plan.index, text_spec(config), encoder_feeds(config))
+    """``reader_for`` the config's text spec and feeds."""
+    return reader_for(plan, text_spec(config), encoder_feeds(config))
 
 
 def read_packs(reader, samples: list, llm_parallel, rows_per_image: dict[str, int], map_fn=map,
@@ -159,16 +215,16 @@ def inspect(config: MimoConfig, batches: int) -> dict:
     DP ranks) that no sample fills, 1 - mean tokens per DP rank / capacity per DP rank;
     ``pack_padding_fraction``: positions the packs hold for SP / CP alignment that belong to no
     sample (docs/design.md §2, what the LLM computes beyond the samples)."""
-    index, status = ensure_index(config)
-    plan = data_plan(config, index)
-    spec = text_spec(config)
-    rows = dict(spec.rows_per_image)
-    reader = sample_reader(config, plan)
+    spec = data_spec(config)
+    index, status = index_for(config, spec.text)
+    plan = plan_for(config, index, spec.synthetic)
+    rows = dict(spec.text.rows_per_image)
+    feeds = feeds_for(config, spec.text)
+    reader = reader_for(plan, spec.text, feeds)
     llm = config.llm.parallel
     failures: Counter = Counter()
     read = computed = real = image_rows = 0
     ratios, example = [], None
-    feeds = encoder_feeds(config)
     towers = {f.name: NativeTowerStats(f, config.encoders[f.name]) for f in feeds if f.native is not None}
     bridges = {f.name: BridgeBytes(f, config) for f in feeds if f.bridge_width}
     for k in range(batches):

@@ -2,8 +2,8 @@
 
 ``MimoModel(config, rank)`` is built on every rank of the world at the same point. It owns
 the run's ``GroupRegistry`` (one communicator per distinct rank set) and builds, in one fixed
-order, each module's ``ParallelContext`` (the LLM's first, then each encoder's), the
-tied-embedding groups and one group per encoder→LLM bridge over the union of their ranks;
+order, each module's ``ParallelContext`` (the LLM's first, then each encoder's with its bridge
+group over the union of its ranks and the LLM's) and the tied-embedding groups;
 then the modules this rank runs: the encoders it belongs to (tower + projector; a ``kind:
 qwen3_vl`` / ``kimi_k25`` encoder: its native tower, ``mimo.encoders.model.NativeVisionEncoder``) and its LLM
 pipeline stage, each handed its context. Each module is a ``ModulePart`` of ``model.parts``
@@ -23,7 +23,7 @@ from typing import Callable, Literal
 
 import torch
 
-from mimo.compose.adapters import adapt_encoder, adapt_llm, adapter_layout
+from mimo.compose.adapters import adapt_module, adapter_layout
 from mimo.compose.config import Fp8Config, MimoConfig, one_process_module
 from mimo.core.errors import MimoError
 from mimo.encoders.model import build_encoder
@@ -50,7 +50,6 @@ class ModulePart:
     ctx: ParallelContext
     module: torch.nn.Module | None  # None on ranks outside the module's grid
     trains: bool  # from the config, so known on every rank (a bridge runs backward or not)
-    bridge_group: object = None  # an encoder's: over encoder ∪ LLM ranks
     # once per step on the summed gradients, before the norm: f(grad_sync) (a tied embedding's sum)
     grad_finalisers: list[Callable] = field(default_factory=list)
     # once per step after the optimizer's update, in order: MoE balancing, FP8 amax histories
@@ -59,6 +58,11 @@ class ModulePart:
     @property
     def grid(self) -> ParallelGrid:
         return self.ctx.grid
+
+    @property
+    def bridge_group(self):
+        """An encoder's bridge to the LLM: over encoder ∪ LLM ranks (None for the LLM)."""
+        return self.ctx.bridge
 
     @property
     def tp_group(self):
@@ -88,19 +92,15 @@ class ModulePart:
         return self.module.param_table()
 
 
-def init_llm_(stage: LLMStage, config) -> None:
-    """The LLM stage's base weights: the run's seeded init, then ``init.hf`` if set (any layout:
-    each rank its shard of the one-process tensors)."""
-    stage.init_weights(param_seed(config.train.seed, config.llm_name))
-    if config.llm.init.hf:
+def init_module_(module: torch.nn.Module, config: MimoConfig, name: str) -> None:
+    """Module ``name``'s base weights: the run's seeded init (an encoder's also reads its
+    ``init`` there), then the LLM's ``init.hf`` if set (any layout: each rank its shard of the
+    one-process tensors)."""
+    module.init_weights(param_seed(config.train.seed, name))
+    if name == config.llm_name and config.llm.init.hf:
         from mimo.llm.hf import load_hf_checkpoint
 
-        load_hf_checkpoint(stage, config.llm.init.hf)
-
-
-def init_encoder_(module: torch.nn.Module, config, name: str) -> None:
-    """An encoder's base weights: the run's seeded init (and its ``init.hf``)."""
-    module.init_weights(param_seed(config.train.seed, name))
+        load_hf_checkpoint(module, config.llm.init.hf)
 
 
 def adapted_base(config: MimoConfig, name: str) -> tuple[dict[str, torch.Tensor], list[AdapterSite]]:
@@ -113,10 +113,9 @@ def adapted_base(config: MimoConfig, name: str) -> tuple[dict[str, torch.Tensor]
     cfg, llm = config.modules[name], name == config.llm_name
     if llm:
         module = LLMStage(cfg.arch)
-        init_llm_(module, config)
     else:
         module = build_encoder(one_process_module(cfg), config.llm.arch.hidden)
-        init_encoder_(module, config, name)
+    init_module_(module, config, name)
     state = full_tensors(module.param_table())
     state.update({n: t.detach().clone() for n, t in persistent_buffers(module).items() if n not in state})
     return state, adapter_layout(cfg, name, llm)
@@ -129,15 +128,22 @@ class MimoModel:
         llm_cfg = config.llm
         # ---- process groups: the same requests in the same order on every rank ----
         self.registry = registry = GroupRegistry()
-        par = llm_cfg.parallel
+        recompute = {name: config.recompute_for(name) for name in config.modules}
         # the experts' own view (parallel folding) where they are laid out unlike the dense layers
-        llm_ctx = ParallelContext(par.grid(config.world_size, registry), rank, registry,
-                                  sequence_parallel=par.sequence_parallel, expert=llm_cfg.expert_layout(), gtp=par.gtp,
-                                  egtp=par.egtp if llm_cfg.expert_layout() is not None else 1)
+        expert, contexts = llm_cfg.expert_layout(), {}
+        for name in [config.llm_name, *config.encoders]:  # (an encoder's context holds its bridge group)
+            par, llm = config.modules[name].parallel, name == config.llm_name
+            contexts[name] = ParallelContext(par.grid(config.world_size, registry), rank, registry,
+                                             sequence_parallel=par.sequence_parallel, gtp=par.gtp,
+                                             expert=expert if llm else None, egtp=par.egtp if llm and expert is not None else 1,
+                                             bridge_to=None if llm else contexts[config.llm_name].grid)
+        llm_ctx = contexts[config.llm_name]
         tied_group = embedding_group(llm_ctx)
-        encoders = [self._encoder_part(name, llm_ctx, dtype) for name in config.encoders]
-        llm = ModulePart(config.llm_name, "llm", llm_ctx, self._llm_stage(llm_ctx, dtype), trains=not llm_cfg.freeze)
-        self.parts: list[ModulePart] = [llm, *encoders]
+        # ---- the modules this rank holds: built, initialised, loaded, adapted ----
+        self.parts: list[ModulePart] = [
+            ModulePart(name, "llm" if name == config.llm_name else "encoder", ctx, self._build_module(name, ctx, dtype, recompute[name]),
+                       config.modules[name].trains) for name, ctx in contexts.items()]
+        llm = self.parts[0]
         if llm.module is not None and llm.module.embedding_copy() is not None and tied_group is not None:
             llm.grad_finalisers.append(partial(_sum_tied_embedding, llm.module, tied_group))
         self.fp8: Fp8Config | None = None  # train.fp8 as set on the modules (set_fp8)
@@ -149,38 +155,29 @@ class MimoModel:
         self.grad_sync = None
         self.cuda_graphs = False  # the vision blocks replay as CUDA graphs (mimo.training.run.compile_blocks)
 
-    def _encoder_part(self, name: str, llm_ctx: ParallelContext, dtype: torch.dtype) -> ModulePart:
-        config, registry, rank = self.config, self.registry, self.rank
-        enc = config.encoders[name]
-        ctx = ParallelContext(enc.parallel.grid(config.world_size, registry), rank, registry,
-                              sequence_parallel=enc.parallel.sequence_parallel, gtp=enc.parallel.gtp)
-        bridge = registry.group(set(ctx.grid.ranks) | set(llm_ctx.grid.ranks), rank)
-        module = None
-        if ctx.member:
-            module = build_encoder(enc, config.llm.arch.hidden, ctx).to(device=self.device, dtype=dtype)
-            init_encoder_(module, config, name)
-            adapt_encoder(module, enc, name, config.train.seed)  # (its lora section: after the base weights load)
-            module.tower.set_recompute(*config.recompute_for(name))
-        return ModulePart(name, "encoder", ctx, module, enc.trains, bridge)
-
-    def _llm_stage(self, ctx: ParallelContext, dtype: torch.dtype) -> LLMStage | None:
-        """This rank's LLM pipeline stage, initialised and loaded; None outside the LLM's grid."""
-        config, llm_cfg = self.config, self.config.llm
-        stage = build_stage(llm_cfg.arch, ctx)
-        if stage is None:
+    def _build_module(self, name: str, ctx: ParallelContext, dtype: torch.dtype,
+                      recompute: tuple[str, int | None]) -> torch.nn.Module | None:
+        """This rank's part of module ``name`` (an encoder, or the LLM's pipeline stage),
+        initialised, loaded and adapted; None outside its grid."""
+        config = self.config
+        cfg, llm = config.modules[name], name == config.llm_name
+        module = build_stage(cfg.arch, ctx) if llm else build_encoder(cfg, config.llm.arch.hidden, ctx) if ctx.member else None
+        if module is None:
             return None
-        stage.to(device=self.device, dtype=dtype)
-        init_llm_(stage, config)
-        if llm_cfg.freeze:
-            stage.requires_grad_(False)
-        set_dsa_training(stage, llm_cfg.dsa.warmup, llm_cfg.dsa.kl_weight)  # (a no-op without DSA layers)
-        adapt_llm(stage, llm_cfg, config.llm_name, config.train.seed)  # (its lora section: after the base weights load)
-        if config.train.moe_dispatcher == "deepep" and ctx.expert is not None and self.device.type != "cuda":
-            raise MimoError("train.moe_dispatcher: deepep runs DeepEP's GPU kernels; this run is on the CPU "
-                            "(--device cuda with a GPU per rank, or alltoall)")
-        set_dispatchers(stage, config.train.moe_dispatcher)
-        stage.set_recompute(*config.recompute_for(config.llm_name))
-        return stage
+        module.to(device=self.device, dtype=dtype)
+        init_module_(module, config, name)
+        if llm:
+            if cfg.freeze:
+                module.requires_grad_(False)
+            set_dsa_training(module, cfg.dsa.warmup, cfg.dsa.kl_weight)  # (a no-op without DSA layers)
+        adapt_module(module, cfg, name, config.train.seed, llm)  # (its lora section: after the base weights load)
+        if llm:
+            if config.train.moe_dispatcher == "deepep" and ctx.expert is not None and self.device.type != "cuda":
+                raise MimoError("train.moe_dispatcher: deepep runs DeepEP's GPU kernels; this run is on the CPU "
+                                "(--device cuda with a GPU per rank, or alltoall)")
+            set_dispatchers(module, config.train.moe_dispatcher)
+        (module if llm else module.tower).set_recompute(*recompute)
+        return module
 
     def _set_finalisers(self) -> None:
         """Each part's once-per-step work after the update, as its module and ``self.fp8`` need it."""

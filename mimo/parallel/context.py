@@ -8,7 +8,7 @@ embeddings ask for it.
 place in it, the tp / cp / dp / pp groups, the gradient group (cp × dp: gradients are summed
 over it), ``sequence_parallel`` resolved once (on only when asked for and tp > 1) and, for a
 module with experts, the expert view (etp × ep × edp × pp over the same ranks, the same PP
-groups). Placements (``mimo.parallel.placement``) name the axes of a context; the context
+groups), for an encoder its bridge group (its ranks ∪ the LLM's). Placements (``mimo.parallel.placement``) name the axes of a context; the context
 answers their sizes, this rank's coordinate and group.
 """
 
@@ -52,7 +52,7 @@ class ParallelContext:
     the same point: it creates its groups (collective) in a fixed order."""
 
     def __init__(self, grid: ParallelGrid, rank: int, registry: GroupRegistry, *, sequence_parallel: bool = False,
-                 expert: tuple[int, int] | None = None, gtp: int = 1, egtp: int = 1):
+                 expert: tuple[int, int] | None = None, gtp: int = 1, egtp: int = 1, bridge_to: ParallelGrid | None = None):
         from mimo.parallel.gtp import GTPChain
 
         self.grid, self.rank, self.registry = grid, rank, registry
@@ -70,6 +70,8 @@ class ParallelContext:
             egtp_groups = {**expert_groups, **registry.axis_groups(egtp_grid, {"egtp": "egtp", "edp": "edp", "grad": "edp"}, rank)}
         if gtp_grid is not None:
             gtp_groups = {**dense, **registry.axis_groups(gtp_grid, {"gtp": "gtp", "dp": "dp", "grad": ("cp", "dp")}, rank)}
+        # an encoder's bridge to the LLM: one group over the union of the two grids' ranks
+        self.bridge = None if bridge_to is None else registry.group(set(grid.ranks) | set(bridge_to.ranks), rank)
         self.dense = AxisView(grid, rank, dense)
         self.expert = None if expert_grid is None else AxisView(expert_grid, rank, expert_groups)
         self.gtp = None if gtp_grid is None else AxisView(gtp_grid, rank, gtp_groups)
@@ -92,7 +94,7 @@ class ParallelContext:
             if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
                 raise LayoutError(f"a TP group over non-contiguous ranks {ranks} needs a full ParallelContext")
             grid, rank = ParallelGrid({"tp": len(ranks), "cp": 1, "dp": 1, "pp": 1}, ranks[0]), dist.get_rank()
-        ctx.grid, ctx.rank, ctx.registry = grid, rank, None
+        ctx.grid, ctx.rank, ctx.registry, ctx.bridge = grid, rank, None, None
         ctx.dense = AxisView(grid, rank, {"tp": tp_group, "cp": None, "dp": None, "pp": None, "grad": None})
         ctx.expert = None
         ctx.gtp = ctx.gtp_chain = ctx.egtp = ctx.egtp_chain = None
@@ -107,7 +109,7 @@ class ParallelContext:
         from mimo.parallel.gtp import GTPChain
 
         ctx = cls.__new__(cls)
-        ctx.grid, ctx.rank, ctx.registry = grid, grid.offset, None
+        ctx.grid, ctx.rank, ctx.registry, ctx.bridge = grid, grid.offset, None, None
         none = dict.fromkeys(("tp", "cp", "dp", "pp", "grad", "etp", "ep", "edp", "gtp"))  # no process groups
         ctx.dense = AxisView(grid, grid.offset, dict(none))
         ctx.expert = None if expert is None else AxisView(grid.expert_view(*expert), grid.offset, dict(none))

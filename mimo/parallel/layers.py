@@ -16,10 +16,13 @@ converts to and from full tensors with ``full_state()`` (collective) and ``load_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mimo.core.errors import ConfigError
 from mimo.parallel import gemm
 from mimo.parallel.collectives import (
     copy_to_group,
@@ -34,11 +37,11 @@ from mimo.parallel.init import init_local, param_seed
 from mimo.parallel.placement import ParamPlacement, gather_full, replicated, shard_full, sharded
 
 __all__ = ["TPModule", "ColumnParallelLinear", "FusedColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "vocab_parallel_lookup", "ReplicatedLinear", "fused_rows", "fused_parts", "fused_cols", "local_parts", "fused_adapters"]
+           "vocab_parallel_lookup", "ReplicatedLinear", "fused_rows", "fused_parts", "fused_cols", "local_parts", "fused_adapters",
+           "experts_layer", "AdaptedWeight", "adapted_weights"]
 
 
-
-# ---------------------------------------------------------------- layers of fused rows (adapters: mimo.parallel.lora)
+# ---------------------------------------------------------------- what adapters adapt (mimo.parallel.lora): fused rows, experts, linear layers
 
 
 def fused_rows(layer: nn.Module) -> dict[str, dict[str, int]] | None:
@@ -61,6 +64,97 @@ def fused_cols(layer: nn.Module) -> dict[str, str]:
     ``lora_cols()``; none for most layers."""
     cols = getattr(layer, "lora_cols", None)
     return cols() if callable(cols) else {}
+
+
+def experts_layer(layer: nn.Module) -> dict | None:
+    """A grouped-experts layer's sizes (its ``lora_experts()``), None for any other layer."""
+    sizes = getattr(layer, "lora_experts", None)
+    return sizes() if callable(sizes) else None
+
+
+@dataclass(frozen=True)
+class AdaptedWeight:
+    """What one adapter of a layer adapts (``adapted_weights``): its key under the layer's
+    adapters (None: the layer's one adapter), the weight holding its rows (``weight``, the first
+    of two), their full sizes ``[out, in]`` and how that weight is split over TP (``rows``,
+    ``cols``, None: replicated); ``parts``: its rows are several parts, each split on its own;
+    ``partial_grads``: a replicated weight whose gradient is a partial sum over TP;
+    ``experts``: one per expert (``[E, out, in]``), laid out on the expert view where ``folded``."""
+
+    key: str | None
+    weight: str
+    in_features: int
+    out_features: int
+    split: str | None
+    parts: tuple[int, ...] = ()
+    partial_grads: bool = False
+    experts: int = 0
+    folded: bool = False
+
+
+def adapted_weights(layer: nn.Module, groups: list[tuple[str, ...]] | None = None) -> list[AdaptedWeight]:
+    """What the adapters of ``layer`` adapt, one each (``mimo.parallel.lora``): a grouped-experts
+    layer's up and down projections; a fused layer's ``groups`` of parts (``_fused_weights``);
+    any other tensor-parallel linear layer's weight."""
+    sizes = experts_layer(layer)
+    if sizes is not None:
+        return _expert_weights(sizes)
+    if fused_rows(layer) is not None:
+        return _fused_weights(layer, groups)
+    return [_linear_weight(layer)]
+
+
+def _expert_weights(sizes: dict) -> list[AdaptedWeight]:
+    """Grouped experts (``experts_layer``): an adapter per expert on the up (gate | up) rows, and
+    on the down projection, split as the experts' weights are."""
+    E, dim, ffn, gated, folded = (sizes[k] for k in ("experts", "dim", "ffn", "gated", "folded"))
+    return [AdaptedWeight("up", "up_proj", dim, 2 * ffn if gated else ffn, "rows", (ffn, ffn) if gated else (),
+                          experts=E, folded=folded),
+            AdaptedWeight("down", "down_proj", ffn, dim, "cols", experts=E, folded=folded)]
+
+
+def _fused_weights(layer: nn.Module, groups: list[tuple[str, ...]] | None) -> list[AdaptedWeight]:
+    """A fused layer's adapters: one per group of its parts (consecutive, in part order;
+    default: one per part), keyed by the parts joined by ``_``; a column-split weight's part
+    alone, adapted as ``RowParallelLinear``'s. A group with a part the layer lacks (a non-gated
+    MLP's gate) has nothing to adapt: dropped."""
+    rows, parts, cols = fused_rows(layer), fused_parts(layer), fused_cols(layer)
+    names = list(parts) + list(cols)
+    groups = sorted((g for g in groups or [(p,) for p in names] if all(p in names for p in g)),
+                    key=lambda g: names.index(g[0]))
+    covered = [p for group in groups for p in group]
+    if len(covered) != len(set(covered)):
+        raise ValueError(f"adapter groups {groups} of {names} overlap: each part takes at most one adapter")
+    out = []
+    for group in groups:
+        idx = [names.index(p) for p in group]
+        if (idx != list(range(idx[0], idx[0] + len(idx))) or any("_" in p for p in group)
+                or (len(group) > 1 and any(p in cols for p in group))):
+            raise ValueError(f"adapter parts {group} must be consecutive parts of {names} without '_' "
+                             f"(a column-split one alone)")
+        if group[0] in cols:
+            w = getattr(layer, cols[group[0]])
+            out.append(AdaptedWeight(group[0], cols[group[0]], w.shape[1] * layer.ctx.tp_size, w.shape[0], "cols"))
+        else:
+            weight = next(name for name, held in rows.items() if group[0] in held)
+            sizes = tuple(parts[p] for p in group)
+            out.append(AdaptedWeight("_".join(group), weight, getattr(layer, weight).shape[1], sum(sizes), "rows", sizes))
+    return out
+
+
+def _linear_weight(layer: nn.Module) -> AdaptedWeight:
+    """A tensor-parallel linear layer's weight, split as the layer splits it (a replicated one's
+    gradient partial where the layer's is: under SP)."""
+    if isinstance(layer, ColumnParallelLinear):
+        if layer.padded_out_features != layer.out_features:
+            raise ConfigError("lora: a layer with padded output rows (a vocab-split head) takes no adapter")
+        return AdaptedWeight(None, "weight", layer.in_features, layer.out_features, "rows")
+    if isinstance(layer, RowParallelLinear):
+        return AdaptedWeight(None, "weight", layer.in_features, layer.out_features, "cols")
+    if isinstance(layer, ReplicatedLinear):
+        return AdaptedWeight(None, "weight", layer.in_features, layer.out_features, None,
+                             partial_grads=layer.sequence_parallel)
+    raise TypeError(f"LoRA attaches to the tensor-parallel linear layers, not {type(layer).__name__}")
 
 
 def local_parts(layer: nn.Module) -> tuple[list[str], list[torch.Tensor]]:

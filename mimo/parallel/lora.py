@@ -37,12 +37,13 @@ import torch.nn.functional as F
 from mimo.core.errors import ConfigError
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.init import init_local, param_seed
-from mimo.parallel.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, fused_cols, fused_parts, fused_rows, local_parts
+from mimo.parallel.layers import AdaptedWeight, adapted_weights, experts_layer, fused_cols, fused_rows, local_parts
 from mimo.parallel.lora_config import LoraConfig, LoraSpec
-from mimo.parallel.placement import ParamPlacement, replicated, sharded
+from mimo.parallel.placement import ParamPlacement
 
-__all__ = ["LoraConfig", "LoraSpec", "LoraAdapter", "LoraTarget", "AdapterSite", "attach", "attach_targets", "init_magnitudes_",
-           "adapter_sites", "merge_adapters", "merged_rows", "is_adapter_tensor", "ExpertLoraAdapter", "experts_layer"]
+__all__ = ["LoraConfig", "LoraSpec", "LoraAdapter", "LoraTarget", "AdapterSite", "AdapterLayout", "adapter_layouts", "attach",
+           "attach_targets", "init_magnitudes_", "adapter_sites", "merge_adapters", "merged_rows", "is_adapter_tensor",
+           "ExpertLoraAdapter", "experts_layer"]
 
 
 @dataclass(frozen=True)
@@ -57,57 +58,95 @@ class LoraTarget:
     cls: str | None = None  # the class of the matched module itself, where named
 
 
-class LoraAdapter(nn.Module):
-    """The adapter of one projection of full shape ``[out, in]``. ``split``: how the base weight is
-    split over TP (module doc). ``parts``: the output is several parts of a fused weight, each
-    split over TP on its own (a Hugging Face ``qkv`` over mimo's fused q | k | v), B and the
-    magnitude split likewise; ``out`` is their sum."""
+@dataclass(frozen=True)
+class AdapterLayout:
+    """One adapter as ``adapter_layouts`` decides it, before it is built: what it adapts
+    (``adapted``), its split (module doc; None on a replicated weight, and at TP 1 but for
+    experts, whose weights name their axes at any size), and for each of its tensors the
+    placement and this rank's shape, with the sizes and this rank's coordinates of their axes."""
 
-    def __init__(self, in_features: int, out_features: int, spec: LoraSpec, ctx: ParallelContext, split: str | None,
-                 *, parts: tuple[int, ...] = (), partial_grads: bool = False, device=None, dtype=None):
+    adapted: AdaptedWeight
+    split: str | None
+    placements: dict[str, ParamPlacement]
+    shapes: dict[str, tuple[int, ...]]
+    sizes: dict[str, int]
+    coords: dict[str, int]
+
+
+def adapter_layouts(layer: nn.Module, spec: LoraSpec, groups: list[tuple[str, ...]] | None = None) -> list[AdapterLayout]:
+    """The layout of every adapter ``layer`` takes (``adapted_weights``; ``groups``: a fused
+    layer's), decided at once, before any is built: each split as the weight it adapts (module
+    doc); per-expert adapters lead with the experts' dim, over ep on the expert view (their inner
+    size over etp there)."""
+    ctx = layer.ctx
+    if ctx.gtp_size > 1 or ctx.egtp_size > 1:
+        raise ConfigError("lora: adapters on GTP-sharded weights are not supported (parallel.gtp: 1, egtp: 1)")
+    adapted = adapted_weights(layer, groups)
+    if spec.dora and any(w.experts for w in adapted):
+        raise ConfigError("lora: DoRA on the MoE experts is not built (dora: false, or leave experts out of targets)")
+    folded = any(w.folded for w in adapted)
+    axis, outer = ("etp", (("ep", 0),)) if folded else ("tp", ())
+    axes = (axis, *(a for a, _ in outer))
+    view = ctx.view(axes)
+    sizes, coords = {a: view.size(a) for a in axes}, {a: view.coord(a) for a in axes}
+    n, r = sizes[axis], spec.rank
+    partial = (axis,) if n > 1 else ()
+    layouts = []
+    for w in adapted:
+        lead = (w.experts,) if w.experts else ()
+        split = w.split if n > 1 or w.experts else None
+        parts = w.parts if len(w.parts) > 1 else ()
+        shape_A, shape_B, shape_m = (*lead, r, w.in_features), (*lead, w.out_features, r), (w.out_features,)
+        if split == "rows":
+            placements = {"lora_A": ParamPlacement(shape_A, outer, partial),
+                          "lora_B": ParamPlacement(shape_B, (*outer, (axis, len(lead))), parts=parts,
+                                                   parts_dim=len(lead) if parts else None),
+                          "lora_magnitude": ParamPlacement(shape_m, ((axis, 0),), parts=parts)}
+        elif split == "cols":
+            placements = {"lora_A": ParamPlacement(shape_A, (*outer, (axis, len(lead) + 1))),
+                          "lora_B": ParamPlacement(shape_B, outer, partial),
+                          "lora_magnitude": ParamPlacement(shape_m, (), partial)}
+        else:
+            replicas = partial if w.partial_grads else ()
+            placements = {name: ParamPlacement(shape, (), replicas)
+                          for name, shape in (("lora_A", shape_A), ("lora_B", shape_B), ("lora_magnitude", shape_m))}
+        if not spec.dora:
+            del placements["lora_magnitude"]
+        shapes = {name: pl.local_shape(sizes) for name, pl in placements.items()}
+        layouts.append(AdapterLayout(w, split, placements, shapes, sizes, coords))
+    return layouts
+
+
+class _Adapter(nn.Module):
+    """What every adapter holds: ``s B A`` on a weight of full shape ``[out, in]`` (per expert),
+    its tensors laid out as its ``AdapterLayout`` says, drawn by ``init_weights``."""
+
+    def __init__(self, layout: AdapterLayout, spec: LoraSpec, ctx: ParallelContext, *, device=None, dtype=None):
         super().__init__()
-        if split not in ("rows", "cols", None):
-            raise ValueError(f"split must be rows, cols or None, got {split!r}")
-        self.spec, self.ctx, self.in_features, self.out_features = spec, ctx, in_features, out_features
-        tp = ctx.tp_size > 1
-        self.split = split if tp else None
-        r = spec.rank
-        partial = ("tp",) if tp else ()
-        if self.split == "rows":
-            parts = tuple(parts) if len(parts) > 1 else ()
-            self._placements = {"lora_A": replicated((r, in_features), partial),
-                                "lora_B": sharded((out_features, r), 0, parts=parts)}
-            magnitude = sharded((out_features,), 0, parts=parts)
-        elif self.split == "cols":
-            self._placements = {"lora_A": sharded((r, in_features), 1), "lora_B": replicated((out_features, r), partial)}
-            magnitude = replicated((out_features,), partial)
-        else:  # a replicated weight; ``partial_grads``: its gradient a partial sum over TP (each rank its own rows)
-            partial = partial if partial_grads else ()
-            self._placements = {"lora_A": replicated((r, in_features), partial), "lora_B": replicated((out_features, r), partial)}
-            magnitude = replicated((out_features,), partial)
-        if spec.dora:
-            self._placements["lora_magnitude"] = magnitude
-        for name, placement in self._placements.items():
-            setattr(self, name, nn.Parameter(torch.empty(self._local_shape(placement), device=device, dtype=dtype)))
-
-    def _view(self, placement: ParamPlacement):
-        view = self.ctx.view(placement.axes)
-        return {a: view.size(a) for a in placement.axes}, {a: view.coord(a) for a in placement.axes}
-
-    def _local_shape(self, placement: ParamPlacement) -> tuple[int, ...]:
-        return placement.local_shape(self._view(placement)[0])
+        self.spec, self.ctx, self.layout, self.split = spec, ctx, layout, layout.split
+        self.in_features, self.out_features = layout.adapted.in_features, layout.adapted.out_features
+        for name, shape in layout.shapes.items():
+            setattr(self, name, nn.Parameter(torch.empty(shape, device=device, dtype=dtype)))
 
     def placements(self) -> dict[str, ParamPlacement]:
-        return self._placements
+        return self.layout.placements
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """A ~ N(0, 1/in) (the variance of PEFT's default uniform draw), B = 0; this rank's
-        shard of the one-process draw. DoRA's magnitude is set from the base weight afterwards
-        (``init_magnitude_``)."""
-        a = self._placements["lora_A"]
-        self.lora_A.copy_(init_local(a, *self._view(a), param_seed(seed, "lora_A"), std=1.0 / math.sqrt(self.in_features)))
+        """A ~ N(0, 1/in) (the variance of PEFT's default uniform draw; per expert), B = 0; this
+        rank's shard of the one-process draw. DoRA's magnitude is set from the base weight
+        afterwards (``init_magnitude_``)."""
+        a = self.layout.placements["lora_A"]
+        self.lora_A.copy_(init_local(a, self.layout.sizes, self.layout.coords, param_seed(seed, "lora_A"),
+                                     std=1.0 / math.sqrt(self.in_features)))
         self.lora_B.zero_()
+
+
+class LoraAdapter(_Adapter):
+    """The adapter of one projection of full shape ``[out, in]``, split as its base weight is
+    (module doc). Its output may be several parts of a fused weight, each split over TP on its
+    own (a Hugging Face ``qkv`` over mimo's fused q | k | v), B and the magnitude split likewise;
+    ``out`` is their sum."""
 
     @torch.no_grad()
     def init_magnitude_(self, weight_OI: torch.Tensor) -> None:
@@ -149,47 +188,13 @@ class LoraAdapter(nn.Module):
                 f"split={self.split}, dora={self.spec.dora}")
 
 
-class ExpertLoraAdapter(nn.Module):
+class ExpertLoraAdapter(_Adapter):
     """The adapters of one grouped expert projection, one per expert: A ``[E, r, in]``, B
     ``[E, out, r]``, split as the experts' weight is (``mimo.llm.experts``): experts over ``ep``
     on the expert view, and the inner size over etp (or tp on the dense view): B's rows for the up
     projection (``rows``, A replicated there, its gradient partial), A's columns for the down
     projection (``cols``, B's gradient partial, its output joining the partial product). No DoRA
     (a per-expert row norm): refused at attach."""
-
-    def __init__(self, experts: int, in_features: int, out_features: int, spec: LoraSpec, ctx: ParallelContext,
-                 split: str, folded: bool, *, parts: tuple[int, ...] = (), device=None, dtype=None):
-        super().__init__()
-        self.spec, self.ctx, self.in_features, self.out_features = spec, ctx, in_features, out_features
-        inner = "etp" if folded else "tp"
-        view_size = ctx.expert.size("etp") if folded else ctx.tp_size
-        outer = (("ep", 0),) if folded else ()
-        partial = (inner,) if view_size > 1 else ()
-        r = spec.rank
-        if split == "rows":
-            self._placements = {
-                "lora_A": ParamPlacement((experts, r, in_features), outer, partial),
-                "lora_B": ParamPlacement((experts, out_features, r), (*outer, (inner, 1)), (), False, tuple(parts),
-                                         1 if parts else None)}
-        else:
-            self._placements = {"lora_A": ParamPlacement((experts, r, in_features), (*outer, (inner, 2))),
-                                "lora_B": ParamPlacement((experts, out_features, r), outer, partial)}
-        view = ctx.view(tuple(a for pl in self._placements.values() for a in pl.axes))
-        for name, pl in self._placements.items():
-            shape = pl.local_shape({a: view.size(a) for a in pl.axes})
-            setattr(self, name, nn.Parameter(torch.empty(shape, device=device, dtype=dtype)))
-
-    def placements(self) -> dict[str, ParamPlacement]:
-        return self._placements
-
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """As ``LoraAdapter``: A ~ N(0, 1/in) per expert (this rank's tile of the full draw), B = 0."""
-        a = self._placements["lora_A"]
-        view = self.ctx.view(a.axes)
-        sizes, coords = {x: view.size(x) for x in a.axes}, {x: view.coord(x) for x in a.axes}
-        self.lora_A.copy_(init_local(a, sizes, coords, param_seed(seed, "lora_A"), std=1.0 / math.sqrt(self.in_features)))
-        self.lora_B.zero_()
 
     def forward(self, x_RI: torch.Tensor, y_RO: torch.Tensor, ends_L: torch.Tensor) -> torch.Tensor:
         """``y_RO`` (the expert product of rows grouped by local expert, ``ends_L`` their ends)
@@ -204,76 +209,23 @@ class ExpertLoraAdapter(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, rank={self.spec.rank}, alpha={self.spec.alpha}"
 
 
-def experts_layer(layer: nn.Module) -> dict | None:
-    """A grouped-experts layer's sizes (its ``lora_experts()``), None for any other layer."""
-    sizes = getattr(layer, "lora_experts", None)
-    return sizes() if callable(sizes) else None
-
-
 def attach(layer: nn.Module, spec: LoraSpec, seed: int | None, groups: list[tuple[str, ...]] | None = None) -> list[str]:
-    """Adapters on one tensor-parallel linear layer, initialised from ``seed`` (``init_weights``;
-    None: left uninitialised, as on the meta device); returns their names under ``layer``. A fused layer gets one adapter per group of its parts
-    (consecutive, in part order; default: one per part), keyed by the parts joined by ``_``."""
-    if layer.ctx.gtp_size > 1 or layer.ctx.egtp_size > 1:
-        raise ConfigError("lora: adapters on GTP-sharded weights are not supported (parallel.gtp: 1, egtp: 1)")
-    sizes = experts_layer(layer)
-    if sizes is not None:
-        if spec.dora:
-            raise ConfigError("lora: DoRA on the MoE experts is not built (dora: false, or leave experts out of targets)")
-        weight = layer.up_proj
-        dd = {"device": weight.device, "dtype": weight.dtype}
-        E, dim, ffn, gated, folded = (sizes[k] for k in ("experts", "dim", "ffn", "gated", "folded"))
-        layer.lora = nn.ModuleDict({
-            "up": ExpertLoraAdapter(E, dim, 2 * ffn if gated else ffn, spec, layer.ctx, "rows", folded,
-                                    parts=(ffn, ffn) if gated else (), **dd),
-            "down": ExpertLoraAdapter(E, ffn, dim, spec, layer.ctx, "cols", folded, **dd)})
+    """Adapters on one tensor-parallel linear layer as ``adapter_layouts`` lays them out (a
+    fused layer's per group of its parts), each initialised from ``seed`` (``init_weights``;
+    None: left uninitialised, as on the meta device); returns their names under ``layer``."""
+    adapters = {}
+    for layout in adapter_layouts(layer, spec, groups):
+        key, weight = layout.adapted.key, getattr(layer, layout.adapted.weight)
+        kind = ExpertLoraAdapter if layout.adapted.experts else LoraAdapter
+        adapter = adapters[key] = kind(layout, spec, layer.ctx, device=weight.device, dtype=weight.dtype)
         if seed is not None:
-            for key, adapter in layer.lora.items():
-                adapter.init_weights(param_seed(seed, key))
-        return ["lora.up", "lora.down"]
-    rows = fused_rows(layer)
-    if rows is not None:
-        parts, cols = fused_parts(layer), fused_cols(layer)
-        weight = getattr(layer, next(iter(rows)))
-        dd = {"device": weight.device, "dtype": weight.dtype}
-        names = list(parts) + list(cols)
-        groups = groups or [(p,) for p in names]
-        covered = [p for group in groups for p in group]
-        if len(covered) != len(set(covered)):
-            raise ValueError(f"adapter groups {groups} of {names} overlap: each part takes at most one adapter")
-        layer.lora = nn.ModuleDict()
-        for group in groups:
-            idx = [names.index(p) for p in group]
-            if (idx != list(range(idx[0], idx[0] + len(idx))) or any("_" in p for p in group)
-                    or (len(group) > 1 and any(p in cols for p in group))):
-                raise ValueError(f"adapter parts {group} must be consecutive parts of {names} without '_' "
-                                 f"(a column-split one alone)")
-            if group[0] in cols:  # a row-parallel projection inside the layer: adapted as RowParallelLinear's
-                w = getattr(layer, cols[group[0]])
-                adapter = LoraAdapter(w.shape[1] * layer.ctx.tp_size, w.shape[0], spec, layer.ctx, "cols", **dd)
-            else:
-                sizes = tuple(parts[p] for p in group)
-                adapter = LoraAdapter(weight.shape[1], sum(sizes), spec, layer.ctx, "rows", parts=sizes, **dd)
-            if seed is not None:
-                adapter.init_weights(param_seed(seed, "_".join(group)))
-            layer.lora["_".join(group)] = adapter
-        return [f"lora.{key}" for key in layer.lora]
-    dd = {"device": layer.weight.device, "dtype": layer.weight.dtype}
-    partial_grads = False
-    if isinstance(layer, ColumnParallelLinear):
-        if layer.padded_out_features != layer.out_features:
-            raise ConfigError("lora: a layer with padded output rows (a vocab-split head) takes no adapter")
-        split = "rows"
-    elif isinstance(layer, RowParallelLinear):
-        split = "cols"
-    elif isinstance(layer, ReplicatedLinear):  # replicated as its weight, partial where its gradient is
-        split, partial_grads = None, layer.sequence_parallel
-    else:
-        raise TypeError(f"LoRA attaches to the tensor-parallel linear layers, not {type(layer).__name__}")
-    layer.lora = LoraAdapter(layer.in_features, layer.out_features, spec, layer.ctx, split, partial_grads=partial_grads, **dd)
-    if seed is not None:
-        layer.lora.init_weights(seed)
-    return ["lora"]
+            adapter.init_weights(seed if key is None else param_seed(seed, key))
+    if None in adapters:  # a plain layer's one adapter
+        layer.lora = adapters[None]
+        return ["lora"]
+    if adapters:
+        layer.lora = nn.ModuleDict(adapters)
+    return [f"lora.{key}" for key in adapters]
 
 
 @torch.no_grad()
@@ -314,18 +266,9 @@ def attach_targets(root: nn.Module, spec: LoraSpec, seed: int | None, table: dic
             else:
                 chosen.setdefault(path, [])
                 chosen[path] += list(target.groups)
-    adapted = []
-    for path, groups in chosen.items():
-        layer = layers[path]
-        if fused_rows(layer) is not None:
-            order = list(fused_parts(layer)) + list(fused_cols(layer))
-            # (a part the layer lacks has nothing to adapt: a non-gated MLP's gate)
-            groups = [g for g in groups or [(p,) for p in order] if all(p in order for p in g)]
-            if not groups:
-                continue
-            groups = sorted(groups, key=lambda g: order.index(g[0]))
-        attach(layer, spec, None if seed is None else param_seed(seed, path), groups)
-        adapted.append(path)
+    # (a fused layer with none of its targets' parts takes none: a non-gated MLP's gate)
+    adapted = [path for path, groups in chosen.items()
+               if attach(layers[path], spec, None if seed is None else param_seed(seed, path), groups)]
     for module in root.modules():
         lora = getattr(module, "lora", None)
         if lora is not None:

@@ -1,7 +1,8 @@
 """AdamW, the run's one optimizer: each module's parameters stepped through its ``GradSync``
 buckets, each bucket's weights, gradients and state as flat tensors.
 
-One ``AdamW`` per module with trainable parameters on the rank (``build_optimizers``). At
+One ``AdamW`` per module with trainable parameters on the rank (``build_optimizers``, handed
+each module's buckets: ``mimo.training.optim.model_optimizers`` makes them first). At
 construction the parameters of each bucket become views of one flat buffer laid out like the
 bucket's main gradients, so a step is a handful of kernels over whole buckets whatever the count
 of parameters (one AdamW call for the module's buckets, one weight-decay multiply), with no
@@ -34,8 +35,9 @@ with the decoupled weight decay where AdamW applies it, in the kernel's own pass
 parameters with and without decay, so each step is one call over the decayed runs and one over
 the others; on the CPU
 an fp32 run's weights are torch's AdamW's, bit for bit. The global gradient norm and clipping
-read the gradients the optimizers step on (``grad_norm`` counts each element once in the world:
-its data-parallel copies by shard, its other copies by the placement's owner rule). The
+read the gradients the optimizers step on (``mimo.training.optim.grad_norm`` counts each
+element once in the world: its data-parallel copies by shard, its other copies by the
+placement's owner rule). The
 checkpoint holds per parameter the flat elements this rank keeps (whole parameters where the
 rank writes their weights; each rank's shard under the distributed optimizer), with its range
 and placement record (``state_pieces``), read back at any layout through those records
@@ -53,7 +55,7 @@ import torch.distributed as dist
 
 from mimo.core.errors import CheckpointError
 from mimo.parallel.params import TrainParam
-from mimo.training.optim import PrecisionPolicy, clip_grads_, global_grad_norm
+from mimo.training.precision import PrecisionPolicy
 
 
 @dataclass
@@ -174,17 +176,19 @@ def _waiter(states: list[_State]):
 
 
 class AdamW(torch.optim.Optimizer):
-    """AdamW of one module over its ``GradSync`` buckets (see module doc). ``param_groups[0]``
-    holds the hyperparameters (the step sets its ``lr``); ``state[p]`` is a view of ``p``'s
-    state in the buckets' buffers (``exp_avg``, ``exp_avg_sq``, ``master`` where kept, its
-    bucket's ``step``): the elements this rank keeps, shaped like ``p`` where that is all of it."""
+    """AdamW of one module over its ``GradSync`` buckets (``buckets``: the module's entry of
+    ``GradSync.module_buckets``; see module doc), with the masters of ``policy`` (a
+    ``mimo.training.precision.PrecisionPolicy``; None: none). ``param_groups[0]`` holds the
+    hyperparameters (the step sets its ``lr``); ``state[p]`` is a view of ``p``'s state in the
+    buckets' buffers (``exp_avg``, ``exp_avg_sq``, ``master`` where kept, its bucket's ``step``):
+    the elements this rank keeps, shaped like ``p`` where that is all of it."""
 
-    def __init__(self, params: list[TrainParam], grad_sync, lr: float, weight_decay: float, betas=(0.9, 0.95),
+    def __init__(self, params: list[TrainParam], buckets: list, lr: float, weight_decay: float, betas=(0.9, 0.95),
                  eps: float = 1e-8, policy: PrecisionPolicy | None = None, offload: bool = False):
         super().__init__([p.param for p in params], dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         info = {id(p.param): p for p in params}
         master_dtype = policy.master_params if policy is not None else None
-        self.states = [_State(b, info, master_dtype, offload) for b in grad_sync.module_buckets(params[0].module)]
+        self.states = [_State(b, info, master_dtype, offload) for b in buckets]
         for s in self.states:  # ``state[p]``: views of what this rank keeps of p (shaped like p where it is all of p)
             for pc in s.pieces:
                 if pc.hi > pc.lo:
@@ -320,25 +324,14 @@ def finish_updates(optimizers) -> None:
         opt.finish()
 
 
-def clip_(optimizers, max_norm: float | None, norm: torch.Tensor) -> None:
-    """The gradients ``optimizers`` step on scaled so that the global norm (``grad_norm``) is at
-    most ``max_norm`` (``mimo.training.optim.clip_grads_``)."""
-    clip_grads_([s.grad for opt in optimizers for s in opt.states], max_norm, norm)
-
-
-def grad_norm(optimizers, device: torch.device | str) -> torch.Tensor:
-    """The global gradient norm from the gradients the optimizers step on (one world-wide
-    all-reduce of one number, left on ``device``; every element counted once). Every rank calls
-    it, also one where nothing trains."""
-    return global_grad_norm((), device, grads=[t for opt in optimizers for s in opt.states for t in s.counted])
-
-
-def build_optimizers(params: list[TrainParam], grad_sync, lr: dict[str, float], weight_decay: dict[str, float],
+def build_optimizers(params: list[TrainParam], buckets: dict[str, list], lr: dict[str, float], weight_decay: dict[str, float],
                      policy: PrecisionPolicy | None = None, offload: bool = False) -> dict[str, AdamW]:
-    """One ``AdamW`` per module with trainable parameters on this rank, over ``grad_sync``'s
-    buckets (sharded where it reduce-scatters), with the policy's masters."""
+    """One ``AdamW`` per module with trainable parameters on this rank, over the module's
+    gradient buckets (``buckets``: ``GradSync.module_buckets``; sharded where they are
+    reduce-scattered), with the policy's masters."""
     by_module: dict[str, list[TrainParam]] = defaultdict(list)
     for p in params:
         if p.param.requires_grad:
             by_module[p.module].append(p)
-    return {m: AdamW(ps, grad_sync, lr[m], weight_decay[m], policy=policy, offload=offload) for m, ps in by_module.items()}
+    return {m: AdamW(ps, buckets.get(m, []), lr[m], weight_decay[m], policy=policy, offload=offload)
+            for m, ps in by_module.items()}

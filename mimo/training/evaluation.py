@@ -175,9 +175,9 @@ class Evaluator:
     pipeline), and the model's loss and exact match on them (``run``)."""
 
     def __init__(self, config: MimoConfig, model, req: EvalRequest):
-        from mimo.compose.inputs import ensure_index
+        from mimo.compose.data_spec import text_spec
+        from mimo.compose.inputs import data_pipeline, ensure_index
         from mimo.data.plan import DataPlan
-        from mimo.training.run import data_pipeline
         from mimo.training.schedule_run import stage_runner
 
         self.model, self.req = model, req
@@ -186,7 +186,7 @@ class Evaluator:
         self.plan = DataPlan(index, d.tokens_per_microbatch, d.max_sample_tokens, d.seed, shuffle=False)
         self.batches = eval_batches(self.plan, req.samples)
         # training's, on these microbatches, inline: it runs between training steps, on the training groups
-        self.pipeline = data_pipeline(config, model, _Batches(index, self.batches), 1, ahead=False)
+        self.pipeline = data_pipeline(config, text_spec(config), model, _Batches(index, self.batches), 1, ahead=False)
         self.runner = stage_runner(model)  # this rank's LLM stage, as training runs it (None without one)
         self.cache = generation_cache(config)
 

@@ -446,13 +446,13 @@ def generate_rank(req: GenerateRequest) -> dict:
     import torch
     import torch.distributed as dist
 
-    from mimo.compose.inputs import encoder_feeds
+    from mimo.compose.data_spec import text_spec
+    from mimo.compose.inputs import data_pipeline, encoder_feeds
     from mimo.compose.model import MimoModel
     from mimo.data.plan import PlannedSample
     from mimo.training.checkpoint import load_checkpoint
     from mimo.training.evaluation import Completer, _Batches, generation_cache
     from mimo.training.launch import rank_compute_device
-    from mimo.training.run import data_pipeline
     from mimo.training.schedule_run import stage_runner
 
     config = req.config.load()
@@ -461,7 +461,7 @@ def generate_rank(req: GenerateRequest) -> dict:
     samples = [PlannedSample(i, len(p.tokens), len(p.images), p.image_starts, p.image_rows, p.image_grids)
                for i, p in enumerate(req.prompts)]
     plan = _Batches(None, [samples])
-    pipeline = data_pipeline(config, model, plan, 1, ahead=False,
+    pipeline = data_pipeline(config, text_spec(config), model, plan, 1, ahead=False,
                              make_reader=lambda: PromptReader(req.prompts, encoder_feeds(config), req.pad_id))
     picker = Picker(req.sampling)
     try:

@@ -22,7 +22,7 @@ from mimo.core.console import to_devnull
 from mimo.core.errors import ConfigError
 from mimo.compose.adapters import trainable_parameters
 from mimo.training.flops import device_peak_flops, model_flops, param_counts, throughput
-from mimo.training.optim import lr_for
+from mimo.training.optim import lr_for, optimizer_settings
 
 log = logging.getLogger("mimo.training.train")
 
@@ -196,7 +196,7 @@ class Reporter:
         self.read_failures_total = steps[-1].get("read_failures_total", 0) if steps else 0
         self.skipped = run.pipeline.plan.skipped_counts()
         # every training module's base learning rate (known on every rank, unlike its optimizer)
-        self.base_lr = {m: lr for m, lr in self.cfg.optimizer_settings()[0].items() if run.model.part(m).trains}
+        self.base_lr = {m: lr for m, lr in optimizer_settings(self.cfg)[0].items() if run.model.part(m).trains}
         self.param_counts = param_counts(self.cfg)
         self.trainable = trainable_parameters(self.cfg)  # per module, on every step's record
         peak = self.cfg.train.log.peak_tflops

@@ -1,6 +1,6 @@
 """Gradients across modules: main-gradient buffers and their bucketed sums (``GradSync``),
-global norm, clipping, LR schedule, the precision policy (the optimizer, AdamW over the
-buckets, is ``mimo.training.bucket_optim``).
+the run's optimizers over them (``model_optimizers``: the buffers first, then one AdamW of
+``mimo.training.bucket_optim`` per module over its buckets), global norm, clipping, LR schedule.
 
 Every local parameter is described by a ``TrainParam`` that says where it belongs (module,
 layout-independent name), over which group its gradient is summed (the module's data-parallel
@@ -18,39 +18,18 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 import torch.distributed as dist
 
 from mimo.parallel.params import TrainParam, main_grad
+from mimo.training.bucket_optim import AdamW, build_optimizers
+from mimo.training.precision import PrecisionPolicy
 
-
-@dataclass(frozen=True)
-class PrecisionPolicy:
-    """Which dtype each thing uses (docs/design.md §8). ``master_params``: the dtype of the copy of the
-    weights that the optimizer updates (None: it updates the model's weights themselves)."""
-
-    params: torch.dtype
-    compute: torch.dtype
-    grad_reduce: torch.dtype
-    optimizer_state: torch.dtype
-    master_params: torch.dtype | None = None
-
-    @classmethod
-    def named(cls, name: str, grad_reduce: str = "fp32") -> "PrecisionPolicy":
-        """``train.precision`` and ``train.grad_reduce``: the dtype gradients accumulate over
-        microbatches and are summed in (fp32: main gradients beside bf16 weights; bf16: the
-        gradients are the weights' own ``.grad``, no main-gradient buffer)."""
-        f32, b16 = torch.float32, torch.bfloat16
-        grads = {"fp32": f32, "bf16": b16}[grad_reduce]
-        if name == "fp32":
-            return cls(f32, f32, f32, f32)
-        if name == "bf16":  # bf16 weights and activations; AdamW on fp32 master weights and fp32 state
-            return cls(b16, b16, grads, f32, master_params=f32)
-        if name == "bf16-pure":  # bf16 weights, activations and Adam state (no master copy)
-            return cls(b16, b16, grads, b16)
-        raise ValueError(f"unknown precision {name!r}")
+if TYPE_CHECKING:
+    from mimo.compose.config import MimoConfig
+    from mimo.compose.model import MimoModel
 
 
 def bucket_numel(bucket_mb: float, reduce_dtype: torch.dtype) -> int:
@@ -80,7 +59,7 @@ class GradSync:
     parameter's gradient groups in buckets, each DP sum launched (async) as soon as every
     parameter of its bucket has its final gradient, while the rest of backward still runs.
 
-    Built once per run (``mimo.training.step.grad_sync_for``). Buckets are formed per module
+    Built once per run (``grad_sync_for``). Buckets are formed per module
     from its parameters in reverse registration order (about the order backward produces them),
     split by DP group, partial (TP) groups, dtype and device; each bucket's gradients live in
     one flat buffer of the reduction dtype, fp32 at least (``param.main_grad`` is a view).
@@ -128,7 +107,9 @@ class GradSync:
         self._next: dict[str, int] = {}  # per module: the index of the next bucket to launch
         self._armed: set[str] = set()
         self._hooks = []
-        self._before_accumulate: dict[str, list] = defaultdict(list)
+        # per module: the GTP chains of its weights (``mimo.parallel.gtp``), whose gradients are
+        # still being reduce-scattered when a backward ends
+        self._gtp_chains: dict[str, list] = defaultdict(list)
         by_module: dict[str, list[TrainParam]] = defaultdict(list)
         seen: set[int] = set()  # a parameter listed twice (shared by two names) is reduced once
         for p in self.params:
@@ -188,6 +169,9 @@ class GradSync:
                         self._hooks.append(p.register_post_accumulate_grad_hook(p.grad_sync_hook))
                 else:
                     self._bulk[b.module].append((p, view))
+                chain = getattr(p, "gtp", (None,))[0]
+                if chain is not None and chain not in self._gtp_chains[b.module]:
+                    self._gtp_chains[b.module].append(chain)
 
     def _hook(self, bucket: _Bucket, main: torch.Tensor):
         def on_grad(param: torch.nn.Parameter) -> None:
@@ -230,12 +214,14 @@ class GradSync:
         self._armed.clear()
 
     def accumulate(self, module: str) -> None:
-        """After a backward of ``module``: the gradients of its buckets without a DP sum that are
-        not their main gradients (bf16 weights; a replaced ``.grad``) into the main gradients (the
-        first microbatch of a step copies), ``.grad`` freed or pointed at the main gradient again.
-        Buckets with a DP sum do this in their per-parameter hooks, which also launch them."""
-        for fn in self._before_accumulate.get(module, ()):
-            fn()
+        """After a backward of ``module``: first its GTP weights' gradients, still being
+        reduce-scattered, handed over (``GTPChain.finish_grads``, which calls their hooks); then the
+        gradients of its buckets without a DP sum that are not their main gradients (bf16 weights;
+        a replaced ``.grad``) into the main gradients (the first microbatch of a step copies),
+        ``.grad`` freed or pointed at the main gradient again. Buckets with a DP sum do this in
+        their per-parameter hooks, which also launch them."""
+        for chain in self._gtp_chains.get(module, ()):
+            chain.finish_grads()
         # fp32 weights' .grad is their main gradient already, unless someone replaced it
         pairs = [(p, main) for p, main in self._bulk.get(module, ())
                  if p.grad is not None and p.grad.data_ptr() != main.data_ptr()]
@@ -251,11 +237,6 @@ class GradSync:
                 torch._foreach_add_([m for _, m in added], [p.grad for p, _ in added])
         for p, main in pairs:
             p.grad = main if p.dtype == main.dtype else None
-
-    def before_accumulate(self, module: str, fn) -> None:
-        """Run ``fn()`` after each backward of ``module``, before its gradients are taken in
-        (GTP's gradient reduce-scatters still in flight are finished there)."""
-        self._before_accumulate[module].append(fn)
 
     def _settle(self, b: _Bucket) -> None:
         """Zero the main gradients of ``b`` that no microbatch wrote this step."""
@@ -317,9 +298,13 @@ class GradSync:
                 if self.note is not None:
                     self.note("bucket_reduce_end", module, bucket=b.index)
 
-    def module_buckets(self, module: str) -> list[_Bucket]:
-        """Every bucket of ``module`` (summed over a DP group or not), in the order they were made."""
-        return [b for b in self._all if b.module == module]
+    def module_buckets(self) -> dict[str, list[_Bucket]]:
+        """Every bucket of each module (summed over a DP group or not), in the order they were made:
+        what the module's optimizer steps on."""
+        by_module: dict[str, list[_Bucket]] = defaultdict(list)
+        for b in self._all:
+            by_module[b.module].append(b)
+        return dict(by_module)
 
     def gather_shards(self, params: Iterable[torch.nn.Parameter] | None = None) -> None:
         """Reduce-scatter mode, after ``finish``: all-gather the summed shards of the buckets
@@ -353,6 +338,30 @@ class GradSync:
         self._views.clear()
 
 
+def grad_sync_for(model: MimoModel, policy: PrecisionPolicy | None = None) -> GradSync:
+    """The run's gradient buffers and bucketed sums: built on the first call (``model_optimizers``
+    makes it) and kept on the model, the same buffers every step."""
+    if model.grad_sync is None:
+        reduce_dtype = policy.grad_reduce if policy else torch.float32
+        mode = "reduce_scatter" if model.config.train.distributed_optimizer else "all_reduce"
+        model.grad_sync = GradSync(model.train_params(), policy, bucket_numel(model.config.train.grad_bucket_mb, reduce_dtype),
+                                   mode=mode)
+    return model.grad_sync
+
+
+def model_optimizers(config: MimoConfig, model: MimoModel, policy: PrecisionPolicy) -> dict[str, AdamW]:
+    """The optimizer of each module ``model`` trains on this rank, over the run's gradient
+    buffers (``grad_sync_for``: made here once; sharded under ``train.distributed_optimizer``)."""
+    lr, weight_decay = optimizer_settings(config)
+    # the gradient buffers first: each module's AdamW lays its weights and state out like its buckets
+    buckets = grad_sync_for(model, policy).module_buckets()
+    optimizers = build_optimizers(model.train_params(), buckets, lr, weight_decay, policy=policy,
+                                  offload=config.train.optimizer_offload)
+    for name, opt in optimizers.items():  # each layer waits for its weights' gather, not the whole model
+        opt.wait_hooks(model.wait_roots(name))
+    return optimizers
+
+
 def _reduce_scatter(shard: torch.Tensor, flat: torch.Tensor, group):
     """Async: this rank's ``shard`` of ``flat`` (a view of it) becomes the group's sum of it."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.14
@@ -371,7 +380,7 @@ def global_grad_norm(params: Iterable[TrainParam], device: torch.device | str, w
     Per-tensor norms in fp32 (``torch._foreach_norm``; fp64 for fp64 gradients, the references),
     squared and summed in fp64; nothing is read back to the host here (``clip_grads_`` takes the
     tensor), so the step need not wait for the device. ``grads``: the counted gradients (the
-    optimizers' runs of them: ``mimo.training.bucket_optim.grad_norm``), instead of ``params``'."""
+    optimizers' runs of them: ``grad_norm``), instead of ``params``'."""
     if grads is None:
         grads = [g for p in params if p.counts_in_norm and (g := main_grad(p.param)) is not None]
     total = torch.zeros((), dtype=torch.float64, device=torch.device(device))
@@ -392,6 +401,19 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float | None, norm: torch.T
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for on_device, wide in _by_device(grads):
         torch._foreach_mul_(on_device, scale.to(device=on_device[0].device, dtype=wide))
+
+
+def grad_norm(optimizers, device: torch.device | str) -> torch.Tensor:
+    """The global gradient norm from the gradients the optimizers step on (one world-wide
+    all-reduce of one number, left on ``device``; every element counted once). Every rank calls
+    it, also one where nothing trains."""
+    return global_grad_norm((), device, grads=[t for opt in optimizers for s in opt.states for t in s.counted])
+
+
+def clip_(optimizers, max_norm: float | None, norm: torch.Tensor) -> None:
+    """The gradients ``optimizers`` step on scaled so that the global norm (``grad_norm``) is at
+    most ``max_norm`` (``clip_grads_``)."""
+    clip_grads_([s.grad for opt in optimizers for s in opt.states], max_norm, norm)
 
 
 def _by_device(grads: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], torch.dtype]]:
@@ -427,6 +449,14 @@ def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, schedu
     if schedule == "cosine":
         return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
     return base_lr * (min_ratio + (1 - min_ratio) * (1 - progress))
+
+
+def optimizer_settings(config: MimoConfig) -> tuple[dict[str, float], dict[str, float]]:
+    """Each module's AdamW base learning rate and weight decay (its own, else train's)."""
+    train = config.train
+    lr = {n: m.lr if m.lr is not None else train.lr for n, m in config.modules.items()}
+    wd = {n: m.weight_decay if m.weight_decay is not None else train.weight_decay for n, m in config.modules.items()}
+    return lr, wd
 
 
 def lr_for(train, step: int, base_lr: float) -> float:

@@ -14,11 +14,11 @@ import torch
 from mimo.compose.config import MimoConfig
 from mimo.data.index import Index
 from mimo.data.pipeline import DataPipeline
-from mimo.compose.inputs import data_plan, encoder_feeds, ensure_index, sample_reader, text_spec
+from mimo.compose.data_spec import data_spec
+from mimo.compose.inputs import training_pipeline
 from mimo.compose.model import MimoModel
-from mimo.training.bucket_optim import build_optimizers
-from mimo.training.optim import GradSync, PrecisionPolicy
-from mimo.training.step import grad_sync_for
+from mimo.training.optim import GradSync, model_optimizers
+from mimo.training.precision import PrecisionPolicy
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Run:
 
     @property
     def grad_sync(self) -> GradSync:
-        """The run's gradient buffers and bucketed sums (``mimo.training.step.grad_sync_for``)."""
+        """The run's gradient buffers and bucketed sums (``mimo.training.optim.grad_sync_for``)."""
         return self.model.grad_sync
 
     def close(self, wait: bool = True) -> None:
@@ -45,36 +45,11 @@ def build_run(config: MimoConfig, rank: int, index: Index | None = None, policy:
     (prepared beforehand, once: here it is only loaded)."""
     policy = policy or PrecisionPolicy.named(config.train.precision, config.train.grad_reduce)
     model = MimoModel(config, rank, device=device, dtype=policy.params)
-    if index is None:
-        index, _ = ensure_index(config)
-    pipeline = data_pipeline(config, model, data_plan(config, index), config.train.micro_batches)
+    pipeline = training_pipeline(config, data_spec(config), model, index)
     optimizers = model_optimizers(config, model, policy)
     if config.train.compile:
         compile_blocks(model)
     return Run(config, model, pipeline, optimizers, policy)
-
-
-def model_optimizers(config: MimoConfig, model: MimoModel, policy: PrecisionPolicy) -> dict[str, torch.optim.Optimizer]:
-    """The optimizer of each module ``model`` trains on this rank, over the run's gradient
-    buffers (``grad_sync_for``: made here once; sharded under ``train.distributed_optimizer``)."""
-    optimizers = build_optimizers(model.train_params(), grad_sync_for(model, policy), *config.optimizer_settings(),
-                                  policy=policy, offload=config.train.optimizer_offload)
-    for name, opt in optimizers.items():  # each layer waits for its weights' gather, not the whole model
-        opt.wait_hooks(model.wait_roots(name))
-    return optimizers
-
-
-def data_pipeline(config: MimoConfig, model: MimoModel, plan, micro_batches: int, ahead: bool = True, make_reader=None) -> DataPipeline:
-    """The data pipeline of ``model``'s rank over ``plan`` (training's, or ``mimo eval``'s
-    held-out microbatches), delivering on the model's device. ``ahead``: each step's data
-    prepared on a thread of its own during the step before (training's; only one pipeline of
-    a run may: they would share the data groups). ``make_reader``: samples read from elsewhere
-    than the config's shards (``mimo generate``'s prompts), delivered the same way."""
-    return DataPipeline(plan, text_spec(config), model.llm.grid, model.llm.ctx.sequence_parallel,
-                        encoder_feeds(config, model.encoder_grids()), micro_batches, config.data.workers, config.data.prefetch,
-                        model.rank, make_reader=make_reader or (lambda: sample_reader(config, plan)), device=model.device, ahead=ahead,
-                        mrope=config.llm.arch.mrope_section is not None, schedule=config.train.schedule,
-                        encoder_prefetch=config.train.encoder_prefetch)
 
 
 def _dynamic_length_options() -> dict:

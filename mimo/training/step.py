@@ -34,8 +34,8 @@ from mimo.data.pipeline import DataPipeline
 from mimo.llm.balance import STATS, Balancer, stats_metrics
 from mimo.llm.dsa import dsa_layers, step_kl
 from mimo.llm.mtp import mtp_metrics
-from mimo.training.bucket_optim import clip_, grad_norm
-from mimo.training.optim import GradSync, PrecisionPolicy, bucket_numel, lr_for
+from mimo.training.optim import clip_, grad_norm, grad_sync_for, lr_for
+from mimo.training.precision import PrecisionPolicy
 from mimo.training.schedule_run import run_schedule
 from mimo.training.trace import Trace
 
@@ -102,19 +102,6 @@ def _moe_table(model: MimoModel, layers: list[int], stats) -> torch.Tensor:
         at = torch.tensor([layers.index(i) for i in stats.layers])
         table[at] = stats.table_L3.to("cpu", torch.float64)
     return table
-
-
-def grad_sync_for(model: MimoModel, policy: PrecisionPolicy | None = None) -> GradSync:
-    """The run's gradient buffers and bucketed sums: built on the first call (``build_run``
-    makes it) and kept on the model, the same buffers every step."""
-    if model.grad_sync is None:
-        reduce_dtype = policy.grad_reduce if policy else torch.float32
-        mode = "reduce_scatter" if model.config.train.distributed_optimizer else "all_reduce"
-        model.grad_sync = GradSync(model.train_params(), policy, bucket_numel(model.config.train.grad_bucket_mb, reduce_dtype),
-                                   mode=mode)
-        for module, chain in model.gtp_chains():  # GTP gradients still on their way, each backward
-            model.grad_sync.before_accumulate(module, chain.finish_grads)
-    return model.grad_sync
 
 
 def _balancer(model: MimoModel) -> Balancer | None:
