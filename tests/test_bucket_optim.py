@@ -5,6 +5,7 @@ optimizer in each precision at world 1: tests/test_optim.py).
   buckets, the degenerate case of the same optimizer; tests/test_optim.py: torch's AdamW): dp 2 (with tied embeddings over two pipeline stages), dp 3 and dp 4 (buckets
   that do not split evenly: padded shards), experts sharded over EDP; with offload;
 * optimizer bytes per rank fall by dp (up to the padding);
+* bf16-pure sharded updates the weights as whole (to a bf16 step); its offload is refused;
 * resume with the distributed optimizer reproduces the uninterrupted run bit for bit, and a
   checkpoint written with it also loads without it (tests/test_reshard.py: and trains on the same).
 (A shard not gathered back, or every copy counted in the norm, fails the verification above.)
@@ -92,6 +93,41 @@ def test_resume_with_the_distributed_optimizer_is_bit_exact(pools, cp_config, tm
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), f
 
 
+def _pure_case(config_path: str, overrides: list[str]) -> dict:
+    """bf16-pure trained 2 steps with the whole optimizer and with it sharded: this rank's
+    losses and each LLM weight's change (full tensors, fp32)."""
+    from mimo.compose.config import load_config
+    from mimo.training.run import build_run
+    from mimo.training.step import train_step
+
+    out = {}
+    for sharded in (False, True):
+        run = build_run(load_config(config_path, overrides + [f"train.distributed_optimizer={str(sharded).lower()}"]),
+                        dist.get_rank())
+        before = {n: t.float() for n, t in run.model.full_params()["language"].items()}
+        losses = [train_step(run.model, run.pipeline, s, run.optimizers, run.policy).loss for s in (1, 2)]
+        after = run.model.full_params()["language"]
+        out[sharded] = {"losses": losses, "delta": {n: after[n].float() - before[n] for n in before}}
+        run.close()
+    return out
+
+
+def test_bf16_pure_sharded_is_the_whole_optimizer(pools, cp_config):
+    """``train.precision: bf16-pure`` (bf16 weights and moments, no masters) with the distributed
+    optimizer at dp 4: the same losses and the same weight updates as the whole optimizer (the
+    gradients' fp32 sums may round differently once reduce-scattered, so updates agree to a
+    bf16 step, not bit for bit; an lr large enough that nearly every weight moves)."""
+    overrides = ["train.precision=bf16-pure", "train.lr=1e-2", LANG + "parallel.cp=1", LANG + "parallel.dp=4"]
+    for r in pools(4).run(_pure_case, cp_config, overrides):
+        whole, sharded = r[False], r[True]
+        assert sharded["losses"] == pytest.approx(whole["losses"], rel=1e-3)
+        still = sorted(n for n, d in whole["delta"].items() if not d.abs().sum())
+        assert still == sorted(n for n, d in sharded["delta"].items() if not d.abs().sum())
+        assert len(still) <= len(whole["delta"]) // 10, still  # (else the case proves little)
+        for name, want in whole["delta"].items():
+            assert (sharded["delta"][name] - want).norm() <= 0.02 * want.norm(), name
+
+
 def _offload_case(config_path: str, overrides: list[str]) -> dict:
     from mimo.compose.config import load_config
     from mimo.training.run import build_run
@@ -124,3 +160,14 @@ def test_offloaded_optimizer_state_on_the_gpu(cp_config):
     for a, b in zip(got[True]["losses"], got[False]["losses"]):
         assert abs(a - b) <= 1e-5 * abs(b)
     assert max(rel_err(got[True]["params"][n], p) for n, p in got[False]["params"].items()) <= 1e-5
+
+
+def test_bf16_pure_takes_the_distributed_optimizer_not_offload_yet(cp_config):
+    """The config check lets bf16-pure shard its optimizer (the case above) and refuses its
+    offload by name."""
+    from mimo.compose.config import load_config
+    from mimo.core.errors import ConfigError
+
+    load_config(cp_config, ["train.precision=bf16-pure", "train.distributed_optimizer=true"])
+    with pytest.raises(ConfigError, match="optimizer_offload: bf16-pure"):
+        load_config(cp_config, ["train.precision=bf16-pure", "train.optimizer_offload=true"])
