@@ -8,8 +8,9 @@ embeddings ask for it.
 place in it, the tp / cp / dp / pp groups, the gradient group (cp × dp: gradients are summed
 over it), ``sequence_parallel`` resolved once (on only when asked for and tp > 1) and, for a
 module with experts, the expert view (etp × ep × edp × pp over the same ranks, the same PP
-groups), for an encoder its bridge group (its ranks ∪ the LLM's). Placements (``mimo.parallel.placement``) name the axes of a context; the context
-answers their sizes, this rank's coordinate and group.
+groups), for an encoder its bridge group (its ranks ∪ the LLM's). Placements
+(``mimo.parallel.placement``) name the axes of a context; the context answers their sizes, this
+rank's coordinate and group.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class ParallelContext:
         dense = registry.axis_groups(grid, {**{a: a for a in DENSE_AXES}, "grad": ("cp", "dp")}, rank)
         expert_groups = egtp_groups = gtp_groups = None
         if expert_grid is not None:  # the same pp ranks: the very same groups
-            expert_groups = {**registry.axis_groups(expert_grid, {a: a for a in ("etp", "ep", "edp")}, rank), "pp": dense["pp"]}
+            expert_groups = {**registry.axis_groups(expert_grid, {a: a for a in EXPERT_AXES if a != "pp"}, rank), "pp": dense["pp"]}
             expert_groups["grad"] = expert_groups["edp"]
         if egtp_grid is not None:
             egtp_groups = {**expert_groups, **registry.axis_groups(egtp_grid, {"egtp": "egtp", "edp": "edp", "grad": "edp"}, rank)}
