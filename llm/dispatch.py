@@ -131,22 +131,50 @@ def _group_by(key_N: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Ten
     return order_N, counts[:groups]
 
 
+def _add_gathered(x_RD: torch.Tensor, index_TK: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_k x_RD[index_TK[t, k]]``, accumulated in fp32 at least and in ``k`` order.
+    Written as ``K`` gathered rows added, not a gather then a sum over a ``[T, K, D]`` view:
+    compiled, this is one pointwise kernel reading each row once, where the reduction form
+    became a persistent reduction at a third of the GPU's bandwidth (issue 55's H100 profile)."""
+    acc = torch.promote_types(x_RD.dtype, torch.float32)
+    out_TD = x_RD[index_TK[:, 0]].to(acc)
+    for j in range(1, index_TK.shape[1]):
+        out_TD = out_TD + x_RD[index_TK[:, j]]
+    return out_TD.to(x_RD.dtype)
+
+
 class _SlotsToRows(torch.autograd.Function):
     """``x_TD`` -> ``x_RD``: each token's ``K`` slots as rows in expert order (row ``r`` is slot
-    ``order_R[r]``, of token ``token_R[r] = order_R[r] // K``). Backward sums each token's ``K`` row gradients after gathering them back
-    into slot order (the inverse permutation): gathers only, where autograd's indexing adjoint
-    would scatter-add with atomics."""
+    ``order_R[r]``, of token ``token_R[r] = order_R[r] // K``). Backward sums each token's ``K``
+    row gradients, found through the inverse permutation (``row_S``): gathers only, where
+    autograd's indexing adjoint would scatter-add with atomics. ``_RowsToTokens`` is its adjoint."""
 
     @staticmethod
-    def forward(ctx, x_TD, token_R, inverse_R, k):
-        ctx.save_for_backward(inverse_R)
+    def forward(ctx, x_TD, token_R, row_S, k):
+        ctx.save_for_backward(row_S)
         ctx.k = k
         return x_TD[token_R]
 
     @staticmethod
     def backward(ctx, g_RD):
-        (inverse_R,) = ctx.saved_tensors
-        return g_RD[inverse_R].view(-1, ctx.k, g_RD.shape[-1]).sum(1), None, None, None
+        (row_S,) = ctx.saved_tensors
+        return _add_gathered(g_RD, row_S.view(-1, ctx.k)), None, None, None
+
+
+class _RowsToTokens(torch.autograd.Function):
+    """``y_RD`` -> ``y_TD``: each token's ``K`` rows (``row_S``, slot order) summed; backward
+    gathers each row its token's gradient (``token_R``; a padding row's reads token 0's, which
+    its zero gate cancels)."""
+
+    @staticmethod
+    def forward(ctx, y_RD, row_S, token_R, k):
+        ctx.save_for_backward(token_R)
+        return _add_gathered(y_RD, row_S.view(-1, k))
+
+    @staticmethod
+    def backward(ctx, g_TD):
+        (token_R,) = ctx.saved_tensors
+        return g_TD[token_R], None, None, None
 
 
 class _Permute(torch.autograd.Function):
@@ -212,8 +240,8 @@ class LocalDispatcher:
     def combine(self, y_RD: torch.Tensor, d: Dispatched, gated: bool = False) -> torch.Tensor:
         order_R, row_S = d.plan
         y_RD = y_RD if gated else _gated(y_RD, d)
-        k = row_S.numel() // max(d.rows, 1)
-        return _Permute.apply(y_RD, row_S, order_R).view(d.rows, k, y_RD.shape[-1]).sum(1)
+        k = max(row_S.numel() // max(d.rows, 1), 1)  # (no tokens: any k reads no rows)
+        return _RowsToTokens.apply(y_RD, row_S, d.row_R, k)
 
 
 # ---------------------------------------------------------------- all-to-all
