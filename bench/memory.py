@@ -5,7 +5,9 @@ for its full shapes and placements; at a layout each parameter's local elements 
 placement — TP as it is, GTP as ``mimo.parallel.gtp.gtp_placement`` splits it, the routed experts
 on the expert view (E over ep, F over etp). Bytes per rank (the largest rank's: rank 0 of the
 first stage, the first stage holding the embedding): weights in the run's dtype; main gradients
-fp32; optimizer state (``mimo.training.bucket_optim.AdamW``) two fp32 moments, 8 bytes per element,
+in the wider of the weights' and ``train.grad_reduce``'s dtype, none where a gradient has nothing to
+sum and is of the weights' dtype (a direct bucket: autograd's own gradients, transient, in the
+step's peak); optimizer state (``mimo.training.bucket_optim.AdamW``) two fp32 moments, 8 bytes per element,
 12 under bf16 (fp32 masters), 4 under bf16-pure (bf16 moments); offloaded, the host copies of
 fp32 weights and of the gradients too; divided under ``train.distributed_optimizer`` by the size
 of each parameter's data-parallel group (cp x gtp x dp for dense weights, cp x dp for GTP-split
@@ -13,7 +15,7 @@ ones, edp for experts; up to each bucket's padding). Activations are not predict
 
 **Measured** (``--measure cpu``): the same layouts as gloo processes on the config shrunk by
 ``--shrink`` (fewer, narrower layers: what fits 2 cores), each rank counting the bytes of its
-parameters, its ``GradSync`` main-gradient buffers, its optimizer states, and what one training
+parameters, its ``GradSync`` main-gradient buffers (direct buckets have none), its optimizer states, and what one training
 step keeps for backward (saved-tensor hooks: activations); printed beside the prediction for
 that shrunk model. ``--measure cuda``: world-1 layouts of the full config on the GPU:
 ``torch.cuda.memory_allocated`` after the build (weights), after the gradient buffers, after the
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import sys
 from pathlib import Path
@@ -97,7 +98,11 @@ def predict(config) -> dict:
                 continue
             view = info.view.grid.shape  # the data-parallel group of its gradient: edp on the expert view
             group = view.get("edp", 1) if "edp" in view else view.get("cp", 1) * view.get("dp", 1)
-            sums["grads"] += p.numel() * 4
+            width = 4 if fp32 else 2
+            reduce = 2 if config.train.grad_reduce == "bf16" else 4
+            summed = group > 1 or any(view.get(a, 1) > 1 for a in info.placement.partial)
+            if summed or reduce != width:  # else a direct bucket (mimo.training.optim.GradSync): no buffer
+                sums["grads"] += p.numel() * max(width, reduce)
             sums["optimizer"] += p.numel() * per / (group if sharded else 1)
         out[name] = {k: int(v) for k, v in sums.items()}
         for k in total:
@@ -116,7 +121,7 @@ def _measure_rank(config_path: str, overrides: list[str]) -> dict:
     run = build_run(load_config(config_path, overrides), dist.get_rank())
     params = sum(p.numel() * p.element_size() for part in run.model.parts if part.module is not None
                  for p in part.module.parameters())
-    grads = sum(b.flat.numel() * b.flat.element_size() for b in run.model.grad_sync._all)
+    grads = sum(b.flat.numel() * b.flat.element_size() for b in run.model.grad_sync._all if not b.direct)
     seen: dict[int, int] = {}
 
     def pack(t):
@@ -161,7 +166,7 @@ def measure_cuda(config_path: str, modes: list[str]) -> dict:
         config = load_config(config_path, [f"train.recompute={mode}", "train.compile=false"])
         run = build_run(config, 0, device=dev)
         weights = torch.cuda.memory_allocated(dev) - base
-        grads = sum(b.flat.numel() * b.flat.element_size() for b in run.model.grad_sync._all)
+        grads = sum(b.flat.numel() * b.flat.element_size() for b in run.model.grad_sync._all if not b.direct)
         before = torch.cuda.memory_allocated(dev)
         train_step(run.model, run.pipeline, 1, run.optimizers, run.policy).loss
         opt = torch.cuda.memory_allocated(dev) - before

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mimo.core.errors import CheckpointError
+from mimo.parallel.params import set_main_grad_
 from mimo.parallel.placement import ParamPlacement
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "configs", "demo.yaml")
@@ -77,7 +78,7 @@ def _step(model, optimizers) -> None:
             g = torch.Generator().manual_seed(param_seed(11, f"{part.module}.{name}"))
             full = torch.randn(info.placement.full_shape, generator=g)
             if info.param.requires_grad:  # (the optimizer steps on the main gradients)
-                info.param.main_grad.copy_(shard_full(full, info.placement, info.sizes, info.coords).to(info.param.dtype))
+                set_main_grad_(info.param, shard_full(full, info.placement, info.sizes, info.coords).to(info.param.dtype))
     for opt in optimizers.values():
         opt.step()
 
@@ -288,7 +289,7 @@ def _experts_case(root: str) -> dict:
         opts.append(build_optimizers(params, GradSync(params).module_buckets(), {"moe": 1e-2}, {"moe": 1e-2})["moe"])
     for name, info in parts[0].table.items():
         full = torch.randn(info.placement.full_shape, generator=torch.Generator().manual_seed(len(name)))
-        info.param.main_grad.copy_(shard_full(full, info.placement, info.sizes, info.coords))
+        set_main_grad_(info.param, shard_full(full, info.placement, info.sizes, info.coords))
     opts[0].step()
     if rank == 0:
         os.makedirs(root)

@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 import mimo.training.checkpoint as ckpt
 from mimo.core.errors import CheckpointError
+from mimo.parallel.params import set_main_grad_
 from mimo.training.checkpoint import (complete_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint,
                                       usable_checkpoint, validate_checkpoint)
 
@@ -51,7 +52,7 @@ def _model(seed: int = 1):
     model = MimoModel(config, 0)
     optimizers = model_optimizers(config, model, PrecisionPolicy.named("fp32"))
     for p in model.train_params():
-        p.param.main_grad.fill_(0.01)
+        set_main_grad_(p.param, torch.full(p.param.shape, 0.01))
     for opt in optimizers.values():
         opt.step()
     return model, optimizers

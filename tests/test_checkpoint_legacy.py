@@ -18,6 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from mimo.parallel.params import set_main_grad_
+
 
 def _build(precision: str, seed: int):
     """The demo model at world 1 and its optimizers (the run's: over its gradient buffers)."""
@@ -39,7 +41,7 @@ def _step(model, optimizers, k: int) -> None:
     sync.zero_grad()
     for i, p in enumerate(model.train_params()):
         g = torch.Generator().manual_seed(1000 * k + i)
-        p.param.main_grad.add_(torch.randn(p.param.shape, generator=g).to(p.param.main_grad.dtype), alpha=0.01)
+        set_main_grad_(p.param, 0.01 * torch.randn(p.param.shape, generator=g))
     sync.finish()
     for opt in optimizers.values():
         opt.step()

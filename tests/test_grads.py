@@ -1,6 +1,7 @@
-"""The run's gradients (``mimo.training.optim.GradSync``): persistent main-gradient buffers,
-fp32 accumulation of bf16 microbatches, the reduce-scatter mode against the all-reduce, and the
-once-per-step TP sums of partial gradients, counted in a real training step."""
+"""The run's gradients (``mimo.training.optim.GradSync``): persistent main-gradient buffers (and
+direct buckets without one), fp32 accumulation of bf16 microbatches, the reduce-scatter mode
+against the all-reduce, and the once-per-step TP sums of partial gradients, counted in a real
+training step."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from mimo.training.bucket_optim import build_optimizers
-from mimo.training.optim import GradSync, TrainParam
+from mimo.training.optim import GradSync, TrainParam, grad_norm
 from mimo.training.precision import PrecisionPolicy
 
 
@@ -22,34 +23,36 @@ def _inside(t: torch.Tensor, buf: torch.Tensor) -> bool:
     return start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= start + size
 
 
-def test_fp32_grads_are_views_of_persistent_buckets():
-    """fp32: backward accumulates straight into the bucket (``.grad`` is a view of it, no copy),
-    across microbatches; a new step zeroes the same buffers; a ``.grad`` someone replaced is
-    taken into the buffer and the view restored."""
-    a, b = _params(5, 3)
-    sync = GradSync([TrainParam("m", "a", a, None, True), TrainParam("m", "b", b, None, True)], bucket_numel=100)
+def test_grads_with_nothing_to_sum_are_autograds_own():
+    """A bucket without a DP or partial sum, of the weights' dtype, is direct: no buffer;
+    backward hands each weight its own gradient tensor, later microbatches add into it, a new
+    step starts from None (no zero fill), and the optimizer and the norm read ``.grad``; a
+    weight backward never reached steps on zeros."""
+    a, b, unused = _params(5, 3, 2)
+    params = [TrainParam("m", n, p, None, True) for n, p in (("a", a), ("b", b), ("u", unused))]
+    sync = GradSync(params, bucket_numel=100)
     (bucket,) = sync._all
+    assert bucket.direct and bucket.flat is None and bucket.numel == 10
+    opt = build_optimizers(params, sync.module_buckets(), {"m": 0.1}, {"m": 0.0})["m"]
+    made = []
     for step in range(2):
         sync.zero_grad()
+        assert a.grad is None and b.grad is None and not hasattr(a, "main_grad")
         for k in range(3):  # microbatches
             ((k + 1) * a.sum() + (a * b.sum()).sum()).backward()
-        for p in (a, b):
-            assert p.grad is p.main_grad and _inside(p.grad, bucket.flat)
+            sync.accumulate("m")  # what the schedule runner does after each backward of the module
+        sync.finish()
         want_a = 6 + 3 * b.detach().sum()
         assert torch.allclose(a.grad, want_a.expand(5)) and torch.allclose(b.grad, (3 * a.detach().sum()).expand(3))
-    assert sync._all == [bucket]  # the same buffers, step after step
-    sync.zero_grad()
-    assert a.grad is a.main_grad and float(bucket.flat.abs().sum()) == 0.0
-    a.grad = None  # e.g. an optimizer's zero_grad(set_to_none=True): backward then makes a new tensor
-    (2 * a.sum()).backward()
-    sync.accumulate("m")  # what the schedule runner does after each backward of the module
-    assert a.grad is a.main_grad and torch.equal(a.main_grad, torch.full((5,), 2.0))
-    a.grad = torch.full((5,), 7.0)  # a replaced .grad: this backward's contribution
-    (2 * a.sum()).backward()
-    sync.accumulate("m")
-    assert a.grad is a.main_grad and torch.equal(a.main_grad, torch.full((5,), 11.0))
+        assert unused.grad is None
+        made.append(a.grad)
+        norm = grad_norm([opt], "cpu")
+        assert torch.allclose(norm, torch.cat([a.grad, b.grad]).double().norm())
+        before = unused.detach().clone()
+        opt.step()  # AdamW on a zero gradient: the moments stay zero, the weight stays
+        assert torch.equal(unused.detach(), before)
+    assert made[0] is not made[1]  # autograd's fresh tensor each step, no persistent buffer
     sync.close()
-    assert not hasattr(a, "main_grad") and torch.equal(a.grad, torch.full((5,), 11.0))
 
 
 def test_bf16_microbatches_accumulate_in_fp32():

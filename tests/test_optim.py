@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from mimo.training.bucket_optim import build_optimizers
+from mimo.parallel.params import set_main_grad_
 from mimo.training.optim import GradSync, TrainParam
 from mimo.training.precision import PrecisionPolicy
 
@@ -50,7 +51,7 @@ def _step(opt, ps, k):
     """Step ``k`` (1-based) on its seeded gradients, left in the main gradients as a training
     step leaves them, at lr ``LR / k``."""
     for p, g in zip(ps, _grads(k)):
-        p.main_grad.copy_(g)
+        set_main_grad_(p, g)
     opt.param_groups[0]["lr"] = LR / k
     opt.step()
 
@@ -147,7 +148,7 @@ def test_bf16_keeps_updates_that_rounding_would_lose():
     for o, p in ((pure, w_pure), (opt, w)):
         o.param_groups[0].update(lr=1e-4, weight_decay=0.0)
         for _ in range(100):
-            p.main_grad.fill_(1.0)
+            set_main_grad_(p, torch.ones(p.shape))
             o.step()
     assert torch.equal(w_pure, torch.ones(4, dtype=torch.bfloat16))
     master = opt.states[0].master
@@ -267,7 +268,7 @@ def test_the_fused_kernel_on_the_gpu_is_torch_adamw(precision):
     for k in range(1, 5):
         for x, y, g in zip(a, b, _grads(k)):
             x.grad = g.to(device="cuda", dtype=x.dtype if precision != "bf16-pure" else torch.bfloat16)
-            y.main_grad.copy_(g)
+            set_main_grad_(y, g)
         for group in ref.param_groups:
             group["lr"] = LR / k
         ref.step()

@@ -64,6 +64,17 @@ def main_grad(param: nn.Parameter) -> torch.Tensor | None:
     return param.grad if g is None else g
 
 
+def set_main_grad_(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """Give ``param`` the gradient ``grad`` as a training backward leaves it: copied into its main
+    gradient where the run keeps one, else as its ``.grad`` (a bucket with nothing to sum keeps
+    autograd's own gradients: ``mimo.training.optim.GradSync``), in the weights' dtype."""
+    g = getattr(param, "main_grad", None)
+    if g is not None:
+        g.copy_(grad)
+    else:
+        param.grad = grad.detach().to(device=param.device, dtype=param.dtype).clone()
+
+
 @dataclass
 class ParamInfo:
     param: nn.Parameter

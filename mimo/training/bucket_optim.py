@@ -72,15 +72,16 @@ class _Piece:
     counts: bool  # this rank's copy counts in the norm (data-parallel copies aside: the shard decides)
 
 
-def _runs(pieces: list[_Piece], offset: int, keep: Callable[[_Piece], bool]) -> list[tuple[int, int]]:
+def _runs(pieces: list[_Piece], offset: int, keep: Callable[[_Piece], bool], merge: bool = True) -> list[tuple[int, int]]:
     """The ranges (in the shard, which starts at ``offset`` of the bucket) of the pieces ``keep``
-    takes, neighbours merged."""
+    takes, neighbours merged (unless not ``merge``: a direct bucket's gradients are tensors of
+    their own)."""
     out: list[tuple[int, int]] = []
     for pc in pieces:
         if not keep(pc) or pc.hi <= pc.lo:
             continue
         a, b = pc.start + pc.lo - offset, pc.start + pc.hi - offset
-        if out and out[-1][1] == a:
+        if merge and out and out[-1][1] == a:
             a = out.pop()[0]
         out.append((a, b))
     return out
@@ -91,12 +92,12 @@ class _State:
 
     def __init__(self, bucket, info: dict[int, TrainParam], master_dtype: torch.dtype | None, offload: bool):
         self.bucket = bucket
-        flat = bucket.flat
         self.group = bucket.group if bucket.shard is not None else None  # (reduce-scatter mode: sharded)
         self.n = 1 if self.group is None else dist.get_world_size(self.group)
-        size = flat.numel() // self.n
+        size = bucket.numel // self.n
         self.lo = (0 if self.group is None else dist.get_rank(self.group)) * size
-        self.grad = flat if bucket.shard is None else bucket.shard  # the summed gradients this rank steps on
+        # the summed gradients this rank steps on (a direct bucket: each parameter's .grad, ``_grad_of``)
+        self.grad = bucket.flat if bucket.shard is None else bucket.shard
         self.pieces = pieces = []
         off = 0
         for p in bucket.params:
@@ -107,10 +108,10 @@ class _State:
             counts = tp.counts_in_shard_norm if self.n > 1 else tp.counts_in_norm
             pieces.append(_Piece(tp.name, p, off, lo, hi, tp.weight_decay, counts))
             off += p.numel()
-        self.device = flat.device
+        self.device = bucket.params[0].device
         dtype = bucket.params[0].dtype
         # the parameters become views of one buffer laid out like the gradients (padding included)
-        self.params = torch.zeros(flat.numel(), dtype=dtype, device=self.device)
+        self.params = torch.zeros(bucket.numel, dtype=dtype, device=self.device)
         with torch.no_grad():
             for pc in pieces:
                 view = self.params[pc.start:pc.start + pc.param.numel()].view_as(pc.param)
@@ -130,14 +131,48 @@ class _State:
         self.exp_avg, self.exp_avg_sq = new(), new()
         self.fused = where.type == "cuda"  # the fused kernel takes its step counts on the device
         self.step = torch.zeros((), dtype=torch.float32, device=where if self.fused else "cpu")
-        self.grad_host = torch.empty(size, dtype=flat.dtype, pin_memory=pin) if where != self.device else None
+        self.grad_host = torch.empty(size, dtype=bucket.dtype, pin_memory=pin) if where != self.device else None
         # the runs of parameters with and without weight decay: AdamW steps each kind in one call
         # that applies (or not) the decay in its own pass; each run counts its steps in its own
         # tensor (the kernel advances every count it is given), all equal to ``step``
-        self.spans = {decay: _runs(pieces, self.lo, lambda pc, d=decay: pc.decay == d) for decay in (True, False)}
+        merge = not bucket.direct
+        self.spans = {decay: _runs(pieces, self.lo, lambda pc, d=decay: pc.decay == d, merge) for decay in (True, False)}
         self.span_steps = {d: [torch.zeros_like(self.step) for _ in spans] for d, spans in self.spans.items()}
-        self.counted = [self.grad[a:b] for a, b in _runs(pieces, self.lo, lambda pc: pc.counts)]
+        self.counted = _runs(pieces, self.lo, lambda pc: pc.counts, merge)
+        self._at = {pc.start: pc.param for pc in pieces}  # a direct bucket's parameters by their run's start
         self.pending = None  # the all-gather in flight
+
+    def _grad_of(self, a: int, b: int) -> torch.Tensor:
+        """The gradient of the run ``a .. b`` of this rank's elements (a direct bucket's runs are
+        whole parameters: its ``.grad``, zeros where backward never reached it)."""
+        if not self.bucket.direct:
+            return self.grad[a:b]
+        g = self._at[a].grad
+        return g.reshape(-1) if g is not None else torch.zeros(b - a, dtype=self.bucket.dtype, device=self.device)
+
+    def counted_grads(self) -> list[torch.Tensor]:
+        """The gradients this rank's norm counts."""
+        return [self._grad_of(a, b) for a, b in self.counted]
+
+    def grads(self) -> list[torch.Tensor]:
+        """Every gradient it steps on (clipping scales these)."""
+        if not self.bucket.direct:
+            return [self.grad]
+        return [p.grad for p in self.bucket.params if p.grad is not None]
+
+    def step_grads(self, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """The gradients of ``runs`` as the update reads them: in the update's dtype, from the
+        host copy when offloaded (taken by ``to_host``)."""
+        src = self.grad_host if self.grad_host is not None else None
+        return [(src[a:b] if src is not None else self._grad_of(a, b)).to(self.master.dtype) for a, b in runs]
+
+    def to_host(self) -> None:
+        """Offloaded: the gradients copied to the host (asynchronously)."""
+        if self.bucket.direct:
+            for a, b in self.spans[True] + self.spans[False]:
+                self.grad_host[a:b].copy_(self._grad_of(a, b), non_blocking=True)
+        else:
+            self.grad_host.copy_(self.grad, non_blocking=True)
 
     def refresh(self) -> None:
         """The master taken from the weights, if it was not set since they were."""
@@ -218,14 +253,14 @@ class AdamW(torch.optim.Optimizer):
             s.wait()  # (a gather still in flight: never, a step needs a forward first)
             s.refresh()
             if s.grad_host is not None:
-                s.grad_host.copy_(s.grad, non_blocking=True)
+                s.to_host()
         if self.states[0].grad_host is not None and self.states[0].device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        grads = [(s.grad if s.grad_host is None else s.grad_host).to(s.master.dtype) for s in self.states]
         fused = self.states[0].fused
         for decay, (runs, masters, exp_avgs, exp_avg_sqs, steps) in self._calls.items():
             if runs:
-                adamw(masters, [grads[i][a:b] for i, a, b in runs], exp_avgs, exp_avg_sqs, [], steps,
+                grads = [g for s in self.states for g in s.step_grads(s.spans[decay])]  # in the runs' order
+                adamw(masters, grads, exp_avgs, exp_avg_sqs, [], steps,
                       foreach=None if fused else True, fused=fused or None, amsgrad=False, beta1=beta1, beta2=beta2,
                       lr=lr, weight_decay=wd if decay else 0.0, eps=eps, maximize=False)
         torch._foreach_add_([s.step for s in self.states], 1.0)

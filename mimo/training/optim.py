@@ -47,11 +47,18 @@ class _Bucket:
     partial_groups: tuple  # then first over these (TP: its parameters' gradients are partial sums there)
     params: list[torch.nn.Parameter]
     flat: torch.Tensor | None = None  # the main gradients (fp32 at least); each parameter's ``main_grad`` is a view
+    numel: int = 0  # its elements, padded to a multiple of the DP group's size in reduce-scatter mode
+    dtype: torch.dtype | None = None  # its gradients' (the main gradients'; a direct bucket's: the weights')
     shard: torch.Tensor | None = None  # reduce-scatter mode: this rank's contiguous part of ``flat``
     index: int = -1  # DP launch order within its module, the same on every rank of the group (-1: no DP sum)
     ready: set[int] = field(default_factory=set)  # id() of params whose final grad is there
     work: object = None
     partial_done: bool = False  # this step's partial sums ran
+
+    @property
+    def direct(self) -> bool:
+        """Its gradients are autograd's own ``.grad`` tensors (no buffer; see ``GradSync``)."""
+        return self.flat is None
 
 
 class GradSync:
@@ -68,6 +75,14 @@ class GradSync:
     into the fp32 main gradient by a post-accumulate-grad hook and freed, so microbatches
     accumulate in fp32. The norm, clipping and the optimizer (``mimo.training.bucket_optim``)
     read the buckets' main gradients (``mimo.parallel.params.main_grad``: each parameter's view).
+
+    A bucket with nothing to sum (no DP group, no partial groups) whose gradients are of its
+    weights' dtype is **direct**: no buffer at all. ``zero_grad`` sets ``.grad`` to None, so
+    autograd hands each parameter the gradient tensor it computed (no zero fill, no add into a
+    view; later microbatches add into it) and the optimizer steps on ``.grad``. The memory of
+    those gradients then exists only from the backward that makes them to the optimizer step,
+    not through the forward's activation peak (issue 55: on one GPU the persistent bf16 buffer
+    cost 10 GB and ~14 ms a step of fill and adds).
 
     The hook also marks a parameter ready, but only while its module is ``arm``-ed, i.e.
     during the module's last backward on this rank (earlier backwards only accumulate).
@@ -143,12 +158,19 @@ class GradSync:
 
     def _allocate(self, b: _Bucket) -> None:
         """The bucket's flat main-gradient buffer (zeros, or the gradients already there), the
-        parameters' views into it, and their hooks."""
+        parameters' views into it, and their hooks; a direct bucket's size only."""
         p0 = b.params[0]
-        dtype = torch.promote_types(p0.dtype, self.reduce_dtype)
+        b.dtype = dtype = torch.promote_types(p0.dtype, self.reduce_dtype)
         numel = sum(p.numel() for p in b.params)
         n = dist.get_world_size(b.group) if b.group is not None and self.mode == "reduce_scatter" else 1
-        b.flat = torch.zeros(-(-numel // n) * n, dtype=dtype, device=p0.device)
+        b.numel = -(-numel // n) * n
+        for p in b.params:
+            chain = getattr(p, "gtp", (None,))[0]
+            if chain is not None and chain not in self._gtp_chains[b.module]:
+                self._gtp_chains[b.module].append(chain)
+        if b.group is None and not b.partial_groups and dtype == p0.dtype:
+            return  # direct: autograd's own gradients (class doc)
+        b.flat = torch.zeros(b.numel, dtype=dtype, device=p0.device)
         if n > 1:
             b.shard = b.flat.view(n, b.flat.numel() // n)[dist.get_rank(b.group)]
         off = 0
@@ -169,9 +191,6 @@ class GradSync:
                         self._hooks.append(p.register_post_accumulate_grad_hook(p.grad_sync_hook))
                 else:
                     self._bulk[b.module].append((p, view))
-                chain = getattr(p, "gtp", (None,))[0]
-                if chain is not None and chain not in self._gtp_chains[b.module]:
-                    self._gtp_chains[b.module].append(chain)
 
     def _hook(self, bucket: _Bucket, main: torch.Tensor):
         def on_grad(param: torch.nn.Parameter) -> None:
@@ -192,11 +211,15 @@ class GradSync:
         return on_grad
 
     def zero_grad(self) -> None:
-        """A new step: every main gradient zero, and ``.grad`` its view again (or None under bf16)."""
+        """A new step: every main gradient zero, and ``.grad`` its view again (or None under bf16;
+        None in a direct bucket)."""
         self._fresh.clear()
         zeroed = []
         for b in self._all:
-            if b.params[0].dtype == b.flat.dtype:
+            if b.direct:
+                for p in b.params:
+                    p.grad = None  # autograd's next gradient becomes .grad itself
+            elif b.params[0].dtype == b.flat.dtype:
                 zeroed.append(b.flat)  # autograd accumulates straight into these views
             else:
                 self._fresh.update((id(p), p.main_grad) for p in b.params)
@@ -407,13 +430,13 @@ def grad_norm(optimizers, device: torch.device | str) -> torch.Tensor:
     """The global gradient norm from the gradients the optimizers step on (one world-wide
     all-reduce of one number, left on ``device``; every element counted once). Every rank calls
     it, also one where nothing trains."""
-    return global_grad_norm((), device, grads=[t for opt in optimizers for s in opt.states for t in s.counted])
+    return global_grad_norm((), device, grads=[t for opt in optimizers for s in opt.states for t in s.counted_grads()])
 
 
 def clip_(optimizers, max_norm: float | None, norm: torch.Tensor) -> None:
     """The gradients ``optimizers`` step on scaled so that the global norm (``grad_norm``) is at
     most ``max_norm`` (``clip_grads_``)."""
-    clip_grads_([s.grad for opt in optimizers for s in opt.states], max_norm, norm)
+    clip_grads_([g for opt in optimizers for s in opt.states for g in s.grads()], max_norm, norm)
 
 
 def _by_device(grads: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], torch.dtype]]:
