@@ -19,7 +19,7 @@ row order, so TP splits every gate with its head); the attention output is multi
 ``sigmoid(gate)`` before the output projection. ``norm_zero_centred``: the pre-norm and the
 QK-norm are zero-centred (``mimo.llm.norm``).
 
-Two kernels compute the same function:
+Three kernels compute the same function:
 
 * ``exact_attention``: per-sample ``scaled_dot_product_attention`` (causal) — any device and
   dtype, exact in fp32; the reference path.
@@ -27,21 +27,33 @@ Two kernels compute the same function:
   ``cu_seqlens``), CUDA and bf16/fp16 only; causal is ``window_size=(-1, 0)`` (its default
   window is bidirectional). Feature-detected: torch versions whose signature lacks it fall
   back to the exact path.
+* ``flex_attention_packed``: ``torch.nn.attention.flex_attention`` (compiled) over the whole pack
+  with a block mask of ``causal & same segment`` (``document_block_mask``: the segment ids of
+  ``cu_seqlens``, padding its own segment), GQA by ``enable_gqa``. The mask is built once per
+  pack by ``LLMStage.context`` (``SeqContext.block_mask``) and shared by every layer; without one
+  (context parallelism, a generation cache) ``impl="flex"`` takes ``auto``'s path. Torch's
+  FlexAttention has no CPU backward: on the CPU it runs forwards only (eval).
+
+``impl`` picks: ``auto`` (varlen where usable, else exact), ``varlen``, ``exact`` or ``flex``;
+``set_attention_kernel`` gives a model's attention layers ``train.attention`` (multi-latent
+attention, ``mimo.llm.mla``, keeps its own).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from mimo.core.errors import LayoutError
 from mimo.llm.cache import pad_rows
 from mimo.llm.config import HybridArch
-from mimo.llm.context import SeqContext
+from mimo.llm.context import SeqContext, segment_index
 from mimo.llm.mrope import mrope_axes, mrope_tables
 from mimo.llm.norm import RMSNorm, ShardedRMSNorm
 from mimo.llm.rope import RopeConfig, apply_rope, inv_freq, rope_tables
@@ -176,12 +188,32 @@ class Attention(nn.Module):
         return o_TF * torch.sigmoid(gate_TF) if self.cfg.output_gate else o_TF
 
 
+IMPLS = ("auto", "varlen", "exact", "flex")  # train.attention's values (module doc)
+
+
+def set_attention_kernel(model: nn.Module, kind: str) -> int:
+    """``train.attention``: ``kind`` (``IMPLS``) as the ``impl`` of every ``Attention`` layer of
+    ``model`` (multi-latent attention keeps its own); returns how many there are."""
+    if kind not in IMPLS:
+        raise ValueError(f"unknown attention impl {kind!r}")
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for layer in layers:
+        layer.impl = kind
+    return len(layers)
+
+
 def packed_attention(q_THD, k_THD, v_THD, ctx: SeqContext, scale: float, impl: str = "auto") -> torch.Tensor:
-    """Causal attention within each ``ctx.cu_seqlens`` segment. ``impl``: auto | exact | varlen.
+    """Causal attention within each ``ctx.cu_seqlens`` segment. ``impl``: auto | exact | varlen | flex.
     Under context parallelism each segment is a chunk of a sample and attends to the sample's
-    prefix up to its own end, gathered over the CP ranks (``mimo.llm.cp``)."""
-    if impl not in ("auto", "varlen", "exact"):
+    prefix up to its own end, gathered over the CP ranks (``mimo.llm.cp``). ``flex`` runs where
+    ``ctx`` holds a block mask; a context without one (CP, a generation cache: ``LLMStage.context``
+    builds none there) takes ``auto``'s path, as every other layer kind does with it."""
+    if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}")
+    if impl == "flex":
+        if ctx.block_mask is not None:
+            return flex_attention_packed(q_THD, k_THD, v_THD, ctx, scale)
+        impl = "auto"
     usable = (impl != "exact" and q_THD.is_cuda and q_THD.dtype in (torch.bfloat16, torch.float16)
               and _varlen_attn() is not None)
     if impl == "varlen" and not usable:
@@ -230,6 +262,54 @@ def exact_attention(q_THD, k_THD, v_THD, ctx: SeqContext, scale: float) -> torch
     if not out:
         return q_THD.new_zeros(q_THD.shape[0], q_THD.shape[1], v_THD.shape[2])
     return torch.cat(out) if len(out) > 1 else out[0]
+
+
+# ---------------------------------------------------------------- FlexAttention
+@functools.cache  # (called outside compiled code only: dynamo would trace the cache)
+def _compiled_flex():
+    """``flex_attention`` through ``torch.compile``, once: eager ``flex_attention`` is an unfused
+    reference that materialises every score. Dynamic (as ``_compiled_block_mask``)."""
+    return torch.compile(flex_attention, dynamic=True)
+
+
+@functools.cache
+def _compiled_block_mask():
+    """``create_block_mask`` through ``torch.compile``, once: fused, it never materialises the
+    ``[T, T]`` mask its eager form builds. Every pack's length differs: ``dynamic=True`` traces
+    the length symbolic from the first pack on, one graph for all (the default compiles each of
+    the first two lengths; padding packs to a few fixed lengths would cost every layer the pad).
+    A pack of at most 128 tokens (one mask block) compiles once more: dynamo specialises size 1."""
+    return torch.compile(create_block_mask, dynamic=True)
+
+
+def document_block_mask(seq: SeqContext) -> BlockMask:
+    """The pack's ``BlockMask`` for ``flex_attention_packed``: query i sees key j iff j <= i and
+    both lie in one ``cu_seqlens`` segment (padding is its own). Built on the device of
+    ``seq.positions`` (the layers' device), from the segment ids alone: no host sync. On the
+    GPU by the compiled builder; on the CPU (tests, small runs) by the eager one, whose ``[T, T]``
+    mask costs a CPU-sized pack less than inductor's C++ build of the compiled one (~15 s)."""
+    t = seq.positions.numel()
+    seg_T = segment_index(seq.cu_seqlens.to(seq.positions.device), t)
+
+    def causal_document(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (seg_T[q_idx] == seg_T[kv_idx])
+
+    build = _compiled_block_mask() if seg_T.is_cuda else create_block_mask
+    with torch.no_grad():  # one graph for training and eval forwards (dynamo guards on grad mode)
+        return build(causal_document, None, None, t, t, device=seg_T.device)
+
+
+def flex_attention_packed(q_THD, k_THD, v_THD, ctx: SeqContext, scale: float) -> torch.Tensor:
+    """``exact_attention``'s function by FlexAttention over ``ctx.block_mask``
+    (``document_block_mask``): one kernel over the whole pack, blocks no query sees skipped.
+    ``[T, H, D]`` in and out; flex's layout is ``[1, H, T, D]`` (v's head size may differ)."""
+    # in a compiled layer dynamo traces flex_attention into the layer's graph; outside one, the
+    # compiled wrapper (the layers run eagerly without train.compile)
+    flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
+    q_1HTD, k_1HTD, v_1HTD = (x.transpose(0, 1).unsqueeze(0) for x in (q_THD, k_THD, v_THD))
+    o_1HTD = flex(q_1HTD, k_1HTD, v_1HTD, block_mask=ctx.block_mask, scale=scale,
+                  enable_gqa=q_THD.shape[1] != k_THD.shape[1])
+    return o_1HTD[0].transpose(0, 1)
 
 
 # ---------------------------------------------------------------- context parallelism, exact

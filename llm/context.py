@@ -38,6 +38,10 @@ class SeqContext:
     # ``positions`` (``PackedBatch.positions_3d``; under CP this rank's columns); None: every axis
     # is ``positions``. Read only by attention of an arch with ``mrope_section``
     positions_3d: torch.Tensor | None = None
+    # ``train.attention: flex``: the pack's causal document ``BlockMask``
+    # (``mimo.llm.attention.document_block_mask``), built once by ``LLMStage.context`` and read by
+    # every attention layer; None: no flex (and never under CP or a generation cache)
+    block_mask: object = None
 
     def real_mask(self) -> torch.Tensor | None:
         """``[T]`` bool, True at real tokens; None when every position is real."""

@@ -50,6 +50,7 @@ import torch.nn as nn
 
 from mimo.core.batch import PackedBatch
 from mimo.core.errors import LayoutError
+from mimo.llm.attention import document_block_mask, set_attention_kernel
 from mimo.llm.blocks import build_layer
 from mimo.llm.config import HybridArch
 from mimo.llm.context import SeqContext
@@ -98,6 +99,7 @@ class LLMStage(nn.Module):
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.tied = arch.tie_embeddings
         self.compiled_loss = False  # train.compile: the cross entropy's row math as fused kernels
+        self.flex_masks = False  # train.attention: flex (set_attention_kernel): context builds the block mask
         if self.is_first:
             self.embed = VocabParallelEmbedding(arch.vocab, arch.hidden, ctx)
         self.layers = nn.ModuleDict({str(s.index): build_layer(arch, s, ctx) for s in self.specs})
@@ -171,6 +173,11 @@ class LLMStage(nn.Module):
         if hasattr(self, "mtp") and layers is None:  # (a count of layers counts the main ones)
             set_block_recompute(self.mtp.layers(), mode)
 
+    def set_attention_kernel(self, kind: str) -> None:
+        """``train.attention`` on every attention layer (``mimo.llm.attention.set_attention_kernel``);
+        with ``flex``, ``context`` builds each pack's block mask, once for all of them."""
+        self.flex_masks = set_attention_kernel(self, kind) > 0 and kind == "flex"
+
     # ---------------------------------------------------------------- inputs
     def local_len(self, batch: PackedBatch) -> int:
         t = batch.num_tokens
@@ -185,7 +192,9 @@ class LLMStage(nn.Module):
     def context(self, batch: PackedBatch, loss_norm: float | None = None, cache=None) -> SeqContext:
         """What every layer sees of ``batch`` (under context parallelism: this rank's chunks,
         joined across the CP group by the sequence-mixing layers; ``cache``: a
-        ``mimo.llm.cache.GenerationCache``, not under context parallelism)."""
+        ``mimo.llm.cache.GenerationCache``, not under context parallelism). With ``flex_masks`` a
+        plain forward's context carries the pack's block mask (none under CP or a cache: flex
+        attention takes auto's path there)."""
         cp = None
         if batch.cp is not None:
             if cache is not None:
@@ -195,8 +204,11 @@ class LLMStage(nn.Module):
             if batch.cp.cp != self.ctx.dense.size("cp"):
                 raise LayoutError(f"a pack cut for cp={batch.cp.cp} on an LLM with cp={self.ctx.dense.size('cp')}")
             cp = CPChunks(batch.cp, self.ctx.cp, batch.tokens.device)
-        return SeqContext(batch.cu_seqlens, batch.positions, batch.max_seqlen, batch.num_real_tokens, loss_norm, cp, cache,
-                          positions_3d=batch.positions_3d if self.arch.mrope_section is not None else None)
+        seq = SeqContext(batch.cu_seqlens, batch.positions, batch.max_seqlen, batch.num_real_tokens, loss_norm, cp, cache,
+                         positions_3d=batch.positions_3d if self.arch.mrope_section is not None else None)
+        if self.flex_masks and cp is None and cache is None:
+            seq.block_mask = document_block_mask(seq)
+        return seq
 
     def image_placement(self, grid: ParallelGrid, samples: Sequence[tuple[int, Sequence[int]]],
                         blocks: Sequence[range], deepstack: bool = False) -> RunPlacement:

@@ -137,6 +137,12 @@ class TrainConfig:
     # auto (alltoall for now), alltoall (all_to_all_single over EP, all-gather-v over ETP), deepep
     # (DeepEP's kernels: GPUs, bf16, etp 1)
     moe_dispatcher: Literal["auto", "alltoall", "deepep"] = "auto"
+    # the kernel of the LLM's attention layers ('*') over packed samples (mimo.llm.attention): auto
+    # (varlen where usable, else exact), varlen (flash attention over cu_seqlens: CUDA, bf16), exact
+    # (one SDPA per sample, the reference), flex (compiled FlexAttention with a causal document mask
+    # built once per pack; CUDA for training: torch's FlexAttention has no CPU backward). Under flex,
+    # generation's cache runs auto's path; multi-latent attention ('+', 'D') always runs auto
+    attention: Literal["auto", "varlen", "exact", "flex"] = "auto"
     fp8: Fp8Config | None = None  # set: FP8 GEMMs (mimo.parallel.fp8)
     trace_steps: list[int] = field(default_factory=list)  # steps whose per-rank event traces `mimo train` writes
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -366,6 +372,7 @@ class MimoConfig:
             problems += self._tokenizer_problems(llms[0])
             problems += self._native_width_problems(llms[0])
             problems += self._dispatcher_problems(llms[0])
+            problems += self._attention_problems(llms[0])
             problems += self._fp8_problems(llms[0])
         return problems + self._cuda_graph_problems()
 
@@ -460,6 +467,18 @@ class MimoConfig:
                             f"(expert tensor parallelism inside EP runs with alltoall)")
         if self.train.precision == "fp32":
             problems.append("train.moe_dispatcher: deepep moves bf16 rows; train.precision is fp32 (use bf16, or alltoall)")
+        return problems
+
+    def _attention_problems(self, llm: str) -> list[str]:
+        """``train.attention`` where the config alone shows it never runs: varlen's kernel takes
+        bf16 only, and flex has no context-parallel path (CP would silently run another kernel)."""
+        kind, problems = self.train.attention, []
+        if kind == "varlen" and self.train.precision == "fp32":
+            problems.append("train.attention: varlen (flash attention) takes bf16; train.precision is fp32 "
+                            "(use bf16, or auto / exact / flex)")
+        if kind == "flex" and self.modules[llm].parallel.cp > 1:
+            problems.append(f"train.attention: flex has no context-parallel path; modules.{llm}.parallel.cp is "
+                            f"{self.modules[llm].parallel.cp} (use auto, or cp: 1)")
         return problems
 
     def _tokenizer_problems(self, llm: str) -> list[str]:

@@ -176,6 +176,7 @@ class MimoModel:
                 raise MimoError("train.moe_dispatcher: deepep runs DeepEP's GPU kernels; this run is on the CPU "
                                 "(--device cuda with a GPU per rank, or alltoall)")
             set_dispatchers(module, config.train.moe_dispatcher)
+            module.set_attention_kernel(config.train.attention)
         (module if llm else module.tower).set_recompute(*recompute)
         return module
 

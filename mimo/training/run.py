@@ -17,6 +17,7 @@ from mimo.data.pipeline import DataPipeline
 from mimo.compose.data_spec import data_spec
 from mimo.compose.inputs import training_pipeline
 from mimo.compose.model import MimoModel
+from mimo.core.errors import MimoError
 from mimo.training.optim import GradSync, model_optimizers
 from mimo.training.precision import PrecisionPolicy
 
@@ -44,6 +45,10 @@ def build_run(config: MimoConfig, rank: int, index: Index | None = None, policy:
     """Model, pipeline and optimizers of ``rank``; ``index`` defaults to the config's
     (prepared beforehand, once: here it is only loaded)."""
     policy = policy or PrecisionPolicy.named(config.train.precision, config.train.grad_reduce)
+    if config.train.attention == "flex" and torch.device(device).type != "cuda":
+        # (its forwards run on the CPU: eval and generation build no Run)
+        raise MimoError("train.attention: flex trains on a GPU only: torch's FlexAttention has no CPU backward "
+                        "(--device cuda, or train.attention: auto)")
     model = MimoModel(config, rank, device=device, dtype=policy.params)
     pipeline = training_pipeline(config, data_spec(config), model, index)
     optimizers = model_optimizers(config, model, policy)
