@@ -163,8 +163,8 @@ class _State:
     def step_grads(self, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
         """The gradients of ``runs`` as the update reads them: in the update's dtype, from the
         host copy when offloaded (taken by ``to_host``)."""
-        src = self.grad_host if self.grad_host is not None else None
-        return [(src[a:b] if src is not None else self._grad_of(a, b)).to(self.master.dtype) for a, b in runs]
+        host = self.grad_host
+        return [(host[a:b] if host is not None else self._grad_of(a, b)).to(self.master.dtype) for a, b in runs]
 
     def to_host(self) -> None:
         """Offloaded: the gradients copied to the host (asynchronously)."""
