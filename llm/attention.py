@@ -60,6 +60,7 @@ from mimo.llm.rope import RopeConfig, apply_rope, inv_freq, rope_tables
 from mimo.parallel.collectives import all_gather_along, reduce_scatter_along
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import FusedColumnParallelLinear, RowParallelLinear
+from mimo.parallel.norm_rope import norm_rope
 from mimo.parallel.params import init_params_, param_table
 from mimo.parallel.recompute import maybe
 
@@ -167,7 +168,10 @@ class Attention(nn.Module):
         q_THD = q_TF.view(t, self.heads_local, hd)
         k_THD = k_TF.view(t, self.kv_heads_local, hd)
         v_THD = v_TF.view(t, self.kv_heads_local, hd)
-        if self.cfg.qk_norm and not self.cfg.qk_norm_full:
+        # per-head QK-norm and full RoPE on the GPU: one op each way (mimo.parallel.norm_rope)
+        fused = (q_THD.is_cuda and self.cfg.qk_norm and not self.cfg.qk_norm_full and self.cfg.rope is not None
+                 and self.cfg.rope.head_dim == hd)
+        if self.cfg.qk_norm and not self.cfg.qk_norm_full and not fused:
             q_THD, k_THD = self.q_norm(q_THD), self.k_norm(k_THD)
         if self.cfg.rope is not None:
             if self.cfg.mrope_section is None:
@@ -175,7 +179,10 @@ class Attention(nn.Module):
             else:
                 cos_TD, sin_TD = self.mrope_tables(seq)
             rd = self.cfg.rope.head_dim
-            if rd == hd:
+            if fused:
+                q_THD, k_THD = (norm_rope(x, n.weight, cos_TD, sin_TD, n.eps, n.zero_centred)
+                                for x, n in ((q_THD, self.q_norm), (k_THD, self.k_norm)))
+            elif rd == hd:
                 q_THD, k_THD = apply_rope(q_THD, cos_TD, sin_TD), apply_rope(k_THD, cos_TD, sin_TD)
             else:  # partial rotary: the first rd channels rotate, the rest pass (Hugging Face's cat order)
                 q_THD, k_THD = (torch.cat((apply_rope(x[..., :rd], cos_TD, sin_TD), x[..., rd:]), dim=-1)
