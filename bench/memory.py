@@ -38,17 +38,16 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 LANG, VIS = "modules.language.", "modules.vision."
+# the distributed optimizer reduce-scatters into fp32 main-gradient shards (the config check refuses bf16 with it)
+DO = ["train.distributed_optimizer=true", "train.grad_reduce=fp32"]
 LAYOUTS = {  # name -> overrides (world 8): the LLM on every rank, the tower data parallel on every rank
     "dp8": ["world_size=8", VIS + "parallel.dp=8", LANG + "parallel.dp=8"],
-    "dp8, distributed optimizer": ["world_size=8", VIS + "parallel.dp=8", LANG + "parallel.dp=8",
-                                   "train.distributed_optimizer=true"],
-    "tp2 dp4, distributed optimizer": ["world_size=8", VIS + "parallel.dp=8", LANG + "parallel.tp=2", LANG + "parallel.dp=4",
-                                       "train.distributed_optimizer=true"],
+    "dp8, distributed optimizer": ["world_size=8", VIS + "parallel.dp=8", LANG + "parallel.dp=8", *DO],
+    "tp2 dp4, distributed optimizer": ["world_size=8", VIS + "parallel.dp=8", LANG + "parallel.tp=2", LANG + "parallel.dp=4", *DO],
     "tp2 gtp2 dp2, distributed optimizer": ["world_size=8", VIS + "parallel.dp=4", VIS + "parallel.gtp=2", LANG + "parallel.tp=2",
-                                            LANG + "parallel.gtp=2", LANG + "parallel.dp=2", "train.distributed_optimizer=true"],
+                                            LANG + "parallel.gtp=2", LANG + "parallel.dp=2", *DO],
     "tp2 dp4 ep4, distributed optimizer (MoE)": ["world_size=8", VIS + "parallel.dp=8", LANG + "parallel.tp=2",
-                                                 LANG + "parallel.dp=4", LANG + "parallel.ep=4", LANG + "parallel.etp=1",
-                                                 "train.distributed_optimizer=true"],
+                                                 LANG + "parallel.dp=4", LANG + "parallel.ep=4", LANG + "parallel.etp=1", *DO],
 }
 # a shape small enough for 8 gloo processes on 2 cores (the structure kept)
 SHRINK = [VIS + "arch.hidden=64", VIS + "arch.layers=3", VIS + "arch.heads=4", VIS + "arch.mlp=128", VIS + "arch.image_size=28",
