@@ -146,3 +146,20 @@ def test_attention_layer_with_fused_norm_rope_on_cuda():
     errs = [rel_err(a, b) for a, b in zip(out["fast"], out["ref"])]
     print("fused norm_rope layer on cuda: rel errs " + " ".join(f"{e:.2e}" for e in errs))
     assert max(errs) < 2e-2
+
+
+@pytest.mark.skipif(norm_rope.triton is None, reason="this torch has no Triton")
+@pytest.mark.parametrize("zero_centred", [False, True])
+def test_kernels_compile_for_hopper(zero_centred):
+    """Both kernels lower to sm_90 cubins (bf16 rows of head dim 128, fp32 tables)."""
+    from tests.kernel_checks import compile_for_hopper
+
+    common = {"x_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    tail = {"ZERO_CENTRED": "constexpr", "HALF": "constexpr", "ROWS": "constexpr"}
+    consts = {"ZERO_CENTRED": zero_centred, "HALF": 64, "ROWS": norm_rope.ROWS}
+    fwd = {**common, "out_ptr": "*bf16", "rows": "i32", "heads": "i32", "x_stride_t": "i32", "tab_stride_t": "i32",
+           "eps": "fp32", **tail}
+    bwd = {**common, "g_ptr": "*bf16", "dx_ptr": "*bf16", "dw_ptr": "*fp32", "rows": "i32", "heads": "i32",
+           "x_stride_t": "i32", "tab_stride_t": "i32", "eps": "fp32", "blocks_per_program": "i32", **tail}
+    assert compile_for_hopper(norm_rope._forward_kernel, fwd, consts).asm["cubin"]
+    assert compile_for_hopper(norm_rope._backward_kernel, bwd, consts).asm["cubin"]

@@ -135,3 +135,12 @@ def test_fused_backward_on_cuda(dtype):
             err, e1 = rel_err(g.cpu(), want), rel_err(r, want)
             print(f"cuda {dtype} rows {rows} ffn {ffn} {name}: kernel {err:.2e}, torch {e1:.2e}")
             assert err <= max(1e-7, YARDSTICK_K * e1, 2e-3 if dtype == torch.bfloat16 else 0.0)
+
+
+def test_kernel_compiles_for_hopper():
+    """The backward kernel lowers to an sm_90 cubin (bf16 rows, the experts' F of 768)."""
+    from tests.kernel_checks import compile_for_hopper
+
+    sig = {"h_ptr": "*bf16", "da_ptr": "*bf16", "w_ptr": "*fp32", "dh_ptr": "*bf16", "dw_ptr": "*fp32", "rows": "i32",
+           "ffn": "i32", "h_stride": "i32", "da_stride": "i32", "ROWS": "constexpr", "BLOCK_F": "constexpr"}
+    assert compile_for_hopper(swiglu._backward_kernel, sig, {"ROWS": 4, "BLOCK_F": 1024}).asm["cubin"]
