@@ -1,5 +1,5 @@
-"""The MoE LLM training step alone: mimo against torchtitan's Qwen3-MoE on the same documents
-(issue 55, item 1).
+"""The LLM training step alone: mimo against torchtitan's Qwen3-MoE (or dense Qwen3) on the same
+documents (issue 55, item 1).
 
 Trains ``configs/llava-moe-llm.yaml`` (llava-moe's text model: 16 layers, 64 experts top 8,
 1.04B active of 5.27B parameters; bf16 parameters, gradients and AdamW state) through
@@ -12,13 +12,17 @@ microbatches ``warmup .. steps-1`` after ``--warmup`` untimed steps. Workloads:
 * ``uniform``: 8 documents of 2,048 tokens a step;
 * ``ragged``: 12 documents of 32..2,048 tokens, a new total every step.
 
+``--model dense`` trains ``configs/llava-1.3b-llm.yaml`` instead (llava-1.3b's text model with
+Qwen3's QK-norm: 16 layers, hidden 2048, 16 heads, ffn 5632) against ``torchtitan_dense_anchor.py``
+beside this file: torchtitan's dense Qwen3 at those shapes, timed by the MoE anchor's harness.
+
 Prints one JSON line: each side's median / min / max step, real tokens/s, peak memory, warm-up
 (compile) seconds, graphs compiled inside the timed steps, and ``ratio`` = mimo's real tokens/s
 over torchtitan's (> 1: mimo faster; the two count the same tokens: ``same_tokens``) beside the
 median-step ratio. torchtitan needs its wheel and four small ones on the GPU machine (see the
 anchor's docstring).
 
-    python bench/moe_llm_step.py [--workload uniform|ragged] [--steps 13 --warmup 3] [key=value ...]
+    python bench/moe_llm_step.py [--model moe|dense] [--workload uniform|ragged] [--steps 13 --warmup 3] [key=value ...]
     python bench/moe_llm_step.py --tiny --device cpu --steps 3 --warmup 1 --anchor-arg=--no-compile ...  # smoke
 """
 
@@ -42,6 +46,11 @@ TINY = ["modules.language.arch.pattern='*E*E'", "modules.language.arch.hidden=64
         "modules.language.arch.kv_heads=2", "modules.language.arch.head_dim=16", "modules.language.arch.vocab=512",
         "modules.language.arch.moe={experts: 8, topk: 2, ffn: 32}", "modules.language.arch.max_seq_len=256"]
 TINY_DOCS = (4, 64, 128)
+# --model: mimo's config (the dense anchor wraps the MoE one, passed as its --base)
+MODELS = {"moe": "configs/llava-moe-llm.yaml", "dense": "configs/llava-1.3b-llm.yaml"}
+DENSE_ANCHOR = Path(__file__).resolve().parent / "torchtitan_dense_anchor.py"
+TINY_DENSE = [o for o in TINY if ".moe=" not in o and ".pattern=" not in o] + [
+    "modules.language.arch.pattern='*-*-'", "modules.language.arch.ffn=32"]
 
 
 def run_anchor(path: Path, docs: tuple[int, int, int], steps: int, warmup: int, device: str, tiny: bool,
@@ -61,6 +70,7 @@ def run_anchor(path: Path, docs: tuple[int, int, int], steps: int, warmup: int, 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="mimo config key=value overrides")
+    parser.add_argument("--model", choices=sorted(MODELS), default="moe", help="moe: llava-moe's text model; dense: llava-1.3b's")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="uniform")
     parser.add_argument("--steps", type=int, default=13)
     parser.add_argument("--warmup", type=int, default=3)
@@ -83,15 +93,18 @@ def main(argv=None) -> dict:
         if path is None or not path.is_file():
             parser.error(f"no anchor script at {args.anchor or [str(p) for p in ANCHORS]}; use --anchor or --no-anchor")
         extra = args.anchor_arg + (["--profile", f"{args.profile}.torchtitan.txt"] if args.profile else [])
+        if args.model == "dense":  # torchtitan's dense Qwen3 in the MoE anchor's harness
+            path, extra = DENSE_ANCHOR, ["--base", str(path)] + extra
         anchor = run_anchor(path, docs, args.steps, args.warmup, device, args.tiny, extra)
-    overrides = (TINY if args.tiny else []) + [
+    tiny = TINY_DENSE if args.model == "dense" else TINY
+    overrides = (tiny if args.tiny else []) + [
         f"data.synthetic.samples_per_microbatch={n}", f"data.synthetic.text_tokens=[{lo},{hi}]",
         f"data.tokens_per_microbatch={n * hi}", f"data.max_sample_tokens={hi}"] + args.overrides
-    mimo = llava_step.main(["--config", str(ROOT / "configs/llava-moe-llm.yaml"), "--no-baseline", "--device", device,
+    mimo = llava_step.main(["--config", str(ROOT / MODELS[args.model]), "--no-baseline", "--device", device,
                             "--steps", str(args.steps), "--warmup", str(args.warmup), "--variants", args.variants]
                            + (["--profile", f"{args.profile}.mimo"] if args.profile else []) + overrides,
                            bench="moe_llm_step", quiet=True)
-    res = {"bench": "moe_llm_step", "workload": "tiny" if args.tiny else args.workload, "docs_per_step": n,
+    res = {"bench": "moe_llm_step", "model": args.model, "workload": "tiny" if args.tiny else args.workload, "docs_per_step": n,
            "doc_tokens": [lo, hi], "mimo": mimo, "torchtitan": anchor}
     if anchor is not None and "error" not in anchor:
         for name in args.variants.split(","):
@@ -100,6 +113,7 @@ def main(argv=None) -> dict:
                 v["ratio_tokens_per_s"] = v["real_tokens_per_s"] / anchor["real_tokens_per_s"]
                 v["ratio_median_step"] = anchor["step_s_median"] / v["step_s_median"]
         res["same_tokens"] = mimo["real_tokens_per_step"] == anchor["real_tokens_per_step"]
+        res["same_active_params"] = mimo.get("params_llm") == anchor.get("params_active")
     print(json.dumps(res))
     return res
 
