@@ -60,7 +60,7 @@ from mimo.llm.rope import RopeConfig, apply_rope, inv_freq, rope_tables
 from mimo.parallel.collectives import all_gather_along, reduce_scatter_along
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import FusedColumnParallelLinear, RowParallelLinear
-from mimo.parallel.norm_rope import norm_rope
+from mimo.parallel import norm_rope
 from mimo.parallel.params import init_params_, param_table
 from mimo.parallel.recompute import maybe
 
@@ -169,7 +169,7 @@ class Attention(nn.Module):
         k_THD = k_TF.view(t, self.kv_heads_local, hd)
         v_THD = v_TF.view(t, self.kv_heads_local, hd)
         # per-head QK-norm and full RoPE on the GPU: one op each way (mimo.parallel.norm_rope)
-        fused = (q_THD.is_cuda and self.cfg.qk_norm and not self.cfg.qk_norm_full and self.cfg.rope is not None
+        fused = (norm_rope.takes(q_THD) and self.cfg.qk_norm and not self.cfg.qk_norm_full and self.cfg.rope is not None
                  and self.cfg.rope.head_dim == hd)
         if self.cfg.qk_norm and not self.cfg.qk_norm_full and not fused:
             q_THD, k_THD = self.q_norm(q_THD), self.k_norm(k_THD)
@@ -180,7 +180,7 @@ class Attention(nn.Module):
                 cos_TD, sin_TD = self.mrope_tables(seq)
             rd = self.cfg.rope.head_dim
             if fused:
-                q_THD, k_THD = (norm_rope(x, n.weight, cos_TD, sin_TD, n.eps, n.zero_centred)
+                q_THD, k_THD = (norm_rope.norm_rope(x, n.weight, cos_TD, sin_TD, n.eps, n.zero_centred)
                                 for x, n in ((q_THD, self.q_norm), (k_THD, self.k_norm)))
             elif rd == hd:
                 q_THD, k_THD = apply_rope(q_THD, cos_TD, sin_TD), apply_rope(k_THD, cos_TD, sin_TD)

@@ -39,12 +39,11 @@ import torch.nn as nn
 from mimo.llm.dispatch import make_dispatcher
 from mimo.llm.mlp import activate, activate_maybe_recomputed
 from mimo.llm.router import Routing
-from mimo.parallel import gemm
+from mimo.parallel import gemm, swiglu
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.layers import fused_adapters
 from mimo.parallel.placement import ParamPlacement, replicated, sharded, sharded_dims
 from mimo.parallel.recompute import maybe
-from mimo.parallel.swiglu import weighted_swiglu
 
 
 def _up_placement(shape: tuple[int, ...], ffn: int, gated: bool, dim: int) -> ParamPlacement:
@@ -125,8 +124,8 @@ class GroupedExperts(nn.Module):
         parts = h_RF.chunk(2, dim=-1) if self.gated else (h_RF,)
         if gate_R is None:
             a_RF = activate_maybe_recomputed(self.selective, parts, self.act)
-        elif self.act == "swiglu" and h_RF.is_cuda:  # its backward in one pass (mimo.parallel.swiglu)
-            a_RF = maybe(self.selective, weighted_swiglu, h_RF, gate_R)
+        elif self.act == "swiglu" and swiglu.takes(h_RF):  # its backward in one pass
+            a_RF = maybe(self.selective, swiglu.weighted_swiglu, h_RF, gate_R)
         else:
             a_RF = maybe(self.selective, lambda g_R, *p: activate(p, self.act) * g_R[:, None].to(p[0].dtype), gate_R, *parts)
         y_RI = gemm.grouped_linear(a_RF, self.down_proj, ends_L, self.recipe, aligned)

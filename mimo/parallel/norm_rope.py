@@ -203,6 +203,13 @@ def _backward(ctx, g_THD):
 _forward_op.register_autograd(_backward, setup_context=_setup)
 
 
+def takes(x_THD: torch.Tensor) -> bool:
+    """Whether ``Attention`` routes its QK-norm and RoPE here: on CUDA (the CPU keeps the modules,
+    so its results stay as they were; tests switch this on to run the op's plumbing, compiled,
+    on the CPU)."""
+    return x_THD.is_cuda
+
+
 def norm_rope(x_THD: torch.Tensor, w_D: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor, eps: float,
               zero_centred: bool = False) -> torch.Tensor:
     """RMSNorm of each head's row (weight ``w_D``), then RoPE by the tables: one op each way

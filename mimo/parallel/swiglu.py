@@ -114,6 +114,13 @@ class _WeightedSwiGLU(torch.autograd.Function):
         return dh, dw
 
 
+def takes(h_RG: torch.Tensor) -> bool:
+    """Whether callers route this tensor's activation here: on CUDA (the CPU keeps its torch
+    expression, so its results stay as they were; tests switch this on to run the op's
+    plumbing, compiled, on the CPU)."""
+    return h_RG.is_cuda
+
+
 def weighted_swiglu(h_RG: torch.Tensor, w_R: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up * w[:, None]`` of ``h_RG = [gate | up]``, its backward one pass (module doc)."""
     return _WeightedSwiGLU.apply(h_RG, w_R)
