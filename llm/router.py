@@ -1,7 +1,8 @@
 """The MoE router: fp32 scores, deterministic top-k, balancing state and aux losses.
 
 ``Router.logits`` is the one GEMM (fp32 weight and fp32 logits whatever the precision policy:
-the weight is kept fp32 through the module's dtype changes). ``route`` turns the logits of
+the weight is kept fp32 through the module's dtype changes; a bf16 input on CUDA multiplies on
+bf16 tensor cores the weight's exact three-part bf16 split, ``mimo.parallel.split_gemm``). ``route`` turns the logits of
 the *whole* local pack (under sequence parallelism the MoE layer gathers them over TP first,
 so every TP rank routes every token of the pack identically) into each token's ``topk``
 experts and gate values:
@@ -57,7 +58,7 @@ import torch.nn as nn
 import torch.distributed as dist
 
 from mimo.llm.config import MoEArch
-from mimo.parallel import gemm
+from mimo.parallel import gemm, split_gemm
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.placement import ParamPlacement, replicated
 from mimo.parallel.recompute import replaying, stash
@@ -172,6 +173,8 @@ class Router(nn.Module):
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         """fp32 (at least) router logits ``[T, E]`` of ``x_TD``."""
+        if self.bias is None and getattr(self.weight, "gtp", None) is None and split_gemm.takes(x_TD, self.weight):
+            return split_gemm.fp32_linear_of_bf16(x_TD, self.weight)  # on bf16 tensor cores, fp32 exact terms
         dtype = torch.promote_types(x_TD.dtype, torch.float32)
         w = self.weight.to(dtype)
         return gemm.linear(x_TD.to(dtype), w, None if self.bias is None else self.bias.to(dtype))

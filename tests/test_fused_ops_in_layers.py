@@ -1,5 +1,6 @@
 """The GPU-only ops inside real layers, compiled: ``mimo.parallel.norm_rope`` in a Qwen3-style
-attention layer and ``mimo.parallel.swiglu`` in a routed-expert MoE layer. Layers take them on
+attention layer, ``mimo.parallel.swiglu`` and the router's ``mimo.parallel.split_gemm`` in a
+routed-expert MoE layer. Layers take them on
 CUDA only (``takes``); here ``takes`` is switched on so that the CPU runs the same custom ops
 (their torch functions inside) through dynamo and inductor as the GPU will, and the layer's
 output and every gradient are checked against the same layer on its plain modules, with the fp64
@@ -19,7 +20,7 @@ from mimo.core.testing import YARDSTICK_K, rel_err
 from mimo.llm.blocks import LayerSpec, build_layer
 from mimo.llm.config import HybridArch, MoEArch
 from mimo.llm.context import SeqContext
-from mimo.parallel import norm_rope, swiglu
+from mimo.parallel import norm_rope, split_gemm, swiglu
 
 LENS = [37, 1, 90, 16]
 
@@ -52,6 +53,7 @@ def test_fused_ops_match_the_modules_compiled(monkeypatch, kind):
     def run(fused: bool, dtype, compiled: bool):
         monkeypatch.setattr(norm_rope, "takes", lambda _t: fused)
         monkeypatch.setattr(swiglu, "takes", lambda _t: fused)
+        monkeypatch.setattr(split_gemm, "takes", lambda x_, w_: fused and x_.dtype == torch.bfloat16)
         layer = copy.deepcopy(base).to(dtype)
         if compiled:
             torch._dynamo.reset()
