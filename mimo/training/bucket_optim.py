@@ -30,8 +30,9 @@ Python pass over the parameters.
   a GPU; the masters then in every precision, as the weights' host copy); each step copies the
   gradients to the host, runs AdamW there, and copies the new weights back.
 
-The update is ``torch.optim.AdamW``'s (its functional kernel: fused on CUDA, foreach on the CPU),
-with the decoupled weight decay where AdamW applies it, in the kernel's own pass: a bucket mixes
+The update is ``torch.optim.AdamW``'s (its functional kernel: foreach on the CPU; on CUDA the
+same arithmetic as its fused kernel in ``mimo.parallel.adamw``'s Triton kernel, torch's fused one
+where Triton is missing), with the decoupled weight decay where AdamW applies it, in the kernel's own pass: a bucket mixes
 parameters with and without decay, so each step is one call over the decayed runs and one over
 the others; on the CPU
 an fp32 run's weights are torch's AdamW's, bit for bit. The global gradient norm and clipping
@@ -54,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from mimo.core.errors import CheckpointError
+from mimo.parallel import adamw as adamw_kernel
 from mimo.parallel.params import TrainParam
 from mimo.training.precision import PrecisionPolicy
 
@@ -260,6 +262,10 @@ class AdamW(torch.optim.Optimizer):
         for decay, (runs, masters, exp_avgs, exp_avg_sqs, steps) in self._calls.items():
             if runs:
                 grads = [g for s in self.states for g in s.step_grads(s.spans[decay])]  # in the runs' order
+                if fused and adamw_kernel.takes(masters, grads, exp_avgs, exp_avg_sqs):  # wide blocks, one pass
+                    adamw_kernel.adamw_(masters, grads, exp_avgs, exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
+                                        eps=eps, weight_decay=wd if decay else 0.0)
+                    continue
                 adamw(masters, grads, exp_avgs, exp_avg_sqs, [], steps,
                       foreach=None if fused else True, fused=fused or None, amsgrad=False, beta1=beta1, beta2=beta2,
                       lr=lr, weight_decay=wd if decay else 0.0, eps=eps, maximize=False)
