@@ -16,7 +16,9 @@ microbatches ``warmup .. steps-1`` after ``--warmup`` untimed steps. Workloads:
 Qwen3's QK-norm: 16 layers, hidden 2048, 16 heads, ffn 5632) against ``torchtitan_dense_anchor.py``
 beside this file: torchtitan's dense Qwen3 at those shapes, timed by the MoE anchor's harness.
 
-Prints one JSON line: each side's median / min / max step, real tokens/s, peak memory, warm-up
+Prints one JSON line: each side's median / min / max step, real tokens/s, MFU against the GPU's
+rated dense peak (torchtitan's at mimo's FLOPs per real token, ``mfu``, and at its own count,
+``mfu_own_flop_count``), peak memory, warm-up
 (compile) seconds, graphs compiled inside the timed steps, and ``ratio`` = mimo's real tokens/s
 over torchtitan's (> 1: mimo faster; the two count the same tokens: ``same_tokens``) beside the
 median-step ratio. torchtitan needs its wheel and four small ones on the GPU machine (see the
@@ -112,6 +114,11 @@ def main(argv=None) -> dict:
             if "real_tokens_per_s" in v:
                 v["ratio_tokens_per_s"] = v["real_tokens_per_s"] / anchor["real_tokens_per_s"]
                 v["ratio_median_step"] = anchor["step_s_median"] / v["step_s_median"]
+        rated = mimo.get("peak_tflops_rated")  # the GPU's rated dense peak (TFLOP/s): MFU on both sides
+        v = next((mimo[k] for k in args.variants.split(",") if "model_tflops_per_s" in mimo.get(k, {})), None)
+        if rated and v is not None and v["real_tokens_per_s"]:
+            anchor["mfu"] = anchor["real_tokens_per_s"] * v["model_tflops_per_s"] / v["real_tokens_per_s"] / rated
+            anchor["mfu_own_flop_count"] = anchor.get("model_tflops_per_s", 0.0) / rated
         res["same_tokens"] = mimo["real_tokens_per_step"] == anchor["real_tokens_per_step"]
         res["same_active_params"] = mimo.get("params_llm") == anchor.get("params_active")
     print(json.dumps(res))

@@ -47,7 +47,7 @@ STAND_IN = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("model", ["moe", "dense"])
-def test_llm_bench_times_the_anchors_documents(tmp_path, capsys, model):
+def test_llm_bench_times_the_anchors_documents(tmp_path, capsys, monkeypatch, model):
     """Both models: the same documents on both sides; ``--model dense`` runs the dense anchor,
     which runs the MoE anchor's harness with torchtitan's dense Qwen3 builder swapped in."""
     anchor = tmp_path / "anchor.py"
@@ -57,6 +57,8 @@ def test_llm_bench_times_the_anchors_documents(tmp_path, capsys, model):
         spec = importlib.util.spec_from_file_location("bench_moe_llm_step", BENCH / "moe_llm_step.py")
         bench = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(bench)
+        # a rated peak on the CPU (1 TFLOP/s), so that both sides' MFU is computed
+        monkeypatch.setattr("mimo.training.flops.device_peak_flops", lambda *a, **k: 1e12)
         res = bench.main(["--model", model, "--tiny", "--device", "cpu", "--steps", "4", "--warmup", "2", "--variants",
                           "eager", "--anchor", str(anchor)])
     finally:
@@ -68,3 +70,5 @@ def test_llm_bench_times_the_anchors_documents(tmp_path, capsys, model):
     v = res["mimo"]["eager"]
     assert v["timed_steps"] == 2 and v["loss_first"] > 0
     assert v["ratio_tokens_per_s"] == v["real_tokens_per_s"] / res["torchtitan"]["real_tokens_per_s"]
+    tt = res["torchtitan"]  # its MFU at mimo's FLOPs per real token, against the same rated peak
+    assert v["mfu"] > 0 and tt["mfu"] == tt["real_tokens_per_s"] * v["model_tflops_per_s"] / v["real_tokens_per_s"] / 1.0
