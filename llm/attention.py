@@ -253,6 +253,10 @@ def cached_attention(state: dict, q_THD, k_THD, v_THD, seq: SeqContext, scale: f
     return pad_rows(o_NH1D[:, :, 0], q_THD.shape[0])
 
 
+# never traced: its loop runs over the pack's lengths read on the host, which a compiled layer
+# would guard on (one recompile per new set of lengths); called from a compiled layer, it runs
+# eagerly between the layer's graphs (torch.compiler.disable, dynamo imported on the first call)
+@torch._disable_dynamo
 def exact_attention(q_THD, k_THD, v_THD, ctx: SeqContext, scale: float) -> torch.Tensor:
     """Reference path: one causal SDPA per sample (memory O(longest sample^2), not O(T^2))."""
     gqa = q_THD.shape[1] != k_THD.shape[1]

@@ -367,3 +367,24 @@ def test_every_matrix_product_goes_through_the_gemm_seam(monkeypatch, tied):
     assert len(seen) == len(weights)
     assert {id(w) for w in seen} == {id(w) for w in weights.values()}, sorted(
         n for n, w in weights.items() if all(w is not s for s in seen))
+
+
+def test_compiled_layer_on_the_exact_path_does_not_recompile_per_pack():
+    """``exact_attention`` loops over the pack's lengths read on the host; a compiled layer calls
+    it untraced (``torch.compiler.disable``), so after the first packs, packs with new lengths
+    and new segment counts compile nothing (traced, each new segment count was a new graph: the
+    fp32 GPU run of tests/test_native_data.py stalled on it)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    arch = HybridArch(pattern="*", hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=50)
+    layer = build_layer(arch, LayerSpec(0, "attention"))
+    layer.impl = "exact"
+    layer.compile(dynamic=True)
+    packs = ([5, 9], [7, 3, 11], [20], [4, 4, 4, 4], [13, 2], [30, 1], [6, 6, 6, 1, 1], [17, 9, 2, 2], [25])
+    for i, lens in enumerate(packs):
+        if i == 3:  # (static first compile, then the dynamic one)
+            warm = counters["stats"]["unique_graphs"]
+        x = torch.randn(sum(lens), 64, requires_grad=True)
+        layer(x, SeqContext.from_seqlens(lens)).sum().backward()
+    assert counters["stats"]["unique_graphs"] == warm
