@@ -28,12 +28,15 @@ BASELINES = (ROOT.parent / "shared/bench/hf_llava_moe_baseline.py", ROOT / ".whl
 # llava_step's tiny model with MoE layers (8 experts, top 2) in place of the MLPs
 TINY = [o for o in llava_step.TINY if not o.startswith(("modules.language.arch.pattern", "modules.language.arch.ffn"))] + [
     "modules.language.arch.pattern='*E*E'", "modules.language.arch.moe={experts: 8, topk: 2, ffn: 32}"]
+# the padded anchor's attention implementations with grouped_mm experts, then padding-free packing
+# (bench/hf_llava_packed.py) with SDPA and FlexAttention, each also with its decoder layers compiled
+BASELINE_CONFIGS = ",".join([f"grouped_mm+ATTN={a}" for a in ("eager", "sdpa", "flex_attention")] + [
+    f"packed:{a}:grouped_mm{c}" for a in ("sdpa", "flex_attention") for c in ("", "+COMPILE=1")])
 
 
 def main(argv=None) -> dict:
     return llava_step.main(argv, bench="llava_moe_step", config_path=ROOT / "configs/llava-moe.yaml", tiny=TINY,
-                           baselines=BASELINES, baseline_configs=",".join(f"grouped_mm+ATTN={a}" for a in ("eager", "sdpa", "flex_attention")),
-                           baseline_env=("B=4",))
+                           baselines=BASELINES, baseline_configs=BASELINE_CONFIGS, baseline_env=("B=4",), packed_model="moe")
 
 
 if __name__ == "__main__":

@@ -12,10 +12,12 @@ per real token, where its own script counts 6 for every module), MFU against the
 an 8192^3 bf16 matmul timed in the same process, ``mfu_measured_rate``), peak memory, the
 precision policy, and, unless ``--no-baseline``, the
 baseline's own JSON line (run as a subprocess in the same invocation) and the ratio of real
-tokens/s. The baseline is the fastest of the configurations ``--baseline-configs`` names (default:
-eager, sdpa and flex attention; the MoE bench: those with grouped_mm experts), each run in turn
-on the same samples; ``baseline.config`` names it and ``baseline.runs`` holds every one's numbers
-or error. Its scripts take padded batches and run eager (no packing, no compile).
+tokens/s. The baseline is the fastest of the configurations ``--baseline-configs`` names, each
+run in turn on the same samples; ``baseline.config`` names it and ``baseline.runs`` holds every
+one's numbers or error. By default: the padded anchor script with eager, sdpa and flex attention
+(the MoE bench: with grouped_mm experts), then ``packed:...``: ``bench/hf_llava_packed.py``, the
+same model and samples padding-free (one row, restarting positions) with SDPA or FlexAttention,
+each also with its decoder layers compiled (``+COMPILE=1``).
 
     python bench/llava_step.py [--steps 13] [--warmup 3] [--no-baseline] [--baseline PATH] [key=value ...]
     python bench/llava_step.py --tiny --no-baseline     # a few-second CPU smoke run
@@ -72,25 +74,38 @@ def matmul_rate(device: torch.device, n: int = 8192, iters: int = 20) -> float |
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
-def run_baseline(path: Path, steps: int, arg: str, env_extra: list[str] = ()) -> dict:
+PACKED = Path(__file__).resolve().parent / "hf_llava_packed.py"  # the anchors' models and samples, padding-free
+# the anchor configurations the dense bench tries: the padded script's attention implementations,
+# then padding-free packing with SDPA and FlexAttention, each also with its decoder layers compiled
+DENSE_BASELINE_CONFIGS = ",".join(["eager", "sdpa", "flex_attention"] + [
+    f"packed:{a}{c}" for a in ("sdpa", "flex_attention") for c in ("", "+COMPILE=1")])
+
+
+def run_baseline(path: Path, steps: int, args: list[str] | str, env_extra: list[str] = ()) -> dict:
     """One run of the anchor script: its JSON line, or ``{"error": ...}`` when it failed (out of
     memory, an attention implementation that does not run there)."""
     env = dict(os.environ, STEPS=str(steps), **dict(kv.split("=", 1) for kv in env_extra))
-    out = subprocess.run([sys.executable, str(path), arg], env=env, capture_output=True, text=True)
+    args = [args] if isinstance(args, str) else args
+    out = subprocess.run([sys.executable, str(path), *args], env=env, capture_output=True, text=True)
     if out.returncode != 0:
         return {"error": f"exit {out.returncode}: {out.stderr.strip().splitlines()[-1][-400:] if out.stderr.strip() else ''}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def search_baseline(path: Path, steps: int, configs: list[str], env_extra: list[str] = ()) -> dict:
+def search_baseline(path: Path, steps: int, configs: list[str], env_extra: list[str] = (), packed_model: str = "dense") -> dict:
     """The anchor in each of ``configs`` (``ARG[+KEY=VALUE...]``: the script's argument and
-    environment, e.g. ``sdpa`` or ``grouped_mm+ATTN=sdpa``), in turn; the fastest that ran
-    (real tokens/s) is the anchor, with ``config`` naming it and ``runs`` every configuration's
-    numbers or error."""
+    environment, e.g. ``sdpa`` or ``grouped_mm+ATTN=sdpa``; ``packed:ATTN[:EXPERTS][+KEY=VALUE...]``:
+    the same model and samples padding-free, ``hf_llava_packed.py`` with ``packed_model``), in
+    turn; the fastest that ran (real tokens/s) is the anchor, with ``config`` naming it and
+    ``runs`` every configuration's numbers or error."""
     runs = {}
     for config in configs:
-        arg, *env = config.split("+")
-        runs[config] = run_baseline(path, steps, arg, list(env_extra) + env)
+        head, *env = config.split("+")
+        if head.startswith("packed:"):
+            runs[config] = run_baseline(PACKED, steps, [packed_model, *head[len("packed:"):].split(":")],
+                                        list(env_extra) + env)
+        else:
+            runs[config] = run_baseline(path, steps, head, list(env_extra) + env)
     ran = {c: r for c, r in runs.items() if "error" not in r}
     if not ran:
         raise SystemExit(f"no configuration of the baseline ran: {runs}")
@@ -304,10 +319,10 @@ def fp8_gains(res: dict) -> None:
 
 
 def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "configs/llava-1.3b.yaml", tiny: list[str] = TINY,
-         baselines=BASELINE_CANDIDATES, baseline_configs: str = "eager,sdpa,flex_attention",
-         baseline_env: tuple[str, ...] = (), quiet: bool = False) -> dict:
+         baselines=BASELINE_CANDIDATES, baseline_configs: str = DENSE_BASELINE_CONFIGS,
+         baseline_env: tuple[str, ...] = (), quiet: bool = False, packed_model: str = "dense") -> dict:
     """The bench (see module doc); ``bench/llava_moe_step.py`` runs it with its own model,
-    anchor and tiny model; ``bench/moe_llm_step.py`` with ``quiet`` (no JSON line printed: it
+    anchor (``packed_model``: the padding-free anchor's) and tiny model; ``bench/moe_llm_step.py`` with ``quiet`` (no JSON line printed: it
     prints its own)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="config key=value overrides")
@@ -359,7 +374,7 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
         if path is None or not path.is_file():
             parser.error(f"no baseline script at {args.baseline or [str(p) for p in baselines]}; use --baseline or --no-baseline")
         # before ours: a clean GPU for each
-        baseline = search_baseline(path, args.steps, args.baseline_configs.split(","), args.baseline_env)
+        baseline = search_baseline(path, args.steps, args.baseline_configs.split(","), args.baseline_env, packed_model)
     rate = matmul_rate(device)
     rated = device_peak_flops(device, config.train.precision, fp8=config.train.fp8 is not None)
     rated = rated / 1e12 if rated else None  # TFLOP/s: MFU's denominator; the measured rate beside it
