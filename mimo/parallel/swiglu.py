@@ -98,7 +98,7 @@ def _backward_op(h_RG: torch.Tensor, w_R: torch.Tensor, da_RF: torch.Tensor) -> 
 
 @_backward_op.register_fake
 def _(h_RG, w_R, da_RF):
-    return torch.empty_like(h_RG), w_R.new_empty(w_R.shape)
+    return h_RG.new_empty(h_RG.shape), w_R.new_empty(w_R.shape)  # contiguous, as the real ones
 
 
 class _WeightedSwiGLU(torch.autograd.Function):
