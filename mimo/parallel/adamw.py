@@ -3,7 +3,9 @@
 torch's ``_fused_adamw_`` moved issue 55's MoE model (5.27B parameters, bf16 weights, gradients
 and moments: 14 bytes a parameter) at about 2.3 TB/s, 32 ms a step, where the GPU copies at
 about 3 TB/s. ``_update_kernel`` reads and writes each tensor once in wide contiguous blocks.
-Per element, in fp32 (``opmath``), as torch's fused kernel does::
+Per element, torch's fused formula, all in fp32 (torch's kernel takes the hyperparameters in
+double and does part of the arithmetic in it, so a weight may differ from torch's in its last
+bit; the tests hold both to the fp64 yardstick)::
 
     p *= 1 - lr * wd                              (decoupled weight decay; 0: skipped)
     m = b1 * m + (1 - b1) * g
