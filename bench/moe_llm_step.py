@@ -115,9 +115,9 @@ def main(argv=None) -> dict:
                 v["ratio_tokens_per_s"] = v["real_tokens_per_s"] / anchor["real_tokens_per_s"]
                 v["ratio_median_step"] = anchor["step_s_median"] / v["step_s_median"]
         rated = mimo.get("peak_tflops_rated")  # the GPU's rated dense peak (TFLOP/s): MFU on both sides
-        v = next((mimo[k] for k in args.variants.split(",") if "model_tflops_per_s" in mimo.get(k, {})), None)
-        if rated and v is not None and v["real_tokens_per_s"]:
-            anchor["mfu"] = anchor["real_tokens_per_s"] * v["model_tflops_per_s"] / v["real_tokens_per_s"] / rated
+        timed = next((mimo[k] for k in args.variants.split(",") if "model_tflops_per_s" in mimo.get(k, {})), None)
+        if rated and timed is not None and timed["real_tokens_per_s"]:
+            anchor["mfu"] = anchor["real_tokens_per_s"] * timed["model_tflops_per_s"] / timed["real_tokens_per_s"] / rated
             anchor["mfu_own_flop_count"] = anchor.get("model_tflops_per_s", 0.0) / rated
         res["same_tokens"] = mimo["real_tokens_per_step"] == anchor["real_tokens_per_step"]
         res["same_active_params"] = mimo.get("params_llm") == anchor.get("params_active")

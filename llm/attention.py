@@ -168,10 +168,10 @@ class Attention(nn.Module):
         q_THD = q_TF.view(t, self.heads_local, hd)
         k_THD = k_TF.view(t, self.kv_heads_local, hd)
         v_THD = v_TF.view(t, self.kv_heads_local, hd)
+        per_head_norm = self.cfg.qk_norm and not self.cfg.qk_norm_full
         # per-head QK-norm and full RoPE on the GPU: one op each way (mimo.parallel.norm_rope)
-        fused = (norm_rope.takes(q_THD) and self.cfg.qk_norm and not self.cfg.qk_norm_full and self.cfg.rope is not None
-                 and self.cfg.rope.head_dim == hd)
-        if self.cfg.qk_norm and not self.cfg.qk_norm_full and not fused:
+        fused = per_head_norm and self.cfg.rope is not None and self.cfg.rope.head_dim == hd and norm_rope.takes(q_THD)
+        if per_head_norm and not fused:
             q_THD, k_THD = self.q_norm(q_THD), self.k_norm(k_THD)
         if self.cfg.rope is not None:
             if self.cfg.mrope_section is None:

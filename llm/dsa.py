@@ -62,6 +62,7 @@ from mimo.llm.router import attach_loss
 from mimo.parallel.collectives import gather_seq
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.fp8 import E4M3, quantize
+from mimo.parallel.kernels import wide
 from mimo.parallel.recompute import replaying
 
 __all__ = ["IndexerConfig", "Indexer", "DSA", "build_dsa", "rope_half", "select_keys", "set_dsa_training", "dsa_layers",
@@ -152,11 +153,6 @@ def fp8_rounded(x_NI: torch.Tensor) -> torch.Tensor:
     ``x``'s dtype; the gradient passes straight through the rounding."""
     q, inv = quantize(x_NI.detach(), E4M3, x_NI.detach().abs().amax(-1, keepdim=True).float())
     return x_NI + ((q.float() * inv).to(x_NI.dtype) - x_NI).detach()
-
-
-def wide(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in fp32, or kept in fp64 (the yardstick's runs)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def index_scores(q_LGI, k_KI, w_LG, scale: float) -> torch.Tensor:

@@ -21,11 +21,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from mimo.parallel.kernels import tl, triton
 
 BLOCK = 2048  # elements a program updates
 

@@ -23,38 +23,30 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # a CPU-only torch: the torch functions serve
-    triton = None
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+from mimo.parallel.kernels import on_triton, tl, triton, wide
 
 
 def _scale_of(w_D: torch.Tensor, zero_centred: bool) -> torch.Tensor:
-    w = _wide(w_D)
+    w = wide(w_D)
     return 1.0 + w if zero_centred else w
 
 
 def forward_reference(x_THD, w_D, cos_TD, sin_TD, eps: float, zero_centred: bool = False) -> torch.Tensor:
-    x = _wide(x_THD)
+    x = wide(x_THD)
     n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     y = n * _scale_of(w_D, zero_centred)
-    c, s = _wide(cos_TD)[:, None, :], _wide(sin_TD)[:, None, :]
+    c, s = wide(cos_TD)[:, None, :], wide(sin_TD)[:, None, :]
     y1, y2 = y.chunk(2, dim=-1)
     return (y * c + torch.cat((-y2, y1), dim=-1) * s).to(x_THD.dtype)
 
 
 def backward_reference(x_THD, w_D, cos_TD, sin_TD, g_THD, eps: float, zero_centred: bool = False):
     """``(dx_THD, dw_D)`` of ``forward_reference``."""
-    x = _wide(x_THD)
+    x = wide(x_THD)
     r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     n = x * r
-    c, s = _wide(cos_TD)[:, None, :], _wide(sin_TD)[:, None, :]
-    g = _wide(g_THD)
+    c, s = wide(cos_TD)[:, None, :], wide(sin_TD)[:, None, :]
+    g = wide(g_THD)
     gc, gs = g * c, g * s
     gs1, gs2 = gs.chunk(2, dim=-1)
     dy = gc + torch.cat((gs2, -gs1), dim=-1)  # the rotation's transpose
@@ -161,14 +153,10 @@ def backward_fused(x_THD, w_D, cos_TD, sin_TD, g_THD, eps: float, zero_centred: 
     return dx, dw_partial.sum(0).to(w_D.dtype)
 
 
-def _fused(x: torch.Tensor) -> bool:
-    return x.is_cuda and triton is not None
-
-
 @torch.library.custom_op("mimo::norm_rope", mutates_args=())
 def _forward_op(x_THD: torch.Tensor, w_D: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor, eps: float,
                 zero_centred: bool) -> torch.Tensor:
-    return (forward_fused if _fused(x_THD) else forward_reference)(x_THD, w_D, cos_TD, sin_TD, eps, zero_centred)
+    return (forward_fused if on_triton(x_THD) else forward_reference)(x_THD, w_D, cos_TD, sin_TD, eps, zero_centred)
 
 
 @_forward_op.register_fake
@@ -179,7 +167,7 @@ def _(x_THD, w_D, cos_TD, sin_TD, eps, zero_centred):
 @torch.library.custom_op("mimo::norm_rope_backward", mutates_args=())
 def _backward_op(x_THD: torch.Tensor, w_D: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor,
                  g_THD: torch.Tensor, eps: float, zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    fn = backward_fused if _fused(x_THD) else backward_reference
+    fn = backward_fused if on_triton(x_THD) else backward_reference
     return fn(x_THD, w_D, cos_TD, sin_TD, g_THD, eps, zero_centred)
 
 

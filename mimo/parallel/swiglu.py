@@ -17,29 +17,20 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # a CPU-only torch: the torch backward serves
-    triton = None
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """fp32, or fp64 where it came in fp64 (the references)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+from mimo.parallel.kernels import on_triton, tl, triton, wide
 
 
 def forward_reference(h_RG: torch.Tensor, w_R: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up * w`` in fp32, rounded once to ``h``'s dtype."""
-    gate, up = _wide(h_RG).chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up * _wide(w_R)[:, None]).to(h_RG.dtype)
+    gate, up = wide(h_RG).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up * wide(w_R)[:, None]).to(h_RG.dtype)
 
 
 def backward_reference(h_RG: torch.Tensor, w_R: torch.Tensor, da_RF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dh_RG, dw_R)``: the gradients of ``forward_reference`` (fp32 arithmetic, ``dh`` in
     ``h``'s dtype, ``dw`` in ``w``'s)."""
-    gate, up = _wide(h_RG).chunk(2, dim=-1)
-    da, w = _wide(da_RF), _wide(w_R)[:, None]
+    gate, up = wide(h_RG).chunk(2, dim=-1)
+    da, w = wide(da_RF), wide(w_R)[:, None]
     sig = torch.sigmoid(gate)
     silu = gate * sig
     dw = (silu * up * da).sum(-1)
@@ -75,6 +66,9 @@ if triton is not None:
         tl.store(dw_ptr + r, dw.to(dw_ptr.dtype.element_ty), mask=r_ok)
 
 
+ROWS = 4  # rows a Triton program handles
+
+
 def backward_fused(h_RG: torch.Tensor, w_R: torch.Tensor, da_RF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``backward_reference`` as one Triton kernel (any device Triton runs on: the GPU, or the
     CPU under ``TRITON_INTERPRET=1``, which the suite uses)."""
@@ -83,17 +77,14 @@ def backward_fused(h_RG: torch.Tensor, w_R: torch.Tensor, da_RF: torch.Tensor) -
     dh = torch.empty_like(h_RG)
     dw = torch.empty(rows, dtype=w_R.dtype, device=w_R.device)
     block_f = min(triton.next_power_of_2(max(ffn, 16)), 1024)
-    grid = (triton.cdiv(rows, 4),)
-    _backward_kernel[grid](h_RG, da_RF, w_R.contiguous(), dh, dw, rows, ffn, h_RG.stride(0), da_RF.stride(0),
-                           ROWS=4, BLOCK_F=block_f)
+    _backward_kernel[(triton.cdiv(rows, ROWS),)](h_RG, da_RF, w_R.contiguous(), dh, dw, rows, ffn, h_RG.stride(0),
+                                                 da_RF.stride(0), ROWS=ROWS, BLOCK_F=block_f)
     return dh, dw
 
 
 @torch.library.custom_op("mimo::weighted_swiglu_backward", mutates_args=())
 def _backward_op(h_RG: torch.Tensor, w_R: torch.Tensor, da_RF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if h_RG.is_cuda and triton is not None:
-        return backward_fused(h_RG, w_R, da_RF)
-    return backward_reference(h_RG, w_R, da_RF)
+    return (backward_fused if on_triton(h_RG) else backward_reference)(h_RG, w_R, da_RF)
 
 
 @_backward_op.register_fake
