@@ -11,16 +11,12 @@ Tensor sizes are ragged, one below and one above the kernel's block."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from mimo.core.testing import YARDSTICK_K, rel_err
 from mimo.parallel import adamw as adamw_kernel
+from tests.kernel_checks import run_interpreted
 
 SIZES = [3, 2047, 5000]
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
@@ -67,17 +63,13 @@ def _reference64(params, grads, m, v, steps, wd):
 
 
 def _kernel_in_interpreter(dtype: str, wd: float, steps: int = STEPS) -> list[torch.Tensor]:
-    code = f"""
+    code = """
 import json, sys, torch
-sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
 from tests.test_adamw_kernel import _kernel, _run
 out = _run(_kernel, getattr(torch, sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]))
 print(json.dumps([t.double().tolist() for t in out]))
 """
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", code, dtype, str(wd), str(steps)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [torch.tensor(t, dtype=torch.float64) for t in json.loads(done.stdout.strip().splitlines()[-1])]
+    return [torch.tensor(t, dtype=torch.float64) for t in run_interpreted(code, dtype, str(wd), str(steps))]
 
 
 pytestmark = pytest.mark.skipif(adamw_kernel.triton is None, reason="this torch has no Triton")
@@ -133,9 +125,8 @@ def test_the_run_optimizer_steps_through_the_kernel(precision):
     """The run's optimizer (several buckets mixing decayed and undecayed runs, fp32 masters under
     bf16) with the kernel switched on, in the interpreter: four steps meet the fp64 yardstick
     against an fp64 AdamW, within ``YARDSTICK_K`` times torch's fused AdamW's error."""
-    code = f"""
+    code = """
 import json, sys, torch
-sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
 from mimo.parallel import adamw as kernel
 from tests.test_optim import _optimizer, _params, _state, _steps_of
 from mimo.training.precision import PrecisionPolicy
@@ -150,15 +141,12 @@ for s in opt.states:
     s.fused = True
 _steps_of(opt, b, 4, "cpu")
 state = _state(opt)
-out = [state[f"{{i}}.master"] if precision == "bf16" else p.detach().reshape(-1) for i, p in enumerate(b)]
+out = [state[f"{i}.master"] if precision == "bf16" else p.detach().reshape(-1) for i, p in enumerate(b)]
 print(json.dumps([len(calls)] + [t.double().tolist() for t in out]))
 """
     from tests.test_optim import _params, _steps_of, _torch_adamw
 
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", code, precision], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    calls, *got = json.loads(done.stdout.strip().splitlines()[-1])
+    calls, *got = run_interpreted(code, precision)
     assert calls == 8  # four steps, each one call over the decayed runs and one over the others
     a = [torch.nn.Parameter(p.detach().float()) for p in _params(torch.float32 if precision == "fp32" else torch.bfloat16)]
     r = [torch.nn.Parameter(p.detach().double()) for p in a]

@@ -9,11 +9,6 @@ M-RoPE's tables (a different table per half) and a strided view of a fused proje
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -22,6 +17,7 @@ from mimo.llm.mrope import mrope_axes, mrope_tables
 from mimo.llm.norm import RMSNorm
 from mimo.llm.rope import apply_rope, rope_tables
 from mimo.parallel import norm_rope
+from tests.kernel_checks import run_interpreted
 
 # (tokens, heads, head_dim, zero_centred, mrope)
 CASES = [(37, 3, 128, False, False), (5, 4, 64, True, False), (50, 2, 16, False, True), (300, 5, 128, False, True)]
@@ -56,9 +52,8 @@ def _modules64(x, w, cos, sin, g, zero_centred: bool):
 
 
 def _kernels_in_interpreter(dtype: str) -> list:
-    code = f"""
+    code = """
 import json, sys, torch
-sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
 from tests.test_norm_rope import CASES, EPS, _inputs
 from mimo.parallel import norm_rope
 norm_rope.PROGRAMS = 3  # several blocks a backward program, the last one short
@@ -70,10 +65,7 @@ for t, h, d, zc, mrope in CASES:
     out.append([a.double().tolist() for a in (y, dx, dw)])
 print(json.dumps(out))
 """
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", code, dtype], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [[torch.tensor(a, dtype=torch.float64) for a in case] for case in json.loads(done.stdout.strip().splitlines()[-1])]
+    return [[torch.tensor(a, dtype=torch.float64) for a in case] for case in run_interpreted(code, dtype)]
 
 
 def test_torch_functions_equal_the_modules_in_fp64():

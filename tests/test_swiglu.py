@@ -9,15 +9,13 @@ of two and one longer than the kernel's block (the loop over F blocks)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from mimo.core.testing import YARDSTICK_K, rel_err
 from mimo.parallel import swiglu
+from tests.kernel_checks import run_interpreted
 
 SHAPES = [(37, 100), (6, 768), (9, 1500)]  # (rows, ffn): 1500 > the kernel's 1024-column block
 
@@ -41,9 +39,8 @@ def _autograd64(h, w, da):
 
 def _kernel_in_interpreter(cases: list[tuple[int, int, str]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``backward_fused`` of each case's inputs, run by Triton's interpreter on the CPU."""
-    code = f"""
+    code = """
 import json, sys, torch
-sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
 from tests.test_swiglu import _inputs
 from mimo.parallel import swiglu
 out = []
@@ -52,12 +49,8 @@ for rows, ffn, dtype in json.loads(sys.argv[1]):
     out.append((dh.double().tolist(), dw.double().tolist()))
 print(json.dumps(out))
 """
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
     return [(torch.tensor(dh, dtype=torch.float64), torch.tensor(dw, dtype=torch.float64))
-            for dh, dw in json.loads(done.stdout.strip().splitlines()[-1])]
+            for dh, dw in run_interpreted(code, json.dumps(cases))]
 
 
 pytestmark = pytest.mark.skipif(swiglu.triton is None, reason="this torch has no Triton")
