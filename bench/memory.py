@@ -16,12 +16,14 @@ ones, edp for experts; up to each bucket's padding). Activations are not predict
 **Measured** (``--measure cpu``): the same layouts as gloo processes on the config shrunk by
 ``--shrink`` (fewer, narrower layers: what fits 2 cores), each rank counting the bytes of its
 parameters, its ``GradSync`` main-gradient buffers (direct buckets have none), its optimizer states, and what one training
-step keeps for backward (saved-tensor hooks: activations); printed beside the prediction for
-that shrunk model. ``--measure cuda``: world-1 layouts of the full config on the GPU:
+step keeps for backward (saved-tensor hooks: activations), and under ``train.fp8`` the float8
+weights and scales kept between steps (``fp8_weight_cache``: ``train.fp8.cache_weights``, not
+predicted); printed beside the prediction for that shrunk model. ``--measure cuda``: world-1 layouts of the full config on the GPU:
 ``torch.cuda.memory_allocated`` after the build (weights), after the gradient buffers, after the
-first step (optimizer state), and the step's peak (``max_memory_allocated``), per recompute mode.
+first step (optimizer state), and the step's peak (``max_memory_allocated``), per recompute mode,
+with the FP8 weight cache. ``--set KEY=VALUE`` overrides every run's config (e.g. an FP8 recipe).
 
-    python bench/memory.py [--config configs/llava-1.3b.yaml ...] [--measure cpu|cuda|none]
+    python bench/memory.py [--config configs/llava-1.3b.yaml ...] [--measure cpu|cuda|none] [--set ...]
 
 Prints one JSON line.
 """
@@ -133,25 +135,35 @@ def _measure_rank(config_path: str, overrides: list[str]) -> dict:
     for opt in run.optimizers.values():
         state += opt.state_bytes()
     run.pipeline.close()
-    return {"params": params, "grads": grads, "optimizer": state, "activations": sum(seen.values())}
+    return {"params": params, "grads": grads, "optimizer": state, "activations": sum(seen.values()),
+            "fp8_weight_cache": _fp8_cache_bytes(run.model)}
 
 
-def measure_cpu(config_path: str, layouts: dict) -> dict:
+def _fp8_cache_bytes(model) -> int:
+    """The float8 weights and scales a step holds (``train.fp8.cache_weights``), refreshed as the
+    next step's start would (a step's end drops the updated weights' copies)."""
+    from mimo.parallel.fp8 import weight_cache_bytes
+
+    model.refresh_fp8()
+    return sum(weight_cache_bytes(part.module) for part in model.parts if part.module is not None)
+
+
+def measure_cpu(config_path: str, layouts: dict, overrides: list[str] = ()) -> dict:
     from mimo.compose.config import load_config
     from mimo.training.launch import WorkerPool
 
     shrink = SHRINK + (SHRINK_MOE if _is_moe(load_config(config_path)) else [])
     out = {}
     with WorkerPool(8, timeout_s=1800) as pool:
-        for name, overrides in layouts.items():
-            got = pool.run(_measure_rank, config_path, shrink + overrides)
-            want = predict(load_config(config_path, shrink + overrides))["total"]
+        for name, layout in layouts.items():
+            got = pool.run(_measure_rank, config_path, shrink + [*overrides, *layout])
+            want = predict(load_config(config_path, shrink + [*overrides, *layout]))["total"]
             out[name] = {"rank0": got[0], "max": {k: max(r[k] for r in got) for k in got[0]}, "predicted": want,
                          "measured_over_predicted": {k: round(got[0][k] / want[k], 4) for k in want if want[k]}}
     return out
 
 
-def measure_cuda(config_path: str, modes: list[str]) -> dict:
+def measure_cuda(config_path: str, modes: list[str], overrides: list[str] = ()) -> dict:
     from mimo.compose.config import load_config
     from mimo.training.run import build_run
     from mimo.training.step import train_step
@@ -162,7 +174,7 @@ def measure_cuda(config_path: str, modes: list[str]) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
-        config = load_config(config_path, [f"train.recompute={mode}", "train.compile=false"])
+        config = load_config(config_path, [f"train.recompute={mode}", "train.compile=false", *overrides])
         run = build_run(config, 0, device=dev)
         weights = torch.cuda.memory_allocated(dev) - base
         grads = sum(b.flat.numel() * b.flat.element_size() for b in run.model.grad_sync._all if not b.direct)
@@ -174,6 +186,7 @@ def measure_cuda(config_path: str, modes: list[str]) -> dict:
         train_step(run.model, run.pipeline, 2, run.optimizers, run.policy).loss
         peak = torch.cuda.max_memory_allocated(dev)
         out[mode] = {"weights_and_grads_gib": weights / 2**30, "grads_gib": grads / 2**30, "optimizer_gib": opt / 2**30,
+                     "fp8_weight_cache_gib": _fp8_cache_bytes(run.model) / 2**30,
                      "steady_gib": steady / 2**30, "step_peak_gib": peak / 2**30,
                      "activations_peak_gib": (peak - steady) / 2**30, "predicted": predict(config)["total"]}
         run.close()
@@ -186,21 +199,31 @@ def main() -> None:
     ap.add_argument("--config", nargs="+", default=[str(ROOT / "configs/llava-1.3b.yaml"), str(ROOT / "configs/llava-moe.yaml")])
     ap.add_argument("--measure", choices=("none", "cpu", "cuda"), default="none")
     ap.add_argument("--modes", default="none,selective,full", help="recompute modes measured on the GPU")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every measured run, e.g. 'train.fp8={recipe: rowwise}' (repeatable)")
     args = ap.parse_args()
     from mimo.compose.config import load_config
+    from mimo.core.errors import ConfigError
 
-    res = {"bench": "memory", "torch": torch.__version__, "host": platform.node(), "configs": {}}
+    res = {"bench": "memory", "torch": torch.__version__, "host": platform.node(), "set": args.set, "configs": {}}
     for path in args.config:
-        base = load_config(path)
-        layouts = {n: o for n, o in LAYOUTS.items() if "MoE" not in n or _is_moe(base)}
-        entry = {"predicted_gib": {}}
+        base = load_config(path, args.set)
+        layouts, refused = {}, {}
+        for n, o in LAYOUTS.items():
+            if "MoE" not in n or _is_moe(base):
+                try:  # a layout the overrides do not go with (FP8 and GTP) is named, not measured
+                    load_config(path, [*args.set, *o])
+                    layouts[n] = o
+                except ConfigError as e:
+                    refused[n] = str(e).splitlines()[0]
+        entry = {"predicted_gib": {}, **({"refused": refused} if refused else {})}
         for name, overrides in layouts.items():
-            got = predict(load_config(path, overrides))
+            got = predict(load_config(path, [*args.set, *overrides]))
             entry["predicted_gib"][name] = {k: round(v / 2**30, 3) for k, v in got["total"].items()}
         if args.measure == "cpu":
-            entry["measured_cpu_shrunk"] = measure_cpu(path, layouts)
+            entry["measured_cpu_shrunk"] = measure_cpu(path, layouts, args.set)
         elif args.measure == "cuda":
-            entry["measured_cuda_world1"] = measure_cuda(path, args.modes.split(","))
+            entry["measured_cuda_world1"] = measure_cuda(path, args.modes.split(","), args.set)
         res["configs"][Path(path).name] = entry
     print(json.dumps(res))
 

@@ -15,9 +15,9 @@ activation, fused with it, so the combine is a plain sum that keeps nothing for 
 
 ``LocalDispatcher`` (EP = 1): the permutation ``GroupedExperts`` does today. The ``T*K``
 (token, slot) assignments are sorted by expert with a stable argsort; the padding's sentinel
-expert ``E`` sorts last and rides along in the last group with gate 0, so nothing is read on
-the host. (The padding slots' gate gradient is therefore not 0; the router's ``gate * valid``
-stops it.)
+expert ``E`` sorts last and rides along in the last group with gate 0 and a zero row, so
+nothing is read on the host. (The padding slots' gate gradient is the expert's output on a zero
+row, 0 for experts without bias; the router's ``gate * valid`` stops it anyway.)
 
 ``AllToAllDispatcher`` (the expert view: ``all_to_all_single`` over the EP group, EP rank ``r``
 holding experts ``r*L .. (r+1)*L - 1``, ``L = E / ep``; each of its ETP peers holds an F-slice
@@ -83,7 +83,8 @@ class Dispatched:
     rows: int  # tokens (local), or received rows (all-to-all)
     plan: object = None  # the dispatcher's record for combine (``_Plan``, DeepEP's state)
     overlapped: object = None  # what ``while_in_flight()`` returned (the shared expert's output)
-    gathered_from: tuple | None = None  # (source, index): ``x_RD`` is ``source[index]`` (recomputable)
+    # (source, index[, keep]): ``x_RD`` is ``source[index]`` (recomputable), rows outside ``keep`` zero
+    gathered_from: tuple | None = None
     aligned: bool = False  # every group starts at a multiple of the ``align`` asked for (padding rows between)
 
 
@@ -150,31 +151,36 @@ class _SlotsToRows(torch.autograd.Function):
     autograd's indexing adjoint would scatter-add with atomics. ``_RowsToTokens`` is its adjoint."""
 
     @staticmethod
-    def forward(ctx, x_TD, token_R, row_S, k):
+    def forward(ctx, x_TD, token_R, row_S, k, keep_R=None):
         ctx.save_for_backward(row_S)
         ctx.k = k
-        return x_TD[token_R]
+        return _kept(x_TD[token_R], keep_R)
 
     @staticmethod
     def backward(ctx, g_RD):
         (row_S,) = ctx.saved_tensors
-        return _add_gathered(g_RD, row_S.view(-1, ctx.k)), None, None, None
+        return _add_gathered(g_RD, row_S.view(-1, ctx.k)), None, None, None, None
+
+
+def _kept(rows_R: torch.Tensor, keep_R: torch.Tensor | None) -> torch.Tensor:
+    """``rows_R`` with the rows outside ``keep_R`` (padding rows) zero; None: all kept."""
+    return rows_R if keep_R is None else torch.where(keep_R.view(-1, *([1] * (rows_R.dim() - 1))), rows_R, 0)
 
 
 class _RowsToTokens(torch.autograd.Function):
     """``y_RD`` -> ``y_TD``: each token's ``K`` rows (``row_S``, slot order) summed; backward
-    gathers each row its token's gradient (``token_R``; a padding row's reads token 0's, which
-    its zero gate cancels)."""
+    gathers each row its token's gradient (``token_R``; a padding row, outside ``keep_R``, gets
+    zeros: FP8 weight gradients scale per expert over its rows, padding among them)."""
 
     @staticmethod
-    def forward(ctx, y_RD, row_S, token_R, k):
-        ctx.save_for_backward(token_R)
+    def forward(ctx, y_RD, row_S, token_R, k, keep_R=None):
+        ctx.save_for_backward(token_R, keep_R)
         return _add_gathered(y_RD, row_S.view(-1, k))
 
     @staticmethod
     def backward(ctx, g_TD):
-        (token_R,) = ctx.saved_tensors
-        return g_TD[token_R], None, None, None
+        token_R, keep_R = ctx.saved_tensors
+        return _kept(g_TD[token_R], keep_R), None, None, None, None
 
 
 class _Permute(torch.autograd.Function):
@@ -185,7 +191,7 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, index, inverse, keep=None):
         ctx.save_for_backward(inverse)
-        return y[index] if keep is None else torch.where(keep.view(-1, *([1] * (y.dim() - 1))), y[index], 0)
+        return _kept(y[index], keep)
 
     @staticmethod
     def backward(ctx, g):
@@ -208,9 +214,11 @@ class LocalDispatcher:
         """``align`` > 1: every expert's rows start at a multiple of ``align`` (the FP8 grouped
         kernel's rule), padding rows between groups and after the last, ``R = T*K + align*E``
         rounded up to ``align``, still without a host read; the grouped product then needs no
-        padded copy of its own. A padding row is token 0's row with gate 0: the gates multiply
-        every row before the combine reads it, so its output and its gradient are exact zeros
-        (its gate's gradient goes nowhere: the gates' backward gathers real rows only)."""
+        padded copy of its own. A padding row is zeros with gate 0, and its gradient from the
+        combine zeros too (its gate's gradient goes nowhere: the gates' backward gathers real
+        rows only). So is a padding token's row (routed to the sentinel ``E``, riding in the last
+        group): an FP8 weight gradient, scaled per expert over the expert's rows, then scales as
+        at any EP, where these rows are nowhere."""
         _check_routing(x_TD, routing, self.experts)
         idx_TK, gate_TK = routing.idx_TK, routing.gate_TK
         k, e = idx_TK.shape[1], self.experts
@@ -220,28 +228,28 @@ class LocalDispatcher:
         row_S[order_R] = torch.arange(order_R.numel(), device=order_R.device)
         ends_E = counts_E.cumsum(0)
         ends_E[-1] = flat_S.numel()  # the padding rows (sentinel E) ride along in the last group
-        keep_R = None
+        keep_R = flat_S[order_R] < e  # the sentinel's rows (padding tokens, gate 0) zeros
         aligned = align > 1 and x_TD.shape[0] > 0
         if aligned:
             dest_R, ends_E, cap = padded_groups(ends_E, flat_S.numel(), align)
             cap = -(-cap // align) * align
             ends_E = torch.cat([ends_E[:-1], ends_E.new_full((1,), cap)])  # the tail pads the last group
-            slots_R, keep_R = order_R.new_zeros(cap), torch.zeros(cap, dtype=torch.bool, device=order_R.device)
-            slots_R[dest_R], keep_R[dest_R] = order_R, True
-            order_R, row_S = slots_R, dest_R[row_S]
+            slots_R, kept_R = order_R.new_zeros(cap), torch.zeros(cap, dtype=torch.bool, device=order_R.device)
+            slots_R[dest_R], kept_R[dest_R] = order_R, keep_R
+            order_R, row_S, keep_R = slots_R, dest_R[row_S], kept_R
         token_R = order_R // k
         self.stats.count_call()
         gate_R = _Permute.apply(gate_TK.reshape(-1), order_R, row_S, keep_R)
-        return Dispatched(_SlotsToRows.apply(x_TD, token_R, row_S, k), ends_E, gate_R, token_R, x_TD.shape[0],
-                          plan=(order_R, row_S),
+        return Dispatched(_SlotsToRows.apply(x_TD, token_R, row_S, k, keep_R), ends_E, gate_R, token_R, x_TD.shape[0],
+                          plan=(order_R, row_S, keep_R),
                           overlapped=while_in_flight() if while_in_flight is not None else None,
-                          gathered_from=(x_TD, token_R), aligned=aligned)
+                          gathered_from=(x_TD, token_R, keep_R), aligned=aligned)
 
     def combine(self, y_RD: torch.Tensor, d: Dispatched, gated: bool = False) -> torch.Tensor:
-        order_R, row_S = d.plan
+        order_R, row_S, keep_R = d.plan
         y_RD = y_RD if gated else _gated(y_RD, d)
         k = max(row_S.numel() // max(d.rows, 1), 1)  # (no tokens: any k reads no rows)
-        return _RowsToTokens.apply(y_RD, row_S, d.row_R, k)
+        return _RowsToTokens.apply(y_RD, row_S, d.row_R, k, keep_R)
 
 
 # ---------------------------------------------------------------- all-to-all

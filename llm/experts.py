@@ -139,23 +139,27 @@ class GroupedExperts(nn.Module):
 
 def regathered(x_RD: torch.Tensor, gathered_from: tuple | None):
     """Selective recompute of the MoE permutation: while it is active, ``x_RD`` (the permuted
-    rows, ``source[index]``) is not kept for backward by what consumes it; ``source`` and
-    ``index`` are, and the rows are gathered again when backward needs them. ``None``: nothing
-    changes."""
+    rows, ``source[index]``, the rows outside an optional ``keep`` zero) is not kept for
+    backward by what consumes it; ``source`` and ``index`` are, and the rows are gathered again
+    when backward needs them. ``None``: nothing changes."""
     if gathered_from is None:
         return contextlib.nullcontext()
-    source, index = gathered_from
+    source, index, *keep = gathered_from
+    keep = keep[0] if keep else None
     ptr = x_RD.untyped_storage().data_ptr()
 
     def pack(t):
         if t.numel() and t.untyped_storage().data_ptr() == ptr:  # x_RD or a view of it
-            return (_Regather, source, index, t.size(), t.stride(), t.storage_offset() - x_RD.storage_offset())
+            return (_Regather, source, index, keep, t.size(), t.stride(), t.storage_offset() - x_RD.storage_offset())
         return t
 
     def unpack(packed):
         if isinstance(packed, tuple) and packed[0] is _Regather:
-            _, src, idx, size, stride, offset = packed
-            return src.detach().index_select(0, idx).as_strided(size, stride, offset)
+            _, src, idx, kept, size, stride, offset = packed
+            rows = src.detach().index_select(0, idx)
+            if kept is not None:
+                rows = torch.where(kept.view(-1, 1), rows, 0)
+            return rows.as_strided(size, stride, offset)
         return packed
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

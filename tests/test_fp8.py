@@ -154,24 +154,38 @@ def test_delayed_history_window_and_its_scales():
     assert owner.fp8_history[0, 2, 0] == 1.0  # the output gradients (ones) recorded by both backwards
 
 
-def test_grouped_is_its_rowwise_quantization_and_pads_to_16():
+def _group_columns_deq(t, ends):
+    """``t``'s rows quantized with one scale per group of rows and column, in fp64 (a plain
+    loop: the weight gradient's reference)."""
+    out, start = [], 0
+    for end in ends.tolist():
+        out.append(_deq(t[start:end], E4M3, amax_of(t[start:end], 0)))
+        start = end
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("wgrad", [True, False], ids=["fp8-wgrad", "plain-wgrad"])
+def test_grouped_is_its_rowwise_quantization_and_pads_to_16(wgrad):
+    """Forward and input gradient row-wise; the weight gradient (``wgrad``) with one scale per
+    expert and column of both operands (``g`` and the kept ``x``), or unquantized."""
     g_ = torch.Generator().manual_seed(5)
     ends = torch.tensor([10, 10, 33, 50, 50])  # an empty expert, one at the end
     x = torch.randn(50, 32, generator=g_).requires_grad_(True)
     w = torch.nn.Parameter(torch.randn(5, 48, 32, generator=g_))
-    site = FP8Site("rowwise", None, (), None, [w])
+    site = FP8Site("rowwise", None, (), None, [w], wgrad=wgrad)
     y = gemm.grouped_linear(x, w, ends, site)
     g = torch.randn(50, 48, generator=g_)
     y.backward(g)
     xd = _deq(x.detach(), E4M3, amax_of(x.detach(), -1))
     wd = _deq(w.detach(), E4M3, amax_of(w.detach(), -1))
     wq, w_inv = quantize(w.detach(), E4M3, amax_of(w.detach(), -1))
+    gc, xc = (_group_columns_deq(t, ends) for t in (g, x.detach())) if wgrad else (g.double(), x.detach().double())
     start, ry, rdx, rdw = 0, [], [], []
     for e, end in enumerate(ends.tolist()):
         ry.append(xd[start:end] @ wd[e].T)
         gw = g[start:end] * w_inv[e].T  # dgrad: the forward's weight, its row scales in g
         rdx.append(_deq(gw, E4M3, amax_of(gw, -1)) @ wq[e].double())
-        rdw.append(g[start:end].double().T @ x.detach()[start:end].double())  # wgrad: unquantized
+        rdw.append(gc[start:end].T @ xc[start:end])
         start = end
     for name, got, want in (("y", y, torch.cat(ry)), ("dx", x.grad, torch.cat(rdx)), ("dw", w.grad, torch.stack(rdw))):
         assert rel_err(got.double(), want) <= TOL, name
@@ -448,7 +462,8 @@ def test_history_fits_another_window():
 def test_gpu_fp8_products_against_bf16_and_the_cpu(kind):
     """On the GPU, bf16 operands: each recipe's dense product and the grouped experts (rows
     padded to 16 per expert, ragged groups, an empty one) against the bf16 product, within FP8's
-    rounding (output and gradients within 8% relative: e4m3 keeps 3 mantissa bits, ~3-4% here),
+    rounding (output and gradients within 8% relative: e4m3 keeps 3 mantissa bits, ~3-4% here;
+    the experts' weight gradient in FP8 too, per expert and column, padded and aligned rows),
     and against the same quantization of the same bf16 operands run on the CPU (within 1%: the
     GPU's fast accumulation, bf16 rounding of the outputs; fp32 operands would quantize ~2%
     apart from bf16 ones)."""
@@ -470,15 +485,18 @@ def test_gpu_fp8_products_against_bf16_and_the_cpu(kind):
         y.backward(g0.to(device, dtype))
         return [t.detach().float().cpu() for t in (y, x.grad, w.grad)]
 
-    def grouped(device, dtype, fp8):
+    def grouped(device, dtype, fp8, ends=ends, aligned=False):
         x = x0.to(device, dtype).requires_grad_(True)
         w = torch.nn.Parameter(we0.to(device, dtype))
         site = FP8Site("rowwise", None, (), None, [w]) if fp8 else gemm.DEFAULT_RECIPE
-        y = gemm.grouped_linear(x, w, ends.to(device), site)
+        y = gemm.grouped_linear(x, w, ends.to(device), site, aligned=aligned)
         y.backward(g0.to(device, dtype))
         return [t.detach().float().cpu() for t in (y, x.grad, w.grad)]
 
-    for name, fn in (("dense", dense), ("grouped", grouped)):
+    def grouped_aligned(device, dtype, fp8):  # every expert's rows start at a multiple of 16: no padded copies
+        return grouped(device, dtype, fp8, torch.tensor([48, 48, 208, 333]), True)
+
+    for name, fn in (("dense", dense), ("grouped", grouped), ("grouped_aligned", grouped_aligned)):
         gpu8, gpu16, cpu8 = fn(dev, torch.bfloat16, True), fn(dev, torch.bfloat16, False), fn("cpu", torch.bfloat16, True)
         for part, a, b, c in zip(("y", "dx", "dw"), gpu8, gpu16, cpu8):
             assert rel_err(a, b) <= 0.08, (name, part, rel_err(a, b))

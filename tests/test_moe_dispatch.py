@@ -166,9 +166,30 @@ def test_local_dispatcher_aligned_groups_equal_the_oracle(align):
         assert torch.equal(d.x_RD[starts[e]:starts[e] + n], plain.x_RD[plain_ends[e]:plain_ends[e + 1]])
         assert torch.equal(d.gate_R[starts[e]:starts[e] + n], plain.gate_R[plain_ends[e]:plain_ends[e + 1]])
         assert (d.gate_R[starts[e] + n:ends[e]] == 0).all()
+        assert not d.x_RD[starts[e] + n:ends[e]].any()  # padding rows: zeros (FP8 scales per expert see none)
         assert ends[e] - starts[e] - n < align or e == E - 1
         if e in (0, 5):
             assert n == 0 and ends[e] == starts[e]
+    y_RD = torch.randn(d.x_RD.shape, generator=gen).requires_grad_()  # the combine's gradient: zeros on padding
+    LocalDispatcher(E).combine(y_RD, d, gated=True).backward(torch.randn(14, D, generator=gen))
+    real = d.gate_R != 0  # (the routing's padding slots, sentinel E, ride in the last group with gate 0)
+    assert real.sum() == 12 * K  # (make_routing's last 2 tokens are padding)
+    assert not y_RD.grad[~real].any() and y_RD.grad[real].abs().sum(-1).gt(0).all()
+
+
+def test_local_dispatcher_zeroes_padding_tokens_rows():
+    """A padding token's slots (routed to the sentinel ``E``) ride in the last group with gate 0:
+    their rows are zeros and so is their gradient from the combine, aligned or not."""
+    gen = torch.Generator().manual_seed(4)
+    r = make_routing(10, 2, set(), gen)  # tokens 8 and 9: padding
+    x = torch.randn(10, D, generator=gen)
+    for align in (1, 16):
+        d = LocalDispatcher(E).dispatch(x, Routing(r.idx_TK, r.gate_TK.float()), align=align)
+        pad = (d.row_R >= 8) & (d.gate_R == 0)
+        assert pad.sum() == 2 * K and not d.x_RD[pad].any()
+        y_RD = torch.randn(d.x_RD.shape, generator=gen).requires_grad_()
+        LocalDispatcher(E).combine(y_RD, d, gated=True).backward(torch.randn(10, D, generator=gen))
+        assert not y_RD.grad[pad].any() and y_RD.grad[d.gate_R != 0].abs().sum(-1).gt(0).all()
 
 
 def test_bad_routing_is_a_mimo_error():

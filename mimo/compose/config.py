@@ -79,6 +79,13 @@ class Fp8Config:
     amax_history: int = 16  # delayed: steps of amax history whose max sets the scales
     # LLM layers kept in the run's precision: "first", "last", or global layer indices
     bf16_layers: list = field(default_factory=list)
+    # each weight quantized once per optimizer step and kept (1 byte an element and its scales),
+    # not in every product, microbatch and recompute; off under train.distributed_optimizer,
+    # whose weights are still being gathered when the step begins
+    cache_weights: bool = True
+    # weight gradients in FP8 too (experts: scales per expert and column); false: in the
+    # activations' dtype wherever the recipe keeps the input so (rowwise, blockwise, experts)
+    wgrad: bool = True
 
     def validate(self, path: str) -> list[str]:
         problems = at_least(self, path, 1, "amax_history")

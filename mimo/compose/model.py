@@ -32,7 +32,7 @@ from mimo.llm.dsa import set_dsa_training
 from mimo.llm.model import LLMStage, build_stage, embedding_group, sync_tied_grads
 from mimo.llm.moe import set_dispatchers
 from mimo.parallel import gemm, param_seed
-from mimo.parallel.fp8 import apply_fp8, clear_fp8, history_step
+from mimo.parallel.fp8 import apply_fp8, clear_fp8, history_step, invalidate_weights, refresh_weights
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.grid import GroupRegistry, ParallelGrid
 from mimo.parallel.lora import AdapterSite
@@ -190,6 +190,8 @@ class MimoModel:
                 part.finalisers.append(Balancer(part.module, part.dp_group))
             if self.fp8 is not None and self.fp8.recipe == "delayed":  # reduced over the ranks holding the same layers
                 part.finalisers.append(partial(history_step, part.module, (part.tp_group, part.dp_group)))
+            if self.fp8 is not None and self._fp8_cache():  # the updated weights quantized when the next pass begins
+                part.finalisers.append(partial(invalidate_weights, part.module, True))
 
     # ---- the parts ----
     @property
@@ -238,7 +240,26 @@ class MimoModel:
             if f8 is None:
                 clear_fp8(root, gemm.default_recipe)
             else:
-                apply_fp8(root, f8.recipe, part.ctx, f8.amax_history, keep)
+                apply_fp8(root, f8.recipe, part.ctx, f8.amax_history, keep, self._fp8_cache(), f8.wgrad)
+
+    def _fp8_cache(self) -> bool:
+        """Whether FP8 weights are quantized once per step (``train.fp8.cache_weights``): not
+        under a sharded optimizer, whose weight gathers are still in flight when a step begins."""
+        return self.fp8.cache_weights and not self.config.train.distributed_optimizer
+
+    def refresh_fp8(self) -> None:
+        """The FP8 weight caches brought up to date: where a step or a forward-only pass begins,
+        outside the compiled layers (which read the caches unchecked)."""
+        for part in self.parts:
+            if self.fp8 is not None and part.module is not None:
+                refresh_weights(part.module)
+
+    def weights_written(self) -> None:
+        """Every weight was written (a checkpoint loaded): the FP8 caches quantize them anew at
+        the next ``refresh_fp8`` (an optimizer step's finaliser drops those it updates)."""
+        for part in self.parts:
+            if self.fp8 is not None and part.module is not None:
+                invalidate_weights(part.module)
 
     def gtp_chains(self) -> list[tuple[str, object]]:
         """(module name, a GTP chain of it on this rank: ``mimo.parallel.gtp``) for each one."""

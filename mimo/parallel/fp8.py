@@ -36,6 +36,17 @@ operands of each product to float8 and multiply them with ``torch._scaled_mm`` /
   probes it once), without fast accumulation (cuBLAS refuses it for block scales), elsewhere
   the dequantized product (below).
 
+Weights are quantized once per optimizer step where the module's site caches them
+(``apply_fp8(cache=True)``: ``train.fp8.cache_weights``): ``refresh_weights`` quantizes every
+weight the cache does not hold as it is, where a step or a forward-only pass begins, outside any
+compiled graph; a step's finaliser drops the weights that train (``invalidate_weights``: an
+optimizer writes them through its flat buffers or its own kernel, which bumps no tensor version),
+a checkpoint load all of them. Every product, microbatch and recompute of the step then reads the
+one float8 copy, in the orientation the recipe's products share (row-wise and block-wise input
+gradients take the forward's float8 weight, see below; a second orientation is never built).
+Eager products check the cached copy against the weight's version and storage and quantize
+themselves where it is stale; compiled ones read it unchecked.
+
 Scales are computed in fp32 and their reciprocals passed to the products. Where an amax
 reduction keeps a quantization independent of the layout it is reduced over the module's TP
 group (``FP8Site.group``): a per-tensor amax always (each rank holds a shard of the tensor),
@@ -55,11 +66,15 @@ start at a multiple of 16: the local dispatcher lays the rows out so when asked
 router padding adds zero-probability tokens); otherwise (the all-to-all dispatchers) the
 product copies the rows into a buffer padded so with zero rows and reads its output back at
 theirs. The weight
-gradient of the experts is a bf16 grouped product: its contraction runs over each group's rows,
-so its scales would be per group (the kernel's 2d x 2d form takes them, ``[groups x rows]``,
-with every group's rows padded to 16 along the contraction); not built yet: it would speed a
-third of the expert FLOPs for two more quantization passes over the routed rows, a trade not
-measured.
+gradient of the experts contracts each group's rows, so its operands (the output gradient and
+the kept input) are quantized with one scale per group and column (``quantize_group_columns``)
+and multiplied by the kernel's 2d x 2d form (``grouped_weight_grad_fp8``: the groups along the
+contraction, each starting at a multiple of 16 rows, as for the forward).
+
+``wgrad`` (``train.fp8.wgrad``, on by default): off, weight gradients are products in the
+activations' dtype wherever the recipe keeps the input so (``rowwise``, ``blockwise``, and every
+recipe's experts); ``tensorwise`` and ``delayed`` dense products keep only the float8 input, so
+their weight gradient stays FP8.
 
 Under ``blockwise`` the experts are quantized block-wise as the dense products are (rows in
 1x128 tiles, each expert's weight in 128x128 blocks), their weight gradient too: its tiles run
@@ -190,11 +205,21 @@ class FP8Site:
     contracts a TP-split dimension: row-parallel): plain attributes that ``torch.compile``
     reads as it reads ``weight.gtp``."""
 
-    def __init__(self, kind: str, group=None, split_in=(), owner=None, weights=()):
+    def __init__(self, kind: str, group=None, split_in=(), owner=None, weights=(), cache: bool = False,
+                 wgrad: bool = True):
         self.kind, self.group, self.owner = kind, group, owner
+        # weight gradients in FP8 (``train.fp8.wgrad``); off: in the activations' dtype where the
+        # recipe keeps the input so (rowwise, blockwise, every recipe's experts)
+        self.wgrad = wgrad
         split = {id(w) for w in split_in}
         for i, w in enumerate(weights):
             w.fp8_row, w.fp8_split = i, id(w) in split
+        self.weights = list(weights)
+        # ``cache``: each weight's float8 form kept from one ``refresh`` to the next (once per
+        # optimizer step) and shared by every product, microbatch and recompute; entries are
+        # (wq, w_inv, the weight's version and storage when quantized, delayed: the amax it
+        # recorded); None: quantized in every product
+        self.cached: list[tuple] | None = [None] * len(self.weights) if cache else None
         # set by history_step on every rank alike: from then on a delayed scale comes from the
         # history without a collective (before, the fallback amax is reduced over TP)
         self.warm = False
@@ -223,6 +248,63 @@ class FP8Site:
         """Delayed scaling: the window's max (this step's amax recorded in the current slot);
         without history yet, the current amax (reduced over TP)."""
         return delayed_amax(x, history, role, None if self.warm else self.group)
+
+    def quantize_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(wq, w_inv)``: ``weight`` as this recipe's products take it: 128x128 blocks
+        (``blockwise``); else row-wise along its input dimension (``rowwise``, and every
+        recipe's experts, ``[E, O, I]``), or per tensor (current or delayed amax). The scales
+        take no gradient: the weight is read detached."""
+        w, hist = weight.detach(), self.history(weight)
+        if self.kind == "blockwise":
+            return quantize_blocks(w, E4M3, WEIGHT_BLOCK)
+        if self.kind == "rowwise" or w.dim() == 3:
+            amax = self.amax(w, -1, weight.fp8_split)
+        elif hist is None:
+            amax = self.amax(w)
+        else:
+            amax = self.delayed_amax(w, hist, 1)
+        return quantize(w, E4M3, amax)
+
+    def weight(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``quantize_weight(w)``, from the cache where it holds ``w`` as it is now. Compiled
+        code reads the cache without the check (a tensor's version is not traced): the steps
+        and forward-only passes refresh it first (``refresh_weights``), outside the graph."""
+        if self.cached is not None:
+            if torch.compiler.is_compiling():
+                return self.cached[w.fp8_row][:2]
+            entry = self.cached[w.fp8_row]
+            if entry is not None and entry[2:4] == (w._version, w.data_ptr()):
+                return entry[:2]
+        return self.quantize_weight(w)
+
+    @torch.no_grad()
+    def refresh(self) -> int:
+        """Quantize into the cache every weight changed since it was cached (an optimizer step,
+        a checkpoint load), on every rank in the same order (a quantization may reduce an amax
+        over TP). ``delayed``: an unchanged weight's amax is recorded again in the step's history
+        slot, as its products would have. Returns how many were quantized."""
+        n = 0
+        for i, w in enumerate(self.weights):
+            entry, hist = self.cached[i], self.history(w)
+            if entry is None or entry[2:4] != (w._version, w.data_ptr()):
+                wq, w_inv = self.quantize_weight(w)
+                recorded = hist[1, 0].clone() if hist is not None else None
+                self.cached[i] = (wq, w_inv, w._version, w.data_ptr(), recorded)
+                n += 1
+            elif hist is not None:
+                hist[1, 0] = torch.maximum(hist[1, 0], entry[4])
+        return n
+
+    def invalidate(self, trainable_only: bool = False) -> None:
+        """Drop the cached forms (of the weights that train): the weights changed in a way their
+        version does not show (an optimizer writes them through flat buffers or its own kernel)."""
+        if self.cached is not None:
+            for i, w in enumerate(self.weights):
+                if w.requires_grad or not trainable_only:
+                    self.cached[i] = None
+
+    def cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for e in self.cached or () if e is not None for t in e[:2])
 
 
 def delayed_amax(x: torch.Tensor, history: torch.Tensor, role: int, group) -> torch.Tensor:
@@ -323,14 +405,14 @@ class _Fp8Linear(torch.autograd.Function):
     argument, so that ``torch.compile`` traces it."""
 
     @staticmethod
-    def forward(ctx, x_TI, w_OI, xq, x_inv, wq, w_inv, g_hist, kind, group, split, warm, native):
+    def forward(ctx, x_TI, w_OI, xq, x_inv, wq, w_inv, g_hist, kind, group, split, warm, native, wgrad):
         rowwise = kind == "rowwise"
         if kind == "blockwise":  # x's 1x128 tiles, w's 128x128 blocks (w.T's: the same blocks transposed)
             y_TO = scaled_mm(xq, wq.t(), x_inv, w_inv.t(), x_TI.dtype, native, blocks=(ROW_TILE, WEIGHT_BLOCK))
         else:
             y_TO = scaled_mm(xq, wq.t(), x_inv, w_inv.t() if rowwise else w_inv, x_TI.dtype, native, fast=True)
         ctx.kind, ctx.group, ctx.split, ctx.warm, ctx.native, ctx.dtype = kind, group, split, warm, native, x_TI.dtype
-        ctx.w_dtype = w_OI.dtype
+        ctx.w_dtype, ctx.wgrad = w_OI.dtype, wgrad
         if rowwise or kind == "blockwise":  # wgrad contracts T: x is quantized again along it; dgrad takes the float8 w
             ctx.save_for_backward(x_TI, wq, w_inv)
         else:
@@ -349,22 +431,26 @@ class _Fp8Linear(torch.autograd.Function):
             # dgrad contracts O: g in 1x128 tiles along it, the forward's float8 w and its blocks
             gq, g_inv = quantize_blocks(g_TO, E4M3, ROW_TILE)
             dx = scaled_mm(gq, wq_OI, g_inv, w_inv_OI, dtype, native, blocks=(ROW_TILE, WEIGHT_BLOCK))
+            if not ctx.wgrad:
+                return dx, (g_TO.t() @ x_TI).to(ctx.w_dtype), *(None,) * 11
             # wgrad contracts T: g.T and x.T in 1x128 tiles along it (x.T's read as x's 128x1)
             gTq, gT_inv = quantize_blocks(_pad_rows(g_TO).t(), E4M3, ROW_TILE)
             xTq, xT_inv = quantize_blocks(_pad_rows(x_TI).t(), E4M3, ROW_TILE)
             dw = scaled_mm(gTq, xTq.t(), gT_inv, xT_inv.t(), dtype, native, blocks=(ROW_TILE, ROW_TILE[::-1]))
-            return (dx, dw.to(ctx.w_dtype)) + (None,) * 10
+            return (dx, dw.to(ctx.w_dtype)) + (None,) * 11
         if ctx.kind == "rowwise":
             x_TI, wq_OI, w_inv_O1 = ctx.saved_tensors
             # dgrad contracts O (split over TP in a column-parallel layer): see fold_row_scales
             reduce = group if not ctx.split else None
             gq, g_inv = fold_row_scales(g_TO, w_inv_O1.t(), reduce)
             dx = scaled_mm(gq, wq_OI, g_inv, w_inv_O1.new_ones(1, wq_OI.shape[1]), dtype, native)
+            if not ctx.wgrad:
+                return dx, (g_TO.t() @ x_TI).to(ctx.w_dtype), *(None,) * 11
             gT, xP = _pad_rows(g_TO).t(), _pad_rows(x_TI)  # wgrad contracts T
             gTq, gT_inv = quantize(gT, E4M3, amax_of(gT, -1))
             xq, x_inv = quantize(xP, E4M3, amax_of(xP, 0))
             dw = scaled_mm(gTq.contiguous(), xq, gT_inv, x_inv, dtype, native)
-            return (dx, dw.to(ctx.w_dtype)) + (None,) * 10
+            return (dx, dw.to(ctx.w_dtype)) + (None,) * 11
         xq, x_inv, wq, w_inv = ctx.saved_tensors
         if ctx.g_hist is None:
             g_amax = _reduce_max(amax_of(g_TO, None), group)
@@ -373,7 +459,7 @@ class _Fp8Linear(torch.autograd.Function):
         gq, g_inv = quantize(g_TO, E5M2, g_amax)
         dx = scaled_mm(gq, wq, g_inv, w_inv, dtype, native)
         dw = scaled_mm(_pad_rows(gq).t().contiguous(), _pad_rows(xq), g_inv, x_inv, dtype, native)
-        return (dx, dw) + (None,) * 10
+        return (dx, dw) + (None,) * 11
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, site: FP8Site) -> torch.Tensor:
@@ -402,20 +488,16 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     split, hist = weight.fp8_split, site.history(weight)
     # the scales take no gradient: amaxes of detached operands keep them (and the TP all-reduce
     # of an amax) out of autograd, which would otherwise hold |x| for a backward never taken
-    xd, wd = x_TI.detach(), weight.detach()
+    xd = x_TI.detach()
     if site.kind == "blockwise":  # tiles and blocks: no amax reduction (see the module doc)
-        (xq, x_inv), (wq, w_inv) = quantize_blocks(xd, E4M3, ROW_TILE), quantize_blocks(wd, E4M3, WEIGHT_BLOCK)
+        xq, x_inv = quantize_blocks(xd, E4M3, ROW_TILE)
+    elif site.kind == "rowwise":
+        xq, x_inv = quantize(xd, E4M3, site.amax(xd, -1, split))
     else:
-        if site.kind == "rowwise":
-            x_amax, w_amax = site.amax(xd, -1, split), site.amax(wd, -1, split)
-        elif hist is None:
-            x_amax, w_amax = site.amax(xd), site.amax(wd)
-        else:
-            x_amax, w_amax = site.delayed_amax(xd, hist, 0), site.delayed_amax(wd, hist, 1)
-        xq, x_inv = quantize(xd, E4M3, x_amax)
-        wq, w_inv = quantize(wd, E4M3, w_amax)
+        xq, x_inv = quantize(xd, E4M3, site.amax(xd) if hist is None else site.delayed_amax(xd, hist, 0))
+    wq, w_inv = site.weight(weight)
     y = _Fp8Linear.apply(x_TI, weight, xq, x_inv, wq, w_inv, hist, site.kind, site.group, split, site.warm,
-                         site.native(x_TI))
+                         site.native(x_TI), site.wgrad)
     y = y.reshape(*lead, weight.shape[0])
     return y if bias is None else y + bias
 
@@ -463,17 +545,60 @@ def _scaled_grouped_padded(aq_RK, a_inv_R, bq_EKN, b_inv_EN, ends_E) -> torch.Te
     return _scaled_grouped(a_pad.view(aq_RK.dtype), s_pad, bq_EKN, b_inv_EN, pends_E)[dest_R]
 
 
+def quantize_group_columns(t_RC: torch.Tensor, expert_R: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t [R, C]`` (rows sorted by group, ``expert_R`` each row's) quantized e4m3 with one scale
+    per group and column: ``(q [R, C], inv [groups, C])``, ``t[r] ~ q[r] * inv[expert_R[r]]``.
+    The scales of a weight gradient ``g.T @ x`` per expert: it contracts each group's rows."""
+    amax_EC = torch.zeros(groups, t_RC.shape[1], dtype=torch.float32, device=t_RC.device)
+    amax_EC.index_reduce_(0, expert_R, t_RC.detach().abs().float(), "amax")
+    scale_EC = FP8_MAX[E4M3] / amax_EC.clamp_min(_TINY)
+    q = (t_RC.float() * scale_EC[expert_R]).clamp_(-FP8_MAX[E4M3], FP8_MAX[E4M3]).to(E4M3)
+    return q, scale_EC.reciprocal()
+
+
+def grouped_weight_grad_fp8(g_RO: torch.Tensor, x_RI: torch.Tensor, ends_E: torch.Tensor, aligned: bool,
+                            out_dtype: torch.dtype) -> torch.Tensor:
+    """``[E, O, I]``: each group's ``g.T @ x`` from their float8 forms, scaled per group and
+    column (``quantize_group_columns``): on CUDA ``torch._scaled_grouped_mm``'s 2d x 2d form
+    (``g.T`` row-major, ``x`` column-major, the groups along the contraction, each starting at a
+    multiple of 16 rows: as they are where ``aligned``, else copied so with zero rows between),
+    fp32 accumulation (no fast accumulation: a group's contraction runs over all its tokens);
+    elsewhere the dequantized product."""
+    E, R = ends_E.shape[0], g_RO.shape[0]
+    expert_R = rows_expert(ends_E, R)
+    (gq, g_inv_EO), (xq, x_inv_EI) = quantize_group_columns(g_RO, expert_R, E), quantize_group_columns(x_RI, expert_R, E)
+    if g_RO.is_cuda and hasattr(torch, "_scaled_grouped_mm") and g_RO.shape[1] % 16 == 0 and x_RI.shape[1] % 16 == 0:
+        if not aligned:
+            dest_R, ends_E, cap = padded_groups(ends_E, R, GROUP_ALIGN)
+            gq, xq = (_scatter_rows(q, dest_R, cap) for q in (gq, xq))
+        return torch._scaled_grouped_mm(gq.t().contiguous(), xq.t().contiguous().t(), g_inv_EO.reshape(-1),
+                                        x_inv_EI.reshape(-1), offs=ends_E.to(torch.int32), out_dtype=torch.bfloat16,
+                                        use_fast_accum=False).to(out_dtype)
+    dq = torch.bfloat16 if g_RO.is_cuda else torch.float32  # (torch._grouped_mm on CUDA takes no fp32)
+    g = (gq.float() * g_inv_EO[expert_R]).to(dq)
+    x = (xq.float() * x_inv_EI[expert_R]).to(dq)
+    return grouped_weight_grad_op(g, x, ends_E).to(out_dtype)
+
+
+def _scatter_rows(q_RC: torch.Tensor, dest_R: torch.Tensor, rows: int) -> torch.Tensor:
+    """float8 rows copied to ``dest_R`` of a zero buffer of ``rows`` rows, as bytes (see
+    ``_scaled_grouped_padded``)."""
+    out = q_RC.new_zeros(rows, q_RC.shape[1], dtype=torch.uint8)
+    out[dest_R] = q_RC.view(torch.uint8)
+    return out.view(q_RC.dtype)
+
+
 class _Fp8Grouped(torch.autograd.Function):
     """Grouped ``x [R, I] @ w[e] [O, I].T`` from their row-wise float8 forms (quantized by the
     caller, see ``fp8_grouped_linear``); backward quantizes along the other dimensions (see
     module doc). Every input is an argument, so that ``torch.compile`` traces it."""
 
     @staticmethod
-    def forward(ctx, x_RI, w_EOI, ends_E, xq_RI, x_inv_R1, wq_EOI, w_inv_EO1, group, split, aligned):
+    def forward(ctx, x_RI, w_EOI, ends_E, xq_RI, x_inv_R1, wq_EOI, w_inv_EO1, group, split, aligned, wgrad):
         y_RO = _grouped_scaled(xq_RI, x_inv_R1, wq_EOI.transpose(-2, -1), w_inv_EO1.squeeze(-1), ends_E, x_RI.dtype,
                                aligned)
         ctx.save_for_backward(x_RI, wq_EOI, w_inv_EO1, ends_E)
-        ctx.group, ctx.split, ctx.w_dtype, ctx.aligned = group, split, w_EOI.dtype, aligned
+        ctx.group, ctx.split, ctx.w_dtype, ctx.aligned, ctx.wgrad = group, split, w_EOI.dtype, aligned, wgrad
         return y_RO
 
     @staticmethod
@@ -485,8 +610,11 @@ class _Fp8Grouped(torch.autograd.Function):
         gq, g_inv = fold_row_scales(g_RO, w_inv_EO1.squeeze(-1)[expert_R], reduce)
         ones_EI = w_inv_EO1.new_ones(wq_EOI.shape[0], wq_EOI.shape[2])
         dx = _grouped_scaled(gq, g_inv, wq_EOI, ones_EI, ends_E, x_RI.dtype, ctx.aligned)
-        dw = grouped_weight_grad_op(g_RO, x_RI, ends_E).to(ctx.w_dtype)
-        return (dx, dw) + (None,) * 8
+        if ctx.wgrad:
+            dw = grouped_weight_grad_fp8(g_RO, x_RI, ends_E, ctx.aligned, ctx.w_dtype)
+        else:
+            dw = grouped_weight_grad_op(g_RO, x_RI, ends_E).to(ctx.w_dtype)
+        return (dx, dw) + (None,) * 9
 
 
 def _grouped_dequantized(a_RK, b_EKN, ends_E, out_dtype) -> torch.Tensor:
@@ -515,10 +643,10 @@ class _Fp8GroupedBlocks(torch.autograd.Function):
     for the weight gradient ``g`` and the kept ``x`` in tiles along each expert's rows."""
 
     @staticmethod
-    def forward(ctx, x_RI, w_EOI, ends_E, xq_RI, x_inv, wq_EOI, w_inv):
+    def forward(ctx, x_RI, w_EOI, ends_E, xq_RI, x_inv, wq_EOI, w_inv, wgrad):
         dq = torch.bfloat16 if x_RI.is_cuda else torch.float32
         ctx.save_for_backward(x_RI, wq_EOI, w_inv, ends_E)
-        ctx.w_dtype, ctx.dq = w_EOI.dtype, dq
+        ctx.w_dtype, ctx.dq, ctx.wgrad = w_EOI.dtype, dq, wgrad
         x = dequantize_blocks(xq_RI, x_inv, ROW_TILE, dq)
         return _grouped_dequantized(x, dequantize_blocks(wq_EOI, w_inv, WEIGHT_BLOCK, dq).transpose(-2, -1), ends_E,
                                     x_RI.dtype)
@@ -530,9 +658,11 @@ class _Fp8GroupedBlocks(torch.autograd.Function):
         gq, g_inv = quantize_blocks(g_RO, E4M3, ROW_TILE)  # dgrad contracts O
         dx = _grouped_dequantized(dequantize_blocks(gq, g_inv, ROW_TILE, dq),
                                   dequantize_blocks(wq_EOI, w_inv, WEIGHT_BLOCK, dq), ends_E, x_RI.dtype)
+        if not ctx.wgrad:
+            return dx, grouped_weight_grad_op(g_RO, x_RI, ends_E).to(ctx.w_dtype), *(None,) * 6
         (g_PO, pends_E), (x_PI, _) = _group_tiles(g_RO, ends_E, dq), _group_tiles(x_RI, ends_E, dq)
         dw = grouped_weight_grad_op(g_PO, x_PI, pends_E).to(ctx.w_dtype)
-        return (dx, dw) + (None,) * 5
+        return (dx, dw) + (None,) * 6
 
 
 def fp8_grouped_linear(x_RI: torch.Tensor, weight_EOI: torch.Tensor, ends_E: torch.Tensor, site: FP8Site,
@@ -542,13 +672,13 @@ def fp8_grouped_linear(x_RI: torch.Tensor, weight_EOI: torch.Tensor, ends_E: tor
     plain torch code, as ``fp8_linear`` does. ``aligned``: every group starts at a multiple of
     ``GROUP_ALIGN`` rows already."""
     split = weight_EOI.fp8_split  # the down projection contracts the TP-split F
-    x, w = x_RI.detach(), weight_EOI.detach()  # the scales take no gradient
+    x = x_RI.detach()  # the scales take no gradient
     if site.kind == "blockwise":
-        (xq, x_inv), (wq, w_inv) = quantize_blocks(x, E4M3, ROW_TILE), quantize_blocks(w, E4M3, WEIGHT_BLOCK)
-        return _Fp8GroupedBlocks.apply(x_RI, weight_EOI, ends_E, xq, x_inv, wq, w_inv)
+        xq, x_inv = quantize_blocks(x, E4M3, ROW_TILE)
+        return _Fp8GroupedBlocks.apply(x_RI, weight_EOI, ends_E, xq, x_inv, *site.weight(weight_EOI), site.wgrad)
     xq, x_inv = quantize(x, E4M3, site.amax(x, -1, split))
-    wq, w_inv = quantize(w, E4M3, site.amax(w, -1, split))
-    return _Fp8Grouped.apply(x_RI, weight_EOI, ends_E, xq, x_inv, wq, w_inv, site.group, split, aligned)
+    wq, w_inv = site.weight(weight_EOI)
+    return _Fp8Grouped.apply(x_RI, weight_EOI, ends_E, xq, x_inv, wq, w_inv, site.group, split, aligned, site.wgrad)
 
 
 # ---- the once-per-step history update (delayed) ---------------------------------------------
@@ -597,13 +727,39 @@ def fit_history(saved: torch.Tensor, shape) -> torch.Tensor | None:
 # ---- putting the recipe on a model -----------------------------------------------------------
 
 
-def apply_fp8(root: torch.nn.Module, kind: str, ctx, amax_history: int = 16, keep=lambda name: True) -> int:
+def fp8_sites(root: torch.nn.Module) -> list[FP8Site]:
+    return [m.recipe for m in root.modules() if isinstance(getattr(m, "recipe", None), FP8Site)]
+
+
+def refresh_weights(root: torch.nn.Module) -> int:
+    """Every weight cache of ``root``'s FP8 modules brought up to date (``FP8Site.refresh``):
+    where a step or a forward-only pass begins, outside any compiled graph. Returns how many
+    weights were quantized."""
+    return sum(site.refresh() for site in fp8_sites(root) if site.cached is not None)
+
+
+def invalidate_weights(root: torch.nn.Module, trainable_only: bool = False) -> None:
+    """``FP8Site.invalidate`` on every FP8 module of ``root``: after an optimizer step (the
+    weights that train), after a load (all); the next ``refresh_weights`` quantizes them."""
+    for site in fp8_sites(root):
+        site.invalidate(trainable_only)
+
+
+def weight_cache_bytes(root: torch.nn.Module) -> int:
+    """Bytes of the float8 weights and scales ``root``'s FP8 modules keep between steps."""
+    return sum(site.cache_bytes() for site in fp8_sites(root))
+
+
+def apply_fp8(root: torch.nn.Module, kind: str, ctx, amax_history: int = 16, keep=lambda name: True,
+              cache: bool = False, wgrad: bool = True) -> int:
     """Give every GEMM-holding module of ``root`` (a ``recipe`` attribute and ``placements()``)
     whose name ``keep`` accepts an ``FP8Site`` of ``kind``: the TP group of its layout (ETP for
     experts on the expert view), the weights whose input dimension is split over it, and for
-    ``delayed`` an ``fp8_history`` buffer (zeros, fp32) of ``amax_history`` steps. Returns how
-    many modules took it. ``blockwise``: warns once where a weight's TP-split dimension has
-    shards that are not a multiple of 128 (``straddling_blocks``)."""
+    ``delayed`` an ``fp8_history`` buffer (zeros, fp32) of ``amax_history`` steps. ``cache``:
+    its weights quantized once per ``refresh_weights`` (here first), not in every product.
+    ``wgrad``: weight gradients in FP8 (``FP8Site.wgrad``).
+    Returns how many modules took it. ``blockwise``: warns once where a weight's TP-split
+    dimension has shards that are not a multiple of 128 (``straddling_blocks``)."""
     n, straddle = 0, []
     for name, m in root.named_modules():
         if not hasattr(m, "recipe") or not hasattr(m, "placements") or not keep(name):
@@ -623,13 +779,14 @@ def apply_fp8(root: torch.nn.Module, kind: str, ctx, amax_history: int = 16, kee
             m.register_buffer("fp8_history", torch.zeros(len(weights), len(ROLES), amax_history + 1,
                                                          dtype=torch.float32, device=weights[0][1].device))
             owner = m
-        m.recipe = FP8Site(kind, group, split, owner, [p for _, p in weights])
+        m.recipe = FP8Site(kind, group, split, owner, [p for _, p in weights], cache, wgrad)
         n += 1
     if straddle:
         log.warning("train.fp8 blockwise: %d weight(s) split over TP in shards that are not a multiple of 128 (%s): "
                     "their 128-blocks (and their activations' 1x128 tiles along that dimension) are laid on each "
                     "shard, so this layout quantizes them otherwise than one process does", len(straddle),
                     ", ".join(straddle[:4]) + (", ..." if len(straddle) > 4 else ""))
+    refresh_weights(root)
     return n
 
 

@@ -975,6 +975,7 @@ def load_checkpoint(model: MimoModel, path: str, optimizers: dict[str, AdamW] | 
         rng_file = os.path.join(path, f"rng-rank{model.rank:05d}.safetensors")
         if same or os.path.isfile(rng_file):  # (training draws from seeded generators of its own: see reshard)
             _restore_rng(rng_file)
+    model.weights_written()
     return meta
 
 

@@ -114,6 +114,7 @@ def forward_only(model: MimoModel, mb: Microbatch, runner: StageRunner | None, c
     generation cache, ``mimo.llm.cache``); the last stage's vocab-parallel logits, else None.
     Stages run in order: each receive waits for a send posted by a stage that has already run."""
     model.graph_step()
+    model.refresh_fp8()
     with torch.no_grad():
         _, image_rows = encode_and_bridge(model, mb)
         if runner is None:

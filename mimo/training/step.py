@@ -115,6 +115,7 @@ def train_step(model: MimoModel, pipeline: DataPipeline, step: int, optimizers: 
     ``trace``: record this rank's events (``mimo.training.trace``)."""
     cfg = model.config
     model.graph_step()
+    model.refresh_fp8()
     plan = pipeline.step(step)  # planned on the data thread: microbatches and ticks
     # the global loss-token count: each LLM DP rank's packs, summed over DP (docs/design.md §2)
     llm = model.llm
