@@ -104,6 +104,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from mimo.parallel.fp8_kernels import group_columns_t
 from mimo.parallel.grouped import GROUP_ALIGN, grouped_rows_op, grouped_weight_grad_op, padded_groups, rows_expert
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -550,7 +551,7 @@ def quantize_group_columns(t_RC: torch.Tensor, expert_R: torch.Tensor, groups: i
     per group and column: ``(q [R, C], inv [groups, C])``, ``t[r] ~ q[r] * inv[expert_R[r]]``.
     The scales of a weight gradient ``g.T @ x`` per expert: it contracts each group's rows."""
     amax_EC = torch.zeros(groups, t_RC.shape[1], dtype=torch.float32, device=t_RC.device)
-    amax_EC.index_reduce_(0, expert_R, t_RC.detach().abs().float(), "amax")
+    amax_EC.scatter_reduce_(0, expert_R[:, None].expand(-1, t_RC.shape[1]), t_RC.detach().abs().float(), "amax")
     scale_EC = FP8_MAX[E4M3] / amax_EC.clamp_min(_TINY)
     q = (t_RC.float() * scale_EC[expert_R]).clamp_(-FP8_MAX[E4M3], FP8_MAX[E4M3]).to(E4M3)
     return q, scale_EC.reciprocal()
@@ -561,31 +562,25 @@ def grouped_weight_grad_fp8(g_RO: torch.Tensor, x_RI: torch.Tensor, ends_E: torc
     """``[E, O, I]``: each group's ``g.T @ x`` from their float8 forms, scaled per group and
     column (``quantize_group_columns``): on CUDA ``torch._scaled_grouped_mm``'s 2d x 2d form
     (``g.T`` row-major, ``x`` column-major, the groups along the contraction, each starting at a
-    multiple of 16 rows: as they are where ``aligned``, else copied so with zero rows between),
+    multiple of 16 rows: as they are where ``aligned``, else written so with zeros between; both
+    quantized and transposed by ``fp8_kernels.group_columns_t``),
     fp32 accumulation (no fast accumulation: a group's contraction runs over all its tokens);
     elsewhere the dequantized product."""
     E, R = ends_E.shape[0], g_RO.shape[0]
+    if g_RO.is_cuda and hasattr(torch, "_scaled_grouped_mm") and g_RO.shape[1] % 16 == 0 and x_RI.shape[1] % 16 == 0:
+        # both operands transposed as the kernel wants them, in one pass each (mimo.parallel.fp8_kernels)
+        pends_E, width = (ends_E, R) if aligned else padded_groups(ends_E, R, GROUP_ALIGN)[1:]
+        gT_OR, g_inv_EO = group_columns_t(g_RO, ends_E, pends_E, width)
+        xT_IR, x_inv_EI = group_columns_t(x_RI, ends_E, pends_E, width)
+        return torch._scaled_grouped_mm(gT_OR, xT_IR.t(), g_inv_EO.reshape(-1), x_inv_EI.reshape(-1),
+                                        offs=pends_E.to(torch.int32), out_dtype=torch.bfloat16,
+                                        use_fast_accum=False).to(out_dtype)
     expert_R = rows_expert(ends_E, R)
     (gq, g_inv_EO), (xq, x_inv_EI) = quantize_group_columns(g_RO, expert_R, E), quantize_group_columns(x_RI, expert_R, E)
-    if g_RO.is_cuda and hasattr(torch, "_scaled_grouped_mm") and g_RO.shape[1] % 16 == 0 and x_RI.shape[1] % 16 == 0:
-        if not aligned:
-            dest_R, ends_E, cap = padded_groups(ends_E, R, GROUP_ALIGN)
-            gq, xq = (_scatter_rows(q, dest_R, cap) for q in (gq, xq))
-        return torch._scaled_grouped_mm(gq.t().contiguous(), xq.t().contiguous().t(), g_inv_EO.reshape(-1),
-                                        x_inv_EI.reshape(-1), offs=ends_E.to(torch.int32), out_dtype=torch.bfloat16,
-                                        use_fast_accum=False).to(out_dtype)
     dq = torch.bfloat16 if g_RO.is_cuda else torch.float32  # (torch._grouped_mm on CUDA takes no fp32)
     g = (gq.float() * g_inv_EO[expert_R]).to(dq)
     x = (xq.float() * x_inv_EI[expert_R]).to(dq)
     return grouped_weight_grad_op(g, x, ends_E).to(out_dtype)
-
-
-def _scatter_rows(q_RC: torch.Tensor, dest_R: torch.Tensor, rows: int) -> torch.Tensor:
-    """float8 rows copied to ``dest_R`` of a zero buffer of ``rows`` rows, as bytes (see
-    ``_scaled_grouped_padded``)."""
-    out = q_RC.new_zeros(rows, q_RC.shape[1], dtype=torch.uint8)
-    out[dest_R] = q_RC.view(torch.uint8)
-    return out.view(q_RC.dtype)
 
 
 class _Fp8Grouped(torch.autograd.Function):
