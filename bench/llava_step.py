@@ -249,7 +249,8 @@ def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: li
             variant, _, fp8 = variant.partition("@")
             # each variant states its GEMMs: @RECIPE (FP8), @none (the run's dtype), or nothing:
             # train.fp8 as configured, whatever the variant before it ran
-            f8 = config.train.fp8 if not fp8 else None if fp8 == "none" else Fp8Config(recipe=fp8)
+            recipe, _, backend = fp8.partition("+")  # RECIPE+torchao: torchao's grouped products
+            f8 = config.train.fp8 if not fp8 else None if fp8 == "none" else Fp8Config(recipe=recipe, backend=backend or "mimo")
             if f8 != run.model.fp8:
                 run.model.set_fp8(f8)
             fp8 = fp8 or (f8.recipe if f8 is not None else "")
@@ -348,8 +349,8 @@ def main(argv=None, bench: str = "llava_step", config_path: Path = ROOT / "confi
                         "(the default reads them after the timed steps, as the baseline does)")
     parser.add_argument("--variants", default="eager", help="comma-separated, run in turn on one model: eager, compile "
                         "(a repeated name measures again); NAME:MODE also sets activation recompute (none, selective, full); "
-                        "NAME[:MODE]@RECIPE FP8 GEMMs (tensorwise, rowwise, delayed, blockwise; @none: the run's dtype; no @: "
-                        "train.fp8 as configured)")
+                        "NAME[:MODE]@RECIPE FP8 GEMMs (tensorwise, rowwise, delayed, blockwise; @rowwise+torchao: the "
+                        "experts' through torchao; @none: the run's dtype; no @: train.fp8 as configured)")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")

@@ -86,9 +86,15 @@ class Fp8Config:
     # weight gradients in FP8 too (experts: scales per expert and column); false: in the
     # activations' dtype wherever the recipe keeps the input so (rowwise, blockwise, experts)
     wgrad: bool = True
+    # the experts' grouped FP8 products: mimo's own, or torchao's (rowwise, CUDA, torchao installed;
+    # its own quantization kernels, power-of-two scales, FP8 weight gradients, weights quantized per call)
+    backend: Literal["mimo", "torchao"] = "mimo"
 
     def validate(self, path: str) -> list[str]:
         problems = at_least(self, path, 1, "amax_history")
+        if self.backend == "torchao" and self.recipe != "rowwise":
+            problems.append(f"{join_path(path, 'backend')}: torchao's grouped FP8 products scale row-wise; set "
+                            f"{join_path(path, 'recipe')}: rowwise (got {self.recipe})")
         for item in self.bf16_layers:
             if item not in ("first", "last") and not (isinstance(item, int) and not isinstance(item, bool) and item >= 0):
                 problems.append(f"{join_path(path, 'bf16_layers')}: items are 'first', 'last' or layer indices >= 0, got {item!r}")
@@ -449,6 +455,10 @@ class MimoConfig:
                 if getattr(module.parallel, key, 1) > 1:
                     problems.append(f"train.fp8: modules.{name}.parallel.{key} > 1 is not supported with FP8 GEMMs yet "
                                     f"(set {key}: 1, or drop train.fp8)")
+        if self.train.fp8.backend == "torchao" and self.modules[llm].parallel.expert_tp > 1:
+            problems.append(f"train.fp8.backend: torchao quantizes each rank's slice of the experts' inner dimension "
+                            f"on its own, not as one process does (modules.{llm}: experts split {self.modules[llm].parallel.expert_tp} "
+                            f"ways by tp / etp); use the mimo backend, or etp 1")
         layers = len(self.modules[llm].arch.layer_pattern().layers)
         bad = sorted(i for i in self.train.fp8.kept_layers(layers) if i >= layers)
         if bad:

@@ -32,7 +32,7 @@ from mimo.llm.dsa import set_dsa_training
 from mimo.llm.model import LLMStage, build_stage, embedding_group, sync_tied_grads
 from mimo.llm.moe import set_dispatchers
 from mimo.parallel import gemm, param_seed
-from mimo.parallel.fp8 import apply_fp8, clear_fp8, history_step, invalidate_weights, refresh_weights
+from mimo.parallel.fp8 import apply_fp8, clear_fp8, history_step, invalidate_weights, refresh_weights, torchao_problem
 from mimo.parallel.context import ParallelContext
 from mimo.parallel.grid import GroupRegistry, ParallelGrid
 from mimo.parallel.lora import AdapterSite
@@ -227,6 +227,10 @@ class MimoModel:
         """FP8 GEMMs (``train.fp8``) on every LLM layer but ``bf16_layers`` and every vision
         block (not patch embeddings, projectors, embeddings or the LM head); None: back to the
         run's precision everywhere."""
+        if f8 is not None and f8.backend == "torchao":
+            problem = torchao_problem(self.device)
+            if problem:
+                raise MimoError(f"train.fp8.backend: torchao: {problem}")
         self.fp8 = f8
         self._set_finalisers()  # (the amax histories' step with delayed scaling)
         kept = f8.kept_layers(len(self.config.llm.arch.layer_pattern().layers)) if f8 is not None else set()
@@ -240,7 +244,7 @@ class MimoModel:
             if f8 is None:
                 clear_fp8(root, gemm.default_recipe)
             else:
-                apply_fp8(root, f8.recipe, part.ctx, f8.amax_history, keep, self._fp8_cache(), f8.wgrad)
+                apply_fp8(root, f8.recipe, part.ctx, f8.amax_history, keep, self._fp8_cache(), f8.wgrad, f8.backend)
 
     def _fp8_cache(self) -> bool:
         """Whether FP8 weights are quantized once per step (``train.fp8.cache_weights``): not

@@ -207,8 +207,8 @@ class FP8Site:
     reads as it reads ``weight.gtp``."""
 
     def __init__(self, kind: str, group=None, split_in=(), owner=None, weights=(), cache: bool = False,
-                 wgrad: bool = True):
-        self.kind, self.group, self.owner = kind, group, owner
+                 wgrad: bool = True, backend: str = "mimo"):
+        self.kind, self.group, self.owner, self.backend = kind, group, owner, backend
         # weight gradients in FP8 (``train.fp8.wgrad``); off: in the activations' dtype where the
         # recipe keeps the input so (rowwise, blockwise, every recipe's experts)
         self.wgrad = wgrad
@@ -666,6 +666,8 @@ def fp8_grouped_linear(x_RI: torch.Tensor, weight_EOI: torch.Tensor, ends_E: tor
     ``blockwise`` (block-wise ones; see module doc); the forward operands quantized here, in
     plain torch code, as ``fp8_linear`` does. ``aligned``: every group starts at a multiple of
     ``GROUP_ALIGN`` rows already."""
+    if site.backend == "torchao":
+        return torchao_grouped(x_RI, weight_EOI, ends_E, aligned)
     split = weight_EOI.fp8_split  # the down projection contracts the TP-split F
     x = x_RI.detach()  # the scales take no gradient
     if site.kind == "blockwise":
@@ -674,6 +676,39 @@ def fp8_grouped_linear(x_RI: torch.Tensor, weight_EOI: torch.Tensor, ends_E: tor
     xq, x_inv = quantize(x, E4M3, site.amax(x, -1, split))
     wq, w_inv = site.weight(weight_EOI)
     return _Fp8Grouped.apply(x_RI, weight_EOI, ends_E, xq, x_inv, wq, w_inv, site.group, split, aligned, site.wgrad)
+
+
+def torchao_problem(device: torch.device) -> str | None:
+    """Why torchao's grouped FP8 products cannot run on ``device`` here, or None."""
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed (pip install torchao; 0.18 runs with torch 2.11 and later)"
+    if device.type != "cuda":
+        return f"its grouped FP8 GEMM runs on CUDA GPUs; this run is on {device.type} (use the mimo backend)"
+    try:
+        found = hasattr(importlib.import_module("torchao.prototype.moe_training"), "_to_fp8_rowwise_then_scaled_grouped_mm")
+    except ImportError as e:
+        return f"torchao's MoE training module does not import ({e})"
+    return None if found else "this torchao has no FP8 row-wise grouped GEMM (0.18 has it)"
+
+
+def torchao_grouped(x_RI: torch.Tensor, weight_EOI: torch.Tensor, ends_E: torch.Tensor, aligned: bool) -> torch.Tensor:
+    """The grouped product by torchao's FP8 row-wise grouped GEMM (``train.fp8.backend: torchao``:
+    its own fused quantization kernels, power-of-two scales, FP8 weight gradients; weights
+    quantized in every call). It takes groups starting at multiples of 16 rows only: where the
+    rows are not laid out so, they are copied into a buffer that is (zero rows between) and the
+    output read back at theirs, both differentiable."""
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm as grouped
+
+    w_t = weight_EOI.transpose(-2, -1)  # [E, I, O], column-major per expert: as the kernel wants it
+    if aligned:
+        return grouped(x_RI, w_t, ends_E.to(torch.int32), out_dtype=x_RI.dtype, pad_token_groups_for_grouped_mm=False)
+    dest_R, pends_E, cap = padded_groups(ends_E, x_RI.shape[0], GROUP_ALIGN)
+    x_pad = x_RI.new_zeros(cap, x_RI.shape[1]).index_copy(0, dest_R, x_RI)
+    y_pad = grouped(x_pad, w_t, pends_E.to(torch.int32), out_dtype=x_RI.dtype, pad_token_groups_for_grouped_mm=False)
+    return y_pad[dest_R]
 
 
 # ---- the once-per-step history update (delayed) ---------------------------------------------
@@ -746,13 +781,14 @@ def weight_cache_bytes(root: torch.nn.Module) -> int:
 
 
 def apply_fp8(root: torch.nn.Module, kind: str, ctx, amax_history: int = 16, keep=lambda name: True,
-              cache: bool = False, wgrad: bool = True) -> int:
+              cache: bool = False, wgrad: bool = True, backend: str = "mimo") -> int:
     """Give every GEMM-holding module of ``root`` (a ``recipe`` attribute and ``placements()``)
     whose name ``keep`` accepts an ``FP8Site`` of ``kind``: the TP group of its layout (ETP for
     experts on the expert view), the weights whose input dimension is split over it, and for
     ``delayed`` an ``fp8_history`` buffer (zeros, fp32) of ``amax_history`` steps. ``cache``:
     its weights quantized once per ``refresh_weights`` (here first), not in every product.
-    ``wgrad``: weight gradients in FP8 (``FP8Site.wgrad``).
+    ``wgrad``: weight gradients in FP8 (``FP8Site.wgrad``). ``backend``: ``torchao`` for the
+    grouped products (``torchao_grouped``).
     Returns how many modules took it. ``blockwise``: warns once where a weight's TP-split
     dimension has shards that are not a multiple of 128 (``straddling_blocks``)."""
     n, straddle = 0, []
@@ -774,7 +810,7 @@ def apply_fp8(root: torch.nn.Module, kind: str, ctx, amax_history: int = 16, kee
             m.register_buffer("fp8_history", torch.zeros(len(weights), len(ROLES), amax_history + 1,
                                                          dtype=torch.float32, device=weights[0][1].device))
             owner = m
-        m.recipe = FP8Site(kind, group, split, owner, [p for _, p in weights], cache, wgrad)
+        m.recipe = FP8Site(kind, group, split, owner, [p for _, p in weights], cache, wgrad, backend)
         n += 1
     if straddle:
         log.warning("train.fp8 blockwise: %d weight(s) split over TP in shards that are not a multiple of 128 (%s): "
