@@ -218,6 +218,7 @@ def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: li
     steps run back to back as the baseline's do (each loss read after the last one), unless
     ``sync_steps``: then each step's loss is read before the next step starts."""
     from mimo.compose.config import Fp8Config
+    from mimo.core.errors import MimoError
     from mimo.training.run import build_run, compile_blocks
     from mimo.training.step import train_step
 
@@ -252,7 +253,11 @@ def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: li
             recipe, _, backend = fp8.partition("+")  # RECIPE+torchao: torchao's grouped products
             f8 = config.train.fp8 if not fp8 else None if fp8 == "none" else Fp8Config(recipe=recipe, backend=backend or "mimo")
             if f8 != run.model.fp8:
-                run.model.set_fp8(f8)
+                try:
+                    run.model.set_fp8(f8)
+                except MimoError as e:  # (torchao's products where it cannot run): reported, the rest measured
+                    out[f"{variant}@{fp8}"] = {"error": str(e)}
+                    continue
             fp8 = fp8 or (f8.recipe if f8 is not None else "")
             variant, _, recompute = variant.partition(":")
             if variant == "compile" and not compiled:
