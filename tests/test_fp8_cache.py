@@ -240,3 +240,16 @@ def test_training_with_the_cache_equals_training_without(pools, tmp_path, recipe
         assert n > 0 and with_cache["counts"][1:] == [n, n] and with_cache["counts"][0] <= n, with_cache
         # without: each FP8 product quantizes its weight, per microbatch, in forward and recompute
         assert all(c >= 4 * n for c in without["counts"]), without
+
+
+def test_a_compiled_product_without_a_cached_form_quantizes_itself():
+    """A weight dropped from the cache and not refreshed (a forward outside the steps' and
+    forward-only passes' refresh): the compiled product quantizes it, as an uncached one does."""
+    g_ = torch.Generator().manual_seed(8)
+    w0, x = torch.randn(48, 160, generator=g_), torch.randn(20, 160, generator=g_)
+    plain, cached = _Owner(w0, "rowwise", False), _Owner(w0, "rowwise", True)
+    torch._dynamo.reset()
+    compiled = torch.compile(cached, backend="eager", dynamic=True)
+    torch.testing.assert_close(compiled(x), plain(x), rtol=0, atol=0)
+    refresh_weights(cached)
+    torch.testing.assert_close(compiled(x), plain(x), rtol=0, atol=0)

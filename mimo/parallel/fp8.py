@@ -268,13 +268,12 @@ class FP8Site:
 
     def weight(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``quantize_weight(w)``, from the cache where it holds ``w`` as it is now. Compiled
-        code reads the cache without the check (a tensor's version is not traced): the steps
-        and forward-only passes refresh it first (``refresh_weights``), outside the graph."""
+        code reads a cached form without the check (a tensor's version is not traced): the
+        steps and forward-only passes refresh the cache first (``refresh_weights``), outside the
+        graph; where nothing is cached it quantizes (the graph guards on that)."""
         if self.cached is not None:
-            if torch.compiler.is_compiling():
-                return self.cached[w.fp8_row][:2]
             entry = self.cached[w.fp8_row]
-            if entry is not None and entry[2:4] == (w._version, w.data_ptr()):
+            if entry is not None and (torch.compiler.is_compiling() or entry[2:4] == (w._version, w.data_ptr())):
                 return entry[:2]
         return self.quantize_weight(w)
 
