@@ -108,7 +108,7 @@ def test_kernels_meet_the_fp64_yardstick_in_the_interpreter():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU kernels need CUDA (this machine has none)")
-def test_attention_layer_with_fused_norm_rope_on_cuda():
+def test_attention_layer_with_fused_norm_rope_on_cuda(monkeypatch):
     """A Qwen3-style attention layer (per-head QK-norm, GQA) on the GPU in bf16, compiled, takes
     the fused op and matches the fp32 CPU layer (the modules' path) on a ragged pack, within
     bf16's error of the same layer computed eagerly on the GPU with the fused op off."""
@@ -116,6 +116,7 @@ def test_attention_layer_with_fused_norm_rope_on_cuda():
     from mimo.llm.config import HybridArch
     from mimo.llm.context import SeqContext
 
+    monkeypatch.setattr(norm_rope, "ON_CUDA", True)  # (layers take the op on CUDA once this test passes there)
     arch = HybridArch(pattern="*", hidden=512, heads=8, kv_heads=2, head_dim=128, qk_norm=True, vocab=100, norm_eps=1e-6)
     ref = build_layer(arch, LayerSpec(0, "attention"))
     gen = torch.Generator().manual_seed(3)

@@ -58,7 +58,7 @@ def _step(opt, ps, k):
 
 def _torch_step(ref, ps, k, dtype=None):
     for p, g in zip(ps, _grads(k)):
-        p.grad = g.to(dtype or p.dtype)
+        p.grad = g.to(p.device, dtype or p.dtype)
     for group in ref.param_groups:
         group["lr"] = LR / k
     ref.step()

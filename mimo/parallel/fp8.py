@@ -556,6 +556,13 @@ def quantize_group_columns(t_RC: torch.Tensor, expert_R: torch.Tensor, groups: i
     return q, scale_EC.reciprocal()
 
 
+# torch._scaled_grouped_mm's 2d x 2d form for the experts' FP8 weight gradient. Off until its GPU
+# test passes: its first GPU run (H100, 2026-12-08) failed on the kernel's 16-byte stride rule
+# (rows of R = 333 and 397 float8 columns), fixed since but not run again; meanwhile CUDA multiplies
+# the same float8 operands dequantized (bf16 grouped GEMM), as the CPU does in fp32.
+NATIVE_GROUPED_WGRAD = False
+
+
 def grouped_weight_grad_fp8(g_RO: torch.Tensor, x_RI: torch.Tensor, ends_E: torch.Tensor, aligned: bool,
                             out_dtype: torch.dtype) -> torch.Tensor:
     """``[E, O, I]``: each group's ``g.T @ x`` from their float8 forms, scaled per group and
@@ -563,12 +570,15 @@ def grouped_weight_grad_fp8(g_RO: torch.Tensor, x_RI: torch.Tensor, ends_E: torc
     (``g.T`` row-major, ``x`` column-major, the groups along the contraction, each starting at a
     multiple of 16 rows: as they are where ``aligned``, else written so with zeros between; both
     quantized and transposed by ``fp8_kernels.group_columns_t``),
-    fp32 accumulation (no fast accumulation: a group's contraction runs over all its tokens);
-    elsewhere the dequantized product."""
+    fp32 accumulation (no fast accumulation: a group's contraction runs over all its tokens),
+    where ``NATIVE_GROUPED_WGRAD``; elsewhere the dequantized product."""
     E, R = ends_E.shape[0], g_RO.shape[0]
-    if g_RO.is_cuda and hasattr(torch, "_scaled_grouped_mm") and g_RO.shape[1] % 16 == 0 and x_RI.shape[1] % 16 == 0:
-        # both operands transposed as the kernel wants them, in one pass each (mimo.parallel.fp8_kernels)
+    if (NATIVE_GROUPED_WGRAD and g_RO.is_cuda and hasattr(torch, "_scaled_grouped_mm") and g_RO.shape[1] % 16 == 0
+            and x_RI.shape[1] % 16 == 0):
+        # both operands transposed as the kernel wants them, in one pass each (mimo.parallel.fp8_kernels);
+        # their rows (R long) padded to a multiple of 16 bytes, the kernel's stride rule
         pends_E, width = (ends_E, R) if aligned else padded_groups(ends_E, R, GROUP_ALIGN)[1:]
+        width += -width % GROUP_ALIGN
         gT_OR, g_inv_EO = group_columns_t(g_RO, ends_E, pends_E, width)
         xT_IR, x_inv_EI = group_columns_t(x_RI, ends_E, pends_E, width)
         return torch._scaled_grouped_mm(gT_OR, xT_IR.t(), g_inv_EO.reshape(-1), x_inv_EI.reshape(-1),
@@ -705,6 +715,7 @@ def torchao_grouped(x_RI: torch.Tensor, weight_EOI: torch.Tensor, ends_E: torch.
     if aligned:
         return grouped(x_RI, w_t, ends_E.to(torch.int32), out_dtype=x_RI.dtype, pad_token_groups_for_grouped_mm=False)
     dest_R, pends_E, cap = padded_groups(ends_E, x_RI.shape[0], GROUP_ALIGN)
+    cap += -cap % GROUP_ALIGN  # its weight gradient's operands are [*, cap]: rows of 16-byte multiples
     x_pad = x_RI.new_zeros(cap, x_RI.shape[1]).index_copy(0, dest_R, x_RI)
     y_pad = grouped(x_pad, w_t, pends_E.to(torch.int32), out_dtype=x_RI.dtype, pad_token_groups_for_grouped_mm=False)
     return y_pad[dest_R]
