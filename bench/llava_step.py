@@ -255,13 +255,17 @@ def run_mimo(config, device: torch.device, steps: int, warmup: int, variants: li
             if f8 != run.model.fp8:
                 try:
                     run.model.set_fp8(f8)
-                except MimoError as e:  # (torchao's products where it cannot run): reported, the rest measured
+                except MimoError as e:  # (torchao without a GPU, compiled FP8 on a GPU): reported, the rest measured
                     out[f"{variant}@{fp8}"] = {"error": str(e)}
                     continue
             fp8 = fp8 or (f8.recipe if f8 is not None else "")
             variant, _, recompute = variant.partition(":")
             if variant == "compile" and not compiled:
-                compile_blocks(run.model)
+                try:
+                    compile_blocks(run.model)
+                except MimoError as e:
+                    out[f"{variant}@{fp8}" if fp8 else variant] = {"error": str(e)}
+                    continue
                 compiled = True
             elif variant not in ("eager", "compile") or (variant == "eager" and compiled):
                 raise SystemExit(f"unknown variant {variant!r} (eager, compile; eager before compile)")

@@ -446,6 +446,25 @@ def test_delayed_history_resumes_exactly_from_a_checkpoint(pools, write_demo_con
         before = after
 
 
+def test_compiled_fp8_on_a_gpu_is_refused(monkeypatch):
+    """Compiled FP8 products gave zero gradients on an H100 (issue 50): a model on a GPU refuses
+    FP8 once its blocks are compiled, and compiling once it has FP8, with the reason; the CPU,
+    whose compiled products are the eager ones bit for bit, keeps both."""
+    from mimo.compose import model as model_mod
+    from mimo.compose.config import Fp8Config
+    from mimo.core.errors import MimoError
+
+    model_mod.refuse_compiled_fp8(torch.device("cpu"))
+    with pytest.raises(MimoError, match="zero input and weight gradients"):
+        model_mod.refuse_compiled_fp8(torch.device("cuda"))
+
+    class Fake:  # what set_fp8 reads before it touches any module
+        device, compiled, config = torch.device("cuda"), True, None
+
+    with pytest.raises(MimoError, match="train.compile"):
+        model_mod.MimoModel.set_fp8(Fake(), Fp8Config(recipe="rowwise"))
+
+
 def test_history_fits_another_window():
     saved = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4)  # current slot + 3 past steps
     assert torch.equal(fit_history(saved, (2, 3, 2)), saved[..., :2])  # the current slot and the newest step

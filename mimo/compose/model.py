@@ -92,6 +92,18 @@ class ModulePart:
         return self.module.param_table()
 
 
+def refuse_compiled_fp8(device: torch.device) -> None:
+    """FP8 products compiled on a GPU are refused until their zero gradients are explained: on an
+    H100 with torch 2.11 (2026-12-08) a compiled row-wise or block-wise FP8 product in bf16 gave
+    the right output but exactly zero input and weight gradients, with any backend, where the same
+    product eager, or with its float8 operands multiplied dequantized, or in fp32, gave the right
+    ones (docs/performance.md). A run would train those layers on nothing, silently."""
+    if device.type == "cuda":
+        raise MimoError("train.fp8 with train.compile on a GPU: compiled FP8 products have given zero input and "
+                        "weight gradients there (torch 2.11, not yet explained: issue 50); train with one or the "
+                        "other (train.compile: false, or no train.fp8)")
+
+
 def init_module_(module: torch.nn.Module, config: MimoConfig, name: str) -> None:
     """Module ``name``'s base weights: the run's seeded init (an encoder's also reads its
     ``init`` there), then the LLM's ``init.hf`` if set (any layout: each rank its shard of the
@@ -154,6 +166,7 @@ class MimoModel:
         # training side on its first step and kept
         self.grad_sync = None
         self.cuda_graphs = False  # the vision blocks replay as CUDA graphs (mimo.training.run.compile_blocks)
+        self.compiled = False  # its blocks go through torch.compile (mimo.training.run.compile_blocks)
 
     def _build_module(self, name: str, ctx: ParallelContext, dtype: torch.dtype,
                       recompute: tuple[str, int | None]) -> torch.nn.Module | None:
@@ -231,6 +244,8 @@ class MimoModel:
             problem = torchao_problem(self.device)
             if problem:
                 raise MimoError(f"train.fp8.backend: torchao: {problem}")
+        if f8 is not None and self.compiled:
+            refuse_compiled_fp8(self.device)
         self.fp8 = f8
         self._set_finalisers()  # (the amax histories' step with delayed scaling)
         kept = f8.kept_layers(len(self.config.llm.arch.layer_pattern().layers)) if f8 is not None else set()

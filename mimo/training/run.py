@@ -16,7 +16,7 @@ from mimo.data.index import Index
 from mimo.data.pipeline import DataPipeline
 from mimo.compose.data_spec import data_spec
 from mimo.compose.inputs import training_pipeline
-from mimo.compose.model import MimoModel
+from mimo.compose.model import MimoModel, refuse_compiled_fp8
 from mimo.core.errors import MimoError
 from mimo.training.optim import GradSync, model_optimizers
 from mimo.training.precision import PrecisionPolicy
@@ -76,6 +76,8 @@ def compile_blocks(model: MimoModel) -> int:
     ``train.cuda_graphs``: the vision blocks
     in reduce-overhead mode, their kernels replayed as CUDA graphs (on a CUDA device; elsewhere
     torch runs them as compiled). Returns the count."""
+    if model.fp8 is not None:
+        refuse_compiled_fp8(model.device)
     graphs = model.config.train.cuda_graphs
     n = 0
     for part in model.parts:
@@ -94,5 +96,5 @@ def compile_blocks(model: MimoModel) -> int:
         for block in part.blocks:
             block.compile(**how)
             n += 1
-    model.cuda_graphs = graphs
+    model.cuda_graphs, model.compiled = graphs, True
     return n
