@@ -19,6 +19,7 @@ import torch
 
 from mimo.parallel import gemm
 from mimo.parallel.fp8 import FP8Site, invalidate_weights, refresh_weights, weight_cache_bytes
+from tests.test_fp8_blockwise import TINY_MOE
 
 RECIPES = ["tensorwise", "rowwise", "delayed", "blockwise"]
 
@@ -162,30 +163,9 @@ def test_frozen_weights_stay_cached_across_steps():
     assert refresh_weights(owner) == 1
 
 
-TINY_MOE = """\
-world_size: 2
-modules:
-  vision:
-    kind: vit
-    arch: {image_size: 16, patch: 8, hidden: 32, layers: 1, heads: 2, mlp: 64}
-    feature_layer: -1
-    parallel: {dp: 2}
-  language:
-    kind: hybrid
-    arch: {pattern: "*E*-", hidden: 32, heads: 2, vocab: 64, max_seq_len: 64, ffn: 64,
-           moe: {experts: 4, topk: 2, ffn: 32}}
-    parallel: {tp: 2, sequence_parallel: true}
-data:
-  source: synthetic
-  tokens_per_microbatch: 64
-  max_sample_tokens: 32
-train:
-  steps: 3
-  lr: 3.0e-3
-  micro_batches: 2
-  recompute: full
-  fp8: {recipe: rowwise, bf16_layers: [last]}
-"""
+# test_fp8_blockwise's tiny MoE VLM at world 2: LLM tp 2 with SP, 2 microbatches, full recompute
+AT_TP2 = ["world_size=2", "modules.vision.parallel.dp=2", "modules.language.parallel.tp=2",
+          "modules.language.parallel.sequence_parallel=true", "train.micro_batches=2", "train.recompute=full"]
 
 
 def _cached_steps(config_path: str, recipe: str) -> dict:
@@ -210,8 +190,8 @@ def _cached_steps(config_path: str, recipe: str) -> dict:
     out = {}
     try:
         for cache in (True, False):
-            run = build_run(load_config(config_path, [f"train.fp8.recipe={recipe}", f"train.fp8.cache_weights={cache}"]),
-                            dist.get_rank())
+            overrides = [*AT_TP2, f"train.fp8.recipe={recipe}", f"train.fp8.cache_weights={cache}"]
+            run = build_run(load_config(config_path, overrides), dist.get_rank())
             try:
                 weights = sum(len(s.weights) for part in run.model.parts if part.module is not None
                               for s in fp8_sites(part.module))

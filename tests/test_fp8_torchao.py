@@ -22,38 +22,23 @@ from mimo.core.testing import rel_err
 from mimo.parallel import gemm
 from mimo.parallel.fp8 import FP8Site, torchao_problem
 from mimo.parallel.grouped import grouped_rows
+from tests.test_fp8_blockwise import TINY_MOE
 
-TINY_MOE = """\
-world_size: 1
-modules:
-  vision:
-    kind: vit
-    arch: {image_size: 16, patch: 8, hidden: 32, layers: 1, heads: 2, mlp: 64}
-    feature_layer: -1
-  language:
-    kind: hybrid
-    arch: {pattern: "*E", hidden: 32, heads: 2, vocab: 64, max_seq_len: 64, ffn: 64,
-           moe: {experts: 4, topk: 2, ffn: 32}}
-data:
-  source: synthetic
-  tokens_per_microbatch: 64
-  max_sample_tokens: 32
-train:
-  fp8: {recipe: rowwise, backend: torchao}
-"""
+TORCHAO = ["train.fp8={recipe: rowwise, backend: torchao}"]  # on test_fp8_blockwise's tiny MoE VLM
 
 
 def test_config_rules(tmp_path):
     from mimo.compose.config import load_config
 
     (tmp_path / "tiny.yaml").write_text(TINY_MOE)
-    assert load_config(str(tmp_path / "tiny.yaml")).train.fp8.backend == "torchao"
+    assert load_config(str(tmp_path / "tiny.yaml"), TORCHAO).train.fp8.backend == "torchao"
     with pytest.raises(ConfigError, match="scale row-wise"):
-        load_config(str(tmp_path / "tiny.yaml"), ["train.fp8.recipe=blockwise"])
+        load_config(str(tmp_path / "tiny.yaml"), [*TORCHAO, "train.fp8.recipe=blockwise"])
     with pytest.raises(ConfigError, match="etp 1"):
-        load_config(str(tmp_path / "tiny.yaml"), ["world_size=2", "modules.vision.parallel.dp=2", "modules.language.parallel.tp=2"])
+        load_config(str(tmp_path / "tiny.yaml"), [*TORCHAO, "world_size=2", "modules.vision.parallel.dp=2",
+                                                  "modules.language.parallel.tp=2"])
     with pytest.raises(ConfigError, match="backend"):
-        load_config(str(tmp_path / "tiny.yaml"), ["train.fp8.backend=te"])
+        load_config(str(tmp_path / "tiny.yaml"), [*TORCHAO, "train.fp8.backend=te"])
 
 
 def test_a_run_where_torchao_cannot_run_is_told_why(tmp_path):
@@ -66,7 +51,7 @@ def test_a_run_where_torchao_cannot_run_is_told_why(tmp_path):
     assert torchao_problem(torch.device("cpu"))
     (tmp_path / "tiny.yaml").write_text(TINY_MOE)
     with pytest.raises(MimoError, match="train.fp8.backend: torchao: .*(not installed|CUDA)"):
-        build_run(load_config(str(tmp_path / "tiny.yaml")), 0)
+        build_run(load_config(str(tmp_path / "tiny.yaml"), TORCHAO), 0)
 
 
 def _stand_in(calls: list):

@@ -160,13 +160,13 @@ class MimoModel:
             llm.grad_finalisers.append(partial(_sum_tied_embedding, llm.module, tied_group))
         self.fp8: Fp8Config | None = None  # train.fp8 as set on the modules (set_fp8)
         self._set_finalisers()
+        self.compiled = False  # its blocks go through torch.compile (mimo.training.run.compile_blocks)
         if config.train.fp8 is not None:
             self.set_fp8(config.train.fp8)  # (its finalisers too)
         # the run's gradient buffers (``mimo.training.optim.GradSync``), built once by the
         # training side on its first step and kept
         self.grad_sync = None
         self.cuda_graphs = False  # the vision blocks replay as CUDA graphs (mimo.training.run.compile_blocks)
-        self.compiled = False  # its blocks go through torch.compile (mimo.training.run.compile_blocks)
 
     def _build_module(self, name: str, ctx: ParallelContext, dtype: torch.dtype,
                       recompute: tuple[str, int | None]) -> torch.nn.Module | None:
