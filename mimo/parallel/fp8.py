@@ -104,7 +104,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mimo.parallel.fp8_kernels import group_columns_t
+from mimo.parallel.fp8_kernels import group_columns_t, quantize_group_columns
 from mimo.parallel.grouped import GROUP_ALIGN, grouped_rows_op, grouped_weight_grad_op, padded_groups, rows_expert
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -543,17 +543,6 @@ def _scaled_grouped_padded(aq_RK, a_inv_R, bq_EKN, b_inv_EN, ends_E) -> torch.Te
     s_pad = a_inv_R.new_ones(cap)
     s_pad[dest_R] = a_inv_R.reshape(-1)
     return _scaled_grouped(a_pad.view(aq_RK.dtype), s_pad, bq_EKN, b_inv_EN, pends_E)[dest_R]
-
-
-def quantize_group_columns(t_RC: torch.Tensor, expert_R: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t [R, C]`` (rows sorted by group, ``expert_R`` each row's) quantized e4m3 with one scale
-    per group and column: ``(q [R, C], inv [groups, C])``, ``t[r] ~ q[r] * inv[expert_R[r]]``.
-    The scales of a weight gradient ``g.T @ x`` per expert: it contracts each group's rows."""
-    amax_EC = torch.zeros(groups, t_RC.shape[1], dtype=torch.float32, device=t_RC.device)
-    amax_EC.scatter_reduce_(0, expert_R[:, None].expand(-1, t_RC.shape[1]), t_RC.detach().abs().float(), "amax")
-    scale_EC = FP8_MAX[E4M3] / amax_EC.clamp_min(_TINY)
-    q = (t_RC.float() * scale_EC[expert_R]).clamp_(-FP8_MAX[E4M3], FP8_MAX[E4M3]).to(E4M3)
-    return q, scale_EC.reciprocal()
 
 
 # torch._scaled_grouped_mm's 2d x 2d form for the experts' FP8 weight gradient. Off until its GPU

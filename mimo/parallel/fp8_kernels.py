@@ -2,7 +2,7 @@
 
 ``group_columns_t``: the operands of an FP8 expert weight gradient ``g.T @ x``, which contracts
 each expert's rows. Each operand ``t [R, C]`` (rows sorted by expert) is scaled per expert and
-column (``mimo.parallel.fp8.quantize_group_columns``) and the grouped kernel wants it transposed,
+column (``quantize_group_columns``, here) and the grouped kernel wants it transposed,
 ``t.T [C, R]`` row-major (``g.T`` as it is, ``x`` as its column-major view). In torch that is an
 fp32 ``|t|``, a scattered amax, the scaled cast, and a transposing copy of the float8 result:
 four passes over ``R x C``. Here one program per (expert, block of columns) reads its rows twice
@@ -20,10 +20,22 @@ from __future__ import annotations
 
 import torch
 
+from mimo.parallel.grouped import rows_expert
 from mimo.parallel.kernels import on_triton, tl, triton
 
-FP8_MAX = 448.0  # e4m3
+FP8_MAX = 448.0  # e4m3 (mimo.parallel.fp8's FP8_MAX[E4M3])
 TINY = 1e-12  # as mimo.parallel.fp8: an all-zero column's scale stays finite
+
+
+def quantize_group_columns(t_RC: torch.Tensor, expert_R: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t [R, C]`` (rows sorted by group, ``expert_R`` each row's) quantized e4m3 with one scale
+    per group and column: ``(q [R, C], inv [groups, C])``, ``t[r] ~ q[r] * inv[expert_R[r]]``.
+    The scales of a weight gradient ``g.T @ x`` per expert: it contracts each group's rows."""
+    amax_EC = torch.zeros(groups, t_RC.shape[1], dtype=torch.float32, device=t_RC.device)
+    amax_EC.scatter_reduce_(0, expert_R[:, None].expand(-1, t_RC.shape[1]), t_RC.detach().abs().float(), "amax")
+    scale_EC = FP8_MAX / amax_EC.clamp_min(TINY)
+    q = (t_RC.float() * scale_EC[expert_R]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale_EC.reciprocal()
 
 
 def group_columns_t_reference(t_RC: torch.Tensor, ends_E: torch.Tensor, pends_E: torch.Tensor, width: int
@@ -32,9 +44,6 @@ def group_columns_t_reference(t_RC: torch.Tensor, ends_E: torch.Tensor, pends_E:
     cumulative row ends) scaled by its per-column scale, transposed, at the columns from
     ``pends_E[e-1]`` on (``pends_E``: the cumulative ends of each expert's block in the output,
     its rows first; ``ends_E`` itself where there is no padding), zeros elsewhere."""
-    from mimo.parallel.fp8 import quantize_group_columns
-    from mimo.parallel.grouped import rows_expert
-
     R = t_RC.shape[0]
     expert_R = rows_expert(ends_E, R)
     q, inv = quantize_group_columns(t_RC, expert_R, ends_E.shape[0])
