@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from mimo.parallel import fp8_kernels
+from mimo.parallel import fp8, fp8_kernels
 from mimo.parallel.fp8 import quantize_group_columns
 from mimo.parallel.grouped import padded_groups, rows_expert
 from tests.kernel_checks import run_interpreted
@@ -43,7 +43,7 @@ def test_the_reference_is_the_grouped_quantization_transposed_into_place():
     block's columns; the padding between blocks is zeros."""
     for rows, cols, ends, aligned in CASES:
         t, ends_E, pends_E, width = _case(rows, cols, ends, aligned)
-        qT, inv = fp8_kernels.group_columns_t_reference(t, ends_E, pends_E, width)
+        qT, inv = fp8.group_columns_t_reference(t, ends_E, pends_E, width)
         q, inv_want = quantize_group_columns(t, rows_expert(ends_E, rows), len(ends))
         assert qT.shape == (cols, width) and torch.equal(inv, inv_want)
         start = pstart = 0
@@ -60,7 +60,7 @@ def _kernel_in_interpreter(cases) -> list:
     code = """
 import json, sys, torch
 from tests.test_fp8_kernels import _case
-from mimo.parallel import fp8_kernels
+from mimo.parallel import fp8, fp8_kernels
 out = []
 for case in json.loads(sys.argv[1]):
     q, inv = fp8_kernels.group_columns_t_fused(*_case(*case), dtype=torch.float32)
@@ -75,7 +75,7 @@ pytestmark = pytest.mark.skipif(fp8_kernels.triton is None, reason="this torch h
 
 def test_kernel_in_the_interpreter_is_the_reference_bit_for_bit():
     for case, (q32, inv) in zip(CASES, _kernel_in_interpreter(CASES)):
-        qT, inv_want = fp8_kernels.group_columns_t_reference(*_case(*case))
+        qT, inv_want = fp8.group_columns_t_reference(*_case(*case))
         q8 = torch.tensor(q32, dtype=torch.float32).to(torch.float8_e4m3fn)
         assert torch.equal(q8.view(torch.uint8), qT.view(torch.uint8)), case
         assert torch.equal(torch.tensor(inv, dtype=torch.float32), inv_want), case
@@ -94,7 +94,7 @@ def test_kernel_compiles_for_hopper():
 def test_gpu_kernel_is_the_reference_bit_for_bit():
     for case in CASES + [(4096, 2048, [512, 512, 1800, 4096], False), (4096, 768, [512, 512, 1808, 4096], True)]:
         t, ends_E, pends_E, width = (v.cuda() if isinstance(v, torch.Tensor) else v for v in _case(*case))
-        q, inv = fp8_kernels.group_columns_t(t, ends_E, pends_E, width)
-        q_want, inv_want = fp8_kernels.group_columns_t_reference(t, ends_E, pends_E, width)
+        q, inv = fp8.group_columns_t(t, ends_E, pends_E, width)
+        q_want, inv_want = fp8.group_columns_t_reference(t, ends_E, pends_E, width)
         assert torch.equal(q.view(torch.uint8), q_want.view(torch.uint8)), case[:2]
         assert torch.equal(inv, inv_want), case[:2]

@@ -104,7 +104,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mimo.parallel.fp8_kernels import group_columns_t, quantize_group_columns
+from mimo.parallel import fp8_kernels
+from mimo.parallel.kernels import on_triton
 from mimo.parallel.grouped import GROUP_ALIGN, grouped_rows_op, grouped_weight_grad_op, padded_groups, rows_expert
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -543,6 +544,48 @@ def _scaled_grouped_padded(aq_RK, a_inv_R, bq_EKN, b_inv_EN, ends_E) -> torch.Te
     s_pad = a_inv_R.new_ones(cap)
     s_pad[dest_R] = a_inv_R.reshape(-1)
     return _scaled_grouped(a_pad.view(aq_RK.dtype), s_pad, bq_EKN, b_inv_EN, pends_E)[dest_R]
+
+
+def quantize_group_columns(t_RC: torch.Tensor, expert_R: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t [R, C]`` (rows sorted by group, ``expert_R`` each row's) quantized e4m3 with one scale
+    per group and column: ``(q [R, C], inv [groups, C])``, ``t[r] ~ q[r] * inv[expert_R[r]]``.
+    The scales of a weight gradient ``g.T @ x`` per expert: it contracts each group's rows."""
+    amax_EC = torch.zeros(groups, t_RC.shape[1], dtype=torch.float32, device=t_RC.device)
+    amax_EC.scatter_reduce_(0, expert_R[:, None].expand(-1, t_RC.shape[1]), t_RC.detach().abs().float(), "amax")
+    scale_EC = FP8_MAX[E4M3] / amax_EC.clamp_min(_TINY)
+    q = (t_RC.float() * scale_EC[expert_R]).clamp_(-FP8_MAX[E4M3], FP8_MAX[E4M3]).to(E4M3)
+    return q, scale_EC.reciprocal()
+
+
+def group_columns_t_reference(t_RC: torch.Tensor, ends_E: torch.Tensor, pends_E: torch.Tensor, width: int
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(qT [C, width] e4m3, inv [E, C] fp32)``: ``t``'s rows of expert ``e`` (``ends_E``:
+    cumulative row ends) scaled by its per-column scale, transposed, at the columns from
+    ``pends_E[e-1]`` on (``pends_E``: the cumulative ends of each expert's block in the output,
+    its rows first; ``ends_E`` itself where there is no padding), zeros elsewhere."""
+    R = t_RC.shape[0]
+    expert_R = rows_expert(ends_E, R)
+    q, inv = quantize_group_columns(t_RC, expert_R, ends_E.shape[0])
+    ends, pends = ends_E.to(torch.int64), pends_E.to(torch.int64)
+    starts, pstarts = (torch.cat([v.new_zeros(1), v[:-1]]) for v in (ends, pends))
+    dest_R = torch.arange(R, device=t_RC.device) + (pstarts - starts)[expert_R]
+    out = torch.zeros(width, t_RC.shape[1], dtype=torch.uint8, device=t_RC.device)
+    out[dest_R] = q.view(torch.uint8)
+    return out.view(q.dtype).t().contiguous(), inv
+
+
+@torch.library.custom_op("mimo::group_columns_t", mutates_args=())
+def group_columns_t(t_RC: torch.Tensor, ends_E: torch.Tensor, pends_E: torch.Tensor, width: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t``'s float8 transpose scaled per expert and column, written where each expert's block
+    starts (``group_columns_t_reference``); the kernel on CUDA, the torch code elsewhere."""
+    return (fp8_kernels.group_columns_t_fused if on_triton(t_RC) else group_columns_t_reference)(t_RC, ends_E, pends_E, width)
+
+
+@group_columns_t.register_fake
+def _(t_RC, ends_E, pends_E, width):
+    return (t_RC.new_empty(t_RC.shape[1], width, dtype=torch.float8_e4m3fn),
+            t_RC.new_empty(ends_E.shape[0], t_RC.shape[1], dtype=torch.float32))
 
 
 # torch._scaled_grouped_mm's 2d x 2d form for the experts' FP8 weight gradient. Off until its GPU

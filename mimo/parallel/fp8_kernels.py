@@ -1,8 +1,9 @@
 """Triton kernels for FP8 quantization where the data moves anyway (issue 50, item 2).
 
-``group_columns_t``: the operands of an FP8 expert weight gradient ``g.T @ x``, which contracts
+``group_columns_t_fused`` (``mimo.parallel.fp8.group_columns_t`` the op that runs it, beside its
+torch reference): the operands of an FP8 expert weight gradient ``g.T @ x``, which contracts
 each expert's rows. Each operand ``t [R, C]`` (rows sorted by expert) is scaled per expert and
-column (``quantize_group_columns``, here) and the grouped kernel wants it transposed,
+column (``mimo.parallel.fp8.quantize_group_columns``) and the grouped kernel wants it transposed,
 ``t.T [C, R]`` row-major (``g.T`` as it is, ``x`` as its column-major view). In torch that is an
 fp32 ``|t|``, a scattered amax, the scaled cast, and a transposing copy of the float8 result:
 four passes over ``R x C``. Here one program per (expert, block of columns) reads its rows twice
@@ -20,39 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from mimo.parallel.grouped import rows_expert
-from mimo.parallel.kernels import on_triton, tl, triton
+from mimo.parallel.kernels import tl, triton
 
-FP8_MAX = 448.0  # e4m3 (mimo.parallel.fp8's FP8_MAX[E4M3])
+FP8_MAX = 448.0  # e4m3
 TINY = 1e-12  # as mimo.parallel.fp8: an all-zero column's scale stays finite
-
-
-def quantize_group_columns(t_RC: torch.Tensor, expert_R: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t [R, C]`` (rows sorted by group, ``expert_R`` each row's) quantized e4m3 with one scale
-    per group and column: ``(q [R, C], inv [groups, C])``, ``t[r] ~ q[r] * inv[expert_R[r]]``.
-    The scales of a weight gradient ``g.T @ x`` per expert: it contracts each group's rows."""
-    amax_EC = torch.zeros(groups, t_RC.shape[1], dtype=torch.float32, device=t_RC.device)
-    amax_EC.scatter_reduce_(0, expert_R[:, None].expand(-1, t_RC.shape[1]), t_RC.detach().abs().float(), "amax")
-    scale_EC = FP8_MAX / amax_EC.clamp_min(TINY)
-    q = (t_RC.float() * scale_EC[expert_R]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale_EC.reciprocal()
-
-
-def group_columns_t_reference(t_RC: torch.Tensor, ends_E: torch.Tensor, pends_E: torch.Tensor, width: int
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(qT [C, width] e4m3, inv [E, C] fp32)``: ``t``'s rows of expert ``e`` (``ends_E``:
-    cumulative row ends) scaled by its per-column scale, transposed, at the columns from
-    ``pends_E[e-1]`` on (``pends_E``: the cumulative ends of each expert's block in the output,
-    its rows first; ``ends_E`` itself where there is no padding), zeros elsewhere."""
-    R = t_RC.shape[0]
-    expert_R = rows_expert(ends_E, R)
-    q, inv = quantize_group_columns(t_RC, expert_R, ends_E.shape[0])
-    ends, pends = ends_E.to(torch.int64), pends_E.to(torch.int64)
-    starts, pstarts = (torch.cat([v.new_zeros(1), v[:-1]]) for v in (ends, pends))
-    dest_R = torch.arange(R, device=t_RC.device) + (pstarts - starts)[expert_R]
-    out = torch.zeros(width, t_RC.shape[1], dtype=torch.uint8, device=t_RC.device)
-    out[dest_R] = q.view(torch.uint8)
-    return out.view(q.dtype).t().contiguous(), inv
 
 
 if triton is not None:
@@ -100,17 +72,3 @@ def group_columns_t_fused(t_RC: torch.Tensor, ends_E: torch.Tensor, pends_E: tor
         _group_columns_t_kernel[(triton.cdiv(C, BLOCK_C), E)](t_RC, ends_E.contiguous(), pends_E.contiguous(), q, inv, C,
                                                              width, t_RC.stride(0), BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
     return q, inv
-
-
-@torch.library.custom_op("mimo::group_columns_t", mutates_args=())
-def group_columns_t(t_RC: torch.Tensor, ends_E: torch.Tensor, pends_E: torch.Tensor, width: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t``'s float8 transpose scaled per expert and column, written where each expert's block
-    starts (``group_columns_t_reference``); the kernel on CUDA, the torch code elsewhere."""
-    return (group_columns_t_fused if on_triton(t_RC) else group_columns_t_reference)(t_RC, ends_E, pends_E, width)
-
-
-@group_columns_t.register_fake
-def _(t_RC, ends_E, pends_E, width):
-    return (t_RC.new_empty(t_RC.shape[1], width, dtype=torch.float8_e4m3fn),
-            t_RC.new_empty(ends_E.shape[0], t_RC.shape[1], dtype=torch.float32))
